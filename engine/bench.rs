@@ -1,0 +1,104 @@
+//! `specd bench-model`: prefill and decode throughput, and the cost of
+//! verifying k tokens (all-position logits) relative to one, measured in one
+//! run on one model.
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::model::{Logits, Model};
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelBench {
+    pub threads: usize,
+    pub prefill_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tokens: usize,
+    pub decode_tok_s: f64,
+    pub context: usize,
+    /// (k, median ms per forward of k tokens, ratio to k = 1)
+    pub verify: Vec<(usize, f64, f64)>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Deterministic pseudo-text token ids (avoid specials at the bottom).
+fn tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    let mut x = salt.wrapping_mul(2654435761).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (100 + x % (vocab as u64 - 100).max(1)) as u32
+        })
+        .collect()
+}
+
+pub fn bench_model(
+    model: &Model,
+    prefill: usize,
+    decode: usize,
+    context: usize,
+    ks: &[usize],
+    reps: usize,
+) -> Result<ModelBench> {
+    let vocab = model.config.vocab_size;
+    // Prefill: one chunk, last-position logits (warm up once first).
+    let prompt = tokens(prefill, vocab, 1);
+    {
+        let mut c = model.new_cache();
+        model.forward_one(&mut c, &prompt[..prefill.min(32)], Logits::Last)?;
+    }
+    let mut c = model.new_cache();
+    let t = Instant::now();
+    model.forward_one(&mut c, &prompt, Logits::Last)?;
+    let prefill_tok_s = prefill as f64 / t.elapsed().as_secs_f64();
+
+    // Decode: one token at a time after a short prompt.
+    let mut c = model.new_cache();
+    model.forward_one(&mut c, &prompt[..16.min(prefill)], Logits::Last)?;
+    let steps = tokens(decode, vocab, 2);
+    let t = Instant::now();
+    for &tok in &steps {
+        model.forward_one(&mut c, &[tok], Logits::Last)?;
+    }
+    let decode_tok_s = decode as f64 / t.elapsed().as_secs_f64();
+
+    // Verify cost at a fixed context: forward k tokens, roll back, repeat;
+    // the k values are interleaved per repetition to cancel drift.
+    let mut c = model.new_cache();
+    model.forward_one(&mut c, &tokens(context, vocab, 3), Logits::None)?;
+    let draft = tokens(*ks.iter().max().unwrap_or(&1), vocab, 4);
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
+    for _ in 0..reps {
+        for (i, &k) in ks.iter().enumerate() {
+            let t = Instant::now();
+            model.forward_one(&mut c, &draft[..k], Logits::All)?;
+            times[i].push(t.elapsed().as_secs_f64() * 1e3);
+            c.truncate(context);
+        }
+    }
+    let med: Vec<f64> = times.into_iter().map(median).collect();
+    let base = ks
+        .iter()
+        .position(|&k| k == 1)
+        .map(|i| med[i])
+        .unwrap_or(med[0]);
+    let verify = ks
+        .iter()
+        .zip(&med)
+        .map(|(&k, &m)| (k, m, m / base))
+        .collect();
+    Ok(ModelBench {
+        threads: model.threads(),
+        prefill_tokens: prefill,
+        prefill_tok_s,
+        decode_tokens: decode,
+        decode_tok_s,
+        context,
+        verify,
+    })
+}

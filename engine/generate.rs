@@ -1,0 +1,142 @@
+//! Plain (non-speculative) decoding of one request: the reference that every
+//! speculative path must reproduce token for token under greedy decoding.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, SpecdError};
+use crate::model::{Logits, Model};
+use crate::sampler::{self, FinishReason, Rng, SamplingParams, StopBuffer};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+impl GenerateRequest {
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            params: SamplingParams::greedy(),
+            max_tokens,
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOutput {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub time_to_first_token: Duration,
+    pub total_time: Duration,
+}
+
+impl GenerateOutput {
+    /// Decode throughput after the first token.
+    pub fn decode_tok_per_s(&self) -> f64 {
+        let n = self.tokens.len().saturating_sub(1) as f64;
+        let t = (self.total_time - self.time_to_first_token).as_secs_f64();
+        if t > 0.0 {
+            n / t
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Check a request against the model before any work is done.
+pub fn validate(model: &Model, req: &GenerateRequest) -> Result<()> {
+    req.params.validate()?;
+    if req.prompt.is_empty() {
+        return Err(SpecdError::InvalidRequest("prompt is empty".into()));
+    }
+    let needed = req.prompt.len() + req.max_tokens;
+    if needed > model.config.max_seq_len {
+        return Err(SpecdError::ContextOverflow {
+            needed,
+            limit: model.config.max_seq_len,
+        });
+    }
+    Ok(())
+}
+
+/// Decode plainly, calling `on_text` with each piece of safe-to-print text.
+pub fn generate(
+    model: &Model,
+    tokenizer: Option<&Tokenizer>,
+    req: &GenerateRequest,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenerateOutput> {
+    validate(model, req)?;
+    if !req.stop.is_empty() && tokenizer.is_none() {
+        return Err(SpecdError::InvalidRequest(
+            "stop strings need a tokenizer".into(),
+        ));
+    }
+    let start = Instant::now();
+    let mut cache = model.new_cache();
+    let mut rng = Rng::new(req.params.seed);
+    let mut stream = StreamDecoder::new();
+    let mut stops = StopBuffer::new(req.stop.clone());
+    let mut context = req.prompt.clone();
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut ttft = Duration::ZERO;
+    let mut finish = FinishReason::Length;
+    let mut out = model.forward_one(&mut cache, &req.prompt, Logits::Last)?;
+    while tokens.len() < req.max_tokens {
+        let mut logits = out.logits;
+        sampler::apply_penalties(&mut logits, &context, &tokens, &req.params);
+        let next = sampler::distribution(&logits, &req.params).sample(&mut rng);
+        if tokens.is_empty() {
+            ttft = start.elapsed();
+        }
+        if !req.ignore_eos && model.config.eos_token_ids.contains(&next) {
+            finish = FinishReason::Stop;
+            break;
+        }
+        tokens.push(next);
+        context.push(next);
+        if let Some(tok) = tokenizer {
+            let piece = stream.push(tok, next)?;
+            let emit = stops.push(&piece);
+            on_text(&emit);
+            text.push_str(&emit);
+            if stops.stopped() {
+                finish = FinishReason::Stop;
+                break;
+            }
+        }
+        if tokens.len() == req.max_tokens {
+            break;
+        }
+        out = model.forward_one(&mut cache, &[next], Logits::Last)?;
+    }
+    if let Some(tok) = tokenizer {
+        if !stops.stopped() {
+            let rest = stream.flush(tok)?;
+            let mut emit = stops.push(&rest);
+            if !stops.stopped() {
+                emit.push_str(&stops.finish());
+            }
+            on_text(&emit);
+            text.push_str(&emit);
+        }
+    }
+    Ok(GenerateOutput {
+        tokens,
+        text,
+        finish,
+        prompt_tokens: req.prompt.len(),
+        time_to_first_token: ttft,
+        total_time: start.elapsed(),
+    })
+}

@@ -1,0 +1,13 @@
+//! specd: a speculative-decoding inference engine.
+//!
+//! See ARCHITECTURE.md for the map of modules and their invariants.
+
+pub mod bench;
+pub mod error;
+pub mod fetch;
+pub mod generate;
+pub mod model;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use error::{Result, SpecdError};

@@ -1,0 +1,190 @@
+//! Per-sequence KV cache, preallocated in fixed-size blocks.
+//!
+//! Invariants:
+//! - `len` positions are written; slots at `len..` are free for the next
+//!   forward. Growth allocates whole blocks, never concatenates per token.
+//! - `truncate(n)` rolls back to any `n <= len` and releases blocks past the
+//!   last one still needed, so a rejected draft leaves no stale entries:
+//!   the next forward overwrites slots from `n` on and attention never reads
+//!   past the current length.
+//! - A block holds `block_size` token slots for every layer, laid out
+//!   `[layer][k|v][kv_head][slot][head_dim]`, so one head's keys are
+//!   contiguous within a block.
+
+use crate::error::{Result, SpecdError};
+
+/// Shape of a cache block, fixed per model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl KvLayout {
+    /// f32 elements in one block.
+    pub fn block_elems(&self) -> usize {
+        self.layers * 2 * self.kv_heads * self.block_size * self.head_dim
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems() * std::mem::size_of::<f32>()
+    }
+
+    /// Blocks needed for `tokens` positions.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    #[inline]
+    fn offset(&self, layer: usize, kind: usize, head: usize, slot: usize) -> usize {
+        (((layer * 2 + kind) * self.kv_heads + head) * self.block_size + slot) * self.head_dim
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layout: KvLayout,
+    blocks: Vec<Box<[f32]>>,
+    len: usize,
+    max_len: usize,
+}
+
+impl KvCache {
+    pub fn new(layout: KvLayout, max_len: usize) -> Self {
+        Self {
+            layout,
+            blocks: Vec::new(),
+            len: 0,
+            max_len,
+        }
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Committed (written) positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Blocks currently allocated.
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Make room for `extra` positions past `len`.
+    pub fn reserve(&mut self, extra: usize) -> Result<()> {
+        let need = self.len + extra;
+        if need > self.max_len {
+            return Err(SpecdError::ContextOverflow {
+                needed: need,
+                limit: self.max_len,
+            });
+        }
+        let blocks = self.layout.blocks_for(need);
+        while self.blocks.len() < blocks {
+            self.blocks
+                .push(vec![0f32; self.layout.block_elems()].into_boxed_slice());
+        }
+        Ok(())
+    }
+
+    /// Roll back to `len` positions (no-op if already shorter).
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            self.len = len;
+        }
+        let keep = self.layout.blocks_for(self.len);
+        self.blocks.truncate(keep);
+    }
+
+    /// Mark `n` more positions as written (after a forward filled them).
+    pub(crate) fn advance(&mut self, n: usize) {
+        debug_assert!(self.len + n <= self.blocks.len() * self.layout.block_size);
+        self.len += n;
+    }
+
+    /// Write K and V rows (`kv_heads * head_dim` each) at absolute `slot`.
+    pub(crate) fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let l = self.layout;
+        let (b, s) = (slot / l.block_size, slot % l.block_size);
+        let block = &mut self.blocks[b];
+        for h in 0..l.kv_heads {
+            let src = h * l.head_dim..(h + 1) * l.head_dim;
+            let ko = l.offset(layer, 0, h, s);
+            block[ko..ko + l.head_dim].copy_from_slice(&k[src.clone()]);
+            let vo = l.offset(layer, 1, h, s);
+            block[vo..vo + l.head_dim].copy_from_slice(&v[src]);
+        }
+    }
+
+    /// Keys (kind 0) or values (kind 1) of one head in block `b`: a
+    /// `block_size * head_dim` contiguous slice.
+    #[inline]
+    pub(crate) fn block_slice(&self, layer: usize, kind: usize, head: usize, b: usize) -> &[f32] {
+        let l = self.layout;
+        let o = l.offset(layer, kind, head, 0);
+        &self.blocks[b][o..o + l.block_size * l.head_dim]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            block_size: 4,
+        }
+    }
+
+    #[test]
+    fn grows_in_whole_blocks_and_truncates() {
+        let mut c = KvCache::new(layout(), 32);
+        c.reserve(5).unwrap();
+        assert_eq!(c.num_blocks(), 2);
+        c.advance(5);
+        c.reserve(3).unwrap();
+        assert_eq!(c.num_blocks(), 2);
+        c.advance(3);
+        c.truncate(4);
+        assert_eq!((c.len(), c.num_blocks()), (4, 1));
+        c.truncate(0);
+        assert_eq!((c.len(), c.num_blocks()), (0, 0));
+    }
+
+    #[test]
+    fn refuses_to_grow_past_max_len() {
+        let mut c = KvCache::new(layout(), 8);
+        c.reserve(8).unwrap();
+        let err = c.reserve(9).unwrap_err();
+        assert!(err.to_string().contains("9"), "{err}");
+    }
+
+    #[test]
+    fn write_lands_in_head_contiguous_slots() {
+        let mut c = KvCache::new(layout(), 8);
+        c.reserve(6).unwrap();
+        let k: Vec<f32> = (0..8).map(|x| x as f32).collect();
+        let v: Vec<f32> = (0..8).map(|x| 100.0 + x as f32).collect();
+        c.write(1, 5, &k, &v);
+        let kb = c.block_slice(1, 0, 1, 1);
+        assert_eq!(&kb[4..8], &[4.0, 5.0, 6.0, 7.0]);
+        let vb = c.block_slice(1, 1, 0, 1);
+        assert_eq!(&vb[4..8], &[100.0, 101.0, 102.0, 103.0]);
+    }
+}

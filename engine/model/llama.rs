@@ -1,0 +1,524 @@
+//! The Llama-family forward (Llama, SmolLM2, Mistral, Qwen2): GQA, RoPE,
+//! RMSNorm, SwiGLU, optional Q/K/V biases, tied or separate output head.
+//!
+//! One forward takes several sequences with ragged lengths, each at its own
+//! position (its cache length), and returns per-sequence logits for the last
+//! or every input position, plus hidden states of requested layers.
+
+use rayon::prelude::*;
+
+use super::kernels::{self, Activations, QMatrix};
+use super::kv::KvCache;
+use super::{ModelConfig, RopeStyle};
+use crate::error::{Result, SpecdError};
+
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: QMatrix,
+    pub wk: QMatrix,
+    pub wv: QMatrix,
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    pub wo: QMatrix,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: QMatrix,
+    pub w_up: QMatrix,
+    pub w_down: QMatrix,
+}
+
+#[derive(Debug, Clone)]
+pub struct Weights {
+    pub embed: QMatrix,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Vec<f32>,
+    /// `None`: tied to `embed`.
+    pub output: Option<QMatrix>,
+}
+
+/// Which positions of a sequence's input need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    Last,
+    All,
+}
+
+/// Attention among a forward's new tokens, for tree verification.
+/// `parents[i]` is the index (among the new tokens) of token i's parent, or
+/// `None` if it hangs off the committed context. Token i attends to the
+/// whole committed context plus its ancestors and itself; its position is
+/// `cache_len + depth(i)`. A linear chain is `parents[i] = i - 1`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeMask {
+    pub parents: Vec<Option<usize>>,
+}
+
+impl TreeMask {
+    pub fn chain(n: usize) -> Self {
+        Self {
+            parents: (0..n).map(|i| i.checked_sub(1)).collect(),
+        }
+    }
+
+    fn depths(&self) -> Vec<usize> {
+        let mut d = vec![0; self.parents.len()];
+        for i in 0..self.parents.len() {
+            d[i] = match self.parents[i] {
+                Some(p) => d[p] + 1,
+                None => 0,
+            };
+        }
+        d
+    }
+
+    /// `allowed[i][j]`: new token i may attend to new token j.
+    fn allowed(&self) -> Vec<Vec<bool>> {
+        let n = self.parents.len();
+        let mut m = vec![vec![false; n]; n];
+        for i in 0..n {
+            let mut cur = Some(i);
+            while let Some(c) = cur {
+                m[i][c] = true;
+                cur = self.parents[c];
+            }
+        }
+        m
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (i, p) in self.parents.iter().enumerate() {
+            if let Some(p) = p {
+                if *p >= i {
+                    return Err(SpecdError::InvalidRequest(format!(
+                        "tree mask: parent {p} of token {i} must precede it"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One sequence's part of a batched forward.
+#[derive(Debug)]
+pub struct SeqInput<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub logits: Logits,
+    pub tree: Option<&'a TreeMask>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct SeqOutput {
+    /// `rows x vocab`, row-major: one row for `Last`, one per token for `All`.
+    pub logits: Vec<f32>,
+    pub rows: usize,
+    /// `(layer, rows x hidden)` for each requested layer, every input token.
+    /// Layer `l < layers` is the residual stream after block `l`; layer
+    /// `layers` is the final-normed hidden state fed to the output head.
+    pub hidden: Vec<(usize, Vec<f32>)>,
+}
+
+impl SeqOutput {
+    pub fn row(&self, r: usize) -> &[f32] {
+        let v = self.logits.len() / self.rows.max(1);
+        &self.logits[r * v..(r + 1) * v]
+    }
+}
+
+#[derive(Debug)]
+pub struct Model {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    /// cos/sin per position, `head_dim / 2` each.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    pool: rayon::ThreadPool,
+}
+
+/// Default thread count: the machine's available parallelism.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+impl Model {
+    pub fn new(config: ModelConfig, weights: Weights, threads: usize) -> Result<Self> {
+        let half = config.head_dim / 2;
+        let theta: Vec<f32> = (0..half)
+            .map(|i| {
+                1f32 / config
+                    .rope_theta
+                    .powf((2 * i) as f32 / config.head_dim as f32)
+            })
+            .collect();
+        let n = config.max_seq_len;
+        let mut rope_cos = Vec::with_capacity(n * half);
+        let mut rope_sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for &t in &theta {
+                let a = p as f32 * t;
+                rope_cos.push(a.cos());
+                rope_sin.push(a.sin());
+            }
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("specd-compute-{i}"))
+            .build()
+            .map_err(|e| SpecdError::InvalidRequest(format!("thread pool: {e}")))?;
+        Ok(Self {
+            config,
+            weights,
+            rope_cos,
+            rope_sin,
+            pool,
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.config.kv_layout(super::DEFAULT_BLOCK_SIZE),
+            self.config.max_seq_len,
+        )
+    }
+
+    /// Convenience: forward one sequence.
+    pub fn forward_one(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<SeqOutput> {
+        let mut out = self.forward(
+            &mut [SeqInput {
+                cache,
+                tokens,
+                logits,
+                tree: None,
+            }],
+            &[],
+        )?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// Batched forward. Appends every sequence's tokens to its cache.
+    pub fn forward(
+        &self,
+        seqs: &mut [SeqInput<'_>],
+        hidden_layers: &[usize],
+    ) -> Result<Vec<SeqOutput>> {
+        self.pool
+            .install(|| self.forward_inner(seqs, hidden_layers))
+    }
+
+    fn forward_inner(
+        &self,
+        seqs: &mut [SeqInput<'_>],
+        hidden_layers: &[usize],
+    ) -> Result<Vec<SeqOutput>> {
+        let c = &self.config;
+        let (hd, nh, nkv, dim) = (c.head_dim, c.heads, c.kv_heads, c.hidden);
+        let kv_dim = nkv * hd;
+        for &l in hidden_layers {
+            if l > c.layers {
+                return Err(SpecdError::InvalidRequest(format!(
+                    "hidden state of layer {l} requested; the model has {} layers",
+                    c.layers
+                )));
+            }
+        }
+        // Per-token bookkeeping across the whole batch.
+        struct SeqMeta {
+            start: usize,
+            n: usize,
+            base: usize,
+            allowed: Option<Vec<Vec<bool>>>,
+        }
+        let mut metas = Vec::with_capacity(seqs.len());
+        let mut positions = Vec::new();
+        let mut start = 0;
+        for s in seqs.iter_mut() {
+            let n = s.tokens.len();
+            for &t in s.tokens {
+                if t as usize >= c.vocab_size {
+                    return Err(SpecdError::InvalidRequest(format!(
+                        "token id {t} is outside the vocabulary ({})",
+                        c.vocab_size
+                    )));
+                }
+            }
+            let base = s.cache.len();
+            s.cache.reserve(n)?;
+            let allowed = match s.tree {
+                Some(t) => {
+                    if t.parents.len() != n {
+                        return Err(SpecdError::InvalidRequest(format!(
+                            "tree mask has {} nodes for {n} tokens",
+                            t.parents.len()
+                        )));
+                    }
+                    t.validate()?;
+                    positions.extend(t.depths().into_iter().map(|d| base + d));
+                    Some(t.allowed())
+                }
+                None => {
+                    positions.extend(base..base + n);
+                    None
+                }
+            };
+            metas.push(SeqMeta {
+                start,
+                n,
+                base,
+                allowed,
+            });
+            start += n;
+        }
+        let total = start;
+        let mut outputs: Vec<SeqOutput> = (0..seqs.len()).map(|_| SeqOutput::default()).collect();
+        if total == 0 {
+            return Ok(outputs);
+        }
+
+        // Residual stream, total x dim.
+        let mut x = vec![0f32; total * dim];
+        {
+            let mut i = 0;
+            for s in seqs.iter() {
+                for &t in s.tokens {
+                    self.weights
+                        .embed
+                        .dequantize_row(t as usize, &mut x[i * dim..(i + 1) * dim]);
+                    i += 1;
+                }
+            }
+        }
+        let mut h = vec![0f32; total * dim];
+        let mut act = Activations::default();
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let mut attn = vec![0f32; total * dim];
+        let mut o = Vec::new();
+        let (mut g, mut u, mut d) = (Vec::new(), Vec::new(), Vec::new());
+        let mut hidden: Vec<(usize, Vec<f32>)> = Vec::new();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            kernels::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
+            act.prepare(&h, total, dim, kernels::wants_q8(&lw.wq));
+            kernels::matmul_many(
+                &act,
+                &[&lw.wq, &lw.wk, &lw.wv],
+                &mut [&mut q, &mut k, &mut v],
+            );
+            add_bias(&mut q, lw.bq.as_deref());
+            add_bias(&mut k, lw.bk.as_deref());
+            add_bias(&mut v, lw.bv.as_deref());
+            for (t, &p) in positions.iter().enumerate() {
+                self.rope(&mut q[t * dim..(t + 1) * dim], p);
+                self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], p);
+            }
+            for (s, m) in seqs.iter_mut().zip(&metas) {
+                for t in 0..m.n {
+                    let r = m.start + t;
+                    s.cache.write(
+                        li,
+                        m.base + t,
+                        &k[r * kv_dim..(r + 1) * kv_dim],
+                        &v[r * kv_dim..(r + 1) * kv_dim],
+                    );
+                }
+            }
+            // Attention: one task per (token, head); each reads only its own
+            // sequence's cache, in position order.
+            {
+                let seq_of: Vec<usize> = metas
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(si, m)| std::iter::repeat_n(si, m.n))
+                    .collect();
+                let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
+                let q = &q;
+                attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
+                    let (r, head) = (idx / nh, idx % nh);
+                    let si = seq_of[r];
+                    let m = &metas[si];
+                    let t = r - m.start;
+                    let qv = &q[r * dim + head * hd..r * dim + (head + 1) * hd];
+                    let allowed = m.allowed.as_ref().map(|a| &a[t]);
+                    attend(
+                        caches[si],
+                        li,
+                        head / group,
+                        qv,
+                        m.base,
+                        t,
+                        allowed.map(|v| v.as_slice()),
+                        scale,
+                        out,
+                    );
+                });
+            }
+            act.prepare(&attn, total, dim, kernels::wants_q8(&lw.wo));
+            kernels::matmul_many(&act, &[&lw.wo], &mut [&mut o]);
+            for (xv, ov) in x.iter_mut().zip(&o) {
+                *xv += ov;
+            }
+            kernels::rms_norm(&x, &lw.ffn_norm, c.rms_eps, &mut h);
+            act.prepare(&h, total, dim, kernels::wants_q8(&lw.w_gate));
+            kernels::matmul_many(&act, &[&lw.w_gate, &lw.w_up], &mut [&mut g, &mut u]);
+            kernels::silu_mul(&mut g, &u);
+            act.prepare(&g, total, c.intermediate, kernels::wants_q8(&lw.w_down));
+            kernels::matmul_many(&act, &[&lw.w_down], &mut [&mut d]);
+            for (xv, dv) in x.iter_mut().zip(&d) {
+                *xv += dv;
+            }
+            if hidden_layers.contains(&li) {
+                hidden.push((li, x.clone()));
+            }
+        }
+        for s in seqs.iter_mut() {
+            let n = s.tokens.len();
+            s.cache.advance(n);
+        }
+
+        kernels::rms_norm(&x, &self.weights.norm, c.rms_eps, &mut h);
+        if hidden_layers.contains(&c.layers) {
+            hidden.push((c.layers, h.clone()));
+        }
+        // Output head over the rows that want logits.
+        let mut rows = Vec::new();
+        for (s, m) in seqs.iter().zip(&metas) {
+            match s.logits {
+                Logits::None => {}
+                Logits::Last if m.n > 0 => rows.push(m.start + m.n - 1),
+                Logits::Last => {}
+                Logits::All => rows.extend(m.start..m.start + m.n),
+            }
+        }
+        let head = self.weights.output.as_ref().unwrap_or(&self.weights.embed);
+        let mut sel = Vec::with_capacity(rows.len() * dim);
+        for &r in &rows {
+            sel.extend_from_slice(&h[r * dim..(r + 1) * dim]);
+        }
+        let mut logits = Vec::new();
+        if !rows.is_empty() {
+            act.prepare(&sel, rows.len(), dim, kernels::wants_q8(head));
+            kernels::matmul_many(&act, &[head], &mut [&mut logits]);
+        }
+        let vocab = c.vocab_size;
+        let mut cursor = 0;
+        for ((s, m), out) in seqs.iter().zip(&metas).zip(outputs.iter_mut()) {
+            let nrows = match s.logits {
+                Logits::None => 0,
+                Logits::Last => usize::from(m.n > 0),
+                Logits::All => m.n,
+            };
+            out.rows = nrows;
+            out.logits = logits[cursor * vocab..(cursor + nrows) * vocab].to_vec();
+            cursor += nrows;
+            for (l, hs) in &hidden {
+                out.hidden
+                    .push((*l, hs[m.start * dim..(m.start + m.n) * dim].to_vec()));
+            }
+        }
+        Ok(outputs)
+    }
+
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let hd = self.config.head_dim;
+        let half = hd / 2;
+        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
+        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+        for head in x.chunks_exact_mut(hd) {
+            match self.config.rope_style {
+                RopeStyle::Interleaved => {
+                    for i in 0..half {
+                        let (a, b) = (head[2 * i], head[2 * i + 1]);
+                        head[2 * i] = a * cos[i] - b * sin[i];
+                        head[2 * i + 1] = a * sin[i] + b * cos[i];
+                    }
+                }
+                RopeStyle::Neox => {
+                    for i in 0..half {
+                        let (a, b) = (head[i], head[i + half]);
+                        head[i] = a * cos[i] - b * sin[i];
+                        head[i + half] = b * cos[i] + a * sin[i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
+    if let Some(b) = b {
+        for row in x.chunks_exact_mut(b.len()) {
+            for (v, bv) in row.iter_mut().zip(b) {
+                *v += bv;
+            }
+        }
+    }
+}
+
+/// Attention of one query head at new-token index `t` (slot `base + t`).
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    cache: &KvCache,
+    layer: usize,
+    kv_head: usize,
+    q: &[f32],
+    base: usize,
+    t: usize,
+    allowed: Option<&[bool]>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let l = cache.layout();
+    let hd = l.head_dim;
+    let bs = l.block_size;
+    // Slots this query may see: the committed context, then its own part of
+    // the new tokens (all earlier ones for a chain, ancestors for a tree).
+    let visible = |slot: usize| -> bool {
+        if slot < base {
+            return true;
+        }
+        let j = slot - base;
+        match allowed {
+            Some(a) => a[j],
+            None => j <= t,
+        }
+    };
+    let end = base + t + 1;
+    let mut scores = Vec::with_capacity(end);
+    let mut slots = Vec::with_capacity(end);
+    for b in 0..l.blocks_for(end) {
+        let keys = cache.block_slice(layer, 0, kv_head, b);
+        let lim = (end - b * bs).min(bs);
+        for s in 0..lim {
+            let slot = b * bs + s;
+            if visible(slot) {
+                scores.push(kernels::dot(q, &keys[s * hd..(s + 1) * hd]) * scale);
+                slots.push(slot);
+            }
+        }
+    }
+    kernels::softmax(&mut scores);
+    out.fill(0.0);
+    for (&p, &slot) in scores.iter().zip(&slots) {
+        let vals = cache.block_slice(layer, 1, kv_head, slot / bs);
+        let v = &vals[(slot % bs) * hd..(slot % bs + 1) * hd];
+        for (o, &vv) in out.iter_mut().zip(v) {
+            *o = p.mul_add(vv, *o);
+        }
+    }
+}

@@ -1,0 +1,499 @@
+//! Sampling as pure functions: logits -> (penalties, temperature, top-k,
+//! top-p, min-p) -> a normalised distribution -> a token, plus a seeded
+//! deterministic RNG and stop handling.
+//!
+//! Invariants:
+//! - `distribution` is the single definition of a request's target
+//!   distribution p; speculative acceptance uses exactly this function for
+//!   both p and any proposer's q, so the two see the same transforms.
+//! - Ties break towards the lower token id, so greedy is deterministic.
+//! - The RNG is seeded per request and never shared between requests.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, SpecdError};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// Multiplicative (HF / llama.cpp) penalty over prompt and output; 1 disables.
+    pub repetition_penalty: f32,
+    /// OpenAI-style additive penalties over generated tokens; 0 disables.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+
+    /// Reject out-of-range values, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |f: &str, why: &str| Err(SpecdError::InvalidRequest(format!("{f}: {why}")));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature", "must be a finite number >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", "must be in [0, 1]");
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad("repetition_penalty", "must be > 0");
+        }
+        if !self.presence_penalty.is_finite() || self.presence_penalty.abs() > 2.0 {
+            return bad("presence_penalty", "must be in [-2, 2]");
+        }
+        if !self.frequency_penalty.is_finite() || self.frequency_penalty.abs() > 2.0 {
+            return bad("frequency_penalty", "must be in [-2, 2]");
+        }
+        Ok(())
+    }
+}
+
+/// xoshiro256** seeded through splitmix64: small, fast, reproducible.
+#[derive(Debug, Clone)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Self {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        r
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// A normalised distribution over its support, sorted by probability
+/// (descending, ties by id). Tokens outside `ids` have probability 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Distribution {
+    pub ids: Vec<u32>,
+    pub probs: Vec<f32>,
+}
+
+impl Distribution {
+    pub fn one_hot(id: u32) -> Self {
+        Self {
+            ids: vec![id],
+            probs: vec![1.0],
+        }
+    }
+
+    pub fn prob(&self, id: u32) -> f32 {
+        self.ids
+            .iter()
+            .position(|&i| i == id)
+            .map(|p| self.probs[p])
+            .unwrap_or(0.0)
+    }
+
+    /// Dense copy over `vocab` entries.
+    pub fn dense(&self, vocab: usize) -> Vec<f32> {
+        let mut d = vec![0f32; vocab];
+        for (&i, &p) in self.ids.iter().zip(&self.probs) {
+            d[i as usize] = p;
+        }
+        d
+    }
+
+    pub fn sample(&self, rng: &mut Rng) -> u32 {
+        let u = rng.next_f64();
+        let mut cum = 0f64;
+        for (&id, &p) in self.ids.iter().zip(&self.probs) {
+            cum += p as f64;
+            if u < cum {
+                return id;
+            }
+        }
+        *self.ids.last().expect("distribution has support")
+    }
+}
+
+/// Index of the largest logit (lowest index on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Apply repetition (over `context`: prompt and output), presence and
+/// frequency (over `generated`) penalties in place.
+pub fn apply_penalties(logits: &mut [f32], context: &[u32], generated: &[u32], p: &SamplingParams) {
+    if p.repetition_penalty != 1.0 {
+        let mut seen = std::collections::HashSet::new();
+        for &t in context {
+            if seen.insert(t) {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts = std::collections::HashMap::new();
+        for &t in generated {
+            *counts.entry(t).or_insert(0u32) += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+            }
+        }
+    }
+}
+
+/// The target distribution for already-penalised `logits`.
+pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
+    if p.is_greedy() {
+        return Distribution::one_hot(argmax(logits));
+    }
+    let inv_t = 1.0 / p.temperature;
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    // Unnormalised probabilities in f64 for a stable normaliser.
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&l| (((l - max) * inv_t) as f64).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    let top_k = p.top_k > 0 && p.top_k < w.len();
+    let mut cand: Vec<u32> = if top_k {
+        let mut idx: Vec<u32> = (0..w.len() as u32).collect();
+        let cmp = |a: &u32, b: &u32| w[*b as usize].total_cmp(&w[*a as usize]).then(a.cmp(b));
+        idx.select_nth_unstable_by(p.top_k - 1, cmp);
+        idx.truncate(p.top_k);
+        idx
+    } else if p.top_p < 1.0 {
+        // Only tokens above a threshold can be in the nucleus once the mass
+        // above it reaches top_p: lower the threshold until it does.
+        let mut thr = total * 1e-3;
+        loop {
+            let mass: f64 = w.iter().filter(|&&x| x >= thr).sum();
+            if mass >= p.top_p as f64 * total || thr < total * 1e-12 {
+                break;
+            }
+            thr *= 0.1;
+        }
+        (0..w.len() as u32)
+            .filter(|&i| w[i as usize] >= thr)
+            .collect()
+    } else {
+        (0..w.len() as u32)
+            .filter(|&i| w[i as usize] > 0.0)
+            .collect()
+    };
+    cand.sort_unstable_by(|a, b| w[*b as usize].total_cmp(&w[*a as usize]).then(a.cmp(b)));
+    // top-p applies to the top-k survivors (renormalised) when top-k is on,
+    // else to the whole vocabulary (the threshold only pruned the tail).
+    let mass_k: f64 = if top_k {
+        cand.iter().map(|&i| w[i as usize]).sum()
+    } else {
+        total
+    };
+    if p.top_p < 1.0 {
+        let target = p.top_p as f64 * mass_k;
+        let mut cum = 0.0;
+        let mut keep = cand.len();
+        for (n, &i) in cand.iter().enumerate() {
+            cum += w[i as usize];
+            if cum >= target {
+                keep = n + 1;
+                break;
+            }
+        }
+        cand.truncate(keep.max(1));
+    }
+    if p.min_p > 0.0 {
+        let top = w[cand[0] as usize];
+        let thr = top * p.min_p as f64;
+        cand.retain(|&i| w[i as usize] >= thr);
+    }
+    let z: f64 = cand.iter().map(|&i| w[i as usize]).sum();
+    let probs = cand.iter().map(|&i| (w[i as usize] / z) as f32).collect();
+    Distribution { ids: cand, probs }
+}
+
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS token or a stop string.
+    Stop,
+    /// max_tokens reached.
+    Length,
+    Aborted,
+}
+
+/// Holds back streamed text that could still become a stop string, so a
+/// stop string split across tokens is caught and never emitted.
+#[derive(Debug, Clone, Default)]
+pub struct StopBuffer {
+    stops: Vec<String>,
+    pending: String,
+    stopped: bool,
+}
+
+impl StopBuffer {
+    pub fn new(stops: Vec<String>) -> Self {
+        Self {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            pending: String::new(),
+            stopped: false,
+        }
+    }
+
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Add decoded text; returns the text now safe to emit.
+    pub fn push(&mut self, text: &str) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        self.pending.push_str(text);
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min();
+        if let Some(i) = first {
+            self.stopped = true;
+            let out = self.pending[..i].to_string();
+            self.pending.clear();
+            return out;
+        }
+        // Longest suffix of pending that is a proper prefix of some stop.
+        let mut hold = 0;
+        for s in &self.stops {
+            for (end, _) in s.char_indices().skip(1) {
+                if end > hold && self.pending.ends_with(&s[..end]) {
+                    hold = end;
+                }
+            }
+        }
+        let cut = self.pending.len() - hold;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        out
+    }
+
+    /// End of generation without a stop: release what was held back.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f32) -> SamplingParams {
+        SamplingParams {
+            temperature: t,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_low_index_ties() {
+        let d = distribution(&[0.1, 3.0, 3.0, -1.0], &params(0.0));
+        assert_eq!(d, Distribution::one_hot(1));
+    }
+
+    #[test]
+    fn temperature_matches_softmax() {
+        let logits = [1.0f32, 2.0, 0.5];
+        let d = distribution(&logits, &params(0.5));
+        let e: Vec<f64> = logits.iter().map(|&l| ((l as f64) / 0.5).exp()).collect();
+        let z: f64 = e.iter().sum();
+        for (i, &x) in e.iter().enumerate() {
+            assert!((d.prob(i as u32) as f64 - x / z).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_nucleus_with_enough_mass() {
+        // probs 0.5, 0.25, 0.125, 0.0625, 0.0625
+        let logits: Vec<f32> = [0.5f32, 0.25, 0.125, 0.0625, 0.0625]
+            .iter()
+            .map(|p| p.ln())
+            .collect();
+        let mut p = params(1.0);
+        p.top_p = 0.7;
+        let d = distribution(&logits, &p);
+        assert_eq!(d.ids, vec![0, 1]);
+        assert!((d.probs[0] - 2.0 / 3.0).abs() < 1e-6 && (d.probs[1] - 1.0 / 3.0).abs() < 1e-6);
+        p.top_p = 0.75;
+        assert_eq!(distribution(&logits, &p).ids, vec![0, 1]);
+        p.top_p = 0.76;
+        assert_eq!(distribution(&logits, &p).ids, vec![0, 1, 2]);
+        // Kept mass is at least top_p of the whole on a large vocabulary.
+        let big: Vec<f32> = (0..5000).map(|i| -(i as f32) * 0.003).collect();
+        p.top_p = 0.9;
+        let d = distribution(&big, &p);
+        let w: Vec<f64> = big.iter().map(|&l| (l as f64).exp()).collect();
+        let z: f64 = w.iter().sum();
+        let kept: f64 = d.ids.iter().map(|&i| w[i as usize]).sum::<f64>() / z;
+        let without_last = kept - w[*d.ids.last().unwrap() as usize] / z;
+        assert!(
+            kept >= 0.9 - 1e-9 && without_last < 0.9,
+            "{kept} {without_last}"
+        );
+    }
+
+    #[test]
+    fn top_k_and_min_p_truncate() {
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let mut p = params(1.0);
+        p.top_k = 2;
+        assert_eq!(distribution(&logits, &p).ids, vec![0, 1]);
+        p.top_k = 0;
+        p.min_p = 0.3; // e^-1 = 0.37 survives, e^-2 = 0.135 does not
+        assert_eq!(distribution(&logits, &p).ids, vec![0, 1]);
+    }
+
+    #[test]
+    fn seeded_sampling_reproduces_and_differs_across_seeds() {
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin()).collect();
+        let d = distribution(&logits, &params(1.0));
+        let run = |seed| {
+            let mut r = Rng::new(seed);
+            (0..50).map(|_| d.sample(&mut r)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+    }
+
+    #[test]
+    fn sample_frequencies_follow_the_distribution() {
+        let d = Distribution {
+            ids: vec![3, 1, 2],
+            probs: vec![0.6, 0.3, 0.1],
+        };
+        let mut r = Rng::new(7);
+        let mut c = [0usize; 4];
+        for _ in 0..20000 {
+            c[d.sample(&mut r) as usize] += 1;
+        }
+        assert!((c[3] as f64 / 20000.0 - 0.6).abs() < 0.02);
+        assert!((c[2] as f64 / 20000.0 - 0.1).abs() < 0.01);
+    }
+
+    #[test]
+    fn penalties_follow_their_definitions() {
+        let mut l = vec![2.0f32, -2.0, 1.0, 1.0];
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..params(1.0)
+        };
+        apply_penalties(&mut l, &[0, 1, 0], &[2, 2], &p);
+        assert_eq!(l, vec![1.0, -4.0, 1.0 - 0.5 - 0.5, 1.0]);
+    }
+
+    #[test]
+    fn stop_string_split_across_tokens_is_caught() {
+        let mut s = StopBuffer::new(vec!["</end>".into()]);
+        let mut out = String::new();
+        for piece in ["Hello", " wor", "ld<", "/e", "nd> tail"] {
+            out += &s.push(piece);
+        }
+        assert!(s.stopped());
+        assert_eq!(out, "Hello world");
+        // A held-back partial match is released when it turns out not to be one.
+        let mut s = StopBuffer::new(vec!["STOP".into()]);
+        assert_eq!(s.push("abcST"), "abc");
+        assert_eq!(s.push("x"), "STx");
+        assert_eq!(s.finish(), "");
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let p = SamplingParams {
+            top_p: 1.5,
+            ..Default::default()
+        };
+        assert!(p.validate().unwrap_err().to_string().contains("top_p"));
+        let p = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
+        assert!(p
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("temperature"));
+    }
+}

@@ -1,0 +1,363 @@
+//! Tokenizer (the `tokenizers` crate), built from GGUF metadata or a
+//! tokenizer.json, plus chat templates and streaming detokenization.
+//!
+//! Invariants:
+//! - A GGUF's pre-tokenizer follows its `tokenizer.ggml.pre` the way
+//!   llama.cpp does (SmolLM2's `smollm`: individual digits, then byte-level
+//!   with the GPT-2 regex and no prefix space), so ids match llama.cpp.
+//! - Control and user-defined tokens are added tokens: text such as
+//!   `<|im_start|>` encodes to its single id.
+//! - `StreamDecoder` never emits a partial UTF-8 character.
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
+};
+
+use crate::error::{Result, SpecdError};
+
+/// One chat message for the template.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn user(content: impl Into<String>) -> Self {
+        Self {
+            role: "user".into(),
+            content: content.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: String,
+    eos_token: String,
+    add_bos: Option<u32>,
+}
+
+fn tk_err(e: impl std::fmt::Display) -> SpecdError {
+    SpecdError::Tokenizer(e.to_string())
+}
+
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+fn split(pattern: &str) -> Result<PreTokenizerWrapper> {
+    let s = Split::new(
+        SplitPattern::Regex(pattern.to_string()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(tk_err)?;
+    Ok(s.into())
+}
+
+impl Tokenizer {
+    /// Build from a GGUF's `tokenizer.*` metadata.
+    pub fn from_gguf(path: &Path, ct: &Content) -> Result<Self> {
+        let md = &ct.metadata;
+        let strs = |key: &str| -> Result<Vec<String>> {
+            match md.get(key) {
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|v| v.to_string().cloned().map_err(tk_err))
+                    .collect(),
+                _ => Err(SpecdError::Tokenizer(format!(
+                    "{} has no {key} metadata",
+                    path.display()
+                ))),
+            }
+        };
+        let get_str = |key: &str| match md.get(key) {
+            Some(Value::String(s)) => Some(s.clone()),
+            _ => None,
+        };
+        let get_u32 = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
+        let tokens = strs("tokenizer.ggml.tokens")?;
+        let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a.iter().map(|v| v.to_i32().unwrap_or(1)).collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let model = get_str("tokenizer.ggml.model").unwrap_or_else(|| "gpt2".into());
+        let pre = get_str("tokenizer.ggml.pre").unwrap_or_else(|| "default".into());
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let mut inner = match model.as_str() {
+            "gpt2" => {
+                let merges: Vec<(String, String)> = strs("tokenizer.ggml.merges")?
+                    .into_iter()
+                    .filter_map(|m| {
+                        m.split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                    })
+                    .collect();
+                let bpe = BPE::builder()
+                    .vocab_and_merges(vocab, merges)
+                    .build()
+                    .map_err(tk_err)?;
+                let mut t = tokenizers::Tokenizer::new(bpe);
+                let byte_level = ByteLevel::new(false, true, true);
+                let pre_tok: PreTokenizerWrapper = match pre.as_str() {
+                    "smollm" | "starcoder" | "refact" | "falcon" => {
+                        Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+                    }
+                    "llama-bpe" | "llama3" | "smaug-bpe" => Sequence::new(vec![
+                        split(LLAMA3_SPLIT)?,
+                        ByteLevel::new(false, true, false).into(),
+                    ])
+                    .into(),
+                    "qwen2" | "deepseek-llm" => Sequence::new(vec![
+                        split(QWEN2_SPLIT)?,
+                        ByteLevel::new(false, true, false).into(),
+                    ])
+                    .into(),
+                    _ => byte_level.into(),
+                };
+                t.with_pre_tokenizer(Some(pre_tok));
+                t.with_decoder(Some(ByteLevelDecoder::default()));
+                t
+            }
+            "llama" => {
+                // SentencePiece BPE: merges ranked by the merged piece's score,
+                // as Hugging Face's Llama converter derives them.
+                let scores: Vec<f32> = match md.get("tokenizer.ggml.scores") {
+                    Some(Value::Array(a)) => a.iter().map(|v| v.to_f32().unwrap_or(0.0)).collect(),
+                    _ => vec![0.0; tokens.len()],
+                };
+                let mut merges: Vec<(f32, u32, String, String)> = Vec::new();
+                for (i, piece) in tokens.iter().enumerate() {
+                    if types.get(i).copied().unwrap_or(1) != 1 {
+                        continue;
+                    }
+                    for (split_at, _) in piece.char_indices().skip(1) {
+                        let (a, b) = piece.split_at(split_at);
+                        if let (Some(&ia), Some(&ib)) = (vocab.get(a), vocab.get(b)) {
+                            merges.push((scores[i], ia.max(ib), a.to_string(), b.to_string()));
+                        }
+                    }
+                }
+                merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+                let merges = merges.into_iter().map(|(_, _, a, b)| (a, b)).collect();
+                let bpe = BPE::builder()
+                    .vocab_and_merges(vocab, merges)
+                    .byte_fallback(true)
+                    .fuse_unk(true)
+                    .unk_token(
+                        tokens
+                            .get(get_u32("tokenizer.ggml.unknown_token_id").unwrap_or(0) as usize)
+                            .cloned()
+                            .unwrap_or_default(),
+                    )
+                    .build()
+                    .map_err(tk_err)?;
+                let mut t = tokenizers::Tokenizer::new(bpe);
+                let prepend: NormalizerWrapper = Prepend::new("▁".into()).into();
+                let replace: NormalizerWrapper = Replace::new(" ", "▁").map_err(tk_err)?.into();
+                t.with_normalizer(Some(NormalizerSequence::new(vec![prepend, replace])));
+                let dec: Vec<DecoderWrapper> = vec![
+                    Replace::new("▁", " ").map_err(tk_err)?.into(),
+                    ByteFallback::new().into(),
+                    Fuse::new().into(),
+                    Strip::new(' ', 1, 0).into(),
+                ];
+                t.with_decoder(Some(DecoderSequence::new(dec)));
+                t
+            }
+            other => {
+                return Err(SpecdError::Tokenizer(format!(
+                    "unsupported GGUF tokenizer model '{other}' (supported: gpt2, llama)"
+                )))
+            }
+        };
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, &ty)| ty == 3 || ty == 4)
+            .map(|(t, &ty)| AddedToken::from(t.clone(), ty == 3))
+            .collect();
+        inner.add_special_tokens(&added);
+        let tok_name = |id: Option<u32>| {
+            id.and_then(|i| tokens.get(i as usize).cloned())
+                .unwrap_or_default()
+        };
+        let bos_id = get_u32("tokenizer.ggml.bos_token_id");
+        let add_bos = match md.get("tokenizer.ggml.add_bos_token") {
+            Some(Value::Bool(b)) => *b,
+            _ => model == "llama",
+        };
+        Ok(Self {
+            inner,
+            chat_template: get_str("tokenizer.chat_template"),
+            bos_token: tok_name(bos_id),
+            eos_token: tok_name(get_u32("tokenizer.ggml.eos_token_id")),
+            add_bos: if add_bos { bos_id } else { None },
+        })
+    }
+
+    /// Load a Hugging Face `tokenizer.json` (chat template and special tokens
+    /// from a sibling `tokenizer_config.json` when present).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| SpecdError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let mut t = Self {
+            inner,
+            chat_template: None,
+            bos_token: String::new(),
+            eos_token: String::new(),
+            add_bos: None,
+        };
+        if let Some(dir) = path.parent() {
+            let cfg = dir.join("tokenizer_config.json");
+            if let Ok(text) = std::fs::read_to_string(&cfg) {
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .map_err(|e| SpecdError::Tokenizer(format!("{}: {e}", cfg.display())))?;
+                let tok_str = |k: &str| match &v[k] {
+                    serde_json::Value::String(s) => s.clone(),
+                    serde_json::Value::Object(o) => o
+                        .get("content")
+                        .and_then(|c| c.as_str())
+                        .unwrap_or_default()
+                        .to_string(),
+                    _ => String::new(),
+                };
+                t.chat_template = v["chat_template"].as_str().map(str::to_string);
+                t.bos_token = tok_str("bos_token");
+                t.eos_token = tok_str("eos_token");
+            }
+        }
+        Ok(t)
+    }
+
+    /// The tokenizer for a model path: GGUF metadata, or the directory's
+    /// tokenizer.json.
+    pub fn for_model(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            Self::from_file(&path.join("tokenizer.json"))
+        } else {
+            let ct = crate::model::load::read_gguf_header(path)?;
+            Self::from_gguf(path, &ct)
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Encode text; `special` adds BOS where the model wants it.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode_fast(text, false).map_err(tk_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if special {
+            ids.extend(self.add_bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(tk_err)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Render messages with the model's chat template (ChatML if none).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let chatml = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        let src = self.chat_template.as_deref().unwrap_or(chatml);
+        let mut env = minijinja::Environment::new();
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", src)
+            .map_err(|e| SpecdError::Tokenizer(format!("chat template: {e}")))?;
+        let tmpl = env.get_template("chat").map_err(tk_err)?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        })
+        .map_err(|e| SpecdError::Tokenizer(format!("chat template: {e}")))
+    }
+}
+
+/// Incremental detokenizer: feed ids one at a time, get text that is safe
+/// to print (whole UTF-8 characters, with byte-level merges resolved).
+#[derive(Debug, Default, Clone)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add one token; returns the newly completed text (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], false)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
+            let text = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(text)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Everything still held back (e.g. an incomplete character at the end).
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], false)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+    }
+}

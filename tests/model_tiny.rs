@@ -1,0 +1,350 @@
+//! Model-runner tests on a tiny random Llama: agreement with candle's
+//! reference implementations, rollback, batching, trees, hidden states.
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+use common::{max_abs_diff, TempDir, TINY};
+use specd::model::{load_model, Logits, Model, SeqInput, TreeMask};
+
+const PROMPT: [u32; 7] = [5, 17, 42, 3, 88, 9, 61];
+const NEXT: [u32; 3] = [12, 77, 30];
+
+/// Our last-position logits after the prompt, then after each NEXT token.
+fn ours(model: &Model) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache();
+    let mut out = vec![
+        model
+            .forward_one(&mut cache, &PROMPT, Logits::Last)
+            .unwrap()
+            .logits,
+    ];
+    for t in NEXT {
+        out.push(
+            model
+                .forward_one(&mut cache, &[t], Logits::Last)
+                .unwrap()
+                .logits,
+        );
+    }
+    out
+}
+
+#[test]
+fn safetensors_matches_candle_llama() {
+    let dir = TempDir::new("st");
+    common::write_tiny_safetensors(&dir.0, &TINY, 1);
+    let model = load_model(&dir.0, 2).unwrap();
+    let cfg: candle_transformers::models::llama::LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("config.json")).unwrap()).unwrap();
+    let cfg = cfg.into_config(false);
+    let files = vec![dir.0.join("model.safetensors")];
+    // SAFETY: test-only reference loader; the file was just written by this test.
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap()
+    };
+    let reference = candle_transformers::models::llama::Llama::load(vb, &cfg).unwrap();
+    let mut cache =
+        candle_transformers::models::llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu)
+            .unwrap();
+    let mut want = Vec::new();
+    let x = Tensor::new(&PROMPT[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    want.push(
+        reference
+            .forward(&x, 0, &mut cache)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
+    );
+    for (i, t) in NEXT.iter().enumerate() {
+        let x = Tensor::new(&[*t], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        want.push(
+            reference
+                .forward(&x, PROMPT.len() + i, &mut cache)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+        );
+    }
+    for (g, w) in ours(&model).iter().zip(&want) {
+        let d = max_abs_diff(g, w);
+        assert!(d < 1e-4, "max |dlogit| {d}");
+    }
+}
+
+fn check_gguf_against_quantized_llama(dtype: GgmlDType, tol: f32) {
+    let dir = TempDir::new(&format!("gguf-{dtype:?}"));
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &TINY, 2, dtype, "llama");
+    let model = load_model(&path, 2).unwrap();
+    let mut f = std::fs::File::open(&path).unwrap();
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let mut reference = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
+        ct,
+        &mut f,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut want = Vec::new();
+    let x = Tensor::new(&PROMPT[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    want.push(
+        reference
+            .forward(&x, 0)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
+    );
+    for (i, t) in NEXT.iter().enumerate() {
+        let x = Tensor::new(&[*t], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        want.push(
+            reference
+                .forward(&x, PROMPT.len() + i)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+        );
+    }
+    for (g, w) in ours(&model).iter().zip(&want) {
+        let d = max_abs_diff(g, w);
+        assert!(d < tol, "{dtype:?}: max |dlogit| {d}");
+    }
+}
+
+#[test]
+fn gguf_f32_matches_candle_quantized_llama() {
+    check_gguf_against_quantized_llama(GgmlDType::F32, 1e-4);
+}
+
+#[test]
+fn gguf_q8_0_matches_candle_quantized_llama() {
+    check_gguf_against_quantized_llama(GgmlDType::Q8_0, 0.05);
+}
+
+#[test]
+fn gguf_q4_1_matches_candle_quantized_llama() {
+    check_gguf_against_quantized_llama(GgmlDType::Q4_1, 0.1);
+}
+
+#[test]
+fn gguf_q4_0_and_k_quants_load_and_agree() {
+    check_gguf_against_quantized_llama(GgmlDType::Q4_0, 0.1);
+}
+
+fn tiny_q() -> (TempDir, Model) {
+    let dir = TempDir::new("tinyq");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &TINY, 3, GgmlDType::Q4_1, "llama");
+    let m = load_model(&path, 2).unwrap();
+    (dir, m)
+}
+
+#[test]
+fn rollback_equals_fresh_forward_exactly() {
+    let (_d, model) = tiny_q();
+    let a = [
+        4u32, 8, 15, 16, 23, 42, 7, 9, 11, 64, 65, 66, 67, 68, 69, 70, 71,
+    ];
+    let b = [90u32, 91, 92, 93, 94];
+    let c = [10u32, 20, 30];
+    // forward(A + B), truncate to A, forward(C)
+    let mut cache = model.new_cache();
+    model.forward_one(&mut cache, &a, Logits::None).unwrap();
+    model.forward_one(&mut cache, &b, Logits::All).unwrap();
+    cache.truncate(a.len());
+    let rolled = model.forward_one(&mut cache, &c, Logits::All).unwrap();
+    // forward(A + C) from scratch, in one chunk
+    let mut fresh = model.new_cache();
+    let ac: Vec<u32> = a.iter().chain(&c).copied().collect();
+    let full = model.forward_one(&mut fresh, &ac, Logits::All).unwrap();
+    for i in 0..c.len() {
+        assert_eq!(
+            rolled.row(i),
+            full.row(a.len() + i),
+            "position {i} differs after rollback"
+        );
+    }
+    assert_eq!(cache.len(), fresh.len());
+    // Rolling back across a block boundary (block size 64) as well.
+    let long: Vec<u32> = (0..70).map(|i| (i * 7 % 90) as u32 + 3).collect();
+    let mut c1 = model.new_cache();
+    model.forward_one(&mut c1, &long, Logits::None).unwrap();
+    c1.truncate(60);
+    let r1 = model.forward_one(&mut c1, &c, Logits::All).unwrap();
+    let mut c2 = model.new_cache();
+    let l2: Vec<u32> = long[..60].iter().chain(&c).copied().collect();
+    let r2 = model.forward_one(&mut c2, &l2, Logits::All).unwrap();
+    for i in 0..c.len() {
+        assert_eq!(r1.row(i), r2.row(60 + i));
+    }
+}
+
+#[test]
+fn batched_forward_equals_each_sequence_alone() {
+    let (_d, model) = tiny_q();
+    let s1 = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+    let s2 = [50u32, 40, 30];
+    let alone = |t: &[u32], extra: &[u32]| {
+        let mut c = model.new_cache();
+        model.forward_one(&mut c, t, Logits::None).unwrap();
+        model.forward_one(&mut c, extra, Logits::All).unwrap()
+    };
+    let a1 = alone(&s1, &[11, 12]);
+    let a2 = alone(&s2, &[13, 14, 15]);
+    // Prefill both ragged prompts in one forward, then verify-style chunks.
+    let (mut c1, mut c2) = (model.new_cache(), model.new_cache());
+    model
+        .forward(
+            &mut [
+                SeqInput {
+                    cache: &mut c1,
+                    tokens: &s1,
+                    logits: Logits::Last,
+                    tree: None,
+                },
+                SeqInput {
+                    cache: &mut c2,
+                    tokens: &s2,
+                    logits: Logits::Last,
+                    tree: None,
+                },
+            ],
+            &[],
+        )
+        .unwrap();
+    let out = model
+        .forward(
+            &mut [
+                SeqInput {
+                    cache: &mut c1,
+                    tokens: &[11, 12],
+                    logits: Logits::All,
+                    tree: None,
+                },
+                SeqInput {
+                    cache: &mut c2,
+                    tokens: &[13, 14, 15],
+                    logits: Logits::All,
+                    tree: None,
+                },
+            ],
+            &[],
+        )
+        .unwrap();
+    assert_eq!(out[0].logits, a1.logits);
+    assert_eq!(out[1].logits, a2.logits);
+    assert_eq!(out[1].rows, 3);
+}
+
+#[test]
+fn tree_mask_branches_equal_their_linear_paths() {
+    let (_d, model) = tiny_q();
+    let ctx = [6u32, 7, 8, 9, 10];
+    // Tree: root 20 with children 21 and 31; 21 has child 22.
+    // nodes: 0=20, 1=21, 2=31, 3=22
+    let tree = TreeMask {
+        parents: vec![None, Some(0), Some(0), Some(1)],
+    };
+    let mut c = model.new_cache();
+    model.forward_one(&mut c, &ctx, Logits::None).unwrap();
+    let out = model
+        .forward(
+            &mut [SeqInput {
+                cache: &mut c,
+                tokens: &[20, 21, 31, 22],
+                logits: Logits::All,
+                tree: Some(&tree),
+            }],
+            &[],
+        )
+        .unwrap();
+    let linear = |path: &[u32]| {
+        let mut c = model.new_cache();
+        model.forward_one(&mut c, &ctx, Logits::None).unwrap();
+        model.forward_one(&mut c, path, Logits::All).unwrap()
+    };
+    let p1 = linear(&[20, 21, 22]);
+    let p2 = linear(&[20, 31]);
+    assert_eq!(out[0].row(0), p1.row(0));
+    assert_eq!(out[0].row(1), p1.row(1));
+    assert_eq!(out[0].row(3), p1.row(2));
+    assert_eq!(out[0].row(2), p2.row(1));
+    // A chain mask is the same as no mask.
+    let mut c = model.new_cache();
+    model.forward_one(&mut c, &ctx, Logits::None).unwrap();
+    let chain = TreeMask::chain(3);
+    let o = model
+        .forward(
+            &mut [SeqInput {
+                cache: &mut c,
+                tokens: &[20, 21, 22],
+                logits: Logits::All,
+                tree: Some(&chain),
+            }],
+            &[],
+        )
+        .unwrap();
+    assert_eq!(o[0].logits, p1.logits);
+}
+
+#[test]
+fn hidden_states_of_requested_layers() {
+    let (_d, model) = tiny_q();
+    let mut c = model.new_cache();
+    let layers = model.config.layers;
+    let out = model
+        .forward(
+            &mut [SeqInput {
+                cache: &mut c,
+                tokens: &[3, 4, 5],
+                logits: Logits::Last,
+                tree: None,
+            }],
+            &[0, layers],
+        )
+        .unwrap();
+    let h = &out[0].hidden;
+    assert_eq!(h.len(), 2);
+    assert_eq!(h[0].0, 0);
+    assert_eq!(h[0].1.len(), 3 * model.config.hidden);
+    assert_eq!(h[1].0, layers);
+    // The final-normed state through the output head reproduces the logits.
+    let last = &h[1].1[2 * model.config.hidden..];
+    let head = model.weights.output.as_ref().unwrap();
+    let mut row = vec![0f32; model.config.hidden];
+    head.dequantize_row(0, &mut row);
+    let approx: f32 = row.iter().zip(last).map(|(a, b)| a * b).sum();
+    assert!((approx - out[0].logits[0]).abs() < 0.05 * (1.0 + approx.abs()));
+    let err = model
+        .forward(
+            &mut [SeqInput {
+                cache: &mut c,
+                tokens: &[3],
+                logits: Logits::Last,
+                tree: None,
+            }],
+            &[layers + 1],
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("layer"));
+}
