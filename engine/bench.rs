@@ -10,6 +10,7 @@ use crate::model::{Logits, Model};
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ModelBench {
     pub threads: usize,
+    pub kernel: String,
     pub prefill_tokens: usize,
     pub prefill_tok_s: f64,
     pub decode_tokens: usize,
@@ -94,6 +95,7 @@ pub fn bench_model(
         .collect();
     Ok(ModelBench {
         threads: model.threads(),
+        kernel: format!("{:?}", model.kernel_path()),
         prefill_tokens: prefill,
         prefill_tok_s,
         decode_tokens: decode,

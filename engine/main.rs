@@ -199,7 +199,12 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&b)?);
         return Ok(());
     }
-    println!("model: {}  threads: {}", path.display(), b.threads);
+    println!(
+        "model: {}  threads: {}  kernels: {}",
+        path.display(),
+        b.threads,
+        b.kernel
+    );
     println!(
         "prefill ({} tokens): {:.1} tok/s",
         b.prefill_tokens, b.prefill_tok_s

@@ -47,9 +47,10 @@ enum WeightData {
         m: Vec<f32>,
         qs: Vec<u8>,
     },
+    /// Signed bytes, stored as raw `u8` (reinterpret with `as i8`).
     Q8_0 {
         d: Vec<f32>,
-        qs: Vec<i8>,
+        qs: Vec<u8>,
     },
 }
 
@@ -132,7 +133,7 @@ impl QMatrix {
                 let mut qs = Vec::with_capacity(nb * 32);
                 for b in blocks {
                     d.push(f16_at(b, 0));
-                    qs.extend(b[2..34].iter().map(|&x| x as i8));
+                    qs.extend_from_slice(&b[2..34]);
                 }
                 WeightData::Q8_0 { d, qs }
             }
@@ -191,7 +192,7 @@ impl QMatrix {
                 for b in 0..nb {
                     let gb = r * nb + b;
                     for j in 0..QK {
-                        out[b * QK + j] = qs[gb * QK + j] as f32 * d[gb];
+                        out[b * QK + j] = qs[gb * QK + j] as i8 as f32 * d[gb];
                     }
                 }
             }
@@ -199,9 +200,55 @@ impl QMatrix {
     }
 }
 
+/// Which implementation of the quantized block dot products runs. Chosen
+/// once per process (`best`); tests drive each one explicitly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KernelPath {
+    #[default]
+    Portable,
+    /// AVX2 + FMA, one block per `vpmaddubsw`.
+    Avx2,
+    /// AVX-512 VNNI, two blocks per `vpdpbusd` (rows with an even number
+    /// of blocks; others use AVX2).
+    Vnni,
+}
+
+impl KernelPath {
+    /// The fastest path this CPU supports (`SPECD_NO_SIMD` / `SPECD_NO_AVX512`
+    /// turn the SIMD paths off).
+    pub fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::simd::vnni::available() {
+                return Self::Vnni;
+            }
+            if super::simd::available() {
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
+    }
+
+    /// Every path usable on this CPU.
+    pub fn supported() -> Vec<Self> {
+        let mut v = vec![Self::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::simd::available() {
+                v.push(Self::Avx2);
+            }
+            if super::simd::vnni::available() {
+                v.push(Self::Vnni);
+            }
+        }
+        v
+    }
+}
+
 /// Activation rows prepared for one or more matmuls sharing the same input.
 #[derive(Debug, Default)]
 pub struct Activations {
+    pub path: KernelPath,
     pub rows: usize,
     pub cols: usize,
     f32: Vec<f32>,
@@ -210,10 +257,23 @@ pub struct Activations {
     qsum: Vec<f32>,
     qs: Vec<i8>,
     quantized: bool,
+    /// The same quants in the AVX-512 pair layout, when that path is used.
+    #[cfg(target_arch = "x86_64")]
+    pairs: super::simd::vnni::PairActs,
+    #[cfg(target_arch = "x86_64")]
+    use_pairs: bool,
 }
 
 impl Activations {
-    /// Prepare `x` (rows x cols, row-major) for matmuls against `formats`.
+    pub fn new(path: KernelPath) -> Self {
+        Self {
+            path,
+            ..Default::default()
+        }
+    }
+
+    /// Prepare `x` (rows x cols, row-major); `quantize` when the weights
+    /// it will meet are quantized.
     pub fn prepare(&mut self, x: &[f32], rows: usize, cols: usize, quantize: bool) {
         assert_eq!(x.len(), rows * cols);
         self.rows = rows;
@@ -227,6 +287,14 @@ impl Activations {
             self.qsum.resize(nb, 0.0);
             self.qs.resize(rows * cols, 0);
             quantize_q8(x, &mut self.qd, &mut self.qsum, &mut self.qs);
+            #[cfg(target_arch = "x86_64")]
+            {
+                let nb = cols / QK;
+                self.use_pairs = nb.is_multiple_of(2) && self.path == KernelPath::Vnni;
+                if self.use_pairs {
+                    self.pairs.prepare(&self.qs, &self.qd, rows, nb);
+                }
+            }
         }
     }
 }
@@ -285,10 +353,10 @@ fn sumi_q4(q: &[u8], x: &[i8], offset: i32) -> i32 {
 }
 
 #[inline]
-fn sumi_q8(q: &[i8], x: &[i8]) -> i32 {
+fn sumi_q8(q: &[u8], x: &[i8]) -> i32 {
     let mut s = 0i32;
     for j in 0..QK {
-        s += q[j] as i32 * x[j] as i32;
+        s += q[j] as i8 as i32 * x[j] as i32;
     }
     s
 }
@@ -299,6 +367,46 @@ fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f3
     let n = a.rows;
     let k = a.cols;
     let nb = k / QK;
+    #[cfg(target_arch = "x86_64")]
+    if a.quantized && a.use_pairs {
+        use super::simd::{vnni, Kind};
+        let wv = match &w.data {
+            WeightData::Q4_0 { d, qs } => Some((Kind::Q4_0, d, &[][..], qs)),
+            WeightData::Q4_1 { d, m, qs } => Some((Kind::Q4_1, d, m.as_slice(), qs)),
+            WeightData::Q8_0 { d, qs } => Some((Kind::Q8_0, d, &[][..], qs)),
+            WeightData::F32(_) => None,
+        };
+        if let Some((kind, d, m, qs)) = wv {
+            let wts = vnni::Weights { kind, qs, d, m };
+            vnni::rows(&wts, &a.pairs, &a.qsum, r0, r1, out);
+            return;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if a.quantized && a.path != KernelPath::Portable {
+        use super::simd::{Kind, Operands};
+        let op = match &w.data {
+            WeightData::Q4_0 { d, qs } => Some((Kind::Q4_0, d, None, qs)),
+            WeightData::Q4_1 { d, m, qs } => Some((Kind::Q4_1, d, Some(m), qs)),
+            WeightData::Q8_0 { d, qs } => Some((Kind::Q8_0, d, None, qs)),
+            WeightData::F32(_) => None,
+        };
+        if let Some((kind, d, m, qs)) = op {
+            let op = Operands {
+                kind,
+                w_qs: qs,
+                w_d: d,
+                w_m: m.map(|m| m.as_slice()).unwrap_or(&[]),
+                x_qs: &a.qs,
+                x_d: &a.qd,
+                x_s: &a.qsum,
+                nb,
+                n,
+            };
+            super::simd::rows(&op, r0, r1, out);
+            return;
+        }
+    }
     for r in r0..r1 {
         let o = &mut out[(r - r0) * n..(r - r0 + 1) * n];
         match &w.data {
@@ -539,30 +647,32 @@ mod tests {
     fn matmul_is_batch_invariant() {
         let mut seed = 11u64;
         let (rows, cols) = (100, 128);
-        for format in [
-            WeightFormat::F32,
-            WeightFormat::Q4_0,
-            WeightFormat::Q4_1,
-            WeightFormat::Q8_0,
-        ] {
-            let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
-            let qm = pack(format, &w, rows, cols);
-            let x: Vec<f32> = (0..16 * cols).map(|_| lcg(&mut seed)).collect();
-            let mut a = Activations::default();
-            a.prepare(&x, 16, cols, wants_q8(&qm));
-            let mut all = Vec::new();
-            matmul_many(&a, &[&qm], &mut [&mut all]);
-            for n in [1usize, 2, 5, 7] {
-                for start in [0usize, 3, 16 - n] {
-                    let mut b = Activations::default();
-                    b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(&qm));
-                    let mut part = Vec::new();
-                    matmul_many(&b, &[&qm], &mut [&mut part]);
-                    assert_eq!(
-                        part[..],
-                        all[start * rows..(start + n) * rows],
-                        "{format:?} n={n} start={start}"
-                    );
+        for path in KernelPath::supported() {
+            for format in [
+                WeightFormat::F32,
+                WeightFormat::Q4_0,
+                WeightFormat::Q4_1,
+                WeightFormat::Q8_0,
+            ] {
+                let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+                let qm = pack(format, &w, rows, cols);
+                let x: Vec<f32> = (0..16 * cols).map(|_| lcg(&mut seed)).collect();
+                let mut a = Activations::new(path);
+                a.prepare(&x, 16, cols, wants_q8(&qm));
+                let mut all = Vec::new();
+                matmul_many(&a, &[&qm], &mut [&mut all]);
+                for n in [1usize, 2, 5, 7] {
+                    for start in [0usize, 3, 16 - n] {
+                        let mut b = Activations::new(path);
+                        b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(&qm));
+                        let mut part = Vec::new();
+                        matmul_many(&b, &[&qm], &mut [&mut part]);
+                        assert_eq!(
+                            part[..],
+                            all[start * rows..(start + n) * rows],
+                            "{path:?} {format:?} n={n} start={start}"
+                        );
+                    }
                 }
             }
         }

@@ -8,8 +8,9 @@
 //!   the next forward overwrites slots from `n` on and attention never reads
 //!   past the current length.
 //! - A block holds `block_size` token slots for every layer, laid out
-//!   `[layer][k|v][kv_head][slot][head_dim]`, so one head's keys are
-//!   contiguous within a block.
+//!   `[layer][k|v][kv_head][..]`: keys transposed (`[head_dim][slot]`) so the
+//!   scores of a whole block are plain vector FMAs with no horizontal sums,
+//!   values as `[slot][head_dim]` so the weighted sum is too.
 
 use crate::error::{Result, SpecdError};
 
@@ -37,9 +38,10 @@ impl KvLayout {
         tokens.div_ceil(self.block_size)
     }
 
+    /// Start of one head's keys (kind 0) or values (kind 1) in a block.
     #[inline]
-    fn offset(&self, layer: usize, kind: usize, head: usize, slot: usize) -> usize {
-        (((layer * 2 + kind) * self.kv_heads + head) * self.block_size + slot) * self.head_dim
+    fn offset(&self, layer: usize, kind: usize, head: usize) -> usize {
+        ((layer * 2 + kind) * self.kv_heads + head) * self.block_size * self.head_dim
     }
 }
 
@@ -122,19 +124,28 @@ impl KvCache {
         let block = &mut self.blocks[b];
         for h in 0..l.kv_heads {
             let src = h * l.head_dim..(h + 1) * l.head_dim;
-            let ko = l.offset(layer, 0, h, s);
-            block[ko..ko + l.head_dim].copy_from_slice(&k[src.clone()]);
-            let vo = l.offset(layer, 1, h, s);
+            let ko = l.offset(layer, 0, h);
+            for (d, &kv) in k[src.clone()].iter().enumerate() {
+                block[ko + d * l.block_size + s] = kv;
+            }
+            let vo = l.offset(layer, 1, h) + s * l.head_dim;
             block[vo..vo + l.head_dim].copy_from_slice(&v[src]);
         }
     }
 
-    /// Keys (kind 0) or values (kind 1) of one head in block `b`: a
-    /// `block_size * head_dim` contiguous slice.
+    /// Keys of one head in block `b`, transposed: `[head_dim][block_size]`.
     #[inline]
-    pub(crate) fn block_slice(&self, layer: usize, kind: usize, head: usize, b: usize) -> &[f32] {
+    pub(crate) fn keys_t(&self, layer: usize, head: usize, b: usize) -> &[f32] {
         let l = self.layout;
-        let o = l.offset(layer, kind, head, 0);
+        let o = l.offset(layer, 0, head);
+        &self.blocks[b][o..o + l.block_size * l.head_dim]
+    }
+
+    /// Values of one head in block `b`: `[block_size][head_dim]`.
+    #[inline]
+    pub(crate) fn values(&self, layer: usize, head: usize, b: usize) -> &[f32] {
+        let l = self.layout;
+        let o = l.offset(layer, 1, head);
         &self.blocks[b][o..o + l.block_size * l.head_dim]
     }
 }
@@ -176,15 +187,17 @@ mod tests {
     }
 
     #[test]
-    fn write_lands_in_head_contiguous_slots() {
+    fn write_lands_in_the_documented_layout() {
         let mut c = KvCache::new(layout(), 8);
         c.reserve(6).unwrap();
         let k: Vec<f32> = (0..8).map(|x| x as f32).collect();
         let v: Vec<f32> = (0..8).map(|x| 100.0 + x as f32).collect();
         c.write(1, 5, &k, &v);
-        let kb = c.block_slice(1, 0, 1, 1);
-        assert_eq!(&kb[4..8], &[4.0, 5.0, 6.0, 7.0]);
-        let vb = c.block_slice(1, 1, 0, 1);
+        // slot 5 = block 1, slot 1; head 1 holds k[4..8], transposed.
+        let kt = c.keys_t(1, 1, 1);
+        let col: Vec<f32> = (0..4).map(|d| kt[d * 4 + 1]).collect();
+        assert_eq!(col, vec![4.0, 5.0, 6.0, 7.0]);
+        let vb = c.values(1, 0, 1);
         assert_eq!(&vb[4..8], &[100.0, 101.0, 102.0, 103.0]);
     }
 }

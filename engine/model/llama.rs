@@ -136,6 +136,7 @@ pub struct Model {
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     pool: rayon::ThreadPool,
+    kernel_path: kernels::KernelPath,
 }
 
 /// Default thread count: the machine's available parallelism.
@@ -176,7 +177,13 @@ impl Model {
             rope_cos,
             rope_sin,
             pool,
+            kernel_path: kernels::KernelPath::best(),
         })
+    }
+
+    /// The quantized-kernel implementation this model runs.
+    pub fn kernel_path(&self) -> kernels::KernelPath {
+        self.kernel_path
     }
 
     pub fn threads(&self) -> usize {
@@ -303,7 +310,7 @@ impl Model {
             }
         }
         let mut h = vec![0f32; total * dim];
-        let mut act = Activations::default();
+        let mut act = Activations::new(self.kernel_path);
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
         let mut attn = vec![0f32; total * dim];
         let mut o = Vec::new();
@@ -338,8 +345,9 @@ impl Model {
                     );
                 }
             }
-            // Attention: one task per (token, head); each reads only its own
-            // sequence's cache, in position order.
+            // Attention: one task per (token, kv head), covering the query
+            // heads that share it; each reads only its own sequence's cache,
+            // in position order, so results do not depend on the batch.
             {
                 let seq_of: Vec<usize> = metas
                     .iter()
@@ -348,25 +356,17 @@ impl Model {
                     .collect();
                 let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
                 let q = &q;
-                attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
-                    let (r, head) = (idx / nh, idx % nh);
-                    let si = seq_of[r];
-                    let m = &metas[si];
-                    let t = r - m.start;
-                    let qv = &q[r * dim + head * hd..r * dim + (head + 1) * hd];
-                    let allowed = m.allowed.as_ref().map(|a| &a[t]);
-                    attend(
-                        caches[si],
-                        li,
-                        head / group,
-                        qv,
-                        m.base,
-                        t,
-                        allowed.map(|v| v.as_slice()),
-                        scale,
-                        out,
-                    );
-                });
+                attn.par_chunks_mut(group * hd)
+                    .enumerate()
+                    .for_each(|(idx, out)| {
+                        let (r, g) = (idx / nkv, idx % nkv);
+                        let si = seq_of[r];
+                        let m = &metas[si];
+                        let t = r - m.start;
+                        let qs = &q[r * dim + g * group * hd..r * dim + (g + 1) * group * hd];
+                        let allowed = m.allowed.as_ref().map(|a| a[t].as_slice());
+                        attend(caches[si], li, g, qs, m.base, t, allowed, scale, out);
+                    });
             }
             act.prepare(&attn, total, dim, kernels::wants_q8(&lw.wo));
             kernels::matmul_many(&act, &[&lw.wo], &mut [&mut o]);
@@ -470,13 +470,14 @@ fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
     }
 }
 
-/// Attention of one query head at new-token index `t` (slot `base + t`).
+/// Attention of the query heads sharing `kv_head` (`qs`: `group x head_dim`)
+/// at new-token index `t` (slot `base + t`).
 #[allow(clippy::too_many_arguments)]
 fn attend(
     cache: &KvCache,
     layer: usize,
     kv_head: usize,
-    q: &[f32],
+    qs: &[f32],
     base: usize,
     t: usize,
     allowed: Option<&[bool]>,
@@ -486,6 +487,7 @@ fn attend(
     let l = cache.layout();
     let hd = l.head_dim;
     let bs = l.block_size;
+    let group = qs.len() / hd;
     // Slots this query may see: the committed context, then its own part of
     // the new tokens (all earlier ones for a chain, ancestors for a tree).
     let visible = |slot: usize| -> bool {
@@ -499,26 +501,39 @@ fn attend(
         }
     };
     let end = base + t + 1;
-    let mut scores = Vec::with_capacity(end);
-    let mut slots = Vec::with_capacity(end);
-    for b in 0..l.blocks_for(end) {
-        let keys = cache.block_slice(layer, 0, kv_head, b);
-        let lim = (end - b * bs).min(bs);
-        for s in 0..lim {
-            let slot = b * bs + s;
-            if visible(slot) {
-                scores.push(kernels::dot(q, &keys[s * hd..(s + 1) * hd]) * scale);
-                slots.push(slot);
+    let nblocks = l.blocks_for(end);
+    // scores[h][slot], whole blocks (slots past `end` are ignored).
+    let mut scores = vec![0f32; group * nblocks * bs];
+    for b in 0..nblocks {
+        let kt = cache.keys_t(layer, kv_head, b);
+        for h in 0..group {
+            let q = &qs[h * hd..(h + 1) * hd];
+            let sc = &mut scores[(h * nblocks + b) * bs..(h * nblocks + b + 1) * bs];
+            for d in 0..hd {
+                let qd = q[d];
+                let krow = &kt[d * bs..(d + 1) * bs];
+                for (s, &k) in sc.iter_mut().zip(krow) {
+                    *s = qd.mul_add(k, *s);
+                }
             }
         }
     }
-    kernels::softmax(&mut scores);
-    out.fill(0.0);
-    for (&p, &slot) in scores.iter().zip(&slots) {
-        let vals = cache.block_slice(layer, 1, kv_head, slot / bs);
-        let v = &vals[(slot % bs) * hd..(slot % bs + 1) * hd];
-        for (o, &vv) in out.iter_mut().zip(v) {
-            *o = p.mul_add(vv, *o);
+    let vis: Vec<usize> = (0..end).filter(|&s| visible(s)).collect();
+    let mut p = vec![0f32; vis.len()];
+    for h in 0..group {
+        let sc = &scores[h * nblocks * bs..(h + 1) * nblocks * bs];
+        for (pv, &s) in p.iter_mut().zip(&vis) {
+            *pv = sc[s] * scale;
+        }
+        kernels::softmax(&mut p);
+        let o = &mut out[h * hd..(h + 1) * hd];
+        o.fill(0.0);
+        for (&pv, &slot) in p.iter().zip(&vis) {
+            let vals = cache.values(layer, kv_head, slot / bs);
+            let v = &vals[(slot % bs) * hd..(slot % bs + 1) * hd];
+            for (ov, &vv) in o.iter_mut().zip(v) {
+                *ov = pv.mul_add(vv, *ov);
+            }
         }
     }
 }

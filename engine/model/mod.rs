@@ -12,6 +12,7 @@ pub mod kernels;
 pub mod kv;
 pub mod llama;
 pub mod load;
+mod simd;
 
 pub use kernels::{QMatrix, WeightFormat};
 pub use kv::{KvCache, KvLayout};
