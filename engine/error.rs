@@ -17,6 +17,10 @@ pub enum SpecdError {
     Tokenizer(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    #[error("overloaded: {0} requests already waiting")]
+    Overloaded(usize),
+    #[error("engine stopped")]
+    EngineStopped,
     #[error("model fetch failed: {0}")]
     Fetch(String),
     #[error(transparent)]

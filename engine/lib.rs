@@ -8,6 +8,7 @@ pub mod fetch;
 pub mod generate;
 pub mod model;
 pub mod sampler;
+pub mod spec;
 pub mod tokenizer;
 
 pub use error::{Result, SpecdError};

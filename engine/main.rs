@@ -6,9 +6,17 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use specd::generate::{generate, GenerateRequest};
 use specd::model::{self, Model};
 use specd::sampler::SamplingParams;
+use specd::spec::actors::{EngineHandle, EngineParts};
+use specd::spec::engine::EngineConfig;
+use specd::spec::ngram::NgramProposer;
+use specd::spec::proposer::Drafter;
+use specd::spec::{Completion, Event, Request};
 use specd::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Parser)]
@@ -68,8 +76,25 @@ impl ModelArgs {
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// The prompt (or use --prompts for a batch).
+    #[arg(long, required_unless_present = "prompts", conflicts_with = "prompts")]
+    prompt: Option<String>,
+    /// JSONL file, one object a line with a `prompt` string; other fields are
+    /// carried into the output. Runs every request through the scheduler.
     #[arg(long)]
-    prompt: String,
+    prompts: Option<PathBuf>,
+    /// Requests running at once in batch mode.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Proposer: none, or a registered name (built in: ngram).
+    #[arg(long, default_value = "none")]
+    proposer: String,
+    /// Cap on drafted tokens per step.
+    #[arg(long, default_value_t = 4)]
+    max_draft: usize,
+    /// Write Prometheus metrics text here when done.
+    #[arg(long)]
+    metrics_out: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -149,33 +174,93 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+fn sampling(a: &GenerateArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repetition_penalty,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
+        seed: a.seed,
+    }
+}
+
+fn encode_prompt(tok: &Tokenizer, text: &str, chat: bool) -> Result<Vec<u32>> {
+    Ok(if chat {
+        let t = tok.apply_chat_template(&[ChatMessage::user(text.to_string())], true)?;
+        tok.encode(&t, false)?
+    } else {
+        tok.encode(text, true)?
+    })
+}
+
+fn builtin_drafter(a: &GenerateArgs) -> Drafter {
+    let mut d = Drafter::new();
+    d.add(Box::new(NgramProposer::new(1, 3, a.max_draft)));
+    d
+}
+
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
     let (path, model) = a.model.load()?;
     let tok = Tokenizer::for_model(&path)?;
-    let text = if a.chat {
-        tok.apply_chat_template(&[ChatMessage::user(a.prompt.clone())], true)?
-    } else {
-        a.prompt.clone()
+    let result = match &a.prompts {
+        None if a.proposer == "none" => generate_plain(&a, &model, &tok),
+        None => {
+            let prompt = a.prompt.clone().unwrap_or_default();
+            run_batch(
+                &a,
+                model,
+                tok,
+                vec![serde_json::json!({ "prompt": prompt })],
+                true,
+            )
+        }
+        Some(file) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let mut rows = Vec::new();
+            for (i, line) in text
+                .lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+            {
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .with_context(|| format!("{}:{}: not a JSON object", file.display(), i + 1))?;
+                if !v.get("prompt").is_some_and(|p| p.is_string()) {
+                    anyhow::bail!(
+                        "{}:{}: missing string field `prompt`",
+                        file.display(),
+                        i + 1
+                    );
+                }
+                rows.push(v);
+            }
+            run_batch(&a, model, tok, rows, false)
+        }
     };
-    let prompt = tok.encode(&text, !a.chat)?;
+    if let Some(out) = &a.metrics_out {
+        std::fs::write(out, metrics.render())
+            .with_context(|| format!("writing {}", out.display()))?;
+    }
+    result
+}
+
+fn generate_plain(a: &GenerateArgs, model: &Model, tok: &Tokenizer) -> Result<()> {
+    let prompt = encode_prompt(tok, a.prompt.as_deref().unwrap_or_default(), a.chat)?;
     let req = GenerateRequest {
         prompt,
-        params: SamplingParams {
-            temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            repetition_penalty: a.repetition_penalty,
-            presence_penalty: a.presence_penalty,
-            frequency_penalty: a.frequency_penalty,
-            seed: a.seed,
-        },
+        params: sampling(a),
         max_tokens: a.max_tokens,
-        stop: a.stop,
+        stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
     };
     let stdout = std::io::stdout();
-    let out = generate(&model, Some(&tok), &req, |t| {
+    let out = generate(model, Some(tok), &req, |t| {
         let mut s = stdout.lock();
         let _ = s.write_all(t.as_bytes());
         let _ = s.flush();
@@ -188,6 +273,147 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         out.finish,
         out.time_to_first_token.as_secs_f64() * 1e3,
         out.decode_tok_per_s()
+    );
+    Ok(())
+}
+
+struct Outcome {
+    completion: Completion,
+    ttft: f64,
+    total: f64,
+}
+
+/// Run `rows` through the actor engine; `stream` prints the single
+/// request's text as it arrives, else one JSON line per request at the end.
+fn run_batch(
+    a: &GenerateArgs,
+    model: Model,
+    tok: Tokenizer,
+    rows: Vec<serde_json::Value>,
+    stream: bool,
+) -> Result<()> {
+    let model = Arc::new(model);
+    let tok = Arc::new(tok);
+    let mut prompts = Vec::with_capacity(rows.len());
+    for r in &rows {
+        prompts.push(encode_prompt(
+            &tok,
+            r["prompt"].as_str().unwrap_or_default(),
+            a.chat,
+        )?);
+    }
+    let mut config = EngineConfig::for_model(&model);
+    config.scheduler.max_running = a.concurrency.max(1);
+    config.scheduler.max_draft = a.max_draft;
+    config.scheduler.max_waiting = rows.len().max(1);
+    let per_seq = model
+        .config
+        .max_seq_len
+        .min(4096)
+        .div_ceil(specd::model::DEFAULT_BLOCK_SIZE);
+    config.kv_blocks = per_seq * config.scheduler.max_running;
+    let drafter = builtin_drafter(a);
+    if a.proposer != "none" && !drafter.has(&a.proposer) {
+        anyhow::bail!(
+            "unknown proposer '{}' (available: none, {})",
+            a.proposer,
+            drafter.names().join(", ")
+        );
+    }
+    let params = sampling(a);
+    let t_all = Instant::now();
+    let outcomes: Vec<Outcome> = actix_rt::System::new().block_on(async {
+        let h = EngineHandle::start(EngineParts {
+            model: model.clone(),
+            tokenizer: Some(tok.clone()),
+            config,
+            drafter,
+        });
+        let mut rxs = Vec::new();
+        for p in prompts {
+            let req = Request {
+                prompt: p,
+                params: params.clone(),
+                max_tokens: a.max_tokens,
+                stop: a.stop.clone(),
+                ignore_eos: a.ignore_eos,
+                proposer: Some(a.proposer.clone()),
+                max_draft: Some(a.max_draft),
+            };
+            rxs.push((Instant::now(), h.submit(req).await?.1));
+        }
+        let mut outcomes = Vec::new();
+        for (start, mut rx) in rxs {
+            let mut ttft = None;
+            loop {
+                match rx.recv().await {
+                    Some(Event::Tokens { text, .. }) => {
+                        ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
+                        if stream {
+                            let mut s = std::io::stdout().lock();
+                            let _ = s.write_all(text.as_bytes());
+                            let _ = s.flush();
+                        }
+                    }
+                    Some(Event::Finished(c)) => {
+                        outcomes.push(Outcome {
+                            completion: c,
+                            ttft: ttft.unwrap_or(0.0),
+                            total: start.elapsed().as_secs_f64(),
+                        });
+                        break;
+                    }
+                    Some(Event::Error(e)) => anyhow::bail!("request failed: {e}"),
+                    None => anyhow::bail!("engine stopped"),
+                }
+            }
+        }
+        Ok(outcomes)
+    })?;
+    let wall = t_all.elapsed().as_secs_f64();
+    if stream {
+        println!();
+    }
+    let mut total_tokens = 0usize;
+    let mut agg = specd::spec::SpecStats::default();
+    for (row, o) in rows.iter().zip(&outcomes) {
+        let c = &o.completion;
+        total_tokens += c.tokens.len();
+        agg.verify_steps += c.stats.verify_steps;
+        agg.drafted += c.stats.drafted;
+        agg.accepted += c.stats.accepted;
+        if !stream {
+            let mut out = row.clone();
+            if let Some(obj) = out.as_object_mut() {
+                obj.remove("prompt");
+                obj.insert("text".into(), c.text.clone().into());
+                obj.insert("prompt_tokens".into(), c.prompt_tokens.into());
+                obj.insert("completion_tokens".into(), c.tokens.len().into());
+                obj.insert("finish_reason".into(), serde_json::to_value(c.finish)?);
+            }
+            println!("{out}");
+        }
+        let decode = (o.total - o.ttft).max(1e-9);
+        eprintln!(
+            "request {}: prompt tokens {}  generated {}  ttft {:.1} ms  {:.1} tok/s  acceptance {:.2}  mean accepted length {:.2}",
+            c.id,
+            c.prompt_tokens,
+            c.tokens.len(),
+            o.ttft * 1e3,
+            c.tokens.len().saturating_sub(1) as f64 / decode,
+            c.stats.acceptance_rate(),
+            c.stats.mean_accepted_len()
+        );
+    }
+    eprintln!(
+        "total: {} requests  {} generated tokens  {:.2} s  {:.1} tok/s  proposer {}  acceptance {:.2}  mean accepted length {:.2}",
+        outcomes.len(),
+        total_tokens,
+        wall,
+        total_tokens as f64 / wall,
+        a.proposer,
+        agg.acceptance_rate(),
+        agg.mean_accepted_len()
     );
     Ok(())
 }

@@ -1,0 +1,223 @@
+//! KV memory accounting in fixed-size blocks, for the target cache and any
+//! draft cache, with one reserve / commit / free vocabulary for all of them.
+//!
+//! Invariants:
+//! - `used <= capacity` for every pool, always.
+//! - A sequence holds exactly `blocks_for(reserved_len)` blocks per pool;
+//!   `reserve` raises that length before a step (all-or-nothing across
+//!   pools), `commit` lowers it to the committed length after (rollback of
+//!   rejected positions), `free` returns everything.
+//! - Nothing here touches tensors: the owners of the caches apply the same
+//!   lengths (`KvCache::truncate`), so accounting and memory agree.
+
+use std::collections::HashMap;
+
+use super::SeqId;
+
+/// Which cache a reservation is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pool {
+    Target,
+    Draft,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub used_blocks: usize,
+    pub capacity_blocks: usize,
+    pub block_size: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("KV cache full: {pool:?} pool needs {needed} more blocks, {free} free")]
+pub struct OutOfBlocks {
+    pub pool: Pool,
+    pub needed: usize,
+    pub free: usize,
+}
+
+#[derive(Debug)]
+struct PoolState {
+    block_size: usize,
+    capacity: usize,
+    used: usize,
+    /// Reserved token length per sequence.
+    lens: HashMap<SeqId, usize>,
+}
+
+impl PoolState {
+    fn blocks(&self, len: usize) -> usize {
+        len.div_ceil(self.block_size)
+    }
+
+    fn held(&self, seq: SeqId) -> usize {
+        self.blocks(self.lens.get(&seq).copied().unwrap_or(0))
+    }
+}
+
+#[derive(Debug)]
+pub struct KvManager {
+    pools: HashMap<Pool, PoolState>,
+}
+
+impl KvManager {
+    /// A manager for the target cache only.
+    pub fn new(block_size: usize, capacity_blocks: usize) -> Self {
+        let mut pools = HashMap::new();
+        pools.insert(
+            Pool::Target,
+            PoolState {
+                block_size,
+                capacity: capacity_blocks,
+                used: 0,
+                lens: HashMap::new(),
+            },
+        );
+        Self { pools }
+    }
+
+    /// Add (or resize) the draft pool.
+    pub fn with_draft_pool(mut self, block_size: usize, capacity_blocks: usize) -> Self {
+        self.pools.insert(
+            Pool::Draft,
+            PoolState {
+                block_size,
+                capacity: capacity_blocks,
+                used: 0,
+                lens: HashMap::new(),
+            },
+        );
+        self
+    }
+
+    pub fn usage(&self, pool: Pool) -> Option<PoolUsage> {
+        self.pools.get(&pool).map(|p| PoolUsage {
+            used_blocks: p.used,
+            capacity_blocks: p.capacity,
+            block_size: p.block_size,
+        })
+    }
+
+    /// Blocks a sequence would need for `len` tokens in `pool`, beyond what
+    /// it holds.
+    pub fn extra_blocks(&self, pool: Pool, seq: SeqId, len: usize) -> usize {
+        self.pools
+            .get(&pool)
+            .map(|p| p.blocks(len).saturating_sub(p.held(seq)))
+            .unwrap_or(0)
+    }
+
+    /// Blocks `len` tokens occupy in `pool`.
+    pub fn blocks_for(&self, pool: Pool, len: usize) -> usize {
+        self.pools.get(&pool).map(|p| p.blocks(len)).unwrap_or(0)
+    }
+
+    pub fn free_blocks(&self, pool: Pool) -> usize {
+        self.pools
+            .get(&pool)
+            .map(|p| p.capacity - p.used)
+            .unwrap_or(0)
+    }
+
+    /// Raise `seq`'s reserved lengths (never lowers). All-or-nothing.
+    pub fn reserve(&mut self, seq: SeqId, wants: &[(Pool, usize)]) -> Result<(), OutOfBlocks> {
+        for &(pool, len) in wants {
+            let Some(p) = self.pools.get(&pool) else {
+                continue;
+            };
+            let extra = p.blocks(len).saturating_sub(p.held(seq));
+            if extra > p.capacity - p.used {
+                return Err(OutOfBlocks {
+                    pool,
+                    needed: extra,
+                    free: p.capacity - p.used,
+                });
+            }
+        }
+        for &(pool, len) in wants {
+            let Some(p) = self.pools.get_mut(&pool) else {
+                continue;
+            };
+            let cur = p.lens.get(&seq).copied().unwrap_or(0);
+            if len > cur {
+                let extra = p.blocks(len) - p.blocks(cur);
+                p.used += extra;
+                p.lens.insert(seq, len);
+            }
+        }
+        Ok(())
+    }
+
+    /// Set `seq`'s length in `pool` to the committed `len` (rollback of
+    /// rejected positions releases their blocks).
+    pub fn commit(&mut self, seq: SeqId, pool: Pool, len: usize) {
+        let Some(p) = self.pools.get_mut(&pool) else {
+            return;
+        };
+        let cur = p.lens.get(&seq).copied().unwrap_or(0);
+        let (old_b, new_b) = (p.blocks(cur), p.blocks(len));
+        if new_b > old_b {
+            // Committing more than was reserved is a caller bug; account
+            // for it rather than let `used` drift.
+            p.used += new_b - old_b;
+        } else {
+            p.used -= old_b - new_b;
+        }
+        p.lens.insert(seq, len);
+    }
+
+    /// Release every block `seq` holds.
+    pub fn free(&mut self, seq: SeqId) {
+        for p in self.pools.values_mut() {
+            if let Some(len) = p.lens.remove(&seq) {
+                p.used -= p.blocks(len);
+            }
+        }
+    }
+
+    /// Sequences holding blocks.
+    pub fn holders(&self) -> usize {
+        self.pools
+            .get(&Pool::Target)
+            .map(|p| p.lens.len())
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_commit_free_keep_usage_exact() {
+        let mut kv = KvManager::new(16, 10).with_draft_pool(16, 4);
+        kv.reserve(1, &[(Pool::Target, 40), (Pool::Draft, 20)])
+            .unwrap();
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3);
+        assert_eq!(kv.usage(Pool::Draft).unwrap().used_blocks, 2);
+        // Verify wrote 8 speculative slots; only 2 were accepted.
+        kv.reserve(1, &[(Pool::Target, 48)]).unwrap();
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3);
+        kv.reserve(1, &[(Pool::Target, 50)]).unwrap();
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 4);
+        kv.commit(1, Pool::Target, 42);
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3);
+        kv.free(1);
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 0);
+        assert_eq!(kv.usage(Pool::Draft).unwrap().used_blocks, 0);
+        assert_eq!(kv.holders(), 0);
+    }
+
+    #[test]
+    fn reserve_is_all_or_nothing() {
+        let mut kv = KvManager::new(16, 4).with_draft_pool(16, 1);
+        let err = kv
+            .reserve(7, &[(Pool::Target, 32), (Pool::Draft, 40)])
+            .unwrap_err();
+        assert_eq!(err.pool, Pool::Draft);
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 0);
+        let err = kv.reserve(7, &[(Pool::Target, 100)]).unwrap_err();
+        assert_eq!((err.needed, err.free), (7, 4));
+        assert!(err.to_string().contains("KV cache full"));
+    }
+}

@@ -1,0 +1,321 @@
+//! The host-side proposer interface and the `Drafter` that owns proposers.
+//!
+//! Invariants:
+//! - A proposer failure (error or panic) poisons that proposer: its
+//!   sequences continue with plain decoding (empty drafts), never lost.
+//! - Drafts are capped at the smaller of the proposer's, the request's and
+//!   the scheduler's limit; a proposer that returns more is truncated.
+//! - A proposer sees only what its capabilities declare: token history
+//!   always, target hidden states only for the layers it asked for.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::SeqId;
+use crate::sampler::{Distribution, SamplingParams};
+
+/// How a proposer describes its draft distribution q.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QKind {
+    /// Deterministic proposers: q = delta(draft token).
+    OneHot,
+    /// Top entries of q; the rest has probability 0.
+    Sparse,
+    /// q over the whole vocabulary.
+    Full,
+}
+
+/// What a proposer declares about itself.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Capabilities {
+    /// Target layers whose hidden states it needs (see `model::SeqOutput`).
+    pub hidden_layers: Vec<usize>,
+    pub q_kind: QKind,
+    pub max_draft: usize,
+    /// Emits token trees (parent indices) rather than linear chains.
+    pub tree: bool,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Self {
+            hidden_layers: Vec::new(),
+            q_kind: QKind::OneHot,
+            max_draft: 4,
+            tree: false,
+        }
+    }
+}
+
+/// The draft distribution at one draft position.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DraftQ {
+    OneHot,
+    Sparse(Distribution),
+    /// Dense probabilities over the vocabulary.
+    Full(Vec<f32>),
+}
+
+impl DraftQ {
+    /// q(token) given that `drafted` was the drafted token.
+    pub fn prob(&self, drafted: u32, token: u32) -> f32 {
+        match self {
+            DraftQ::OneHot => f32::from(token == drafted),
+            DraftQ::Sparse(d) => d.prob(token),
+            DraftQ::Full(v) => v.get(token as usize).copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// One sequence's drafted tokens, with q for each.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Draft {
+    pub tokens: Vec<u32>,
+    /// Same length as `tokens`.
+    pub q: Vec<DraftQ>,
+}
+
+/// One sequence's input to `propose`.
+#[derive(Debug)]
+pub struct ProposeInput<'a> {
+    pub seq: SeqId,
+    /// Committed tokens (prompt and output), ending with the token the next
+    /// verify will feed first.
+    pub tokens: &'a [u32],
+    pub max_draft: usize,
+    pub params: &'a SamplingParams,
+    /// Hidden states of the declared layers for the positions committed by
+    /// the last verify (`(layer, rows x hidden)`); empty if none.
+    pub hidden: &'a [(usize, Vec<f32>)],
+}
+
+/// A drafting strategy. Implementations live in the engine (built-ins and
+/// test proposers) or behind the plugin ABI.
+pub trait Proposer: Send {
+    fn name(&self) -> &str;
+    fn capabilities(&self) -> Capabilities;
+    /// A sequence starts (or restarts after preemption) with `prompt`.
+    fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String>;
+    /// Draft for every sequence in `batch` in one call.
+    fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String>;
+    /// Tokens committed for `seq` by the last step.
+    fn observe(&mut self, seq: SeqId, committed: &[u32]);
+    fn finish(&mut self, seq: SeqId);
+}
+
+struct Slot {
+    proposer: Box<dyn Proposer>,
+    caps: Capabilities,
+    poisoned: Option<String>,
+}
+
+/// Owns the proposers; one `propose` call per proposer per step.
+pub struct Drafter {
+    slots: HashMap<String, Slot>,
+    seqs: HashMap<SeqId, String>,
+}
+
+impl std::fmt::Debug for Drafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drafter")
+            .field("proposers", &self.slots.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".into()
+    }
+}
+
+impl Default for Drafter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drafter {
+    pub fn new() -> Self {
+        Self {
+            slots: HashMap::new(),
+            seqs: HashMap::new(),
+        }
+    }
+
+    /// Register a proposer under its name (replacing one of the same name).
+    pub fn add(&mut self, proposer: Box<dyn Proposer>) {
+        let caps = proposer.capabilities();
+        self.slots.insert(
+            proposer.name().to_string(),
+            Slot {
+                proposer,
+                caps,
+                poisoned: None,
+            },
+        );
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.slots.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.slots.contains_key(name)
+    }
+
+    pub fn capabilities(&self, name: &str) -> Option<&Capabilities> {
+        self.slots.get(name).map(|s| &s.caps)
+    }
+
+    /// Why `name` was poisoned, if it was.
+    pub fn poisoned(&self, name: &str) -> Option<&str> {
+        self.slots.get(name).and_then(|s| s.poisoned.as_deref())
+    }
+
+    fn poison(slot: &mut Slot, name: &str, why: String) {
+        tracing::warn!(proposer = name, reason = %why, "proposer failed; its sequences continue without speculation");
+        metrics::counter!("specd_proposer_failures_total", "proposer" => name.to_string())
+            .increment(1);
+        slot.poisoned = Some(why);
+    }
+
+    /// Attach `seq` to proposer `name` (must exist).
+    pub fn start(&mut self, seq: SeqId, name: &str, prompt: &[u32]) {
+        self.seqs.insert(seq, name.to_string());
+        if let Some(slot) = self.slots.get_mut(name) {
+            if slot.poisoned.is_some() {
+                return;
+            }
+            match catch_unwind(AssertUnwindSafe(|| slot.proposer.start(seq, prompt))) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => Self::poison(slot, name, format!("start: {e}")),
+                Err(p) => Self::poison(slot, name, format!("start panicked: {}", panic_message(p))),
+            }
+        }
+    }
+
+    /// The proposer a sequence drafts with (if any).
+    pub fn proposer_of(&self, seq: SeqId) -> Option<&str> {
+        self.seqs.get(&seq).map(|s| s.as_str())
+    }
+
+    /// Hidden-state layers wanted for `seq` by its proposer.
+    pub fn hidden_layers(&self, seq: SeqId) -> &[usize] {
+        self.seqs
+            .get(&seq)
+            .and_then(|n| self.slots.get(n))
+            .filter(|s| s.poisoned.is_none())
+            .map(|s| s.caps.hidden_layers.as_slice())
+            .unwrap_or(&[])
+    }
+
+    /// Draft for every input; sequences of a poisoned or failing proposer
+    /// get empty drafts. Output is in input order.
+    pub fn propose(&mut self, inputs: &[ProposeInput<'_>]) -> Vec<Draft> {
+        let mut out = vec![Draft::default(); inputs.len()];
+        let mut by_name: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, inp) in inputs.iter().enumerate() {
+            if inp.max_draft == 0 {
+                continue;
+            }
+            if let Some(name) = self.seqs.get(&inp.seq) {
+                by_name.entry(name.as_str()).or_default().push(i);
+            }
+        }
+        let names: Vec<(String, Vec<usize>)> = by_name
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), v))
+            .collect();
+        for (name, idx) in names {
+            let Some(slot) = self.slots.get_mut(&name) else {
+                continue;
+            };
+            if slot.poisoned.is_some() {
+                continue;
+            }
+            let cap = slot.caps.max_draft;
+            let batch: Vec<ProposeInput<'_>> = idx
+                .iter()
+                .map(|&i| ProposeInput {
+                    seq: inputs[i].seq,
+                    tokens: inputs[i].tokens,
+                    max_draft: inputs[i].max_draft.min(cap),
+                    params: inputs[i].params,
+                    hidden: inputs[i].hidden,
+                })
+                .collect();
+            match catch_unwind(AssertUnwindSafe(|| slot.proposer.propose(&batch))) {
+                Ok(Ok(drafts)) if drafts.len() == batch.len() => {
+                    for ((&i, mut d), b) in idx.iter().zip(drafts).zip(&batch) {
+                        let n = d.tokens.len().min(d.q.len()).min(b.max_draft);
+                        d.tokens.truncate(n);
+                        d.q.truncate(n);
+                        out[i] = d;
+                    }
+                }
+                Ok(Ok(drafts)) => Self::poison(
+                    slot,
+                    &name,
+                    format!(
+                        "propose returned {} drafts for {} sequences",
+                        drafts.len(),
+                        batch.len()
+                    ),
+                ),
+                Ok(Err(e)) => Self::poison(slot, &name, format!("propose: {e}")),
+                Err(p) => Self::poison(
+                    slot,
+                    &name,
+                    format!("propose panicked: {}", panic_message(p)),
+                ),
+            }
+        }
+        out
+    }
+
+    pub fn observe(&mut self, seq: SeqId, committed: &[u32]) {
+        let Some(name) = self.seqs.get(&seq) else {
+            return;
+        };
+        let Some(slot) = self.slots.get_mut(name.as_str()) else {
+            return;
+        };
+        if slot.poisoned.is_some() {
+            return;
+        }
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| slot.proposer.observe(seq, committed))) {
+            let name = name.clone();
+            Self::poison(
+                slot,
+                &name,
+                format!("observe panicked: {}", panic_message(p)),
+            );
+        }
+    }
+
+    pub fn finish(&mut self, seq: SeqId) {
+        let Some(name) = self.seqs.remove(&seq) else {
+            return;
+        };
+        let Some(slot) = self.slots.get_mut(name.as_str()) else {
+            return;
+        };
+        if slot.poisoned.is_some() {
+            return;
+        }
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| slot.proposer.finish(seq))) {
+            Self::poison(
+                slot,
+                &name,
+                format!("finish panicked: {}", panic_message(p)),
+            );
+        }
+    }
+}

@@ -1,0 +1,661 @@
+//! Sequence states, admission, continuous batching under a token budget,
+//! preemption by recompute, and token-by-token stop handling.
+//!
+//! Invariants:
+//! - A running sequence's target cache holds every committed token but the
+//!   last (`cached == tokens.len() - 1` while decoding); a decode step feeds
+//!   `[last, drafts..]` and commits `cached + 1 + accepted`.
+//! - Prefill covers `tokens[..len - 1]` in chunks; the first generated token
+//!   comes from the first verify step, so fresh and preempted-then-resumed
+//!   sequences take the same path (and batch invariance makes their greedy
+//!   output identical).
+//! - Tokens are committed one at a time: EOS, a stop string or max_tokens
+//!   ends the sequence and every later token of the accepted run is dropped,
+//!   never emitted.
+//! - Every step's batch costs at most `max_batch_tokens` tokens, and decode
+//!   steps of running sequences come before new prefill work.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::accept::Accepted;
+use super::{Completion, Event, Request, SeqId, SpecStats};
+use crate::error::{Result, SpecdError};
+use crate::sampler::{FinishReason, SamplingParams, StopBuffer};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Tokens one step may feed the target (prefill chunks plus verifies).
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+    /// Draft cap per step when neither request nor proposer says less.
+    pub max_draft: usize,
+    /// Proposer for requests that name none (`None`: plain decoding).
+    pub default_proposer: Option<String>,
+    /// Longest context the model takes.
+    pub max_seq_len: usize,
+    pub eos_token_ids: Vec<u32>,
+    /// Waiting requests beyond which `add` refuses new ones.
+    pub max_waiting: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_tokens: 512,
+            max_running: 16,
+            max_draft: 4,
+            default_proposer: None,
+            max_seq_len: 2048,
+            eos_token_ids: Vec::new(),
+            max_waiting: 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Prefill,
+    Decoding,
+    Finished,
+    Aborted,
+}
+
+#[derive(Debug)]
+pub struct Sequence {
+    pub id: SeqId,
+    pub req: Request,
+    pub status: SeqStatus,
+    /// Committed tokens: prompt then output.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens in the target cache.
+    pub cached: usize,
+    pub text: String,
+    pub stats: SpecStats,
+    pub preemptions: u32,
+    /// Proposer in use (`None`: plain decoding).
+    pub proposer: Option<String>,
+    stop: StopBuffer,
+    detok: StreamDecoder,
+    sink: Option<UnboundedSender<Event>>,
+    /// Hidden states of the last verify's committed positions.
+    pub hidden: Vec<(usize, Vec<f32>)>,
+    finish: Option<FinishReason>,
+}
+
+impl Sequence {
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    fn prefill_target(&self) -> usize {
+        self.tokens.len() - 1
+    }
+
+    fn send(&self, ev: Event) {
+        if let Some(s) = &self.sink {
+            let _ = s.send(ev);
+        }
+    }
+}
+
+/// Borrowed view of a sequence for the draft and accept stages.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqView<'a> {
+    pub tokens: &'a [u32],
+    pub params: &'a SamplingParams,
+    pub hidden: &'a [(usize, Vec<f32>)],
+}
+
+/// What one planned sequence does this step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Work {
+    /// Feed these prompt tokens; no logits.
+    Prefill(Vec<u32>),
+    /// Feed the last committed token plus up to `max_draft` drafts.
+    Decode { last: u32, max_draft: usize },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanItem {
+    pub seq: SeqId,
+    /// Cache length before this step (the verifier truncates to it).
+    pub cache_len: usize,
+    pub work: Work,
+}
+
+/// Reservation a plan item needs: tokens in the target cache after the step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Want {
+    pub seq: SeqId,
+    pub len: usize,
+}
+
+/// Bookkeeping the other stages need at the start of a step.
+#[derive(Debug, Default)]
+pub struct Lifecycle {
+    /// (seq, proposer, committed tokens) to start in the drafter.
+    pub starts: Vec<(SeqId, String, Vec<u32>)>,
+    /// Sequences whose target cache and proposer state go away (finished,
+    /// aborted or preempted).
+    pub released: Vec<SeqId>,
+    /// Sequences that are gone for good (their sampler state goes too).
+    pub ended: Vec<SeqId>,
+}
+
+/// A decode result handed back to the scheduler.
+#[derive(Debug)]
+pub struct DecodeResult {
+    pub seq: SeqId,
+    pub drafted: usize,
+    pub accepted: Accepted,
+    /// Hidden states of every verified row (`(layer, rows x hidden)`).
+    pub hidden: Vec<(usize, Vec<f32>)>,
+}
+
+/// What commit tells the other stages.
+#[derive(Debug, Default)]
+pub struct Committed {
+    /// (seq, committed target cache length).
+    pub lens: Vec<(SeqId, usize)>,
+    /// (seq, newly committed tokens) for the drafter.
+    pub observed: Vec<(SeqId, Vec<u32>)>,
+    pub finished: Vec<Completion>,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    pub config: SchedulerConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+    seqs: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    /// Running sequences in admission order (earliest first).
+    running: Vec<SeqId>,
+    next_id: SeqId,
+    lifecycle: Lifecycle,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig, tokenizer: Option<Arc<Tokenizer>>) -> Self {
+        Self {
+            config,
+            tokenizer,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            lifecycle: Lifecycle::default(),
+        }
+    }
+
+    /// Validate and queue a request. `known` tells whether a proposer name
+    /// exists.
+    pub fn add(
+        &mut self,
+        req: Request,
+        sink: Option<UnboundedSender<Event>>,
+        known: impl Fn(&str) -> bool,
+    ) -> Result<SeqId> {
+        req.params.validate()?;
+        if req.prompt.is_empty() {
+            return Err(SpecdError::InvalidRequest("prompt is empty".into()));
+        }
+        if req.max_tokens == 0 {
+            return Err(SpecdError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        let needed = req.prompt.len() + req.max_tokens;
+        if needed > self.config.max_seq_len {
+            return Err(SpecdError::ContextOverflow {
+                needed,
+                limit: self.config.max_seq_len,
+            });
+        }
+        if !req.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(SpecdError::InvalidRequest(
+                "stop strings need a tokenizer".into(),
+            ));
+        }
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(SpecdError::Overloaded(self.waiting.len()));
+        }
+        let proposer = match req.proposer.as_deref() {
+            Some("none") => None,
+            Some(name) => {
+                if !known(name) {
+                    return Err(SpecdError::InvalidRequest(format!(
+                        "unknown proposer '{name}'"
+                    )));
+                }
+                Some(name.to_string())
+            }
+            None => self.config.default_proposer.clone().filter(|n| known(n)),
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let seq = Sequence {
+            id,
+            tokens: req.prompt.clone(),
+            prompt_len: req.prompt.len(),
+            status: SeqStatus::Waiting,
+            cached: 0,
+            text: String::new(),
+            stats: SpecStats {
+                proposer: proposer.clone().unwrap_or_else(|| "none".into()),
+                ..Default::default()
+            },
+            preemptions: 0,
+            proposer,
+            stop: StopBuffer::new(req.stop.clone()),
+            detok: StreamDecoder::new(),
+            sink,
+            hidden: Vec::new(),
+            finish: None,
+            req,
+        };
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
+        Ok(id)
+    }
+
+    pub fn get(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.lifecycle.released.is_empty()
+    }
+
+    /// Ids of every live (waiting or running) request.
+    pub fn live(&self) -> Vec<SeqId> {
+        self.seqs.keys().copied().collect()
+    }
+
+    /// Abort a request: it finishes with `Aborted` and its resources are
+    /// released at the next step. Unknown or finished ids are ignored.
+    pub fn abort(&mut self, id: SeqId) -> bool {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        if matches!(seq.status, SeqStatus::Finished | SeqStatus::Aborted) {
+            return false;
+        }
+        seq.status = SeqStatus::Aborted;
+        seq.finish = Some(FinishReason::Aborted);
+        self.waiting.retain(|&w| w != id);
+        if self.running.contains(&id) {
+            self.running.retain(|&r| r != id);
+        }
+        self.lifecycle.released.push(id);
+        self.lifecycle.ended.push(id);
+        let c = self.completion(id);
+        if let Some(s) = self.seqs.get(&id) {
+            s.send(Event::Finished(c));
+        }
+        self.seqs.remove(&id);
+        metrics::counter!("specd_requests_total", "finish" => "aborted").increment(1);
+        true
+    }
+
+    /// Fail a request (e.g. its forward errored): the client gets the error
+    /// and its resources are released at the next step.
+    pub fn fail(&mut self, id: SeqId, why: &str) {
+        if let Some(s) = self.seqs.remove(&id) {
+            s.send(Event::Error(why.to_string()));
+            self.waiting.retain(|&w| w != id);
+            self.running.retain(|&r| r != id);
+            self.lifecycle.released.push(id);
+            self.lifecycle.ended.push(id);
+            metrics::counter!("specd_requests_total", "finish" => "error").increment(1);
+        }
+    }
+
+    fn completion(&self, id: SeqId) -> Completion {
+        let s = &self.seqs[&id];
+        Completion {
+            id,
+            tokens: s.generated().to_vec(),
+            text: s.text.clone(),
+            finish: s.finish.unwrap_or(FinishReason::Length),
+            prompt_tokens: s.prompt_len,
+            stats: s.stats.clone(),
+            preemptions: s.preemptions,
+        }
+    }
+
+    fn max_draft_for(&self, s: &Sequence, proposer_cap: Option<usize>) -> usize {
+        if s.proposer.is_none() {
+            return 0;
+        }
+        let mut k = self.config.max_draft;
+        if let Some(m) = s.req.max_draft {
+            k = k.min(m);
+        }
+        if let Some(c) = proposer_cap {
+            k = k.min(c);
+        }
+        // No drafts past max_tokens or the context.
+        let left = s.req.max_tokens.saturating_sub(s.generated().len());
+        k = k.min(left.saturating_sub(1));
+        k.min(self.config.max_seq_len.saturating_sub(s.cached + 1))
+    }
+
+    /// Step 1: admit waiting requests and list what each running sequence
+    /// wants this step, in priority order (decodes in admission order, then
+    /// prefills). `cap(name)` is a proposer's max draft.
+    pub fn wants(&mut self, cap: impl Fn(&str) -> Option<usize>) -> (Vec<PlanItem>, Vec<Want>) {
+        // Admission (FCFS): new sequences start prefilling.
+        while self.running.len() < self.config.max_running {
+            let Some(id) = self.waiting.pop_front() else {
+                break;
+            };
+            let s = self.seqs.get_mut(&id).expect("waiting seq exists");
+            s.status = SeqStatus::Prefill;
+            s.cached = 0;
+            if let Some(p) = &s.proposer {
+                self.lifecycle
+                    .starts
+                    .push((id, p.clone(), s.tokens.clone()));
+            }
+            self.running.push(id);
+        }
+        metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
+        let mut budget = self.config.max_batch_tokens;
+        let mut items = Vec::new();
+        let mut wants = Vec::new();
+        // Sequences whose prefill is done decode this step.
+        for &id in &self.running {
+            let s = self.seqs.get_mut(&id).expect("running seq exists");
+            if s.status == SeqStatus::Prefill && s.cached >= s.prefill_target() {
+                s.status = SeqStatus::Decoding;
+            }
+        }
+        for &id in &self.running {
+            let s = &self.seqs[&id];
+            if s.status != SeqStatus::Decoding || budget == 0 {
+                continue;
+            }
+            let pcap = s.proposer.as_deref().and_then(&cap);
+            let k = self.max_draft_for(s, pcap).min(budget - 1);
+            budget -= 1 + k;
+            items.push(PlanItem {
+                seq: id,
+                cache_len: s.cached,
+                work: Work::Decode {
+                    last: *s.tokens.last().expect("non-empty"),
+                    max_draft: k,
+                },
+            });
+            wants.push(Want {
+                seq: id,
+                len: s.cached + 1 + k,
+            });
+        }
+        for &id in &self.running {
+            let s = &self.seqs[&id];
+            if s.status != SeqStatus::Prefill || budget == 0 {
+                continue;
+            }
+            let n = (s.prefill_target() - s.cached).min(budget);
+            budget -= n;
+            items.push(PlanItem {
+                seq: id,
+                cache_len: s.cached,
+                work: Work::Prefill(s.tokens[s.cached..s.cached + n].to_vec()),
+            });
+            wants.push(Want {
+                seq: id,
+                len: s.cached + n,
+            });
+        }
+        (items, wants)
+    }
+
+    /// Step 2: apply the KV manager's grant. Preempted sequences go back to
+    /// the front of the queue to be recomputed; deferred ones sit out this
+    /// step; sequences that can never fit fail.
+    pub fn apply_grant(&mut self, items: Vec<PlanItem>, grant: &Grant) -> Vec<PlanItem> {
+        for &id in grant.preempted.iter().rev() {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.status = SeqStatus::Waiting;
+                s.cached = 0;
+                s.hidden.clear();
+                s.preemptions += 1;
+                self.running.retain(|&r| r != id);
+                self.waiting.push_front(id);
+                self.lifecycle.released.push(id);
+                metrics::counter!("specd_preemptions_total").increment(1);
+            }
+        }
+        for &id in &grant.too_big {
+            if let Some(s) = self.seqs.get(&id) {
+                s.send(Event::Error(format!(
+                    "request needs more KV cache than the whole budget ({} tokens)",
+                    s.tokens.len() + s.req.max_tokens
+                )));
+            }
+            self.running.retain(|&r| r != id);
+            self.lifecycle.released.push(id);
+            self.lifecycle.ended.push(id);
+            self.seqs.remove(&id);
+        }
+        items
+            .into_iter()
+            .filter(|it| grant.granted.contains(&it.seq))
+            .collect()
+    }
+
+    /// Lifecycle work the other stages must apply before this step runs.
+    pub fn take_lifecycle(&mut self) -> Lifecycle {
+        std::mem::take(&mut self.lifecycle)
+    }
+
+    /// Committed tokens, params and hidden states the drafter and sampler
+    /// need for `id`.
+    pub fn seq_view(&self, id: SeqId) -> Option<SeqView<'_>> {
+        self.seqs.get(&id).map(|s| SeqView {
+            tokens: &s.tokens,
+            params: &s.req.params,
+            hidden: &s.hidden,
+        })
+    }
+
+    pub fn prompt_len(&self, id: SeqId) -> usize {
+        self.seqs.get(&id).map(|s| s.prompt_len).unwrap_or(0)
+    }
+
+    /// Step 3: commit a step's results, token by token.
+    pub fn commit(
+        &mut self,
+        prefilled: &[(SeqId, usize)],
+        decoded: Vec<DecodeResult>,
+    ) -> Committed {
+        let mut out = Committed::default();
+        for &(id, n) in prefilled {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.cached += n;
+                out.lens.push((id, s.cached));
+            }
+        }
+        for r in decoded {
+            let Some(s) = self.seqs.get_mut(&r.seq) else {
+                continue;
+            };
+            let st = &mut s.stats;
+            st.verify_steps += 1;
+            st.drafted += r.drafted as u64;
+            st.accepted += r.accepted.accepted as u64;
+            if st.drafted_by_pos.len() < r.drafted {
+                st.drafted_by_pos.resize(r.drafted, 0);
+                st.accepted_by_pos.resize(r.drafted, 0);
+            }
+            for i in 0..r.drafted {
+                st.drafted_by_pos[i] += 1;
+                if i < r.accepted.accepted {
+                    st.accepted_by_pos[i] += 1;
+                }
+            }
+            record_step_metrics(&st.proposer, r.drafted, r.accepted.accepted);
+            let mut new_ids = Vec::new();
+            let mut new_text = String::new();
+            for &t in &r.accepted.tokens {
+                if !s.req.ignore_eos && self.config.eos_token_ids.contains(&t) {
+                    s.finish = Some(FinishReason::Stop);
+                    break;
+                }
+                s.tokens.push(t);
+                new_ids.push(t);
+                if let Some(tok) = &self.tokenizer {
+                    let piece = s.detok.push(tok, t).unwrap_or_default();
+                    let emit = s.stop.push(&piece);
+                    new_text.push_str(&emit);
+                    if s.stop.stopped() {
+                        s.finish = Some(FinishReason::Stop);
+                        break;
+                    }
+                }
+                if s.generated().len() >= s.req.max_tokens {
+                    s.finish = Some(FinishReason::Length);
+                    break;
+                }
+            }
+            if s.finish.is_some() {
+                if let Some(tok) = &self.tokenizer {
+                    if !s.stop.stopped() {
+                        let rest = s.detok.flush(tok).unwrap_or_default();
+                        new_text.push_str(&s.stop.push(&rest));
+                        if !s.stop.stopped() {
+                            new_text.push_str(&s.stop.finish());
+                        }
+                    }
+                }
+            }
+            s.text.push_str(&new_text);
+            metrics::counter!("specd_generated_tokens_total", "proposer" => s.stats.proposer.clone())
+                .increment(new_ids.len() as u64);
+            if !new_ids.is_empty() || !new_text.is_empty() {
+                s.send(Event::Tokens {
+                    ids: new_ids.clone(),
+                    text: new_text,
+                });
+            }
+            // Cache keeps [last, accepted drafts]; the newest token is fed next.
+            s.cached += 1 + r.accepted.accepted;
+            s.hidden = r
+                .hidden
+                .into_iter()
+                .map(|(l, h)| {
+                    let width = h.len() / (r.drafted + 1).max(1);
+                    (l, h[..width * (r.accepted.accepted + 1)].to_vec())
+                })
+                .collect();
+            if s.finish.is_some() {
+                s.status = SeqStatus::Finished;
+                let id = s.id;
+                self.running.retain(|&x| x != id);
+                self.lifecycle.released.push(id);
+                self.lifecycle.ended.push(id);
+                let c = self.completion(id);
+                let reason = match c.finish {
+                    FinishReason::Stop => "stop",
+                    FinishReason::Length => "length",
+                    FinishReason::Aborted => "aborted",
+                };
+                metrics::counter!("specd_requests_total", "finish" => reason).increment(1);
+                if let Some(s) = self.seqs.get(&id) {
+                    s.send(Event::Finished(c.clone()));
+                }
+                self.seqs.remove(&id);
+                out.finished.push(c);
+            } else {
+                out.lens.push((s.id, s.cached));
+                out.observed.push((s.id, new_ids));
+            }
+        }
+        out
+    }
+}
+
+/// The KV manager's answer to a step's wants.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Grant {
+    pub granted: Vec<SeqId>,
+    /// Evicted to make room; recompute later.
+    pub preempted: Vec<SeqId>,
+    /// Did not fit this step; keep their blocks and wait.
+    pub deferred: Vec<SeqId>,
+    /// Cannot fit even with the cache to themselves.
+    pub too_big: Vec<SeqId>,
+}
+
+/// Grant `wants` (highest priority first) from `kv`, evicting the lowest
+/// priority holders when blocks run out.
+pub fn grant(kv: &mut super::kv_manager::KvManager, wants: &[Want]) -> Grant {
+    use super::kv_manager::Pool;
+    let mut g = Grant::default();
+    let capacity = kv
+        .usage(Pool::Target)
+        .map(|u| u.capacity_blocks)
+        .unwrap_or(0);
+    // Lower-priority wants not yet granted: eviction candidates, last first.
+    let mut evictable: Vec<SeqId> = wants.iter().map(|w| w.seq).collect();
+    for w in wants {
+        if g.preempted.contains(&w.seq) {
+            continue;
+        }
+        evictable.retain(|&s| s != w.seq);
+        if kv.blocks_for(Pool::Target, w.len) > capacity {
+            kv.free(w.seq);
+            g.too_big.push(w.seq);
+            continue;
+        }
+        loop {
+            if kv.reserve(w.seq, &[(Pool::Target, w.len)]).is_ok() {
+                g.granted.push(w.seq);
+                break;
+            }
+            match evictable.pop() {
+                Some(victim) => {
+                    kv.free(victim);
+                    g.preempted.push(victim);
+                }
+                None => {
+                    g.deferred.push(w.seq);
+                    break;
+                }
+            }
+        }
+    }
+    g
+}
+
+fn record_step_metrics(proposer: &str, drafted: usize, accepted: usize) {
+    let p = proposer.to_string();
+    metrics::counter!("specd_verify_steps_total", "proposer" => p.clone()).increment(1);
+    metrics::counter!("specd_drafted_tokens_total", "proposer" => p.clone())
+        .increment(drafted as u64);
+    metrics::counter!("specd_accepted_tokens_total", "proposer" => p.clone())
+        .increment(accepted as u64);
+    metrics::histogram!("specd_accepted_length", "proposer" => p.clone())
+        .record((accepted + 1) as f64);
+    for i in 0..accepted {
+        metrics::counter!("specd_accepted_tokens_by_position_total", "proposer" => p.clone(), "position" => i.to_string())
+            .increment(1);
+    }
+}

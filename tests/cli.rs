@@ -1,0 +1,94 @@
+//! The `specd` binary end to end on the default model.
+
+mod common;
+
+use std::process::Command;
+
+fn specd(args: &[&str]) -> std::process::Output {
+    common::smollm_path();
+    Command::new(env!("CARGO_BIN_EXE_specd"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn batch_mode_is_ordered_deterministic_and_lossless_with_ngram() {
+    let dir = common::TempDir::new("cli-batch");
+    let input = dir.0.join("prompts.jsonl");
+    std::fs::write(
+        &input,
+        concat!(
+            "{\"id\": \"a\", \"prompt\": \"def add(a, b):\\n    return a + b\\n\\ndef sub(a, b):\"}\n",
+            "{\"id\": 7, \"prompt\": \"The list 1, 2, 3, 1, 2, 3, 1, 2,\", \"tag\": [1]}\n",
+            "{\"id\": \"c\", \"prompt\": \"Write a haiku about rain.\"}\n",
+        ),
+    )
+    .unwrap();
+    let metrics = dir.0.join("metrics.txt");
+    let run = |proposer: &str| {
+        let out = specd(&[
+            "generate",
+            "--prompts",
+            input.to_str().unwrap(),
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "24",
+            "--proposer",
+            proposer,
+            "--metrics-out",
+            metrics.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    let (plain, _) = run("none");
+    let (spec, stderr) = run("ngram");
+    assert_eq!(plain, spec, "greedy output must not depend on the proposer");
+    let lines: Vec<serde_json::Value> = spec
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0]["id"], "a");
+    assert_eq!(lines[1]["id"], 7);
+    assert_eq!(lines[1]["tag"], serde_json::json!([1]));
+    assert_eq!(lines[2]["id"], "c");
+    for l in &lines {
+        assert!(l["text"].as_str().is_some_and(|t| !t.is_empty()));
+        assert_eq!(l["completion_tokens"], 24);
+        assert!(l.get("prompt").is_none());
+    }
+    assert!(stderr.contains("mean accepted length"), "{stderr}");
+    let m = std::fs::read_to_string(&metrics).unwrap();
+    assert!(
+        m.contains("specd_drafted_tokens_total{proposer=\"ngram\"}"),
+        "{m}"
+    );
+    assert!(m.contains("specd_verify_seconds"), "{m}");
+}
+
+#[test]
+fn batch_mode_names_bad_input() {
+    let dir = common::TempDir::new("cli-bad");
+    let input = dir.0.join("p.jsonl");
+    std::fs::write(&input, "{\"prompt\": \"ok\"}\n{\"text\": \"no prompt\"}\n").unwrap();
+    let out = specd(&["generate", "--prompts", input.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("p.jsonl:2: missing string field `prompt`"),
+        "{err}"
+    );
+    let out = specd(&["generate", "--prompt", "hi", "--proposer", "nope"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown proposer 'nope'"));
+}
