@@ -21,6 +21,10 @@ pub enum SpecdError {
     Overloaded(usize),
     #[error("engine stopped")]
     EngineStopped,
+    #[error("plugin: {0}")]
+    Plugin(String),
+    #[error("config {file}: {msg}")]
+    Config { file: String, msg: String },
     #[error("model fetch failed: {0}")]
     Fetch(String),
     #[error(transparent)]

@@ -3,10 +3,12 @@
 //! See ARCHITECTURE.md for the map of modules and their invariants.
 
 pub mod bench;
+pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod generate;
 pub mod model;
+pub mod plugins;
 pub mod sampler;
 pub mod spec;
 pub mod tokenizer;

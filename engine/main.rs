@@ -9,12 +9,12 @@ use clap::{Args, Parser, Subcommand};
 use std::sync::Arc;
 use std::time::Instant;
 
+use specd::config::Config;
 use specd::generate::{generate, GenerateRequest};
 use specd::model::{self, Model};
 use specd::sampler::SamplingParams;
 use specd::spec::actors::{EngineHandle, EngineParts};
 use specd::spec::engine::EngineConfig;
-use specd::spec::ngram::NgramProposer;
 use specd::spec::proposer::Drafter;
 use specd::spec::{Completion, Event, Request};
 use specd::tokenizer::{ChatMessage, Tokenizer};
@@ -86,9 +86,13 @@ struct GenerateArgs {
     /// Requests running at once in batch mode.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
-    /// Proposer: none, or a registered name (built in: ngram).
+    /// Proposer: none, or a name from the config's [[proposer]] tables
+    /// (the built-in config has ngram and suffix).
     #[arg(long, default_value = "none")]
     proposer: String,
+    /// TOML config (default: the built-in configs/default.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Cap on drafted tokens per step.
     #[arg(long, default_value_t = 4)]
     max_draft: usize,
@@ -196,10 +200,11 @@ fn encode_prompt(tok: &Tokenizer, text: &str, chat: bool) -> Result<Vec<u32>> {
     })
 }
 
-fn builtin_drafter(a: &GenerateArgs) -> Drafter {
-    let mut d = Drafter::new();
-    d.add(Box::new(NgramProposer::new(1, 3, a.max_draft)));
-    d
+fn load_config(path: &Option<PathBuf>) -> Result<Config> {
+    Ok(match path {
+        Some(p) => Config::load(p)?,
+        None => Config::builtin(),
+    })
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
@@ -312,14 +317,20 @@ fn run_batch(
         .min(4096)
         .div_ceil(specd::model::DEFAULT_BLOCK_SIZE);
     config.kv_blocks = per_seq * config.scheduler.max_running;
-    let drafter = builtin_drafter(a);
-    if a.proposer != "none" && !drafter.has(&a.proposer) {
-        anyhow::bail!(
-            "unknown proposer '{}' (available: none, {})",
-            a.proposer,
-            drafter.names().join(", ")
-        );
-    }
+    let cfg = load_config(&a.config)?;
+    let drafter = if a.proposer == "none" {
+        Drafter::new()
+    } else {
+        if !cfg.proposer.iter().any(|p| p.name == a.proposer) {
+            let names: Vec<&str> = cfg.proposer.iter().map(|p| p.name.as_str()).collect();
+            anyhow::bail!(
+                "unknown proposer '{}' (available: none, {})",
+                a.proposer,
+                names.join(", ")
+            );
+        }
+        cfg.build_drafter(&model, Some(tok.clone()))?
+    };
     let params = sampling(a);
     let t_all = Instant::now();
     let outcomes: Vec<Outcome> = actix_rt::System::new().block_on(async {

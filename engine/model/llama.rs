@@ -434,6 +434,17 @@ impl Model {
         Ok(outputs)
     }
 
+    /// The output head over `rows` final-normed hidden rows (`rows x vocab`).
+    pub fn lm_head(&self, hidden: &[f32], rows: usize) -> Vec<f32> {
+        let head = self.weights.output.as_ref().unwrap_or(&self.weights.embed);
+        let mut act = Activations::new(self.kernel_path);
+        act.prepare(hidden, rows, self.config.hidden, kernels::wants_q8(head));
+        let mut logits = Vec::new();
+        self.pool
+            .install(|| kernels::matmul_many(&act, &[head], &mut [&mut logits]));
+        logits
+    }
+
     fn rope(&self, x: &mut [f32], pos: usize) {
         let hd = self.config.head_dim;
         let half = hd / 2;

@@ -16,7 +16,6 @@ pub mod accept;
 pub mod actors;
 pub mod engine;
 pub mod kv_manager;
-pub mod ngram;
 pub mod proposer;
 pub mod scheduler;
 

@@ -99,7 +99,7 @@ pub trait Proposer: Send {
     /// Draft for every sequence in `batch` in one call.
     fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String>;
     /// Tokens committed for `seq` by the last step.
-    fn observe(&mut self, seq: SeqId, committed: &[u32]);
+    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> Result<(), String>;
     fn finish(&mut self, seq: SeqId);
 }
 

@@ -347,7 +347,9 @@ impl Proposer for OracleProposer {
         }
         Ok(out)
     }
-    fn observe(&mut self, _: SeqId, _: &[u32]) {}
+    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
     fn finish(&mut self, seq: SeqId) {
         self.prompts.remove(&seq);
     }
@@ -413,7 +415,9 @@ impl Proposer for RandomProposer {
         }
         Ok(out)
     }
-    fn observe(&mut self, _: SeqId, _: &[u32]) {}
+    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
     fn finish(&mut self, _: SeqId) {}
 }
 
@@ -451,6 +455,8 @@ impl Proposer for PanickyProposer {
             })
             .collect())
     }
-    fn observe(&mut self, _: SeqId, _: &[u32]) {}
+    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
     fn finish(&mut self, _: SeqId) {}
 }

@@ -1,0 +1,354 @@
+//! The TOML configuration: model, engine limits, plugin directories, named
+//! proposers, server and routing.
+//!
+//! Invariants:
+//! - Unknown keys are rejected everywhere; every error names the file, the
+//!   key and what was expected.
+//! - Proposer names are unique; `none` is reserved for plain decoding.
+//! - Relative paths are resolved against the config file's directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, SpecdError};
+use crate::model::Model;
+use crate::plugins::{self, PluginProposer};
+use crate::spec::proposer::Drafter;
+use crate::tokenizer::Tokenizer;
+
+/// The built-in default configuration (`configs/default.toml`).
+pub const DEFAULT_TOML: &str = include_str!("../configs/default.toml");
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// GGUF file or safetensors directory; default: the embedded SmolLM2.
+    pub path: Option<PathBuf>,
+    pub threads: Option<usize>,
+    /// Name served in the API (default: the file stem).
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSection {
+    pub max_batch_tokens: usize,
+    pub max_running: usize,
+    pub max_draft: usize,
+    /// KV budget in blocks of 64 tokens; 0: `max_running` full contexts.
+    pub kv_blocks: usize,
+    /// Proposer for requests that name none (`none`: plain decoding).
+    pub default_proposer: String,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        Self {
+            max_batch_tokens: 512,
+            max_running: 16,
+            max_draft: 4,
+            kv_blocks: 0,
+            default_proposer: "none".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsSection {
+    #[serde(default)]
+    pub dirs: Vec<PathBuf>,
+}
+
+/// One named proposer: a plugin (by name or path) with its options.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ProposerConfig {
+    pub name: String,
+    /// Plugin name to find in the plugin directories (default: `name`).
+    pub plugin: Option<String>,
+    /// Explicit library path (instead of `plugin`).
+    pub path: Option<PathBuf>,
+    pub max_draft: Option<usize>,
+    /// Passed to the plugin as TOML.
+    #[serde(default)]
+    pub options: toml::Table,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    pub host: String,
+    pub port: u16,
+    /// Bearer token; `SPECD_API_KEY` overrides; empty: no auth.
+    pub api_key: String,
+    /// Waiting requests beyond which new ones get 429.
+    pub max_queue: usize,
+    /// Seconds in-flight requests get to finish on SIGTERM/SIGINT.
+    pub shutdown_grace_secs: u64,
+    /// Whether a request's `speculation.proposer` may override routing.
+    pub allow_request_proposer: bool,
+    /// Largest request body in bytes.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            api_key: String::new(),
+            max_queue: 256,
+            shutdown_grace_secs: 10,
+            allow_request_proposer: true,
+            max_body_bytes: 1 << 20,
+        }
+    }
+}
+
+/// Route requests for `model` to `proposer` by default.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    pub model: String,
+    pub proposer: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub model: ModelSection,
+    #[serde(default)]
+    pub engine: EngineSection,
+    #[serde(default)]
+    pub plugins: PluginsSection,
+    /// `[[proposer]]` tables (a single `[proposer]` table works too).
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub proposer: Vec<ProposerConfig>,
+    #[serde(default)]
+    pub server: ServerSection,
+    #[serde(default)]
+    pub route: Vec<Route>,
+    /// Where this config came from (for error messages and relative paths).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
+}
+
+/// `[proposer]` (one table) or `[[proposer]]` (several), with the inner
+/// error kept (an untagged enum would hide which key was wrong).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<ProposerConfig>, D::Error> {
+    let v = toml::Value::deserialize(d)?;
+    match v {
+        toml::Value::Array(_) => {
+            Vec::<ProposerConfig>::deserialize(v).map_err(serde::de::Error::custom)
+        }
+        toml::Value::Table(_) => ProposerConfig::deserialize(v)
+            .map(|p| vec![p])
+            .map_err(serde::de::Error::custom),
+        other => Err(serde::de::Error::custom(format!(
+            "`proposer`: expected a table or an array of tables, got {}",
+            other.type_str()
+        ))),
+    }
+}
+
+impl Config {
+    /// Parse `text` (from `file`, for messages and relative paths).
+    pub fn parse(text: &str, file: Option<&Path>) -> Result<Self> {
+        let name = file
+            .map(|f| f.display().to_string())
+            .unwrap_or_else(|| "<built-in default>".into());
+        let mut c: Config = toml::from_str(text).map_err(|e| SpecdError::Config {
+            file: name.clone(),
+            msg: e.to_string().trim().to_string(),
+        })?;
+        c.source = file.map(Path::to_path_buf);
+        c.validate(&name)?;
+        Ok(c)
+    }
+
+    pub fn load(file: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(file).map_err(|e| SpecdError::Config {
+            file: file.display().to_string(),
+            msg: format!("cannot read: {e}"),
+        })?;
+        Self::parse(&text, Some(file))
+    }
+
+    pub fn builtin() -> Self {
+        Self::parse(DEFAULT_TOML, None).expect("the built-in config is valid")
+    }
+
+    fn validate(&self, file: &str) -> Result<()> {
+        let err = |msg: String| {
+            Err(SpecdError::Config {
+                file: file.to_string(),
+                msg,
+            })
+        };
+        let mut seen = std::collections::HashSet::new();
+        for p in &self.proposer {
+            if p.name == "none" || p.name.is_empty() {
+                return err(format!("proposer name `{}` is reserved", p.name));
+            }
+            if !seen.insert(p.name.as_str()) {
+                return err(format!("proposer `{}` is defined twice", p.name));
+            }
+            if p.plugin.is_some() && p.path.is_some() {
+                return err(format!(
+                    "proposer `{}`: give `plugin` or `path`, not both",
+                    p.name
+                ));
+            }
+        }
+        let known = |n: &str| n == "none" || seen.contains(n);
+        if !known(&self.engine.default_proposer) {
+            return err(format!(
+                "engine.default_proposer = `{}` names no [[proposer]]",
+                self.engine.default_proposer
+            ));
+        }
+        for r in &self.route {
+            if !known(&r.proposer) {
+                return err(format!(
+                    "route for model `{}`: unknown proposer `{}`",
+                    r.model, r.proposer
+                ));
+            }
+        }
+        if self.engine.max_running == 0 || self.engine.max_batch_tokens == 0 {
+            return err("engine.max_running and engine.max_batch_tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Resolve a path from the config against the config file's directory.
+    pub fn resolve(&self, p: &Path) -> PathBuf {
+        match (&self.source, p.is_relative()) {
+            (Some(src), true) => src.parent().unwrap_or(Path::new(".")).join(p),
+            _ => p.to_path_buf(),
+        }
+    }
+
+    /// Plugin search path: configured dirs, then the defaults.
+    pub fn plugin_dirs(&self) -> Vec<PathBuf> {
+        let dirs: Vec<PathBuf> = self.plugins.dirs.iter().map(|d| self.resolve(d)).collect();
+        plugins::plugin_dirs(&dirs)
+    }
+
+    /// Load every configured proposer into a `Drafter`.
+    pub fn build_drafter(
+        &self,
+        model: &Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Result<Drafter> {
+        let dirs = self.plugin_dirs();
+        let mut d = Drafter::new();
+        for p in &self.proposer {
+            let path = match &p.path {
+                Some(path) => self.resolve(path),
+                None => plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)
+                    .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?,
+            };
+            let lib = plugins::load_library(&path)
+                .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?;
+            let mut options = p.options.clone();
+            if let Some(m) = p.max_draft {
+                options
+                    .entry("max_draft")
+                    .or_insert(toml::Value::Integer(m as i64));
+            }
+            let prop = PluginProposer::create(
+                &p.name,
+                lib,
+                &options,
+                Some(model.clone()),
+                tokenizer.clone(),
+            )?;
+            d.add(Box::new(prop));
+        }
+        Ok(d)
+    }
+
+    /// The proposer for requests to `model` that name none.
+    pub fn route(&self, model: &str) -> &str {
+        self.route
+            .iter()
+            .find(|r| r.model == model)
+            .map(|r| r.proposer.as_str())
+            .unwrap_or(&self.engine.default_proposer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_and_shipped_configs_parse() {
+        let c = Config::builtin();
+        assert!(c.proposer.iter().any(|p| p.name == "ngram"));
+        for f in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).unwrap() {
+            let f = f.unwrap().path();
+            if f.extension().is_some_and(|e| e == "toml") {
+                Config::load(&f).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn errors_name_file_key_and_type() {
+        let e = Config::parse(
+            "[engine]\nmax_draft = \"four\"\n",
+            Some(Path::new("x.toml")),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("x.toml") && e.contains("max_draft") && e.contains("expected usize"),
+            "{e}"
+        );
+        let e = Config::parse("[engine]\nmax_drafts = 4\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `max_drafts`"), "{e}");
+        let e = Config::parse("[[proposer]]\nname = \"a\"\nplugins = \"x\"\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `plugins`"), "{e}");
+        let e = Config::parse(
+            "[[proposer]]\nname = \"a\"\n[[proposer]]\nname = \"a\"\n",
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("defined twice"), "{e}");
+        let e = Config::parse("[engine]\ndefault_proposer = \"zz\"\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("names no [[proposer]]"), "{e}");
+        let e = Config::parse("[model\n", None).unwrap_err().to_string();
+        assert!(
+            e.contains("<built-in default>") || e.contains("config"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn single_proposer_table_and_routes() {
+        let c = Config::parse(
+            "[proposer]\nname = \"ng\"\nplugin = \"ngram\"\nmax_draft = 3\n[proposer.options]\nmax_n = 2\n[[route]]\nmodel = \"m\"\nproposer = \"ng\"\n",
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.proposer.len(), 1);
+        assert_eq!(c.proposer[0].options["max_n"].as_integer(), Some(2));
+        assert_eq!(c.route("m"), "ng");
+        assert_eq!(c.route("other"), "none");
+    }
+}

@@ -1,0 +1,318 @@
+//! Write a specd proposer plugin in safe Rust.
+//!
+//! Implement [`Proposer`] and call [`export_proposer!`]; build the crate as a
+//! `cdylib`. The macro generates the C ABI entry point and vtable; every
+//! exported function catches panics and reports them as a status with a
+//! message, so a panic never crosses into the host.
+//!
+//! ```ignore
+//! struct Mine;
+//! impl specd_plugin_sdk::Proposer for Mine { /* ... */ }
+//! specd_plugin_sdk::export_proposer!(Mine);
+//! ```
+
+pub use specd_plugin_abi as abi;
+
+use abi::{Capabilities, HostApi, Str};
+
+/// Draft distribution at one position.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Q {
+    OneHot,
+    /// (token, probability) pairs; the rest has probability 0.
+    Sparse(Vec<(u32, f32)>),
+    /// Dense over the vocabulary.
+    Full(Vec<f32>),
+}
+
+/// One sequence's draft.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Draft {
+    pub tokens: Vec<u32>,
+    /// One per token (may be empty for one-hot proposers).
+    pub q: Vec<Q>,
+    /// Parent index per token for tree drafts (`-1`: off the context).
+    pub parents: Option<Vec<i32>>,
+}
+
+impl Draft {
+    pub fn one_hot(tokens: Vec<u32>) -> Self {
+        Self {
+            tokens,
+            q: Vec::new(),
+            parents: None,
+        }
+    }
+}
+
+/// What the proposer needs and produces.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Caps {
+    pub q_kind: u32,
+    pub sparse_k: u32,
+    pub max_draft: u32,
+    pub tree: bool,
+    pub hidden_layers: Vec<u32>,
+    pub needs_embeddings: bool,
+    pub needs_output_head: bool,
+}
+
+impl Caps {
+    pub fn one_hot(max_draft: u32) -> Self {
+        Self {
+            q_kind: abi::Q_ONE_HOT,
+            sparse_k: 0,
+            max_draft,
+            tree: false,
+            hidden_layers: Vec::new(),
+            needs_embeddings: false,
+            needs_output_head: false,
+        }
+    }
+
+    pub fn to_abi(&self) -> Capabilities {
+        let mut layers = [0u32; 8];
+        let n = self.hidden_layers.len().min(8);
+        layers[..n].copy_from_slice(&self.hidden_layers[..n]);
+        Capabilities {
+            q_kind: self.q_kind,
+            sparse_k: self.sparse_k,
+            max_draft: self.max_draft,
+            tree: u32::from(self.tree),
+            hidden_layers: layers,
+            n_hidden_layers: n as u32,
+            needs_embeddings: u32::from(self.needs_embeddings),
+            needs_output_head: u32::from(self.needs_output_head),
+        }
+    }
+}
+
+/// One sequence of a propose call, borrowed from the host.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqView<'a> {
+    pub seq: u64,
+    pub tokens: &'a [u32],
+    pub max_draft: usize,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+    /// Declared layers' hidden states, `hidden_rows x hidden_width` each.
+    pub hidden: &'a [f32],
+    pub hidden_rows: usize,
+    pub hidden_width: usize,
+}
+
+/// The host's callbacks (logging, metrics, target embeddings and head).
+#[derive(Debug, Clone, Copy)]
+pub struct Host {
+    api: HostApi,
+}
+
+// SAFETY: the host guarantees its callbacks may be called from the thread
+// that owns the plugin instance; the SDK never shares `Host` across threads
+// concurrently (instances are driven by one thread at a time).
+unsafe impl Send for Host {}
+
+fn to_str(s: &str) -> Str {
+    Str {
+        ptr: s.as_ptr(),
+        len: s.len(),
+    }
+}
+
+impl Host {
+    /// # Safety
+    /// `api` must be a valid host API table whose callbacks outlive the
+    /// instance (the host guarantees this for the table it passes to
+    /// `create`).
+    pub unsafe fn from_abi(api: HostApi) -> Self {
+        Self { api }
+    }
+
+    /// Log through the host's logger (level: 0 error .. 3 debug).
+    pub fn log(&self, level: u32, msg: &str) {
+        // SAFETY: valid callback (see `from_abi`); `msg` outlives the call.
+        unsafe { (self.api.log)(self.api.ctx, level, to_str(msg)) }
+    }
+
+    /// Add to the host counter `specd_plugin_<name>_total`.
+    pub fn counter(&self, name: &str, value: u64) {
+        // SAFETY: valid callback; `name` outlives the call.
+        unsafe { (self.api.counter_add)(self.api.ctx, to_str(name), value) }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.api.vocab_size as usize
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        self.api.hidden_size as usize
+    }
+
+    /// Target embeddings of `tokens` (`tokens.len() x hidden_size`).
+    pub fn embed(&self, tokens: &[u32]) -> Option<Vec<f32>> {
+        let mut out = vec![0f32; tokens.len() * self.hidden_size()];
+        // SAFETY: valid callback; both buffers are live and sized as passed.
+        let n = unsafe {
+            (self.api.embed)(
+                self.api.ctx,
+                tokens.as_ptr(),
+                tokens.len(),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        (n == out.len()).then_some(out)
+    }
+
+    /// Target output head over final-normed hidden rows (`rows x vocab`).
+    pub fn lm_head(&self, hidden: &[f32], rows: usize) -> Option<Vec<f32>> {
+        let mut out = vec![0f32; rows * self.vocab_size()];
+        // SAFETY: valid callback; both buffers are live and sized as passed.
+        let n = unsafe {
+            (self.api.lm_head)(
+                self.api.ctx,
+                hidden.as_ptr(),
+                rows,
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        (n == out.len()).then_some(out)
+    }
+
+    /// Raw vocabulary string of a token.
+    pub fn token_text(&self, token: u32) -> Option<String> {
+        let mut buf = vec![0u8; 256];
+        // SAFETY: valid callback; `buf` is live with the capacity passed.
+        let n = unsafe { (self.api.token_text)(self.api.ctx, token, buf.as_mut_ptr(), buf.len()) };
+        if n == 0 || n > buf.len() {
+            return None;
+        }
+        buf.truncate(n);
+        String::from_utf8(buf).ok()
+    }
+}
+
+/// Typed access to the `[proposer.options]` table.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    table: toml::Table,
+}
+
+/// A type an option can be read as.
+pub trait FromOption: Sized {
+    const EXPECTED: &'static str;
+    fn from_value(v: &toml::Value) -> Option<Self>;
+}
+
+macro_rules! int_option {
+    ($($t:ty),*) => {$(
+        impl FromOption for $t {
+            const EXPECTED: &'static str = concat!("an integer (", stringify!($t), ")");
+            fn from_value(v: &toml::Value) -> Option<Self> {
+                v.as_integer().and_then(|i| <$t>::try_from(i).ok())
+            }
+        }
+    )*};
+}
+int_option!(i64, u64, u32, usize);
+
+impl FromOption for f64 {
+    const EXPECTED: &'static str = "a number";
+    fn from_value(v: &toml::Value) -> Option<Self> {
+        v.as_float().or_else(|| v.as_integer().map(|i| i as f64))
+    }
+}
+
+impl FromOption for f32 {
+    const EXPECTED: &'static str = "a number";
+    fn from_value(v: &toml::Value) -> Option<Self> {
+        f64::from_value(v).map(|x| x as f32)
+    }
+}
+
+impl FromOption for bool {
+    const EXPECTED: &'static str = "a boolean";
+    fn from_value(v: &toml::Value) -> Option<Self> {
+        v.as_bool()
+    }
+}
+
+impl FromOption for String {
+    const EXPECTED: &'static str = "a string";
+    fn from_value(v: &toml::Value) -> Option<Self> {
+        v.as_str().map(str::to_string)
+    }
+}
+
+impl Options {
+    /// Parse the options table the host passed as TOML text.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e| format!("options are not valid TOML: {e}"))?;
+        Ok(Self { table })
+    }
+
+    /// `key` as `T`, or `default` when absent; a value of the wrong type is
+    /// an error naming the key and the expected type.
+    pub fn get<T: FromOption>(&self, key: &str, default: T) -> Result<T, String> {
+        match self.table.get(key) {
+            None => Ok(default),
+            Some(v) => T::from_value(v).ok_or_else(|| {
+                format!(
+                    "option `{key}`: expected {}, got {} `{v}`",
+                    T::EXPECTED,
+                    v.type_str()
+                )
+            }),
+        }
+    }
+
+    /// Fail on keys outside `known`, naming the first unknown one.
+    pub fn reject_unknown(&self, known: &[&str]) -> Result<(), String> {
+        match self.table.keys().find(|k| !known.contains(&k.as_str())) {
+            Some(k) => Err(format!(
+                "unknown option `{k}` (known: {})",
+                known.join(", ")
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A proposer plugin.
+pub trait Proposer: Sized + 'static {
+    /// The plugin's name (what configs refer to).
+    const NAME: &'static str;
+    const VERSION: &'static str;
+    /// Capabilities before options are applied (the descriptor's).
+    fn default_capabilities() -> Caps;
+    fn create(options: &Options, host: Host) -> Result<Self, String>;
+    fn capabilities(&self) -> Caps;
+    fn start(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String>;
+    /// One draft per input, in order; at most `max_draft` tokens each.
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String>;
+    fn observe(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String>;
+    fn finish(&mut self, seq: u64);
+}
+
+#[doc(hidden)]
+pub mod ffi;
+
+/// Export `$ty` (a [`Proposer`]) as this cdylib's plugin.
+#[macro_export]
+macro_rules! export_proposer {
+    ($ty:ty) => {
+        /// The plugin entry point.
+        #[no_mangle]
+        pub extern "C" fn specd_proposer_entry() -> *const $crate::abi::Descriptor {
+            static DESC: ::std::sync::OnceLock<$crate::abi::Descriptor> =
+                ::std::sync::OnceLock::new();
+            DESC.get_or_init($crate::ffi::descriptor::<$ty>) as *const _
+        }
+    };
+}

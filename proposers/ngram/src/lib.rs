@@ -1,0 +1,131 @@
+//! Prompt-lookup decoding: find the longest suffix n-gram of the sequence
+//! (n from `max_n` down to `min_n`) earlier in its own prompt and output,
+//! and propose the tokens that followed its most recent occurrence.
+//! Deterministic: q is one-hot.
+//!
+//! Options: `min_n` (default 1), `max_n` (3), `max_draft` (4).
+
+use std::collections::HashSet;
+
+use specd_plugin_sdk::{Caps, Draft, Host, Options, Proposer, SeqView};
+
+/// Up to `k` tokens that followed the most recent earlier occurrence of the
+/// longest matching suffix n-gram of `tokens`.
+pub fn lookup(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
+    let len = tokens.len();
+    if k == 0 || min_n == 0 {
+        return Vec::new();
+    }
+    for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
+        let suffix = &tokens[len - n..];
+        for start in (0..len - n).rev() {
+            if &tokens[start..start + n] == suffix {
+                let from = start + n;
+                let to = (from + k).min(len);
+                if from < to {
+                    return tokens[from..to].to_vec();
+                }
+            }
+        }
+    }
+    Vec::new()
+}
+
+pub struct Ngram {
+    min_n: usize,
+    max_n: usize,
+    max_draft: usize,
+    live: HashSet<u64>,
+    host: Host,
+}
+
+impl Proposer for Ngram {
+    const NAME: &'static str = "ngram";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+
+    fn default_capabilities() -> Caps {
+        Caps::one_hot(4)
+    }
+
+    fn create(o: &Options, host: Host) -> Result<Self, String> {
+        o.reject_unknown(&["min_n", "max_n", "max_draft"])?;
+        let min_n = o.get("min_n", 1usize)?;
+        let max_n = o.get("max_n", 3usize)?;
+        let max_draft = o.get("max_draft", 4usize)?;
+        if min_n == 0 || max_n < min_n {
+            return Err(format!(
+                "option `min_n`/`max_n`: need 1 <= min_n <= max_n, got {min_n} and {max_n}"
+            ));
+        }
+        Ok(Self {
+            min_n,
+            max_n,
+            max_draft,
+            live: HashSet::new(),
+            host,
+        })
+    }
+
+    fn capabilities(&self) -> Caps {
+        Caps::one_hot(self.max_draft as u32)
+    }
+
+    fn start(&mut self, seq: u64, _tokens: &[u32]) -> Result<(), String> {
+        self.live.insert(seq);
+        Ok(())
+    }
+
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String> {
+        let drafts: Vec<Draft> = batch
+            .iter()
+            .map(|s| {
+                Draft::one_hot(lookup(
+                    s.tokens,
+                    self.min_n,
+                    self.max_n,
+                    s.max_draft.min(self.max_draft),
+                ))
+            })
+            .collect();
+        let hits = drafts.iter().filter(|d| !d.tokens.is_empty()).count();
+        self.host.counter("ngram_lookup_hits", hits as u64);
+        Ok(drafts)
+    }
+
+    fn observe(&mut self, _seq: u64, _tokens: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn finish(&mut self, seq: u64) {
+        self.live.remove(&seq);
+    }
+}
+
+#[cfg(feature = "plugin")]
+specd_plugin_sdk::export_proposer!(Ngram);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_longest_most_recent_match() {
+        // suffix [1, 2] occurred at 0 (then 3, 4) and at 4 (then 9, 5).
+        let t = [1, 2, 3, 4, 1, 2, 9, 5, 1, 2];
+        assert_eq!(lookup(&t, 1, 3, 3), vec![9, 5, 1]);
+        // The trigram [5, 1, 2] never recurs.
+        assert_eq!(lookup(&t, 3, 3, 3), Vec::<u32>::new());
+        // A longer match wins over a more recent shorter one.
+        let t = [7, 8, 9, 1, 5, 9, 2, 7, 8, 9];
+        assert_eq!(lookup(&t, 1, 3, 2), vec![1, 5]);
+        assert_eq!(lookup(&[7, 8], 1, 3, 2), Vec::<u32>::new());
+        assert_eq!(lookup(&[7, 7], 1, 3, 4), vec![7]);
+        assert_eq!(lookup(&[1, 2, 1], 1, 3, 0), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn draft_is_capped_by_the_remaining_history() {
+        let t = [4, 5, 6, 4];
+        assert_eq!(lookup(&t, 1, 2, 10), vec![5, 6, 4]);
+    }
+}

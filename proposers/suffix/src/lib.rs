@@ -1,0 +1,462 @@
+//! SuffixDecoding (Oliaro et al., 2024): drafts from suffix trees.
+//!
+//! Each request keeps a suffix tree (a suffix trie cut at `max_depth`) over
+//! its prompt and output, updated token by token; a global tree holds the
+//! outputs of earlier requests, bounded to `max_global_nodes` by evicting the
+//! oldest documents. To draft, the longest suffix of the sequence that
+//! occurs in either tree (with a continuation) is found; the draft follows
+//! the most frequent child at each step, for at most
+//! `floor(factor * match_length)` tokens (capped by `max_draft`). q is
+//! one-hot.
+//!
+//! Options: `max_depth` (32), `factor` (1.0), `min_match` (1),
+//! `max_draft` (8), `max_global_nodes` (200000), `global` (true).
+
+use std::collections::{HashMap, VecDeque};
+
+use specd_plugin_sdk::{Caps, Draft, Host, Options, Proposer, SeqView};
+
+const ROOT: u32 = 0;
+
+#[derive(Debug, Clone, Default)]
+struct Node {
+    /// (token, child) sorted by token.
+    children: Vec<(u32, u32)>,
+    count: u32,
+    depth: u16,
+}
+
+/// A suffix trie truncated at `max_depth`, with occurrence counts.
+#[derive(Debug, Clone)]
+pub struct SuffixTree {
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    max_depth: usize,
+    live: usize,
+}
+
+impl SuffixTree {
+    pub fn new(max_depth: usize) -> Self {
+        Self {
+            nodes: vec![Node::default()],
+            free: Vec::new(),
+            max_depth: max_depth.clamp(1, u16::MAX as usize),
+            live: 1,
+        }
+    }
+
+    /// Nodes in use (the root included).
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.live == 1
+    }
+
+    fn child(&self, node: u32, tok: u32) -> Option<u32> {
+        let c = &self.nodes[node as usize].children;
+        c.binary_search_by_key(&tok, |&(t, _)| t)
+            .ok()
+            .map(|i| c[i].1)
+    }
+
+    fn child_or_insert(&mut self, node: u32, tok: u32) -> u32 {
+        let depth = self.nodes[node as usize].depth + 1;
+        match self.nodes[node as usize]
+            .children
+            .binary_search_by_key(&tok, |&(t, _)| t)
+        {
+            Ok(i) => self.nodes[node as usize].children[i].1,
+            Err(i) => {
+                let fresh = Node {
+                    children: Vec::new(),
+                    count: 0,
+                    depth,
+                };
+                let id = match self.free.pop() {
+                    Some(id) => {
+                        self.nodes[id as usize] = fresh;
+                        id
+                    }
+                    None => {
+                        self.nodes.push(fresh);
+                        (self.nodes.len() - 1) as u32
+                    }
+                };
+                self.live += 1;
+                self.nodes[node as usize].children.insert(i, (tok, id));
+                id
+            }
+        }
+    }
+
+    /// Extend every active suffix (ending at the previous token) by `tok`;
+    /// `active` becomes the suffixes ending at `tok`.
+    pub fn push(&mut self, active: &mut Vec<u32>, tok: u32) {
+        let mut next = Vec::with_capacity(active.len() + 1);
+        for &a in active.iter().chain(std::iter::once(&ROOT)) {
+            if (self.nodes[a as usize].depth as usize) < self.max_depth {
+                let c = self.child_or_insert(a, tok);
+                self.nodes[c as usize].count += 1;
+                next.push(c);
+            }
+        }
+        *active = next;
+    }
+
+    /// Add every suffix window of `doc`.
+    pub fn insert(&mut self, doc: &[u32]) {
+        let mut active = Vec::new();
+        for &t in doc {
+            self.push(&mut active, t);
+        }
+    }
+
+    /// Remove a document inserted earlier, pruning nodes that reach zero.
+    pub fn remove(&mut self, doc: &[u32]) {
+        for start in 0..doc.len() {
+            let end = (start + self.max_depth).min(doc.len());
+            let mut node = ROOT;
+            for &t in &doc[start..end] {
+                let Some(c) = self.child(node, t) else { break };
+                let n = &mut self.nodes[c as usize];
+                n.count = n.count.saturating_sub(1);
+                if n.count == 0 {
+                    // Its whole subtree has count 0 too (a child never
+                    // outnumbers its parent): unlink and free it.
+                    let pos = self.nodes[node as usize]
+                        .children
+                        .binary_search_by_key(&t, |&(tk, _)| tk)
+                        .expect("child present");
+                    self.nodes[node as usize].children.remove(pos);
+                    self.free_subtree(c);
+                    break;
+                }
+                node = c;
+            }
+        }
+    }
+
+    fn free_subtree(&mut self, root: u32) {
+        let mut stack = vec![root];
+        while let Some(n) = stack.pop() {
+            let children = std::mem::take(&mut self.nodes[n as usize].children);
+            stack.extend(children.into_iter().map(|(_, c)| c));
+            self.free.push(n);
+            self.live -= 1;
+        }
+    }
+
+    /// Longest suffix of `context` (at most `max_depth`) present in the tree
+    /// with at least one continuation: `(node, match length)`.
+    pub fn longest_match(&self, context: &[u32]) -> Option<(u32, usize)> {
+        let n = context.len();
+        for len in (1..=self.max_depth.min(n)).rev() {
+            let mut node = ROOT;
+            let mut ok = true;
+            for &t in &context[n - len..] {
+                match self.child(node, t) {
+                    Some(c) => node = c,
+                    None => {
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if ok && !self.nodes[node as usize].children.is_empty() {
+                return Some((node, len));
+            }
+        }
+        None
+    }
+
+    /// Follow the most frequent child (lowest token on ties) for up to `k`
+    /// steps.
+    pub fn continuation(&self, mut node: u32, k: usize) -> Vec<u32> {
+        let mut out = Vec::with_capacity(k);
+        while out.len() < k {
+            let best = self.nodes[node as usize]
+                .children
+                .iter()
+                .max_by(|a, b| {
+                    self.nodes[a.1 as usize]
+                        .count
+                        .cmp(&self.nodes[b.1 as usize].count)
+                        .then(b.0.cmp(&a.0))
+                })
+                .copied();
+            match best {
+                Some((t, c)) => {
+                    out.push(t);
+                    node = c;
+                }
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// Occurrence count of the path `tokens` (0 if absent).
+    pub fn count(&self, tokens: &[u32]) -> u32 {
+        let mut node = ROOT;
+        for &t in tokens {
+            match self.child(node, t) {
+                Some(c) => node = c,
+                None => return 0,
+            }
+        }
+        self.nodes[node as usize].count
+    }
+}
+
+/// Earlier outputs, bounded in nodes; the oldest documents go first.
+#[derive(Debug, Clone)]
+pub struct GlobalTree {
+    pub tree: SuffixTree,
+    docs: VecDeque<Vec<u32>>,
+    max_nodes: usize,
+}
+
+impl GlobalTree {
+    pub fn new(max_depth: usize, max_nodes: usize) -> Self {
+        Self {
+            tree: SuffixTree::new(max_depth),
+            docs: VecDeque::new(),
+            max_nodes,
+        }
+    }
+
+    pub fn add(&mut self, doc: Vec<u32>) {
+        if doc.is_empty() {
+            return;
+        }
+        self.tree.insert(&doc);
+        self.docs.push_back(doc);
+        while self.tree.len() > self.max_nodes {
+            let Some(old) = self.docs.pop_front() else {
+                break;
+            };
+            self.tree.remove(&old);
+        }
+    }
+
+    pub fn docs(&self) -> usize {
+        self.docs.len()
+    }
+}
+
+struct SeqState {
+    tree: SuffixTree,
+    active: Vec<u32>,
+    prompt_len: usize,
+    tokens: Vec<u32>,
+}
+
+pub struct Suffix {
+    max_depth: usize,
+    factor: f64,
+    min_match: usize,
+    max_draft: usize,
+    use_global: bool,
+    global: GlobalTree,
+    seqs: HashMap<u64, SeqState>,
+    host: Host,
+}
+
+impl Suffix {
+    /// Draft for one context with this proposer's trees.
+    fn draft(&self, seq: u64, context: &[u32], cap: usize) -> Vec<u32> {
+        let local = self
+            .seqs
+            .get(&seq)
+            .and_then(|s| s.tree.longest_match(context).map(|m| (&s.tree, m)));
+        let global = if self.use_global {
+            self.global
+                .tree
+                .longest_match(context)
+                .map(|m| (&self.global.tree, m))
+        } else {
+            None
+        };
+        let best = match (local, global) {
+            (Some(l), Some(g)) => Some(if g.1 .1 > l.1 .1 { g } else { l }),
+            (l, g) => l.or(g),
+        };
+        let Some((tree, (node, len))) = best else {
+            return Vec::new();
+        };
+        if len < self.min_match {
+            return Vec::new();
+        }
+        let k = ((self.factor * len as f64).floor() as usize)
+            .max(1)
+            .min(cap)
+            .min(self.max_draft);
+        tree.continuation(node, k)
+    }
+}
+
+impl Proposer for Suffix {
+    const NAME: &'static str = "suffix";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+
+    fn default_capabilities() -> Caps {
+        Caps::one_hot(8)
+    }
+
+    fn create(o: &Options, host: Host) -> Result<Self, String> {
+        o.reject_unknown(&[
+            "max_depth",
+            "factor",
+            "min_match",
+            "max_draft",
+            "max_global_nodes",
+            "global",
+        ])?;
+        let max_depth = o.get("max_depth", 32usize)?;
+        let factor = o.get("factor", 1.0f64)?;
+        if max_depth == 0 || factor.is_nan() || factor <= 0.0 {
+            return Err("option `max_depth` must be >= 1 and `factor` > 0".into());
+        }
+        Ok(Self {
+            max_depth,
+            factor,
+            min_match: o.get("min_match", 1usize)?,
+            max_draft: o.get("max_draft", 8usize)?,
+            use_global: o.get("global", true)?,
+            global: GlobalTree::new(max_depth, o.get("max_global_nodes", 200_000usize)?),
+            seqs: HashMap::new(),
+            host,
+        })
+    }
+
+    fn capabilities(&self) -> Caps {
+        Caps::one_hot(self.max_draft as u32)
+    }
+
+    fn start(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String> {
+        let mut st = SeqState {
+            tree: SuffixTree::new(self.max_depth),
+            active: Vec::new(),
+            prompt_len: tokens.len(),
+            tokens: Vec::new(),
+        };
+        for &t in tokens {
+            st.tree.push(&mut st.active, t);
+        }
+        // On a restart the earlier output is already in `tokens`; keep the
+        // original prompt length if we had one.
+        if let Some(old) = self.seqs.get(&seq) {
+            st.prompt_len = old.prompt_len;
+            st.tokens = tokens[old.prompt_len.min(tokens.len())..].to_vec();
+        }
+        self.seqs.insert(seq, st);
+        Ok(())
+    }
+
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String> {
+        let drafts: Vec<Draft> = batch
+            .iter()
+            .map(|s| Draft::one_hot(self.draft(s.seq, s.tokens, s.max_draft)))
+            .collect();
+        let hits = drafts.iter().filter(|d| !d.tokens.is_empty()).count();
+        self.host.counter("suffix_matches", hits as u64);
+        Ok(drafts)
+    }
+
+    fn observe(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String> {
+        let st = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or_else(|| format!("observe for unknown sequence {seq}"))?;
+        for &t in tokens {
+            st.tree.push(&mut st.active, t);
+            st.tokens.push(t);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, seq: u64) {
+        if let Some(st) = self.seqs.remove(&seq) {
+            if self.use_global {
+                self.global.add(st.tokens);
+            }
+        }
+    }
+}
+
+#[cfg(feature = "plugin")]
+specd_plugin_sdk::export_proposer!(Suffix);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_every_window_and_truncates_at_depth() {
+        let mut t = SuffixTree::new(3);
+        t.insert(&[1, 2, 1, 2, 3]);
+        assert_eq!(t.count(&[1, 2]), 2);
+        assert_eq!(t.count(&[2]), 2);
+        assert_eq!(t.count(&[1, 2, 3]), 1);
+        assert_eq!(t.count(&[2, 1, 2]), 1);
+        assert_eq!(t.count(&[1, 2, 1, 2]), 0, "deeper than max_depth");
+        assert_eq!(t.count(&[3, 1]), 0);
+    }
+
+    #[test]
+    fn incremental_push_equals_bulk_insert() {
+        let doc = [5u32, 6, 5, 6, 7, 5, 6, 5];
+        let mut a = SuffixTree::new(4);
+        a.insert(&doc);
+        let mut b = SuffixTree::new(4);
+        let mut act = Vec::new();
+        for &x in &doc {
+            b.push(&mut act, x);
+        }
+        for i in 0..doc.len() {
+            for j in i + 1..=doc.len().min(i + 4) {
+                assert_eq!(a.count(&doc[i..j]), b.count(&doc[i..j]));
+            }
+        }
+        assert_eq!(a.len(), b.len());
+    }
+
+    #[test]
+    fn longest_match_and_most_frequent_continuation() {
+        let mut t = SuffixTree::new(8);
+        // After [1, 2]: 3 follows twice, 4 once.
+        t.insert(&[1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 3, 7]);
+        let (node, len) = t.longest_match(&[5, 1, 2]).unwrap();
+        assert_eq!(len, 2);
+        // After [1, 2, 3], 9 and 7 tie: the lower id wins; then the path ends.
+        assert_eq!(t.continuation(node, 3), vec![3, 7]);
+        // A longer context match wins: [8, 1, 2] -> 3.
+        let (node, len) = t.longest_match(&[4, 8, 1, 2]).unwrap();
+        assert_eq!(len, 4);
+        assert_eq!(t.continuation(node, 2), vec![3, 7]);
+        assert!(t.longest_match(&[42]).is_none());
+    }
+
+    #[test]
+    fn removal_prunes_and_eviction_bounds_nodes() {
+        let mut t = SuffixTree::new(4);
+        t.insert(&[1, 2, 3]);
+        let base = t.len();
+        t.insert(&[1, 2, 4, 5]);
+        t.remove(&[1, 2, 4, 5]);
+        assert_eq!(t.len(), base);
+        assert_eq!(t.count(&[1, 2]), 1);
+        assert_eq!(t.count(&[2, 4]), 0);
+        let mut g = GlobalTree::new(4, 40);
+        for d in 0..20u32 {
+            g.add((0..6).map(|i| d * 10 + i).collect());
+            assert!(g.tree.len() <= 40);
+        }
+        assert!(g.docs() < 20, "old documents were evicted");
+        // The newest document survives.
+        assert_eq!(g.tree.count(&[190, 191]), 1);
+        assert_eq!(g.tree.count(&[0, 1]), 0);
+    }
+}

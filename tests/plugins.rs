@@ -1,0 +1,261 @@
+//! Proposer plugins end to end: the built-in ngram and suffix cdylibs, the
+//! out-of-tree example, broken libraries, panics, and config errors.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use common::{TempDir, TINY};
+use specd::config::Config;
+use specd::generate::{generate, GenerateRequest};
+use specd::model::{load_model, Model};
+use specd::plugins;
+use specd::spec::engine::{EngineConfig, EngineCore};
+use specd::spec::{Completion, Request};
+use specd::tokenizer::Tokenizer;
+
+/// The cargo target dir these tests run from (`<target>/release/deps/<test>`).
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Build an out-of-tree workspace (offline, into a separate target dir so it
+/// never contends with the outer cargo) and return its release dir.
+fn build_out_of_tree(manifest_dir: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(manifest_dir);
+    let target = target_dir().join("out-of-tree");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "--release", "--offline", "--quiet"])
+        .current_dir(&dir)
+        .env("CARGO_TARGET_DIR", &target)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "building {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    target.join("release")
+}
+
+fn lib_file(dir: &Path, stem: &str) -> PathBuf {
+    dir.join(format!(
+        "{}{stem}{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ))
+}
+
+fn tiny() -> (TempDir, Arc<Model>) {
+    let dir = TempDir::new("plugins-tiny");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &TINY, 21, GgmlDType::Q4_1, "llama");
+    let m = Arc::new(load_model(&path, 2).unwrap());
+    (dir, m)
+}
+
+fn run(
+    model: &Arc<Model>,
+    cfg: &Config,
+    proposer: &str,
+    prompts: &[Vec<u32>],
+    n: usize,
+    tok: Option<Arc<Tokenizer>>,
+) -> (EngineCore, Vec<Completion>) {
+    let drafter = cfg.build_drafter(model, tok.clone()).unwrap();
+    let mut ec = EngineConfig::for_model(model);
+    ec.scheduler.max_running = 4;
+    ec.scheduler.max_draft = 8;
+    let mut e = EngineCore::new(model.clone(), tok, ec, drafter);
+    let ids: Vec<u64> = prompts
+        .iter()
+        .map(|p| {
+            e.add(
+                Request {
+                    proposer: Some(proposer.into()),
+                    ..Request::greedy(p.clone(), n)
+                },
+                None,
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut done = e.run_to_completion().unwrap();
+    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+    (e, done)
+}
+
+fn plain(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    generate(
+        model,
+        None,
+        &GenerateRequest::greedy(prompt.to_vec(), n),
+        |_| {},
+    )
+    .unwrap()
+    .tokens
+}
+
+#[test]
+fn ngram_and_suffix_are_lossless_on_20_humaneval_prompts() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let data = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/humaneval_first20.jsonl"
+    ))
+    .unwrap();
+    let prompts: Vec<Vec<u32>> = data
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            tok.encode(v["prompt"].as_str().unwrap(), false).unwrap()
+        })
+        .collect();
+    assert_eq!(prompts.len(), 20);
+    let n = 48;
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| plain(&model, p, n)).collect();
+    let cfg = Config::builtin();
+    for proposer in ["ngram", "suffix"] {
+        let (_, done) = run(&model, &cfg, proposer, &prompts, n, Some(tok.clone()));
+        let mut drafted = 0;
+        for (i, (c, w)) in done.iter().zip(&want).enumerate() {
+            assert_eq!(
+                &c.tokens, w,
+                "{proposer}: HumanEval/{i} differs from plain decoding"
+            );
+            drafted += c.stats.drafted;
+        }
+        assert!(drafted > 0, "{proposer} never drafted");
+    }
+}
+
+#[test]
+fn out_of_tree_example_loads_by_path_and_is_lossless() {
+    let release = build_out_of_tree("plugins/example");
+    let lib = lib_file(&release, "specd_example_proposer");
+    let (_d, model) = tiny();
+    let cfg = Config::parse(
+        &format!(
+            "[[proposer]]\nname = \"bigram\"\npath = \"{}\"\nmax_draft = 3\n",
+            lib.display()
+        ),
+        None,
+    )
+    .unwrap();
+    let prompts = vec![vec![5u32, 6, 7, 5, 6, 7, 5, 6], vec![9, 10, 11, 12, 9, 10]];
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| plain(&model, p, 30)).collect();
+    let (e, done) = run(&model, &cfg, "bigram", &prompts, 30, None);
+    for (c, w) in done.iter().zip(&want) {
+        assert_eq!(&c.tokens, w);
+        assert!(c.stats.drafted > 0, "the example drafted");
+    }
+    assert!(e.drafter.poisoned("bigram").is_none());
+    let l = plugins::load_library(&lib).unwrap();
+    assert_eq!(l.name, "example-bigram");
+    assert!(l.build_id.contains("abi1."), "{}", l.build_id);
+}
+
+#[test]
+fn a_plugin_that_panics_in_propose_leaves_requests_completing_plainly() {
+    let release = build_out_of_tree("plugins/example");
+    let lib = lib_file(&release, "specd_example_proposer");
+    let (_d, model) = tiny();
+    let cfg = Config::parse(
+        &format!(
+            "[[proposer]]\nname = \"boom\"\npath = \"{}\"\n[proposer.options]\npanic_on_propose = true\n",
+            lib.display()
+        ),
+        None,
+    )
+    .unwrap();
+    let prompts = vec![vec![5u32, 6, 7, 5, 6, 7], vec![3, 4, 3, 4]];
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| plain(&model, p, 20)).collect();
+    let (e, done) = run(&model, &cfg, "boom", &prompts, 20, None);
+    for (c, w) in done.iter().zip(&want) {
+        assert_eq!(
+            &c.tokens, w,
+            "a failing plugin must not change or lose output"
+        );
+    }
+    let why = e.drafter.poisoned("boom").expect("poisoned");
+    assert!(
+        why.contains("panicked") && why.contains("asked to panic"),
+        "{why}"
+    );
+}
+
+#[test]
+fn broken_libraries_give_clear_errors() {
+    let release = build_out_of_tree("tests/fixtures/plugins");
+    let e = plugins::load_library(&lib_file(&release, "specd_fixture_bad_abi"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("ABI mismatch") && e.contains("999.0") && e.contains("ABI 1."),
+        "{e}"
+    );
+    let e = plugins::load_library(&lib_file(&release, "specd_fixture_no_entry"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("missing entry symbol `specd_proposer_entry`"),
+        "{e}"
+    );
+    let dir = TempDir::new("notalib");
+    let fake = dir.0.join("libspecd_proposer_fake.so");
+    std::fs::write(&fake, "this is text, not a shared library").unwrap();
+    let e = plugins::load_library(&fake).unwrap_err().to_string();
+    assert!(e.contains("not a loadable library"), "{e}");
+    let e = plugins::find_plugin("zzz", std::slice::from_ref(&dir.0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown plugin 'zzz'"), "{e}");
+    // Config pointing at the fake library: the proposer entry is named.
+    let (_d, model) = tiny();
+    let cfg = Config::parse(
+        &format!(
+            "[[proposer]]\nname = \"fake\"\npath = \"{}\"\n",
+            fake.display()
+        ),
+        None,
+    )
+    .unwrap();
+    let e = cfg.build_drafter(&model, None).unwrap_err().to_string();
+    assert!(
+        e.contains("proposer `fake`") && e.contains("not a loadable library"),
+        "{e}"
+    );
+}
+
+#[test]
+fn plugin_options_are_checked_with_the_key_named() {
+    let (_d, model) = tiny();
+    let cfg = Config::parse(
+        "[[proposer]]\nname = \"ngram\"\n[proposer.options]\nmax_m = 3\n",
+        None,
+    )
+    .unwrap();
+    let e = cfg.build_drafter(&model, None).unwrap_err().to_string();
+    assert!(e.contains("unknown option `max_m`"), "{e}");
+    let cfg = Config::parse(
+        "[[proposer]]\nname = \"ngram\"\n[proposer.options]\nmax_n = \"three\"\n",
+        None,
+    )
+    .unwrap();
+    let e = cfg.build_drafter(&model, None).unwrap_err().to_string();
+    assert!(e.contains("option `max_n`: expected an integer"), "{e}");
+}
