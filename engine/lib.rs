@@ -10,6 +10,7 @@ pub mod generate;
 pub mod model;
 pub mod plugins;
 pub mod sampler;
+pub mod server;
 pub mod spec;
 pub mod tokenizer;
 

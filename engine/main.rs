@@ -36,6 +36,8 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Measure prefill, decode and k-token verify cost of a model.
     BenchModel(BenchArgs),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// Fetch the default model into $SPECD_HOME (default ~/.cache/specd);
     /// a cached copy whose SHA-256 matches is kept.
     FetchModel {
@@ -128,6 +130,27 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// TOML config (default: the built-in configs/default.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Validate the config (and find its plugins), print the resolved
+    /// configuration, and exit.
+    #[arg(long)]
+    check_config: bool,
+    /// Override [server] host / port (port 0: any free port).
+    #[arg(long)]
+    host: Option<String>,
+    #[arg(long)]
+    port: Option<u16>,
+    /// Override [model] path.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args)]
 struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -174,6 +197,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Generate(a) => cmd_generate(a),
+        Cmd::Serve(a) => cmd_serve(a),
         Cmd::BenchModel(a) => cmd_bench(a),
     }
 }
@@ -427,6 +451,148 @@ fn run_batch(
         agg.mean_accepted_len()
     );
     Ok(())
+}
+
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    let mut cfg = load_config(&a.config)?;
+    if let Some(h) = a.host {
+        cfg.server.host = h;
+    }
+    if let Some(p) = a.port {
+        cfg.server.port = p;
+    }
+    if let Some(m) = a.model {
+        cfg.model.path = Some(m);
+    }
+    if let Some(t) = a.threads {
+        cfg.model.threads = Some(t);
+    }
+    let model_path = match &cfg.model.path {
+        Some(p) => cfg.resolve(p),
+        None if a.check_config => specd::fetch::default_model_path(),
+        None => specd::fetch::ensure_default_model()?,
+    };
+    if a.check_config {
+        let dirs = cfg.plugin_dirs();
+        for p in &cfg.proposer {
+            let path = match &p.path {
+                Some(path) => cfg.resolve(path),
+                None => specd::plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)?,
+            };
+            let lib = specd::plugins::load_library(&path)
+                .with_context(|| format!("proposer `{}`", p.name))?;
+            println!(
+                "# proposer `{}`: plugin {} {} ({}) at {}",
+                p.name,
+                lib.name,
+                lib.version,
+                lib.build_id,
+                path.display()
+            );
+        }
+        println!(
+            "# model: {}{}",
+            model_path.display(),
+            if model_path.exists() {
+                ""
+            } else {
+                " (not fetched yet)"
+            }
+        );
+        println!(
+            "# config: {}",
+            cfg.source
+                .as_ref()
+                .map(|s| s.display().to_string())
+                .unwrap_or_else(|| "built-in default".into())
+        );
+        print!("{}", toml::to_string_pretty(&cfg)?);
+        return Ok(());
+    }
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let threads = cfg
+        .model
+        .threads
+        .unwrap_or_else(model::llama::default_threads);
+    let model = Arc::new(
+        model::load_model(&model_path, threads)
+            .with_context(|| format!("loading {}", model_path.display()))?,
+    );
+    let tok = Arc::new(Tokenizer::for_model(&model_path)?);
+    let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
+    let proposers = drafter.names();
+    let mut ec = EngineConfig::for_model(&model);
+    ec.scheduler.max_batch_tokens = cfg.engine.max_batch_tokens;
+    ec.scheduler.max_running = cfg.engine.max_running;
+    ec.scheduler.max_draft = cfg.engine.max_draft;
+    ec.scheduler.max_waiting = cfg.server.max_queue;
+    ec.scheduler.default_proposer =
+        Some(cfg.engine.default_proposer.clone()).filter(|p| p != "none");
+    if cfg.engine.kv_blocks > 0 {
+        ec.kv_blocks = cfg.engine.kv_blocks;
+    } else {
+        let per_seq = model
+            .config
+            .max_seq_len
+            .min(4096)
+            .div_ceil(specd::model::DEFAULT_BLOCK_SIZE);
+        ec.kv_blocks = per_seq * ec.scheduler.max_running;
+    }
+    let model_name = cfg.model.name.clone().unwrap_or_else(|| {
+        model_path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("model")
+            .to_string()
+    });
+    let api_key = std::env::var("SPECD_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty())
+        .or_else(|| Some(cfg.server.api_key.clone()).filter(|k| !k.is_empty()));
+    let (host, port, grace, body_limit) = (
+        cfg.server.host.clone(),
+        cfg.server.port,
+        cfg.server.shutdown_grace_secs,
+        cfg.server.max_body_bytes,
+    );
+    let max_seq_len = model.config.max_seq_len;
+    actix_web::rt::System::new().block_on(async move {
+        let engine = EngineHandle::start(EngineParts {
+            model,
+            tokenizer: Some(tok.clone()),
+            config: ec,
+            drafter,
+        });
+        let state = actix_web::web::Data::new(specd::server::AppState {
+            engine,
+            tokenizer: tok,
+            model_name: model_name.clone(),
+            config: cfg,
+            max_seq_len,
+            api_key,
+            metrics: Some(metrics),
+            ready: std::sync::atomic::AtomicBool::new(true),
+            proposers,
+        });
+        let server = actix_web::HttpServer::new(move || {
+            actix_web::App::new()
+                .app_data(state.clone())
+                .configure(|c| specd::server::routes(c, body_limit))
+                .default_service(specd::server::default_service())
+        })
+        .workers(2)
+        .shutdown_timeout(grace)
+        .bind((host.as_str(), port))
+        .with_context(|| format!("binding {host}:{port}"))?;
+        for addr in server.addrs() {
+            eprintln!("specd listening on http://{addr} (model {model_name})");
+        }
+        server.run().await.context("server")?;
+        eprintln!("specd: shut down cleanly");
+        Ok(())
+    })
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {

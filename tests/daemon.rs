@@ -1,0 +1,371 @@
+//! `specd serve` end to end over loopback HTTP.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use serde_json::json;
+
+const CONFIG: &str = r#"
+[model]
+name = "smol"
+[engine]
+max_running = 8
+max_batch_tokens = 256
+max_draft = 4
+[[proposer]]
+name = "ngram"
+plugin = "ngram"
+[[proposer]]
+name = "suffix"
+plugin = "suffix"
+[server]
+max_queue = 256
+shutdown_grace_secs = 20
+"#;
+
+fn wait_kv_zero(d: &Daemon) {
+    let t = Instant::now();
+    while d.metric("specd_kv_used_blocks") != 0.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "KV blocks never returned to zero"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn load_test_64_concurrent_streams_with_mixed_proposers() {
+    let d = Daemon::start(CONFIG, &[]);
+    let prompts = [
+        "def fibonacci(n):",
+        "The capital of France is",
+        "import os\nimport sys\n\ndef main():",
+        "Once upon a time, in a small village,",
+    ];
+    let lens = [8usize, 16, 24, 40];
+    // Solo runs: one request at a time, plain decoding.
+    let mut solo = std::collections::HashMap::new();
+    for p in prompts {
+        for n in lens {
+            let r = d.post("/v1/completions", &json!({"prompt": p, "max_tokens": n, "temperature": 0, "speculation": {"proposer": "none"}}));
+            assert_eq!(r.status, 200, "{}", r.body);
+            solo.insert(
+                (p, n),
+                r.json()["choices"][0]["text"].as_str().unwrap().to_string(),
+            );
+        }
+    }
+    let tokens_before = d.metric("specd_generated_tokens_total");
+    let t = Instant::now();
+    let proposers = ["none", "ngram", "suffix"];
+    let handles: Vec<_> = (0..64)
+        .map(|i| {
+            let addr = d.addr.clone();
+            let (p, n, prop) = (prompts[i % 4], lens[(i / 4) % 4], proposers[i % 3]);
+            std::thread::spawn(move || {
+                let body = json!({"prompt": p, "max_tokens": n, "temperature": 0, "stream": true, "speculation": {"proposer": prop}});
+                let r = common::http(&addr, "POST", "/v1/completions", Some(&body.to_string()), &[]);
+                assert_eq!(r.status, 200, "{}", r.body);
+                assert!(r.body.ends_with("data: [DONE]\n\n"), "{}", r.body);
+                let chunks = r.sse();
+                let text: String = chunks.iter().map(|c| c["choices"][0]["text"].as_str().unwrap_or("")).collect();
+                let last = chunks.last().unwrap();
+                assert!(last["choices"][0]["finish_reason"].is_string());
+                (p, n, prop, text, last["usage"].clone())
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let wall = t.elapsed();
+    let mut completion_tokens = 0u64;
+    for (p, n, prop, text, usage) in &results {
+        assert_eq!(
+            &solo[&(*p, *n)],
+            text,
+            "greedy output under load differs from its solo run ({prop})"
+        );
+        assert_eq!(usage["speculation"]["proposer"], *prop);
+        completion_tokens += usage["completion_tokens"].as_u64().unwrap();
+    }
+    wait_kv_zero(&d);
+    let counted = d.metric("specd_generated_tokens_total") - tokens_before;
+    assert_eq!(
+        counted as u64, completion_tokens,
+        "/metrics disagrees with the responses' usage"
+    );
+    assert!(d.metric("specd_drafted_tokens_total") > 0.0);
+    eprintln!(
+        "load test: 64 streaming requests, {completion_tokens} tokens in {:.2} s ({:.1} tok/s)",
+        wall.as_secs_f64(),
+        completion_tokens as f64 / wall.as_secs_f64()
+    );
+}
+
+#[test]
+fn client_disconnect_aborts_and_frees_kv() {
+    let d = Daemon::start(CONFIG, &[]);
+    let body = json!({"prompt": "Write a long story about the sea.", "max_tokens": 1000, "temperature": 0, "ignore_eos": true, "stream": true}).to_string();
+    let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
+    std::thread::sleep(Duration::from_millis(300));
+    drop(s);
+    let t = Instant::now();
+    while d.metric("specd_requests_total") < 1.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the aborted request never finished"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_kv_zero(&d);
+    assert!(d.metric("specd_client_disconnects_total") >= 1.0);
+    let m = d.request("GET", "/metrics", None, &[]).body;
+    assert!(
+        m.contains("specd_requests_total{finish=\"aborted\"} 1"),
+        "{m}"
+    );
+    // Still serving.
+    let r = d.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 4}));
+    assert_eq!(r.status, 200);
+}
+
+#[test]
+fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
+    let d = Daemon::start(&format!("{CONFIG}max_body_bytes = 24000\n"), &[]);
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{not json".into(), 400, "not valid JSON"),
+        ("[1, 2]".into(), 400, "must be a JSON object"),
+        (
+            json!({"prompt": 5}).to_string(),
+            400,
+            "`prompt` must be a string",
+        ),
+        (
+            json!({"max_tokens": 4}).to_string(),
+            400,
+            "missing required field `prompt`",
+        ),
+        (
+            json!({"prompt": "x", "temperature": "hot"}).to_string(),
+            400,
+            "temperature",
+        ),
+        (
+            json!({"prompt": "x", "top_p": 2.0}).to_string(),
+            400,
+            "top_p",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": -3}).to_string(),
+            400,
+            "max_tokens",
+        ),
+        (json!({"prompt": "x", "n": 2}).to_string(), 400, "n = 1"),
+        (json!({"prompt": "x", "stop": 7}).to_string(), 400, "stop"),
+        (
+            json!({"prompt": "x", "stream": "yes"}).to_string(),
+            400,
+            "stream",
+        ),
+        (
+            json!({"prompt": "x", "logprobs": 3}).to_string(),
+            400,
+            "logprobs",
+        ),
+        (
+            json!({"prompt": "x", "speculation": {"proposer": "nope"}}).to_string(),
+            400,
+            "unknown proposer `nope`",
+        ),
+        (
+            json!({"prompt": "x", "speculation": {"depth": 2}}).to_string(),
+            400,
+            "speculation.depth",
+        ),
+        (
+            json!({"prompt": "x", "model": "gpt-9"}).to_string(),
+            404,
+            "does not exist",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": 100000}).to_string(),
+            400,
+            "exceeds the context",
+        ),
+        (json!({"prompt": "word ".repeat(5000)}).to_string(), 413, ""),
+        (
+            json!({"prompt": "word ".repeat(3500), "max_tokens": 5000}).to_string(),
+            400,
+            "exceeds the context",
+        ),
+    ];
+    for (body, status, needle) in cases {
+        let r = d.request("POST", "/v1/completions", Some(&body), &[]);
+        assert_eq!(r.status, status, "{body:.80}: {}", r.body);
+        assert!(r.body.contains(needle), "{body:.80}: {}", r.body);
+        if status == 400 {
+            let e = r.json();
+            assert_eq!(e["error"]["type"], "invalid_request_error");
+        }
+    }
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "wizard", "content": "x"}]}),
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["param"]
+        .as_str()
+        .unwrap()
+        .starts_with("messages[0]"));
+    let r = d.request("GET", "/v1/nope", None, &[]);
+    assert_eq!(r.status, 404);
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(d.request("GET", "/health", None, &[]).status, 200);
+    assert_eq!(d.request("GET", "/ready", None, &[]).status, 200);
+}
+
+#[test]
+fn full_queue_answers_429_with_retry_after() {
+    let d = Daemon::start(
+        "[engine]\nmax_running = 1\nmax_batch_tokens = 64\n[server]\nmax_queue = 1\n",
+        &[],
+    );
+    let body =
+        json!({"prompt": "Tell me a long story.", "max_tokens": 120, "temperature": 0}).to_string();
+    let handles: Vec<_> = (0..6)
+        .map(|_| {
+            let (addr, body) = (d.addr.clone(), body.clone());
+            std::thread::spawn(move || {
+                common::http(&addr, "POST", "/v1/completions", Some(&body), &[])
+            })
+        })
+        .collect();
+    let rs: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let ok = rs.iter().filter(|r| r.status == 200).count();
+    let busy: Vec<_> = rs.iter().filter(|r| r.status == 429).collect();
+    assert!(
+        ok >= 1 && !busy.is_empty(),
+        "statuses: {:?}",
+        rs.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    for r in busy {
+        assert!(
+            r.headers.to_ascii_lowercase().contains("retry-after: 1"),
+            "{}",
+            r.headers
+        );
+        assert_eq!(r.json()["error"]["type"], "rate_limit_error");
+    }
+    wait_kv_zero(&d);
+}
+
+#[test]
+fn api_key_is_required_when_configured() {
+    let d = Daemon::start("[server]\napi_key = \"\"\n", &[("SPECD_API_KEY", "s3cret")]);
+    let r = d.request("GET", "/v1/models", None, &[]);
+    assert_eq!(r.status, 401);
+    let r = d.request(
+        "GET",
+        "/v1/models",
+        None,
+        &[("Authorization", "Bearer s3cret")],
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.json()["data"][0]["id"],
+        "SmolLM2-135M-Instruct.Q4_1",
+        "unnamed models are served as their file stem"
+    );
+    assert_eq!(
+        d.request("GET", "/health", None, &[]).status,
+        200,
+        "health needs no key"
+    );
+}
+
+#[test]
+fn sigterm_finishes_in_flight_work_and_exits_zero() {
+    let mut d = Daemon::start(CONFIG, &[]);
+    let addr = d.addr.clone();
+    let h = std::thread::spawn(move || {
+        common::http(
+            &addr,
+            "POST",
+            "/v1/completions",
+            Some(
+                &json!({"prompt": "Count: 1, 2, 3,", "max_tokens": 60, "temperature": 0})
+                    .to_string(),
+            ),
+            &[],
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = d.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let r = h.join().unwrap();
+    assert_eq!(r.status, 200, "in-flight request was cut: {}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 60);
+    let status = d.child.wait().unwrap();
+    assert!(
+        status.success(),
+        "exit status {status:?}: {}",
+        d.stderr.lock().unwrap()
+    );
+    // New connections are refused after shutdown.
+    assert!(std::net::TcpStream::connect(&d.addr).is_err());
+}
+
+#[test]
+fn openai_python_client_session() {
+    let has_openai = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !has_openai {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must install the openai client (pip install openai)"
+        );
+        eprintln!("skipping: `pip install openai` to run this test locally");
+        return;
+    }
+    let d = Daemon::start(CONFIG, &[]);
+    let out = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
+        .arg(format!("http://{}/v1", d.addr))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}");
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ALL OK"));
+}
