@@ -132,6 +132,9 @@ pub struct Config {
     pub server: ServerSection,
     #[serde(default)]
     pub route: Vec<Route>,
+    /// `specd ab` settings.
+    #[serde(default)]
+    pub ab: Option<crate::ab::AbSection>,
     /// Where this config came from (for error messages and relative paths).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -219,6 +222,20 @@ impl Config {
                     "route for model `{}`: unknown proposer `{}`",
                     r.model, r.proposer
                 ));
+            }
+        }
+        if let Some(ab) = &self.ab {
+            let mut names = std::collections::HashSet::new();
+            for a in &ab.arm {
+                if !names.insert(a.name.as_str()) {
+                    return err(format!("ab arm `{}` is defined twice", a.name));
+                }
+                if !known(&a.proposer) {
+                    return err(format!(
+                        "ab arm `{}`: unknown proposer `{}`",
+                        a.name, a.proposer
+                    ));
+                }
             }
         }
         if self.engine.max_running == 0 || self.engine.max_batch_tokens == 0 {

@@ -2,6 +2,7 @@
 //!
 //! See ARCHITECTURE.md for the map of modules and their invariants.
 
+pub mod ab;
 pub mod bench;
 pub mod config;
 pub mod error;

@@ -36,6 +36,8 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Measure prefill, decode and k-token verify cost of a model.
     BenchModel(BenchArgs),
+    /// A/B-compare proposer strategies on Spec-Bench, HumanEval or a JSONL.
+    Ab(AbArgs),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(ServeArgs),
     /// Fetch the default model into $SPECD_HOME (default ~/.cache/specd);
@@ -130,6 +132,32 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct AbArgs {
+    /// TOML config with an [ab] section (see configs/ab/).
+    #[arg(long)]
+    config: PathBuf,
+    /// Override [ab] dataset: spec_bench, humaneval or jsonl.
+    #[arg(long)]
+    dataset: Option<String>,
+    /// Dataset file (Spec-Bench question.jsonl, HumanEval .jsonl(.gz), or a JSONL of prompts).
+    #[arg(long)]
+    path: Option<PathBuf>,
+    #[arg(long)]
+    limit_per_category: Option<usize>,
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    #[arg(long)]
+    repeats: Option<usize>,
+    /// Output directory for results.json, summary.md, report.html.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args)]
 struct ServeArgs {
     /// TOML config (default: the built-in configs/default.toml).
     #[arg(long)]
@@ -198,6 +226,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Serve(a) => cmd_serve(a),
+        Cmd::Ab(a) => cmd_ab(a),
         Cmd::BenchModel(a) => cmd_bench(a),
     }
 }
@@ -450,6 +479,79 @@ fn run_batch(
         agg.acceptance_rate(),
         agg.mean_accepted_len()
     );
+    Ok(())
+}
+
+fn cmd_ab(a: AbArgs) -> Result<()> {
+    use specd::ab;
+    let cfg = Config::load(&a.config)?;
+    let mut s = cfg
+        .ab
+        .clone()
+        .with_context(|| format!("{}: no [ab] section", a.config.display()))?;
+    if let Some(d) = a.dataset {
+        s.dataset = d;
+    }
+    if let Some(p) = a.path {
+        s.path = Some(p);
+    } else if let Some(p) = &s.path {
+        s.path = Some(cfg.resolve(p));
+    }
+    if let Some(n) = a.limit_per_category {
+        s.limit_per_category = n;
+    }
+    if let Some(n) = a.max_tokens {
+        s.max_tokens = n;
+    }
+    if let Some(n) = a.repeats {
+        s.repeats = n.max(1);
+    }
+    if let Some(o) = a.out {
+        s.out_dir = o;
+    }
+    let prompts = match s.dataset.as_str() {
+        "spec_bench" => ab::load_spec_bench(
+            s.path
+                .as_deref()
+                .unwrap_or(std::path::Path::new(ab::SPEC_BENCH)),
+        )?,
+        "humaneval" => ab::load_humaneval(s.path.as_deref())?,
+        "jsonl" => ab::load_jsonl(s.path.as_deref().context("dataset `jsonl` needs a path")?)?,
+        other => anyhow::bail!("unknown dataset `{other}` (spec_bench, humaneval, jsonl)"),
+    };
+    let prompts = ab::limit_per_category(prompts, s.limit_per_category);
+    anyhow::ensure!(!prompts.is_empty(), "the dataset has no prompts");
+    let chat = s.chat.unwrap_or(s.dataset != "humaneval");
+    let model_path = match a.model.or(cfg.model.path.clone()) {
+        Some(p) => cfg.resolve(&p),
+        None => specd::fetch::ensure_default_model()?,
+    };
+    let threads = a
+        .threads
+        .or(cfg.model.threads)
+        .unwrap_or_else(model::llama::default_threads);
+    let model = Arc::new(model::load_model(&model_path, threads)?);
+    let tok = Arc::new(Tokenizer::for_model(&model_path)?);
+    eprintln!(
+        "specd ab: {} prompts from {}, {} arm(s) + plain, {} repeat(s), max_tokens {}",
+        prompts.len(),
+        s.dataset,
+        s.arm.iter().filter(|x| x.proposer != "none").count(),
+        s.repeats,
+        s.max_tokens
+    );
+    let report = ab::run(&cfg, &s, model, tok, &prompts, chat)?;
+    let files = ab::write_outputs(&report, &s.out_dir)?;
+    print!("{}", ab::markdown(&report));
+    for f in files {
+        eprintln!("wrote {}", f.display());
+    }
+    if !report.mismatches.is_empty() {
+        anyhow::bail!(
+            "{} losslessness failure(s): greedy output differs from plain decoding",
+            report.mismatches.len()
+        );
+    }
     Ok(())
 }
 
