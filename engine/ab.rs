@@ -591,6 +591,7 @@ pub fn run(
                     ignore_eos: false,
                     proposer: Some(arm.proposer.clone()),
                     max_draft: arm.max_draft,
+                    arm: Some(arm.name.clone()),
                 };
                 let (mut r, toks) = run_one(&mut engine, req, max_batch_tokens)?;
                 r.prompt_id = p.id.clone();

@@ -92,6 +92,21 @@ pub struct ServerSection {
     pub allow_request_proposer: bool,
     /// Largest request body in bytes.
     pub max_body_bytes: usize,
+    /// Weighted traffic splits between proposer arms (requests that name
+    /// no proposer).
+    pub split: Vec<Split>,
+    /// Proposers that draft beside live traffic, scored against the tokens
+    /// actually emitted, without extra target forwards.
+    pub shadow: Vec<String>,
+}
+
+/// One traffic-split arm.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Split {
+    pub name: String,
+    pub proposer: String,
+    pub weight: f64,
 }
 
 impl Default for ServerSection {
@@ -104,6 +119,8 @@ impl Default for ServerSection {
             shutdown_grace_secs: 10,
             allow_request_proposer: true,
             max_body_bytes: 1 << 20,
+            split: Vec::new(),
+            shadow: Vec::new(),
         }
     }
 }
@@ -224,6 +241,25 @@ impl Config {
                 ));
             }
         }
+        for sp in &self.server.split {
+            if !known(&sp.proposer) {
+                return err(format!(
+                    "server.split `{}`: unknown proposer `{}`",
+                    sp.name, sp.proposer
+                ));
+            }
+            if !(sp.weight.is_finite() && sp.weight > 0.0) {
+                return err(format!(
+                    "server.split `{}`: weight must be a positive number",
+                    sp.name
+                ));
+            }
+        }
+        for sh in &self.server.shadow {
+            if sh == "none" || !known(sh) {
+                return err(format!("server.shadow: unknown proposer `{sh}`"));
+            }
+        }
         if let Some(ab) = &self.ab {
             let mut names = std::collections::HashSet::new();
             for a in &ab.arm {
@@ -280,14 +316,20 @@ impl Config {
                     .entry("max_draft")
                     .or_insert(toml::Value::Integer(m as i64));
             }
-            let prop = PluginProposer::create(
-                &p.name,
-                lib,
-                &options,
-                Some(model.clone()),
-                tokenizer.clone(),
-            )?;
-            d.add(Box::new(prop));
+            let make = |lib| {
+                PluginProposer::create(
+                    &p.name,
+                    lib,
+                    &options,
+                    Some(model.clone()),
+                    tokenizer.clone(),
+                )
+            };
+            d.add(Box::new(make(lib.clone())?));
+            if self.server.shadow.contains(&p.name) {
+                // A separate instance, so shadow state never touches live drafting.
+                d.add_shadow(Box::new(make(lib)?));
+            }
         }
         Ok(d)
     }

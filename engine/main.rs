@@ -403,6 +403,7 @@ fn run_batch(
                 ignore_eos: a.ignore_eos,
                 proposer: Some(a.proposer.clone()),
                 max_draft: Some(a.max_draft),
+                arm: None,
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }
@@ -677,6 +678,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
             metrics: Some(metrics),
             ready: std::sync::atomic::AtomicBool::new(true),
             proposers,
+            split_rng: std::sync::Mutex::new(specd::sampler::Rng::new(0x5eed)),
         });
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new()

@@ -151,6 +151,8 @@ pub struct AppState {
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub ready: AtomicBool,
     pub proposers: Vec<String>,
+    /// Draws traffic-split arms.
+    pub split_rng: std::sync::Mutex<crate::sampler::Rng>,
 }
 
 type State = web::Data<AppState>;
@@ -416,7 +418,15 @@ fn parse_common(
             ))
         }
     }
-    let proposer = proposer.unwrap_or_else(|| st.config.route(&st.model_name).to_string());
+    // Precedence: the request's own choice, then a weighted traffic split,
+    // then the model's route (or the engine default).
+    let (proposer, arm) = match proposer {
+        Some(p) => (p, None),
+        None => match pick_split(st) {
+            Some(sp) => (sp.proposer.clone(), Some(sp.name.clone())),
+            None => (st.config.route(&st.model_name).to_string(), None),
+        },
+    };
     Ok(Parsed {
         req: Request {
             prompt,
@@ -429,9 +439,33 @@ fn parse_common(
                 .unwrap_or(false),
             proposer: Some(proposer),
             max_draft,
+            arm,
         },
         stream,
     })
+}
+
+/// A weighted random traffic-split arm, if splits are configured.
+fn pick_split(st: &AppState) -> Option<&crate::config::Split> {
+    let splits = &st.config.server.split;
+    let total: f64 = splits.iter().map(|s| s.weight).sum();
+    if splits.is_empty() || total <= 0.0 {
+        return None;
+    }
+    let u = st
+        .split_rng
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .next_f64()
+        * total;
+    let mut cum = 0.0;
+    for s in splits {
+        cum += s.weight;
+        if u < cum {
+            return Some(s);
+        }
+    }
+    splits.last()
 }
 
 fn rand_seed() -> u64 {
@@ -807,6 +841,25 @@ async fn models(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {
     })))
 }
 
+async fn speculation_stats(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {
+    check_auth(&req, &st)?;
+    let (arms, shadows) = st
+        .engine
+        .spec_stats()
+        .await
+        .ok_or_else(|| ApiError::from(SpecdError::EngineStopped))?;
+    let arms: Map<String, Value> = arms.iter().map(|(k, v)| (k.clone(), v.summary())).collect();
+    let shadows: Map<String, Value> = shadows
+        .iter()
+        .map(|(k, v)| (k.clone(), v.summary()))
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "arms": arms,
+        "shadows": shadows,
+        "splits": st.config.server.split,
+    })))
+}
+
 async fn health() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "alive"}))
 }
@@ -855,6 +908,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, body_limit: usize) {
         .route("/v1/completions", web::post().to(completions))
         .route("/v1/chat/completions", web::post().to(chat))
         .route("/v1/models", web::get().to(models))
+        .route("/v1/speculation/stats", web::get().to(speculation_stats))
         .route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
         .route("/metrics", web::get().to(metrics_text));

@@ -369,3 +369,54 @@ fn openai_python_client_session() {
     );
     assert!(stdout.contains("ALL OK"));
 }
+
+#[test]
+fn traffic_splits_shadows_and_the_stats_endpoint() {
+    let d = Daemon::start(
+        r#"
+[[proposer]]
+name = "ngram"
+plugin = "ngram"
+[[proposer]]
+name = "suffix"
+plugin = "suffix"
+[server]
+shadow = ["suffix"]
+[[server.split]]
+name = "A"
+proposer = "ngram"
+weight = 1.0
+[[server.split]]
+name = "B"
+proposer = "none"
+weight = 1.0
+"#,
+        &[],
+    );
+    for i in 0..12 {
+        let r = d.post(
+            "/v1/completions",
+            &json!({"prompt": format!("List {i}, {i}, {i},"), "max_tokens": 12, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let r = d.request("GET", "/v1/speculation/stats", None, &[]);
+    assert_eq!(r.status, 200);
+    let s = r.json();
+    let (a, b) = (&s["arms"]["A"], &s["arms"]["B"]);
+    assert_eq!(
+        a["requests"].as_u64().unwrap() + b["requests"].as_u64().unwrap(),
+        12,
+        "{s}"
+    );
+    assert!(
+        a["requests"].as_u64().unwrap() >= 2 && b["requests"].as_u64().unwrap() >= 2,
+        "weights 1:1 over 12 requests: {s}"
+    );
+    assert_eq!(b["drafted_tokens"], 0);
+    let sh = &s["shadows"]["suffix"];
+    assert_eq!(sh["requests"], 12, "{s}");
+    assert!(sh["steps"].as_u64().unwrap() > 0);
+    let m = d.request("GET", "/metrics", None, &[]).body;
+    assert!(m.contains("arm=\"A\""), "{m}");
+}

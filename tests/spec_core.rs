@@ -530,3 +530,48 @@ fn actors_run_concurrent_requests_losslessly_and_free_kv() {
         assert_eq!(h.kv_usage().await.unwrap().used_blocks, 0);
     });
 }
+
+#[test]
+fn shadow_proposers_are_scored_without_touching_live_traffic() {
+    let (_d, model) = tiny_model(&TINY, 12);
+    let ps = prompts(TINY.vocab as u32);
+    let n = 30;
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain_no_eos(&model, p, n)).collect();
+    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    for (rate, check) in [(0.0, "perfect"), (1.0, "useless")] {
+        let mut e = engine(&model, None, vec![], 4, None);
+        e.drafter.add_shadow(Box::new(OracleProposer::new(
+            answers.clone(),
+            rate,
+            4,
+            TINY.vocab as u32,
+        )));
+        let reqs = ps
+            .iter()
+            .map(|p| Request {
+                ignore_eos: true,
+                ..Request::greedy(p.clone(), n)
+            })
+            .collect();
+        let done = run_all(&mut e, reqs);
+        for (c, w) in done.iter().zip(&want) {
+            assert_eq!(&c.tokens, w, "live output changed by a shadow");
+            assert_eq!(
+                c.stats.verify_steps as usize, n,
+                "a shadow must cost no target forwards"
+            );
+        }
+        let stats = e.drafter.shadow_stats();
+        let (name, s) = &stats[0];
+        assert_eq!(name, "oracle");
+        assert_eq!(s.requests, 4);
+        assert_eq!(s.tokens, 4 * n as u64);
+        assert!(s.steps > 0 && s.drafted > 0);
+        match check {
+            // Every draft matches what was emitted, except drafts running
+            // past the end of the output.
+            "perfect" => assert!(s.accepted as f64 / s.drafted as f64 > 0.85, "{s:?}"),
+            _ => assert_eq!(s.accepted, 0, "{s:?}"),
+        }
+    }
+}

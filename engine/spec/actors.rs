@@ -94,16 +94,17 @@ impl Handler<DraftBatch> for DraftActor {
     fn handle(&mut self, msg: DraftBatch, _: &mut Self::Context) -> Self::Result {
         let _e = msg.span.enter();
         let t = std::time::Instant::now();
-        // Starts first: a sequence admitted and preempted in the same step
-        // must end up finished.
+        // Observations from the last commit first (a finished sequence's
+        // last tokens arrive with its release), then starts, then releases
+        // (a sequence admitted and preempted in one step ends up finished).
+        for (id, toks) in &msg.observe {
+            self.drafter.observe(*id, toks);
+        }
         for (id, name, tokens) in &msg.start {
             self.drafter.start(*id, name, tokens);
         }
         for id in &msg.finish {
             self.drafter.finish(*id);
-        }
-        for (id, toks) in &msg.observe {
-            self.drafter.observe(*id, toks);
         }
         let inputs: Vec<ProposeInput<'_>> = msg
             .inputs
@@ -125,6 +126,18 @@ impl Handler<DraftBatch> for DraftActor {
         metrics::histogram!("specd_draft_seconds", "proposer" => msg.label)
             .record(t.elapsed().as_secs_f64());
         MessageResult((drafts, hidden))
+    }
+}
+
+/// Shadow proposers' scores.
+#[derive(Message)]
+#[rtype(result = "Vec<(String, super::ScoreCard)>")]
+pub struct GetShadowStats;
+
+impl Handler<GetShadowStats> for DraftActor {
+    type Result = MessageResult<GetShadowStats>;
+    fn handle(&mut self, _: GetShadowStats, _: &mut Self::Context) -> Self::Result {
+        MessageResult(self.drafter.shadow_stats())
     }
 }
 
@@ -266,6 +279,18 @@ pub struct SchedulerStats {
 #[derive(Message)]
 #[rtype(result = "SchedulerStats")]
 pub struct GetStats;
+
+/// Live totals per A/B arm.
+#[derive(Message)]
+#[rtype(result = "std::collections::BTreeMap<String, super::ScoreCard>")]
+pub struct GetArmStats;
+
+impl Handler<GetArmStats> for SchedulerActor {
+    type Result = MessageResult<GetArmStats>;
+    fn handle(&mut self, _: GetArmStats, _: &mut Self::Context) -> Self::Result {
+        MessageResult(self.scheduler.arm_stats().clone())
+    }
+}
 
 impl Handler<Submit> for SchedulerActor {
     type Result = Result<SeqId>;
@@ -479,11 +504,15 @@ pub struct EngineParts {
     pub drafter: Drafter,
 }
 
+/// Scores by arm or proposer name.
+pub type ScoreMap = std::collections::BTreeMap<String, super::ScoreCard>;
+
 /// A cheap, cloneable handle to a running engine.
 #[derive(Clone)]
 pub struct EngineHandle {
     pub scheduler: Addr<SchedulerActor>,
     pub kv: Addr<KvManagerActor>,
+    pub draft: Addr<DraftActor>,
 }
 
 impl EngineHandle {
@@ -528,7 +557,7 @@ impl EngineHandle {
             scheduler: Scheduler::new(config.scheduler, tokenizer),
             caps,
             kv: kv.clone(),
-            draft,
+            draft: draft.clone(),
             verify,
             sampler,
             stepping: false,
@@ -537,7 +566,18 @@ impl EngineHandle {
             pending_observe: Vec::new(),
         }
         .start();
-        Self { scheduler, kv }
+        Self {
+            scheduler,
+            kv,
+            draft,
+        }
+    }
+
+    /// Live per-arm totals and shadow proposers' scores.
+    pub async fn spec_stats(&self) -> Option<(ScoreMap, ScoreMap)> {
+        let arms = self.scheduler.send(GetArmStats).await.ok()?;
+        let shadows = self.draft.send(GetShadowStats).await.ok()?;
+        Some((arms, shadows.into_iter().collect()))
     }
 
     /// Queue a request; its events arrive on the returned receiver.

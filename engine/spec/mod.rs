@@ -38,6 +38,8 @@ pub struct Request {
     pub proposer: Option<String>,
     /// Cap on drafted tokens per step (the proposer's own cap still applies).
     pub max_draft: Option<usize>,
+    /// A/B arm this request belongs to (metrics label; default: the proposer).
+    pub arm: Option<String>,
 }
 
 impl Request {
@@ -50,6 +52,7 @@ impl Request {
             ignore_eos: false,
             proposer: None,
             max_draft: None,
+            arm: None,
         }
     }
 }
@@ -58,6 +61,8 @@ impl Request {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SpecStats {
     pub proposer: String,
+    /// A/B arm (the proposer's name unless a traffic split chose an arm).
+    pub arm: String,
     /// Target forwards that verified drafts (decode steps).
     pub verify_steps: u64,
     pub drafted: u64,
@@ -84,6 +89,59 @@ impl SpecStats {
         } else {
             self.accepted as f64 / self.drafted as f64
         }
+    }
+}
+
+/// Running totals of drafting outcomes, for a live arm or a shadow
+/// proposer.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ScoreCard {
+    pub requests: u64,
+    pub tokens: u64,
+    pub steps: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    pub drafted_by_pos: Vec<u64>,
+    pub accepted_by_pos: Vec<u64>,
+}
+
+impl ScoreCard {
+    /// One verify step (or shadow proposal) that drafted `drafted` tokens,
+    /// of which the first `accepted` were (or would have been) accepted.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.steps += 1;
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+        if self.drafted_by_pos.len() < drafted {
+            self.drafted_by_pos.resize(drafted, 0);
+            self.accepted_by_pos.resize(drafted, 0);
+        }
+        for i in 0..drafted {
+            self.drafted_by_pos[i] += 1;
+            if i < accepted {
+                self.accepted_by_pos[i] += 1;
+            }
+        }
+    }
+
+    /// Derived figures for reports and the stats endpoint.
+    pub fn summary(&self) -> serde_json::Value {
+        let rate = |a: u64, d: u64| if d == 0 { 0.0 } else { a as f64 / d as f64 };
+        serde_json::json!({
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": rate(self.accepted, self.drafted),
+            "mean_accepted_length": if self.steps == 0 { 0.0 } else { (self.accepted + self.steps) as f64 / self.steps as f64 },
+            "acceptance_by_position": self
+                .drafted_by_pos
+                .iter()
+                .zip(&self.accepted_by_pos)
+                .map(|(&d, &a)| rate(a, d))
+                .collect::<Vec<_>>(),
+        })
     }
 }
 

@@ -109,10 +109,44 @@ struct Slot {
     poisoned: Option<String>,
 }
 
+/// A proposer drafting beside live traffic: its drafts are never verified,
+/// only scored against the tokens the sequence actually commits (exactly
+/// its acceptance under greedy decoding), at no target-forward cost.
+struct Shadow {
+    slot: Slot,
+    name: String,
+    /// Tokens committed per sequence since it started.
+    log: HashMap<SeqId, Vec<u32>>,
+    /// Unsettled drafts: (offset into `log`, tokens).
+    pending: HashMap<SeqId, Vec<(usize, Vec<u32>)>>,
+    score: super::ScoreCard,
+}
+
+impl Shadow {
+    /// Score drafts whose outcome is known (a mismatch, or enough committed
+    /// tokens); with `all`, score the rest against what was committed.
+    fn settle(&mut self, seq: SeqId, all: bool) {
+        let (Some(log), Some(pend)) = (self.log.get(&seq), self.pending.get_mut(&seq)) else {
+            return;
+        };
+        let score = &mut self.score;
+        pend.retain(|(off, d)| {
+            let avail = &log[(*off).min(log.len())..];
+            let m = d.iter().zip(avail).take_while(|(a, b)| a == b).count();
+            let decided = all || avail.len() >= d.len() || m < avail.len();
+            if decided {
+                score.record(d.len(), m);
+            }
+            !decided
+        });
+    }
+}
+
 /// Owns the proposers; one `propose` call per proposer per step.
 pub struct Drafter {
     slots: HashMap<String, Slot>,
     seqs: HashMap<SeqId, String>,
+    shadows: Vec<Shadow>,
 }
 
 impl std::fmt::Debug for Drafter {
@@ -120,6 +154,15 @@ impl std::fmt::Debug for Drafter {
         f.debug_struct("Drafter")
             .field("proposers", &self.slots.keys().collect::<Vec<_>>())
             .finish()
+    }
+}
+
+/// The failure message of a guarded call, if it failed.
+fn failure<T>(what: &str, r: std::thread::Result<Result<T, String>>) -> Option<String> {
+    match r {
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some(format!("{what}: {e}")),
+        Err(p) => Some(format!("{what} panicked: {}", panic_message(p))),
     }
 }
 
@@ -144,7 +187,33 @@ impl Drafter {
         Self {
             slots: HashMap::new(),
             seqs: HashMap::new(),
+            shadows: Vec::new(),
         }
+    }
+
+    /// Register a shadow proposer (scored, never verified).
+    pub fn add_shadow(&mut self, proposer: Box<dyn Proposer>) {
+        let caps = proposer.capabilities();
+        let name = proposer.name().to_string();
+        self.shadows.push(Shadow {
+            slot: Slot {
+                proposer,
+                caps,
+                poisoned: None,
+            },
+            name,
+            log: HashMap::new(),
+            pending: HashMap::new(),
+            score: Default::default(),
+        });
+    }
+
+    /// Scores of the shadow proposers.
+    pub fn shadow_stats(&self) -> Vec<(String, super::ScoreCard)> {
+        self.shadows
+            .iter()
+            .map(|s| (s.name.clone(), s.score.clone()))
+            .collect()
     }
 
     /// Register a proposer under its name (replacing one of the same name).
@@ -186,8 +255,18 @@ impl Drafter {
         slot.poisoned = Some(why);
     }
 
-    /// Attach `seq` to proposer `name` (must exist).
+    /// Attach `seq` to proposer `name` (`none`: plain, shadows only).
     pub fn start(&mut self, seq: SeqId, name: &str, prompt: &[u32]) {
+        for sh in &mut self.shadows {
+            sh.log.insert(seq, Vec::new());
+            sh.pending.insert(seq, Vec::new());
+            if sh.slot.poisoned.is_none() {
+                let r = catch_unwind(AssertUnwindSafe(|| sh.slot.proposer.start(seq, prompt)));
+                if let Some(why) = failure("start", r) {
+                    Self::poison(&mut sh.slot, &sh.name, why);
+                }
+            }
+        }
         self.seqs.insert(seq, name.to_string());
         if let Some(slot) = self.slots.get_mut(name) {
             if slot.poisoned.is_some() {
@@ -277,11 +356,76 @@ impl Drafter {
                 ),
             }
         }
+        self.shadow_propose(inputs);
         out
     }
 
+    fn shadow_propose(&mut self, inputs: &[ProposeInput<'_>]) {
+        for sh in &mut self.shadows {
+            if sh.slot.poisoned.is_some() || inputs.is_empty() {
+                continue;
+            }
+            let cap = sh.slot.caps.max_draft;
+            let batch: Vec<ProposeInput<'_>> = inputs
+                .iter()
+                .filter(|i| sh.log.contains_key(&i.seq))
+                .map(|i| ProposeInput {
+                    seq: i.seq,
+                    tokens: i.tokens,
+                    max_draft: cap,
+                    params: i.params,
+                    hidden: i.hidden,
+                })
+                .collect();
+            if batch.is_empty() {
+                continue;
+            }
+            match catch_unwind(AssertUnwindSafe(|| sh.slot.proposer.propose(&batch))) {
+                Ok(Ok(drafts)) if drafts.len() == batch.len() => {
+                    for (b, d) in batch.iter().zip(drafts) {
+                        if d.tokens.is_empty() {
+                            continue;
+                        }
+                        let off = sh.log.get(&b.seq).map(|l| l.len()).unwrap_or(0);
+                        let mut t = d.tokens;
+                        t.truncate(cap);
+                        sh.pending.entry(b.seq).or_default().push((off, t));
+                    }
+                }
+                other => {
+                    let why = match other {
+                        Ok(Ok(d)) => format!(
+                            "propose returned {} drafts for {} sequences",
+                            d.len(),
+                            batch.len()
+                        ),
+                        Ok(Err(e)) => format!("propose: {e}"),
+                        Err(p) => format!("propose panicked: {}", panic_message(p)),
+                    };
+                    Self::poison(&mut sh.slot, &sh.name, why);
+                }
+            }
+        }
+    }
+
     pub fn observe(&mut self, seq: SeqId, committed: &[u32]) {
-        let Some(name) = self.seqs.get(&seq) else {
+        for sh in &mut self.shadows {
+            let Some(log) = sh.log.get_mut(&seq) else {
+                continue;
+            };
+            log.extend_from_slice(committed);
+            sh.score.tokens += committed.len() as u64;
+            sh.settle(seq, false);
+            if sh.slot.poisoned.is_none() {
+                let r = catch_unwind(AssertUnwindSafe(|| {
+                    sh.slot.proposer.observe(seq, committed)
+                }));
+                if let Some(why) = failure("observe", r) {
+                    Self::poison(&mut sh.slot, &sh.name, why);
+                }
+            }
+        }
+        let Some(name) = self.seqs.get(&seq).cloned() else {
             return;
         };
         let Some(slot) = self.slots.get_mut(name.as_str()) else {
@@ -290,17 +434,31 @@ impl Drafter {
         if slot.poisoned.is_some() {
             return;
         }
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| slot.proposer.observe(seq, committed))) {
-            let name = name.clone();
-            Self::poison(
-                slot,
-                &name,
-                format!("observe panicked: {}", panic_message(p)),
-            );
+        let r = catch_unwind(AssertUnwindSafe(|| slot.proposer.observe(seq, committed)));
+        if let Some(why) = failure("observe", r) {
+            Self::poison(slot, &name, why);
         }
     }
 
     pub fn finish(&mut self, seq: SeqId) {
+        for sh in &mut self.shadows {
+            if !sh.log.contains_key(&seq) {
+                continue;
+            }
+            sh.settle(seq, true);
+            sh.score.requests += 1;
+            sh.log.remove(&seq);
+            sh.pending.remove(&seq);
+            if sh.slot.poisoned.is_none() {
+                let r = catch_unwind(AssertUnwindSafe(|| {
+                    sh.slot.proposer.finish(seq);
+                    Ok::<(), String>(())
+                }));
+                if let Some(why) = failure("finish", r) {
+                    Self::poison(&mut sh.slot, &sh.name, why);
+                }
+            }
+        }
         let Some(name) = self.seqs.remove(&seq) else {
             return;
         };
@@ -310,12 +468,12 @@ impl Drafter {
         if slot.poisoned.is_some() {
             return;
         }
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| slot.proposer.finish(seq))) {
-            Self::poison(
-                slot,
-                &name,
-                format!("finish panicked: {}", panic_message(p)),
-            );
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            slot.proposer.finish(seq);
+            Ok::<(), String>(())
+        }));
+        if let Some(why) = failure("finish", r) {
+            Self::poison(slot, &name, why);
         }
     }
 }

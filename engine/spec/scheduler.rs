@@ -179,6 +179,8 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     next_id: SeqId,
     lifecycle: Lifecycle,
+    /// Live totals per A/B arm.
+    arms: std::collections::BTreeMap<String, super::ScoreCard>,
 }
 
 impl Scheduler {
@@ -191,6 +193,7 @@ impl Scheduler {
             running: Vec::new(),
             next_id: 1,
             lifecycle: Lifecycle::default(),
+            arms: Default::default(),
         }
     }
 
@@ -249,6 +252,10 @@ impl Scheduler {
             text: String::new(),
             stats: SpecStats {
                 proposer: proposer.clone().unwrap_or_else(|| "none".into()),
+                arm: req
+                    .arm
+                    .clone()
+                    .unwrap_or_else(|| proposer.clone().unwrap_or_else(|| "none".into())),
                 ..Default::default()
             },
             preemptions: 0,
@@ -264,6 +271,11 @@ impl Scheduler {
         self.waiting.push_back(id);
         metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
         Ok(id)
+    }
+
+    /// Live totals per A/B arm.
+    pub fn arm_stats(&self) -> &std::collections::BTreeMap<String, super::ScoreCard> {
+        &self.arms
     }
 
     pub fn get(&self, id: SeqId) -> Option<&Sequence> {
@@ -368,11 +380,10 @@ impl Scheduler {
             let s = self.seqs.get_mut(&id).expect("waiting seq exists");
             s.status = SeqStatus::Prefill;
             s.cached = 0;
-            if let Some(p) = &s.proposer {
-                self.lifecycle
-                    .starts
-                    .push((id, p.clone(), s.tokens.clone()));
-            }
+            // Every sequence starts in the drafter (plain ones too: shadow
+            // proposers score all traffic).
+            let name = s.proposer.clone().unwrap_or_else(|| "none".into());
+            self.lifecycle.starts.push((id, name, s.tokens.clone()));
             self.running.push(id);
         }
         metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
@@ -511,7 +522,9 @@ impl Scheduler {
                     st.accepted_by_pos[i] += 1;
                 }
             }
-            record_step_metrics(&st.proposer, r.drafted, r.accepted.accepted);
+            record_step_metrics(&st.proposer, &st.arm, r.drafted, r.accepted.accepted);
+            let card = self.arms.entry(st.arm.clone()).or_default();
+            card.record(r.drafted, r.accepted.accepted);
             let mut new_ids = Vec::new();
             let mut new_text = String::new();
             for &t in &r.accepted.tokens {
@@ -547,8 +560,14 @@ impl Scheduler {
                 }
             }
             s.text.push_str(&new_text);
-            metrics::counter!("specd_generated_tokens_total", "proposer" => s.stats.proposer.clone())
+            metrics::counter!("specd_generated_tokens_total", "proposer" => s.stats.proposer.clone(), "arm" => s.stats.arm.clone())
                 .increment(new_ids.len() as u64);
+            if let Some(card) = self.arms.get_mut(&s.stats.arm) {
+                card.tokens += new_ids.len() as u64;
+                if s.finish.is_some() {
+                    card.requests += 1;
+                }
+            }
             if !new_ids.is_empty() || !new_text.is_empty() {
                 s.send(Event::Tokens {
                     ids: new_ids.clone(),
@@ -565,6 +584,8 @@ impl Scheduler {
                     (l, h[..width * (r.accepted.accepted + 1)].to_vec())
                 })
                 .collect();
+            // Proposers see every committed token, the last run included.
+            out.observed.push((s.id, new_ids));
             if s.finish.is_some() {
                 s.status = SeqStatus::Finished;
                 let id = s.id;
@@ -585,7 +606,6 @@ impl Scheduler {
                 out.finished.push(c);
             } else {
                 out.lens.push((s.id, s.cached));
-                out.observed.push((s.id, new_ids));
             }
         }
         out
@@ -645,17 +665,18 @@ pub fn grant(kv: &mut super::kv_manager::KvManager, wants: &[Want]) -> Grant {
     g
 }
 
-fn record_step_metrics(proposer: &str, drafted: usize, accepted: usize) {
-    let p = proposer.to_string();
-    metrics::counter!("specd_verify_steps_total", "proposer" => p.clone()).increment(1);
-    metrics::counter!("specd_drafted_tokens_total", "proposer" => p.clone())
+fn record_step_metrics(proposer: &str, arm: &str, drafted: usize, accepted: usize) {
+    let (p, a) = (proposer.to_string(), arm.to_string());
+    metrics::counter!("specd_verify_steps_total", "proposer" => p.clone(), "arm" => a.clone())
+        .increment(1);
+    metrics::counter!("specd_drafted_tokens_total", "proposer" => p.clone(), "arm" => a.clone())
         .increment(drafted as u64);
-    metrics::counter!("specd_accepted_tokens_total", "proposer" => p.clone())
+    metrics::counter!("specd_accepted_tokens_total", "proposer" => p.clone(), "arm" => a.clone())
         .increment(accepted as u64);
-    metrics::histogram!("specd_accepted_length", "proposer" => p.clone())
+    metrics::histogram!("specd_accepted_length", "proposer" => p.clone(), "arm" => a.clone())
         .record((accepted + 1) as f64);
     for i in 0..accepted {
-        metrics::counter!("specd_accepted_tokens_by_position_total", "proposer" => p.clone(), "position" => i.to_string())
+        metrics::counter!("specd_accepted_tokens_by_position_total", "proposer" => p.clone(), "arm" => a.clone(), "position" => i.to_string())
             .increment(1);
     }
 }
