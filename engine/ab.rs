@@ -547,9 +547,8 @@ pub fn run(
         }
     }
     let mut ec = EngineConfig::for_model(&model);
+    cfg.apply_engine(&mut ec.scheduler);
     ec.scheduler.max_running = 1;
-    ec.scheduler.max_draft = cfg.engine.max_draft;
-    ec.scheduler.max_batch_tokens = cfg.engine.max_batch_tokens;
     let max_batch_tokens = ec.scheduler.max_batch_tokens;
     let mut engine = EngineCore::new(model.clone(), Some(tok.clone()), ec, drafter);
     let encoded: Vec<Vec<u32>> = prompts

@@ -41,6 +41,12 @@ pub struct EngineSection {
     pub kv_blocks: usize,
     /// Proposer for requests that name none (`none`: plain decoding).
     pub default_proposer: String,
+    /// Adapt draft lengths to each sequence's acceptance (0 when drafting
+    /// does not pay).
+    pub adaptive_draft: bool,
+    /// Verify cost of one extra drafted token relative to a one-token
+    /// forward, for the adaptive policy (measure with `specd bench-model`).
+    pub draft_cost: f64,
 }
 
 impl Default for EngineSection {
@@ -51,6 +57,8 @@ impl Default for EngineSection {
             max_draft: 4,
             kv_blocks: 0,
             default_proposer: "none".into(),
+            adaptive_draft: true,
+            draft_cost: 0.25,
         }
     }
 }
@@ -332,6 +340,16 @@ impl Config {
             }
         }
         Ok(d)
+    }
+
+    /// Apply the `[engine]` settings to a scheduler config.
+    pub fn apply_engine(&self, s: &mut crate::spec::scheduler::SchedulerConfig) {
+        s.max_batch_tokens = self.engine.max_batch_tokens;
+        s.max_running = self.engine.max_running;
+        s.max_draft = self.engine.max_draft;
+        s.adaptive_draft = self.engine.adaptive_draft;
+        s.draft_cost = self.engine.draft_cost;
+        s.default_proposer = Some(self.engine.default_proposer.clone()).filter(|p| p != "none");
     }
 
     /// The proposer for requests to `model` that name none.

@@ -371,6 +371,8 @@ fn run_batch(
         .div_ceil(specd::model::DEFAULT_BLOCK_SIZE);
     config.kv_blocks = per_seq * config.scheduler.max_running;
     let cfg = load_config(&a.config)?;
+    config.scheduler.adaptive_draft = cfg.engine.adaptive_draft;
+    config.scheduler.draft_cost = cfg.engine.draft_cost;
     let drafter = if a.proposer == "none" {
         Drafter::new()
     } else {
@@ -627,12 +629,8 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
     let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
     let proposers = drafter.names();
     let mut ec = EngineConfig::for_model(&model);
-    ec.scheduler.max_batch_tokens = cfg.engine.max_batch_tokens;
-    ec.scheduler.max_running = cfg.engine.max_running;
-    ec.scheduler.max_draft = cfg.engine.max_draft;
+    cfg.apply_engine(&mut ec.scheduler);
     ec.scheduler.max_waiting = cfg.server.max_queue;
-    ec.scheduler.default_proposer =
-        Some(cfg.engine.default_proposer.clone()).filter(|p| p != "none");
     if cfg.engine.kv_blocks > 0 {
         ec.kv_blocks = cfg.engine.kv_blocks;
     } else {

@@ -339,14 +339,11 @@ fn parse_common(
         seed: int(obj, "seed")?.unwrap_or_else(rand_seed),
     };
     params.validate().map_err(|e| {
-        let msg = e.to_string();
-        let field = msg
-            .split(':')
-            .next()
-            .unwrap_or("")
-            .trim_start_matches("invalid request")
-            .trim()
-            .to_string();
+        let msg = match e {
+            SpecdError::InvalidRequest(m) => m,
+            other => other.to_string(),
+        };
+        let field = msg.split(':').next().unwrap_or("").trim().to_string();
         ApiError::bad_field(&field, msg)
     })?;
     let stop = match obj.get("stop") {

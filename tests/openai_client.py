@@ -61,7 +61,7 @@ try:
     raise SystemExit("expected a 400")
 except openai.BadRequestError as e:
     print("error case:", e.status_code, e.body)
-    assert e.status_code == 400 and "temperature" in str(e.body)
+    assert e.status_code == 400 and e.body["param"] == "temperature", e.body
 
 try:
     client.completions.create(model="no-such-model", prompt="x", max_tokens=4)

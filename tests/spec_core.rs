@@ -37,6 +37,8 @@ fn engine(
     cfg.scheduler.max_running = max_running;
     cfg.scheduler.max_draft = 8;
     cfg.scheduler.max_waiting = usize::MAX;
+    // These tests exercise drafting itself: always draft the cap.
+    cfg.scheduler.adaptive_draft = false;
     if let Some(b) = kv_blocks {
         cfg.kv_blocks = b;
     }

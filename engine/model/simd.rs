@@ -186,7 +186,8 @@ pub mod vnni {
         })
     }
 
-    /// Activations in the pair layout (rows of `nb` blocks, `nb` even).
+    /// Activations in the pair layout (rows of `nb` blocks, `nb` even),
+    /// pair-major across rows.
     #[derive(Debug, Default)]
     pub struct PairActs {
         pub nb: usize,
@@ -209,25 +210,31 @@ pub mod vnni {
             self.qs.resize(n * nb * 32, 0);
             self.dv.resize(pairs * 8, 0.0);
             self.sums.resize(pairs * 8, 0);
-            for p in 0..pairs {
-                let (b0, b1) = (2 * p, 2 * p + 1);
-                let src0 = &qs[b0 * 32..b0 * 32 + 32];
-                let src1 = &qs[b1 * 32..b1 * 32 + 32];
-                let dst = &mut self.qs[p * 64..p * 64 + 64];
-                dst[0..16].copy_from_slice(&src0[0..16]);
-                dst[16..32].copy_from_slice(&src1[0..16]);
-                dst[32..48].copy_from_slice(&src0[16..32]);
-                dst[48..64].copy_from_slice(&src1[16..32]);
-                for l in 0..8 {
-                    let s: i32 = dst[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum::<i32>()
-                        + dst[32 + 4 * l..32 + 4 * l + 4]
-                            .iter()
-                            .map(|&v| v as i32)
-                            .sum::<i32>();
-                    self.sums[p * 8 + l] = s;
+            // Pair-major: slot (q, row) = q * n + row, so the rows a kernel
+            // group reads for one weight pair sit next to each other.
+            let per_row = nb / 2;
+            for row in 0..n {
+                for q in 0..per_row {
+                    let (b0, b1) = (row * nb + 2 * q, row * nb + 2 * q + 1);
+                    let slot = q * n + row;
+                    let src0 = &qs[b0 * 32..b0 * 32 + 32];
+                    let src1 = &qs[b1 * 32..b1 * 32 + 32];
+                    let dst = &mut self.qs[slot * 64..slot * 64 + 64];
+                    dst[0..16].copy_from_slice(&src0[0..16]);
+                    dst[16..32].copy_from_slice(&src1[0..16]);
+                    dst[32..48].copy_from_slice(&src0[16..32]);
+                    dst[48..64].copy_from_slice(&src1[16..32]);
+                    for l in 0..8 {
+                        let s: i32 = dst[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum::<i32>()
+                            + dst[32 + 4 * l..32 + 4 * l + 4]
+                                .iter()
+                                .map(|&v| v as i32)
+                                .sum::<i32>();
+                        self.sums[slot * 8 + l] = s;
+                    }
+                    self.dv[slot * 8..slot * 8 + 4].fill(d[b0]);
+                    self.dv[slot * 8 + 4..slot * 8 + 8].fill(d[b1]);
                 }
-                self.dv[p * 8..p * 8 + 4].fill(d[b0]);
-                self.dv[p * 8 + 4..p * 8 + 8].fill(d[b1]);
             }
         }
     }
@@ -293,13 +300,21 @@ pub mod vnni {
             let o = &mut out[(r - r0) * n..(r - r0 + 1) * n];
             let mut i = 0;
             while i < n {
+                // Up to 8 activation rows share one unpacked weight pair
+                // (32 vector registers hold 8 accumulators with room to
+                // spare), so a verify of up to 8 tokens reads and unpacks
+                // each weight block once.
                 match n - i {
                     1 => group::<1, K>(w, a, xs, r, i, o),
                     2 => group::<2, K>(w, a, xs, r, i, o),
                     3 => group::<3, K>(w, a, xs, r, i, o),
-                    _ => group::<4, K>(w, a, xs, r, i, o),
+                    4 => group::<4, K>(w, a, xs, r, i, o),
+                    5 => group::<5, K>(w, a, xs, r, i, o),
+                    6 => group::<6, K>(w, a, xs, r, i, o),
+                    7 => group::<7, K>(w, a, xs, r, i, o),
+                    _ => group::<8, K>(w, a, xs, r, i, o),
                 }
-                i += 4.min(n - i);
+                i += 8.min(n - i);
             }
         }
     }
@@ -375,7 +390,7 @@ pub mod vnni {
             };
             let dw = _mm256_set_m128(_mm_set1_ps(w.d[gb + 1]), _mm_set1_ps(w.d[gb]));
             for j in 0..R {
-                let xp = (i0 + j) * pairs + p;
+                let xp = p * a.n + i0 + j;
                 // SAFETY: `rows` checked 64 activation bytes and 8 scale and
                 // sum lanes per pair for every row.
                 let (x, dx, sums) = unsafe {

@@ -41,6 +41,12 @@ pub struct SchedulerConfig {
     pub eos_token_ids: Vec<u32>,
     /// Waiting requests beyond which `add` refuses new ones.
     pub max_waiting: usize,
+    /// Adapt each sequence's draft length to its recent acceptance (see
+    /// `choose_draft_len`); off: always draft the cap.
+    pub adaptive_draft: bool,
+    /// Verify cost of one extra drafted token, relative to a one-token
+    /// forward (`specd bench-model` measures it: (cost(k+1) - 1) / k).
+    pub draft_cost: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -53,6 +59,8 @@ impl Default for SchedulerConfig {
             max_seq_len: 2048,
             eos_token_ids: Vec::new(),
             max_waiting: 1024,
+            adaptive_draft: true,
+            draft_cost: 0.25,
         }
     }
 }
@@ -79,6 +87,10 @@ pub struct Sequence {
     pub text: String,
     pub stats: SpecStats,
     pub preemptions: u32,
+    /// Running estimate of this sequence's per-draft acceptance rate.
+    pub acceptance_ema: f64,
+    /// Decode steps since the last draft (for probing when drafting paused).
+    pub steps_without_draft: u32,
     /// Proposer in use (`None`: plain decoding).
     pub proposer: Option<String>,
     stop: StopBuffer,
@@ -259,6 +271,8 @@ impl Scheduler {
                 ..Default::default()
             },
             preemptions: 0,
+            acceptance_ema: 0.5,
+            steps_without_draft: 0,
             proposer,
             stop: StopBuffer::new(req.stop.clone()),
             detok: StreamDecoder::new(),
@@ -403,7 +417,14 @@ impl Scheduler {
                 continue;
             }
             let pcap = s.proposer.as_deref().and_then(&cap);
-            let k = self.max_draft_for(s, pcap).min(budget - 1);
+            let mut k = self.max_draft_for(s, pcap).min(budget - 1);
+            if self.config.adaptive_draft && k > 0 {
+                k = choose_draft_len(s.acceptance_ema, k, self.config.draft_cost);
+                // Keep learning while paused: probe with one draft now and then.
+                if k == 0 && s.steps_without_draft >= 8 {
+                    k = 1;
+                }
+            }
             budget -= 1 + k;
             items.push(PlanItem {
                 seq: id,
@@ -512,6 +533,13 @@ impl Scheduler {
             st.verify_steps += 1;
             st.drafted += r.drafted as u64;
             st.accepted += r.accepted.accepted as u64;
+            if r.drafted > 0 {
+                let rate = r.accepted.accepted as f64 / r.drafted as f64;
+                s.acceptance_ema = 0.7 * s.acceptance_ema + 0.3 * rate;
+                s.steps_without_draft = 0;
+            } else {
+                s.steps_without_draft += 1;
+            }
             if st.drafted_by_pos.len() < r.drafted {
                 st.drafted_by_pos.resize(r.drafted, 0);
                 st.accepted_by_pos.resize(r.drafted, 0);
@@ -612,6 +640,24 @@ impl Scheduler {
     }
 }
 
+/// The draft length in `0..=cap` that maximises expected tokens per unit of
+/// verify cost, for a per-draft acceptance rate `alpha` (assumed
+/// independent per position): E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+/// tokens for a cost of 1 + `cost` * k. Returns 0 (plain decoding) when no
+/// draft length pays for itself.
+pub fn choose_draft_len(alpha: f64, cap: usize, cost: f64) -> usize {
+    let a = alpha.clamp(0.0, 0.999);
+    let mut best = (0usize, 1.0f64);
+    for k in 1..=cap {
+        let expected = (1.0 - a.powi(k as i32 + 1)) / (1.0 - a);
+        let value = expected / (1.0 + cost * k as f64);
+        if value > best.1 + 1e-9 {
+            best = (k, value);
+        }
+    }
+    best.0
+}
+
 /// The KV manager's answer to a step's wants.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Grant {
@@ -678,5 +724,24 @@ fn record_step_metrics(proposer: &str, arm: &str, drafted: usize, accepted: usiz
     for i in 0..accepted {
         metrics::counter!("specd_accepted_tokens_by_position_total", "proposer" => p.clone(), "arm" => a.clone(), "position" => i.to_string())
             .increment(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draft_length_follows_acceptance_and_cost() {
+        // Drafts that are rarely accepted do not pay for their verify cost.
+        assert_eq!(choose_draft_len(0.1, 8, 0.25), 0);
+        // Good acceptance with cheap verification drafts long.
+        assert_eq!(choose_draft_len(0.9, 8, 0.1), 8);
+        // In between, a middle length wins.
+        let k = choose_draft_len(0.7, 8, 0.3);
+        assert!((1..8).contains(&k), "{k}");
+        // Free verification: always the cap (for any positive acceptance).
+        assert_eq!(choose_draft_len(0.3, 5, 0.0), 5);
+        assert_eq!(choose_draft_len(0.9, 0, 0.1), 0);
     }
 }
