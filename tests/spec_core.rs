@@ -9,8 +9,8 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use common::{OracleProposer, PanickyProposer, RandomProposer, TempDir, TinySpec, TINY};
 use specd::generate::{generate, GenerateRequest};
-use specd::model::{load_model, Logits, Model};
-use specd::sampler::{self, FinishReason, SamplingParams};
+use specd::model::{load_model, Model};
+use specd::sampler::{FinishReason, SamplingParams};
 use specd::spec::accept::Residual;
 use specd::spec::engine::{EngineConfig, EngineCore};
 use specd::spec::kv_manager::Pool;
@@ -154,63 +154,6 @@ fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
     }
 }
 
-/// Exact joint distribution of the first two generated tokens.
-fn exact_first_two(model: &Model, prompt: &[u32], params: &SamplingParams) -> Vec<f64> {
-    let v = model.config.vocab_size;
-    let mut c = model.new_cache();
-    let l1 = model
-        .forward_one(&mut c, prompt, Logits::Last)
-        .unwrap()
-        .logits;
-    let p1 = sampler::distribution(&l1, params).dense(v);
-    let mut joint = vec![0f64; v * v];
-    for t1 in 0..v {
-        if p1[t1] == 0.0 {
-            continue;
-        }
-        let mut c2 = c.clone();
-        let l2 = model
-            .forward_one(&mut c2, &[t1 as u32], Logits::Last)
-            .unwrap()
-            .logits;
-        let p2 = sampler::distribution(&l2, params).dense(v);
-        for t2 in 0..v {
-            joint[t1 * v + t2] = p1[t1] as f64 * p2[t2] as f64;
-        }
-    }
-    joint
-}
-
-/// Pearson chi-square of `counts` against `probs`, merging cells whose
-/// expected count is below 5; returns (statistic, degrees of freedom).
-fn chi_square(counts: &[u64], probs: &[f64]) -> (f64, usize) {
-    let n: u64 = counts.iter().sum();
-    let (mut stat, mut cells) = (0.0, 0usize);
-    let (mut pool_o, mut pool_e) = (0.0, 0.0);
-    for (&o, &p) in counts.iter().zip(probs) {
-        let e = p * n as f64;
-        if e < 5.0 {
-            pool_o += o as f64;
-            pool_e += e;
-            continue;
-        }
-        stat += (o as f64 - e).powi(2) / e;
-        cells += 1;
-    }
-    if pool_e > 0.0 {
-        stat += (pool_o - pool_e).powi(2) / pool_e.max(1e-9);
-        cells += 1;
-    }
-    (stat, cells - 1)
-}
-
-/// Upper 0.1% point of chi-square (Wilson-Hilferty).
-fn chi2_crit_999(df: usize) -> f64 {
-    let k = df as f64;
-    let z = 3.0902; // standard normal upper 0.1%
-    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
-}
-
 fn sampled_pairs(
     model: &Arc<Model>,
     prompt: &[u32],
@@ -256,11 +199,11 @@ fn check_sampling_lossless(params: SamplingParams) {
     let spec = TinySpec { vocab: 12, ..TINY };
     let (_d, model) = tiny_model(&spec, 8);
     let prompt = [3u32, 7, 1, 9];
-    let exact = exact_first_two(&model, &prompt, &params);
+    let exact = common::exact_first_two(&model, &prompt, &params);
     let n = 12000;
     let good = sampled_pairs(&model, &prompt, &params, n, Residual::Correct);
-    let (stat, df) = chi_square(&good, &exact);
-    let crit = chi2_crit_999(df);
+    let (stat, df) = common::chi_square(&good, &exact);
+    let crit = common::chi2_crit_999(df);
     eprintln!("{params:?}: correct residual chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
     assert!(
         stat < crit,
@@ -268,13 +211,13 @@ fn check_sampling_lossless(params: SamplingParams) {
     );
     // The same test rejects a sampler that resamples from p on rejection.
     let bad = sampled_pairs(&model, &prompt, &params, n, Residual::SampleFromP);
-    let (bstat, bdf) = chi_square(&bad, &exact);
+    let (bstat, bdf) = common::chi_square(&bad, &exact);
     eprintln!(
         "{params:?}: residual-from-p chi2 {bstat:.1} (df {bdf}, 0.1% critical {:.1})",
-        chi2_crit_999(bdf)
+        common::chi2_crit_999(bdf)
     );
     assert!(
-        bstat > 3.0 * chi2_crit_999(bdf),
+        bstat > 3.0 * common::chi2_crit_999(bdf),
         "the test cannot tell a lossy residual apart: {bstat}"
     );
 }

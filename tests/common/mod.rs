@@ -177,6 +177,18 @@ pub fn write_tiny_safetensors(dir: &Path, s: &TinySpec, seed: u64) {
 /// Write the tiny model as GGUF with matrices in `dtype` (norms stay F32).
 /// `arch` lets tests write an unsupported architecture name.
 pub fn write_tiny_gguf(path: &Path, s: &TinySpec, seed: u64, dtype: GgmlDType, arch: &str) {
+    write_tiny_gguf_tokens(path, s, seed, dtype, arch, "t")
+}
+
+/// As `write_tiny_gguf`, with token strings `{prefix}{id}`.
+pub fn write_tiny_gguf_tokens(
+    path: &Path,
+    s: &TinySpec,
+    seed: u64,
+    dtype: GgmlDType,
+    arch: &str,
+    prefix: &str,
+) {
     let hf = tiny_weights(s, seed);
     let rename = |n: &str| -> String {
         n.replace("model.embed_tokens.weight", "token_embd.weight")
@@ -232,6 +244,16 @@ pub fn write_tiny_gguf(path: &Path, s: &TinySpec, seed: u64, dtype: GgmlDType, a
             Value::F32(1e-5),
         ),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(2)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(
+                (0..s.vocab)
+                    .map(|i| Value::String(format!("{prefix}{i}")))
+                    .collect(),
+            ),
+        ),
+        ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
     ];
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = qt.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -637,4 +659,67 @@ fn dechunk(mut s: &str) -> String {
         s = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
     }
     out
+}
+
+// ------------------------------------------------------------ statistics
+
+/// Exact joint distribution of the first two generated tokens.
+pub fn exact_first_two(
+    model: &specd::model::Model,
+    prompt: &[u32],
+    params: &specd::sampler::SamplingParams,
+) -> Vec<f64> {
+    let v = model.config.vocab_size;
+    let mut c = model.new_cache();
+    let l1 = model
+        .forward_one(&mut c, prompt, specd::model::Logits::Last)
+        .unwrap()
+        .logits;
+    let p1 = specd::sampler::distribution(&l1, params).dense(v);
+    let mut joint = vec![0f64; v * v];
+    for t1 in 0..v {
+        if p1[t1] == 0.0 {
+            continue;
+        }
+        let mut c2 = c.clone();
+        let l2 = model
+            .forward_one(&mut c2, &[t1 as u32], specd::model::Logits::Last)
+            .unwrap()
+            .logits;
+        let p2 = specd::sampler::distribution(&l2, params).dense(v);
+        for t2 in 0..v {
+            joint[t1 * v + t2] = p1[t1] as f64 * p2[t2] as f64;
+        }
+    }
+    joint
+}
+
+/// Pearson chi-square of `counts` against `probs`, merging cells whose
+/// expected count is below 5; returns (statistic, degrees of freedom).
+pub fn chi_square(counts: &[u64], probs: &[f64]) -> (f64, usize) {
+    let n: u64 = counts.iter().sum();
+    let (mut stat, mut cells) = (0.0, 0usize);
+    let (mut pool_o, mut pool_e) = (0.0, 0.0);
+    for (&o, &p) in counts.iter().zip(probs) {
+        let e = p * n as f64;
+        if e < 5.0 {
+            pool_o += o as f64;
+            pool_e += e;
+            continue;
+        }
+        stat += (o as f64 - e).powi(2) / e;
+        cells += 1;
+    }
+    if pool_e > 0.0 {
+        stat += (pool_o - pool_e).powi(2) / pool_e.max(1e-9);
+        cells += 1;
+    }
+    (stat, cells - 1)
+}
+
+/// Upper 0.1% point of chi-square (Wilson-Hilferty).
+pub fn chi2_crit_999(df: usize) -> f64 {
+    let k = df as f64;
+    let z = 3.0902; // standard normal upper 0.1%
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
 }

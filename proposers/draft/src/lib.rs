@@ -1,0 +1,239 @@
+//! A standalone draft model as a proposer plugin.
+//!
+//! Loads any Llama-family GGUF or safetensors model with the engine's own
+//! model code (this crate links `specd`; nothing is copied), keeps a KV
+//! cache per sequence with rollback, and drafts for every sequence of a
+//! batch in one forward per draft position. Under greedy requests it drafts
+//! the draft model's argmax (q one-hot); under sampling it samples from its
+//! own distribution after the request's temperature / top-k / top-p / min-p
+//! and returns that full q, so the host's rejection sampling stays lossless.
+//!
+//! Options: `model` (path, required), `threads` (2), `max_draft` (4).
+//!
+//! Invariant: the draft must share the target's vocabulary: same size and
+//! the same token string for every id (checked at creation).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use specd::model::{KvCache, Logits, Model, SeqInput};
+use specd::sampler::{self, Rng, SamplingParams};
+use specd::tokenizer::Tokenizer;
+use specd_plugin_sdk::{abi, Caps, Draft, Host, Options, Proposer, SeqView, Q};
+
+struct SeqState {
+    cache: KvCache,
+    /// Tokens whose KV entries the cache holds, in order.
+    cached: Vec<u32>,
+    rng: Rng,
+}
+
+pub struct DraftModel {
+    model: Model,
+    max_draft: usize,
+    seqs: HashMap<u64, SeqState>,
+}
+
+/// Check that the draft's vocabulary equals the target's, id by id.
+pub fn check_vocab(host: &Host, draft: &Tokenizer, draft_vocab: usize) -> Result<(), String> {
+    let target = host.vocab_size();
+    if target != draft_vocab {
+        return Err(format!(
+            "vocabulary mismatch: the draft model has {draft_vocab} tokens, the target {target}"
+        ));
+    }
+    if host.token_text(0).is_none() {
+        return Err(
+            "cannot check the vocabulary: the host offers no token strings (no target tokenizer)"
+                .into(),
+        );
+    }
+    for id in 0..target as u32 {
+        let (t, d) = (host.token_text(id), draft.id_to_token(id));
+        if t != d {
+            return Err(format!(
+                "vocabulary mismatch at token {id}: target {:?}, draft {:?}",
+                t.unwrap_or_default(),
+                d.unwrap_or_default()
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl DraftModel {
+    fn state(&mut self, seq: u64, seed: u64) -> &mut SeqState {
+        let model = &self.model;
+        self.seqs.entry(seq).or_insert_with(|| SeqState {
+            cache: model.new_cache(),
+            cached: Vec::new(),
+            rng: Rng::new(seed ^ 0xD1A5_7D1A_5700),
+        })
+    }
+}
+
+fn params_of(s: &SeqView<'_>) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        seed: s.seed,
+        ..Default::default()
+    }
+}
+
+impl Proposer for DraftModel {
+    const NAME: &'static str = "draft";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+
+    fn default_capabilities() -> Caps {
+        Caps {
+            q_kind: abi::Q_FULL,
+            ..Caps::one_hot(4)
+        }
+    }
+
+    fn create(o: &Options, host: Host) -> Result<Self, String> {
+        o.reject_unknown(&["model", "threads", "max_draft"])?;
+        let path = PathBuf::from(o.get("model", String::new())?);
+        if path.as_os_str().is_empty() {
+            return Err("option `model`: the draft model's path is required".into());
+        }
+        let threads = o.get("threads", 2usize)?;
+        let model =
+            specd::model::load_model(&path, threads).map_err(|e| format!("draft model: {e}"))?;
+        let tok = Tokenizer::for_model(&path).map_err(|e| format!("draft tokenizer: {e}"))?;
+        check_vocab(&host, &tok, model.config.vocab_size)?;
+        host.log(
+            2,
+            &format!(
+                "draft model {} loaded: {} layers, hidden {}",
+                path.display(),
+                model.config.layers,
+                model.config.hidden
+            ),
+        );
+        Ok(Self {
+            model,
+            max_draft: o.get("max_draft", 4usize)?,
+            seqs: HashMap::new(),
+        })
+    }
+
+    fn capabilities(&self) -> Caps {
+        Caps {
+            q_kind: abi::Q_FULL,
+            ..Caps::one_hot(self.max_draft as u32)
+        }
+    }
+
+    fn start(&mut self, seq: u64, _tokens: &[u32]) -> Result<(), String> {
+        self.seqs.remove(&seq);
+        Ok(())
+    }
+
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String> {
+        let mut drafts: Vec<Draft> = vec![Draft::default(); batch.len()];
+        let want: Vec<usize> = batch
+            .iter()
+            .map(|s| s.max_draft.min(self.max_draft))
+            .collect();
+        let active: Vec<usize> = (0..batch.len())
+            .filter(|&i| want[i] > 0 && !batch[i].tokens.is_empty())
+            .collect();
+        if active.is_empty() {
+            return Ok(drafts);
+        }
+        // Roll each cache back to its longest prefix that is still committed
+        // (accepted drafts are kept), then feed the rest of the history.
+        let mut feeds: Vec<Vec<u32>> = Vec::with_capacity(active.len());
+        for &i in &active {
+            let s = &batch[i];
+            let st = self.state(s.seq, s.seed);
+            let n = s.tokens.len();
+            let common = st
+                .cached
+                .iter()
+                .zip(s.tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(n - 1);
+            st.cache.truncate(common);
+            st.cached.truncate(common);
+            feeds.push(s.tokens[common..].to_vec());
+            st.cached.extend_from_slice(&s.tokens[common..]);
+        }
+        let max_k = active.iter().map(|&i| want[i]).max().unwrap_or(0);
+        for step in 0..max_k {
+            let mut caches: Vec<(usize, KvCache)> = Vec::new();
+            for (j, &i) in active.iter().enumerate() {
+                if step < want[i] && !feeds[j].is_empty() {
+                    let st = self
+                        .seqs
+                        .get_mut(&batch[i].seq)
+                        .expect("state created above");
+                    let layout = st.cache.layout();
+                    caches.push((j, std::mem::replace(&mut st.cache, KvCache::new(layout, 0))));
+                }
+            }
+            if caches.is_empty() {
+                break;
+            }
+            let out = {
+                let mut inputs: Vec<SeqInput<'_>> = caches
+                    .iter_mut()
+                    .map(|(j, c)| SeqInput {
+                        cache: c,
+                        tokens: &feeds[*j],
+                        logits: Logits::Last,
+                        tree: None,
+                    })
+                    .collect();
+                self.model.forward(&mut inputs, &[])
+            };
+            for (j, c) in caches.iter_mut() {
+                let st = self.seqs.get_mut(&batch[active[*j]].seq).expect("state");
+                let layout = c.layout();
+                st.cache = std::mem::replace(c, KvCache::new(layout, 0));
+            }
+            let out = out.map_err(|e| format!("draft forward: {e}"))?;
+            for ((j, _), o) in caches.iter().zip(out) {
+                let i = active[*j];
+                let s = &batch[i];
+                let params = params_of(s);
+                let st = self.seqs.get_mut(&s.seq).expect("state");
+                let (tok, q) = if params.is_greedy() {
+                    (sampler::argmax(&o.logits), Q::OneHot)
+                } else {
+                    let d = sampler::distribution(&o.logits, &params);
+                    let t = d.sample(&mut st.rng);
+                    (t, Q::Full(d.dense(o.logits.len())))
+                };
+                drafts[i].tokens.push(tok);
+                drafts[i].q.push(q);
+                // Feed the drafted token next (its KV is written by that forward).
+                feeds[*j] = if step + 1 < want[i] {
+                    vec![tok]
+                } else {
+                    Vec::new()
+                };
+                if step + 1 < want[i] {
+                    st.cached.push(tok);
+                }
+            }
+        }
+        Ok(drafts)
+    }
+
+    fn observe(&mut self, _seq: u64, _tokens: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn finish(&mut self, seq: u64) {
+        self.seqs.remove(&seq);
+    }
+}
+
+#[cfg(feature = "plugin")]
+specd_plugin_sdk::export_proposer!(DraftModel);
