@@ -364,12 +364,7 @@ fn run_batch(
     config.scheduler.max_running = a.concurrency.max(1);
     config.scheduler.max_draft = a.max_draft;
     config.scheduler.max_waiting = rows.len().max(1);
-    let per_seq = model
-        .config
-        .max_seq_len
-        .min(4096)
-        .div_ceil(specd::model::DEFAULT_BLOCK_SIZE);
-    config.kv_blocks = per_seq * config.scheduler.max_running;
+    config.kv_blocks = EngineConfig::kv_blocks_for(&model, config.scheduler.max_running, 4096);
     let cfg = load_config(&a.config)?;
     config.scheduler.adaptive_draft = cfg.engine.adaptive_draft;
     config.scheduler.draft_cost = cfg.engine.draft_cost;
@@ -631,16 +626,10 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
     let mut ec = EngineConfig::for_model(&model);
     cfg.apply_engine(&mut ec.scheduler);
     ec.scheduler.max_waiting = cfg.server.max_queue;
-    if cfg.engine.kv_blocks > 0 {
-        ec.kv_blocks = cfg.engine.kv_blocks;
-    } else {
-        let per_seq = model
-            .config
-            .max_seq_len
-            .min(4096)
-            .div_ceil(specd::model::DEFAULT_BLOCK_SIZE);
-        ec.kv_blocks = per_seq * ec.scheduler.max_running;
-    }
+    ec.kv_blocks = match cfg.engine.kv_blocks {
+        0 => EngineConfig::kv_blocks_for(&model, ec.scheduler.max_running, 4096),
+        n => n,
+    };
     let model_name = cfg.model.name.clone().unwrap_or_else(|| {
         model_path
             .file_stem()

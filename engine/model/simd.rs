@@ -319,17 +319,6 @@ pub mod vnni {
         }
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    fn hsum256(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps::<1>(v);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
-    }
-
     /// Sequential-order dot of two f32 slices of equal length (16 lanes).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
@@ -415,7 +404,7 @@ pub mod vnni {
             }
         }
         for j in 0..R {
-            let mut v = hsum256(acc[j]);
+            let mut v = super::hsum(acc[j]);
             if K == Q4_1 {
                 let i = i0 + j;
                 v += dot16(&w.m[r * nb..(r + 1) * nb], &xs[i * nb..(i + 1) * nb]);

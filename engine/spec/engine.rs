@@ -205,6 +205,17 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// KV blocks for `running` sequences of up to `context` tokens each
+    /// (capped at the model's context).
+    pub fn kv_blocks_for(model: &Model, running: usize, context: usize) -> usize {
+        model
+            .config
+            .max_seq_len
+            .min(context)
+            .div_ceil(crate::model::DEFAULT_BLOCK_SIZE)
+            * running
+    }
+
     /// Defaults sized for `model`: KV for `max_running` full contexts of
     /// 2048 tokens (or the model's limit, if smaller).
     pub fn for_model(model: &Model) -> Self {
@@ -213,13 +224,8 @@ impl EngineConfig {
             eos_token_ids: model.config.eos_token_ids.clone(),
             ..Default::default()
         };
-        let per_seq = model
-            .config
-            .max_seq_len
-            .min(2048)
-            .div_ceil(crate::model::DEFAULT_BLOCK_SIZE);
         Self {
-            kv_blocks: per_seq * sched.max_running,
+            kv_blocks: Self::kv_blocks_for(model, sched.max_running, 2048),
             scheduler: sched,
         }
     }
