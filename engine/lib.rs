@@ -5,6 +5,7 @@
 pub mod ab;
 pub mod bench;
 pub mod config;
+pub mod distill;
 pub mod error;
 pub mod fetch;
 pub mod generate;

@@ -38,6 +38,11 @@ enum Cmd {
     BenchModel(BenchArgs),
     /// A/B-compare proposer strategies on Spec-Bench, HumanEval or a JSONL.
     Ab(AbArgs),
+    /// Train models for speculation.
+    Distill {
+        #[command(subcommand)]
+        what: DistillCmd,
+    },
     /// Serve the OpenAI-compatible HTTP API.
     Serve(ServeArgs),
     /// Fetch the default model into $SPECD_HOME (default ~/.cache/specd);
@@ -157,6 +162,46 @@ struct AbArgs {
     threads: Option<usize>,
 }
 
+#[derive(Subcommand)]
+enum DistillCmd {
+    /// Train a small draft model for a target by self-distillation.
+    Draft(DistillArgs),
+}
+
+#[derive(Args)]
+struct DistillArgs {
+    /// Target model (default: the embedded SmolLM2).
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Output directory (checkpoints, model.safetensors, config.json,
+    /// tokenizer.json); training resumes from a checkpoint found there.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    #[arg(long, default_value_t = 768)]
+    intermediate: usize,
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 400)]
+    steps: usize,
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    /// Target-generated tokens to train on.
+    #[arg(long, default_value_t = 60000)]
+    gen_tokens: usize,
+    #[arg(long, default_value_t = 50)]
+    checkpoint_every: usize,
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
 #[derive(Args)]
 struct ServeArgs {
     /// TOML config (default: the built-in configs/default.toml).
@@ -227,6 +272,31 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Serve(a) => cmd_serve(a),
         Cmd::Ab(a) => cmd_ab(a),
+        Cmd::Distill {
+            what: DistillCmd::Draft(a),
+        } => {
+            let target = match a.target {
+                Some(t) => t,
+                None => specd::fetch::ensure_default_model()?,
+            };
+            let cfg = specd::distill::DistillConfig {
+                layers: a.layers,
+                hidden: a.hidden,
+                heads: a.heads,
+                intermediate: a.intermediate,
+                seq_len: a.seq_len,
+                batch: a.batch,
+                steps: a.steps,
+                lr: a.lr,
+                gen_tokens: a.gen_tokens,
+                checkpoint_every: a.checkpoint_every,
+                ..Default::default()
+            };
+            let threads = a.threads.unwrap_or_else(model::llama::default_threads);
+            let out = specd::distill::distill(&target, &a.out, &cfg, threads)?;
+            println!("{}", out.display());
+            Ok(())
+        }
         Cmd::BenchModel(a) => cmd_bench(a),
     }
 }

@@ -261,6 +261,13 @@ impl Tokenizer {
         }
     }
 
+    /// Write the tokenizer as a Hugging Face `tokenizer.json`.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.inner
+            .save(path, false)
+            .map_err(|e| SpecdError::Tokenizer(format!("{}: {e}", path.display())))
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
