@@ -8,7 +8,8 @@
 //! own distribution after the request's temperature / top-k / top-p / min-p
 //! and returns that full q, so the host's rejection sampling stays lossless.
 //!
-//! Options: `model` (path, required), `threads` (2), `max_draft` (4).
+//! Options: `model` (path, required; `~/` is expanded), `threads` (2),
+//! `max_draft` (4).
 //!
 //! Invariant: the draft must share the target's vocabulary: same size and
 //! the same token string for every id (checked at creation).
@@ -96,7 +97,11 @@ impl Proposer for DraftModel {
 
     fn create(o: &Options, host: Host) -> Result<Self, String> {
         o.reject_unknown(&["model", "threads", "max_draft"])?;
-        let path = PathBuf::from(o.get("model", String::new())?);
+        let raw = o.get("model", String::new())?;
+        let path = match (raw.strip_prefix("~/"), std::env::var_os("HOME")) {
+            (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+            _ => PathBuf::from(&raw),
+        };
         if path.as_os_str().is_empty() {
             return Err("option `model`: the draft model's path is required".into());
         }
