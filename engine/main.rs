@@ -62,6 +62,10 @@ struct ModelArgs {
     /// Compute threads (default: available cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Quantize F32 matrices to Q8_0 after loading (e.g. a safetensors
+    /// draft, as the draft plugin does by default).
+    #[arg(long)]
+    quantize: bool,
 }
 
 impl ModelArgs {
@@ -75,8 +79,11 @@ impl ModelArgs {
     fn load(&self) -> Result<(PathBuf, Model)> {
         let path = self.path()?;
         let threads = self.threads.unwrap_or_else(model::llama::default_threads);
-        let m = model::load_model(&path, threads)
+        let mut m = model::load_model(&path, threads)
             .with_context(|| format!("loading {}", path.display()))?;
+        if self.quantize {
+            m.quantize_f32_to_q8_0();
+        }
         Ok((path, m))
     }
 }

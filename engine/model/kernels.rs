@@ -161,6 +161,36 @@ impl QMatrix {
         }
     }
 
+    /// This matrix quantized to Q8_0 (ggml rounding: per-block scale
+    /// amax / 127 stored as f16), if it is F32 with rows of whole blocks.
+    pub fn to_q8_0(&self) -> Option<QMatrix> {
+        let WeightData::F32(v) = &self.data else {
+            return None;
+        };
+        if !self.cols.is_multiple_of(QK) {
+            return None;
+        }
+        let nb = v.len() / QK;
+        let mut d = Vec::with_capacity(nb);
+        let mut qs = Vec::with_capacity(v.len());
+        for block in v.chunks_exact(QK) {
+            let amax = block.iter().fold(0f32, |a, &x| a.max(x.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            d.push(f16::from_f32(scale).to_f32());
+            qs.extend(
+                block
+                    .iter()
+                    .map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+            );
+        }
+        Some(QMatrix {
+            rows: self.rows,
+            cols: self.cols,
+            data: WeightData::Q8_0 { d, qs },
+        })
+    }
+
     /// Dequantize one row into `out` (used for embedding lookups).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let k = self.cols;
@@ -641,6 +671,23 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn q8_0_requantization_is_close_to_f32() {
+        let mut seed = 5u64;
+        let w: Vec<f32> = (0..64 * 96).map(|_| lcg(&mut seed)).collect();
+        let f = QMatrix::from_f32(64, 96, w.clone());
+        let q = f.to_q8_0().unwrap();
+        assert_eq!(q.format(), WeightFormat::Q8_0);
+        let mut row = vec![0f32; 96];
+        for r in 0..64 {
+            q.dequantize_row(r, &mut row);
+            for (a, b) in row.iter().zip(&w[r * 96..(r + 1) * 96]) {
+                assert!((a - b).abs() <= 1.0 / 127.0 + 1e-3, "{a} vs {b}");
+            }
+        }
+        assert!(QMatrix::from_f32(2, 33, vec![0.0; 66]).to_q8_0().is_none());
     }
 
     #[test]

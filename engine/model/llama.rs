@@ -181,6 +181,37 @@ impl Model {
         })
     }
 
+    /// Quantize every F32 matrix (with rows of whole 32-blocks) to Q8_0, so
+    /// a safetensors model runs on the integer kernels. Returns how many
+    /// matrices changed.
+    pub fn quantize_f32_to_q8_0(&mut self) -> usize {
+        let mut n = 0;
+        let mut q = |m: &mut QMatrix| {
+            if let Some(x) = m.to_q8_0() {
+                *m = x;
+                n += 1;
+            }
+        };
+        q(&mut self.weights.embed);
+        if let Some(o) = self.weights.output.as_mut() {
+            q(o);
+        }
+        for l in &mut self.weights.layers {
+            for m in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ] {
+                q(m);
+            }
+        }
+        n
+    }
+
     /// The quantized-kernel implementation this model runs.
     pub fn kernel_path(&self) -> kernels::KernelPath {
         self.kernel_path

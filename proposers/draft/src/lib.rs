@@ -9,7 +9,7 @@
 //! and returns that full q, so the host's rejection sampling stays lossless.
 //!
 //! Options: `model` (path, required; `~/` is expanded), `threads` (2),
-//! `max_draft` (4).
+//! `max_draft` (4), `quantize` (true: F32 matrices to Q8_0 at load).
 //!
 //! Invariant: the draft must share the target's vocabulary: same size and
 //! the same token string for every id (checked at creation).
@@ -96,7 +96,7 @@ impl Proposer for DraftModel {
     }
 
     fn create(o: &Options, host: Host) -> Result<Self, String> {
-        o.reject_unknown(&["model", "threads", "max_draft"])?;
+        o.reject_unknown(&["model", "threads", "max_draft", "quantize"])?;
         let raw = o.get("model", String::new())?;
         let path = match (raw.strip_prefix("~/"), std::env::var_os("HOME")) {
             (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
