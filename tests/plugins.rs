@@ -259,3 +259,73 @@ fn plugin_options_are_checked_with_the_key_named() {
     let e = cfg.build_drafter(&model, None).unwrap_err().to_string();
     assert!(e.contains("option `max_n`: expected an integer"), "{e}");
 }
+
+/// The sampled distribution of the first two tokens with each built-in
+/// (one-hot) proposer equals the target's, and the same test catches a
+/// residual that resamples from p.
+#[test]
+fn ngram_and_suffix_keep_the_sampled_distribution() {
+    use specd::sampler::SamplingParams;
+    use specd::spec::accept::Residual;
+    let spec = common::TinySpec { vocab: 12, ..TINY };
+    let dir = TempDir::new("plugins-stat");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &spec, 8, GgmlDType::Q4_1, "llama");
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    // The prompt repeats, so both proposers draft from the first step on.
+    let prompt = [3u32, 7, 1, 9, 3, 7, 1, 9, 3, 7];
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = common::exact_first_two(&model, &prompt, &params);
+    let cfg = Config::builtin();
+    for proposer in ["ngram", "suffix"] {
+        let sample = |residual: Residual| {
+            let drafter = cfg.build_drafter(&model, None).unwrap();
+            let mut ec = EngineConfig::for_model(&model);
+            ec.scheduler.max_running = 64;
+            ec.scheduler.max_waiting = usize::MAX;
+            ec.scheduler.adaptive_draft = false;
+            let mut e = EngineCore::new(model.clone(), None, ec, drafter);
+            e.sampler.residual = residual;
+            for i in 0..20_000u64 {
+                e.add(
+                    Request {
+                        params: SamplingParams {
+                            seed: 77_000 + i,
+                            ..params.clone()
+                        },
+                        proposer: Some(proposer.into()),
+                        ignore_eos: true,
+                        ..Request::greedy(prompt.to_vec(), 3)
+                    },
+                    None,
+                )
+                .unwrap();
+            }
+            let done = e.run_to_completion().unwrap();
+            let v = spec.vocab;
+            let mut counts = vec![0u64; v * v];
+            let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
+            assert!(drafted > 10_000, "{proposer} must draft: {drafted}");
+            for c in &done {
+                counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+            }
+            counts
+        };
+        let (stat, df) = common::chi_square(&sample(Residual::Correct), &exact);
+        let crit = common::chi2_crit_999(df);
+        eprintln!("{proposer}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
+        assert!(
+            stat < crit,
+            "{proposer}: sampled distribution differs: {stat} > {crit}"
+        );
+        let (bad, bdf) = common::chi_square(&sample(Residual::SampleFromP), &exact);
+        eprintln!("{proposer}: residual from p: chi2 {bad:.1} (df {bdf})");
+        assert!(
+            bad > common::chi2_crit_999(bdf),
+            "{proposer}: a lossy residual went unnoticed: {bad}"
+        );
+    }
+}
