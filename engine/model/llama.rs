@@ -349,6 +349,12 @@ impl Model {
         let mut hidden: Vec<(usize, Vec<f32>)> = Vec::new();
         let scale = 1.0 / (hd as f32).sqrt();
         let group = nh / nkv;
+        // Sequence index of every batch row (fixed for the whole forward).
+        let seq_of: Vec<usize> = metas
+            .iter()
+            .enumerate()
+            .flat_map(|(si, m)| std::iter::repeat_n(si, m.n))
+            .collect();
 
         for (li, lw) in self.weights.layers.iter().enumerate() {
             kernels::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
@@ -380,11 +386,6 @@ impl Model {
             // heads that share it; each reads only its own sequence's cache,
             // in position order, so results do not depend on the batch.
             {
-                let seq_of: Vec<usize> = metas
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(si, m)| std::iter::repeat_n(si, m.n))
-                    .collect();
                 let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
                 let q = &q;
                 attn.par_chunks_mut(group * hd)

@@ -101,8 +101,14 @@ pub fn accept(
     let k = draft.tokens.len();
     debug_assert_eq!(rows.len(), (k + 1) * vocab);
     let greedy = params.is_greedy();
-    let mut ctx = context.to_vec();
-    let mut gen = generated.to_vec();
+    // Penalties see the accepted drafts as context; without penalties the
+    // history is never read, so it is not copied.
+    let penalised = params.has_penalties();
+    let (mut ctx, mut gen) = if penalised {
+        (context.to_vec(), generated.to_vec())
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let mut tokens = Vec::with_capacity(k + 1);
     for i in 0..=k {
         let row = &rows[i * vocab..(i + 1) * vocab];
@@ -137,8 +143,10 @@ pub fn accept(
         };
         if accepted {
             tokens.push(d);
-            ctx.push(d);
-            gen.push(d);
+            if penalised {
+                ctx.push(d);
+                gen.push(d);
+            }
             continue;
         }
         let fix = if greedy {

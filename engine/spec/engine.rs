@@ -327,7 +327,12 @@ pub fn accept_items(
                 rows: std::mem::take(&mut out.logits),
                 draft,
                 params: view.params.clone(),
-                context: view.tokens.to_vec(),
+                // Only penalties read the history; skip the copy otherwise.
+                context: if view.params.has_penalties() {
+                    view.tokens.to_vec()
+                } else {
+                    Vec::new()
+                },
                 prompt_len: sched.prompt_len(it.seq),
             });
         }
