@@ -25,8 +25,206 @@ pub enum WeightFormat {
     Q8_0,
 }
 
+/// The quantized formats, as the integer kernels see them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantKind {
+    /// 4-bit codes minus 8, scale only.
+    Q4_0,
+    /// 4-bit codes, scale and minimum.
+    Q4_1,
+    /// Signed bytes, scale only.
+    Q8_0,
+}
+
+impl QuantKind {
+    /// Packed bytes per 32-element block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantKind::Q4_0 | QuantKind::Q4_1 => 16,
+            QuantKind::Q8_0 => 32,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The group layout.
+//
+// A row of `nb` blocks is padded to an even count `nbp` (the pad block is all
+// zeros, scale zero, so it adds exactly nothing) and split into groups of 16,
+// 8, 4 or 2 consecutive blocks (`group_plan`). A group of `g` blocks is a
+// stream of `g / 2` *steps* of 64 bytes; in every step, 4-byte lane `l` (of
+// 16) belongs to block `l / (16 / g)`. One 512-bit `vpdpbusd` per step thus
+// adds 4 products per lane, and after the group's steps each 32-bit lane
+// holds a partial dot product of one block only, which one float multiply by
+// a per-lane scale vector finishes. With 16-block groups, 16 blocks of one
+// activation row cost 8 `vpdpbusd` and 3 float operations, against 8 + 24
+// for one block at a time. The AVX2 path reads the same stream as 32-byte
+// halves (8 lanes). Activations are laid out in the same order at prepare
+// time; weights once, at load.
+// ---------------------------------------------------------------------------
+
+/// Groups of a padded row of `nbp` (even) blocks: `(first block, blocks)`,
+/// greedily 16, 8, 4, 2.
+pub fn group_plan(nbp: usize) -> Vec<(usize, usize)> {
+    debug_assert!(nbp.is_multiple_of(2));
+    let mut plan = Vec::new();
+    let mut b = 0;
+    while b < nbp {
+        let rem = nbp - b;
+        let g = [16, 8, 4, 2].into_iter().find(|&g| g <= rem).unwrap_or(2);
+        plan.push((b, g));
+        b += g;
+    }
+    plan
+}
+
+/// Blocks per row padded to an even count.
+fn padded_blocks(nb: usize) -> usize {
+    nb + nb % 2
+}
+
+/// Position of element `e` of block `b` of a `g`-block group in the group's
+/// unpacked byte stream.
+#[inline]
+pub fn slot(g: usize, b: usize, e: usize) -> usize {
+    let lanes = 16 / g;
+    let q = e / 4;
+    let (s, u) = (q / lanes, q % lanes);
+    s * 64 + (b * lanes + u) * 4 + e % 4
+}
+
+/// Where unpacked position `p` of a Q4 group of `g` blocks is packed:
+/// (byte, high nibble). Two steps share 64 packed bytes (low nibbles = the
+/// even step, high = the odd one); a lone step (`g == 2`) packs its second
+/// half into the high nibbles of its first.
+#[inline]
+fn nibble_at(g: usize, p: usize) -> (usize, bool) {
+    if g == 2 {
+        (p % 32, p >= 32)
+    } else {
+        let (s, i) = (p / 64, p % 64);
+        ((s / 2) * 64 + i, s % 2 == 1)
+    }
+}
+
+/// Quantized weights in the group layout.
+#[derive(Debug, Clone)]
+pub struct QuantWeights {
+    pub kind: QuantKind,
+    /// Real blocks per row.
+    pub nb: usize,
+    /// Blocks per row including the pad block.
+    pub nbp: usize,
+    pub plan: Vec<(usize, usize)>,
+    /// `rows * nbp * block_bytes`, row-major, each group in its stream order.
+    pub qs: Vec<u8>,
+    /// Block scales as f16 bits, `rows * nbp`, block order.
+    pub d: Vec<u16>,
+    /// Block minimums (Q4_1 only), as `d`.
+    pub m: Vec<u16>,
+}
+
+impl QuantWeights {
+    /// Lay out `rows` rows of `cols` elements; `block(global_block, values)`
+    /// fills the block's 32 codes in element order (Q4: 0..=15, Q8: i8 bits)
+    /// and returns its (scale, minimum) as f16 bits.
+    fn build(
+        kind: QuantKind,
+        rows: usize,
+        cols: usize,
+        mut block: impl FnMut(usize, &mut [u8; QK]) -> (u16, u16),
+    ) -> Self {
+        let nb = cols / QK;
+        let nbp = padded_blocks(nb);
+        let plan = group_plan(nbp);
+        let bb = kind.block_bytes();
+        let mut qs = vec![0u8; rows * nbp * bb];
+        let mut d = vec![0u16; rows * nbp];
+        let mut m = if kind == QuantKind::Q4_1 {
+            vec![0u16; rows * nbp]
+        } else {
+            Vec::new()
+        };
+        let mut vals = [0u8; QK];
+        let mut stream = [0u8; 16 * QK];
+        for r in 0..rows {
+            for &(b0, g) in &plan {
+                stream[..g * QK].fill(0);
+                for b in 0..g {
+                    let blk = b0 + b;
+                    if blk >= nb {
+                        continue;
+                    }
+                    let (db, mb) = block(r * nb + blk, &mut vals);
+                    d[r * nbp + blk] = db;
+                    if kind == QuantKind::Q4_1 {
+                        m[r * nbp + blk] = mb;
+                    }
+                    for (e, &v) in vals.iter().enumerate() {
+                        stream[slot(g, b, e)] = v;
+                    }
+                }
+                let dst = &mut qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
+                match kind {
+                    QuantKind::Q8_0 => dst.copy_from_slice(&stream[..g * QK]),
+                    QuantKind::Q4_0 | QuantKind::Q4_1 => {
+                        for (p, &v) in stream[..g * QK].iter().enumerate() {
+                            let (i, hi) = nibble_at(g, p);
+                            dst[i] |= (v & 15) << if hi { 4 } else { 0 };
+                        }
+                    }
+                }
+            }
+        }
+        Self {
+            kind,
+            nb,
+            nbp,
+            plan,
+            qs,
+            d,
+            m,
+        }
+    }
+
+    /// Codes of row `r` in element order, as signed weights (Q4_0 codes
+    /// minus 8; Q4_1 codes 0..=15; Q8_0 as stored): `nbp * 32` values.
+    pub fn row_codes(&self, r: usize, out: &mut [i8]) {
+        let (nbp, bb) = (self.nbp, self.kind.block_bytes());
+        assert!(out.len() >= nbp * QK);
+        for &(b0, g) in &self.plan {
+            let src = &self.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
+            for b in 0..g {
+                for e in 0..QK {
+                    let p = slot(g, b, e);
+                    out[(b0 + b) * QK + e] = match self.kind {
+                        QuantKind::Q8_0 => src[p] as i8,
+                        QuantKind::Q4_0 | QuantKind::Q4_1 => {
+                            let (i, hi) = nibble_at(g, p);
+                            let c = if hi { src[i] >> 4 } else { src[i] & 15 } as i8;
+                            if self.kind == QuantKind::Q4_0 {
+                                c - 8
+                            } else {
+                                c
+                            }
+                        }
+                    };
+                }
+            }
+        }
+    }
+
+    fn scale(&self, i: usize) -> f32 {
+        f16::from_bits(self.d[i]).to_f32()
+    }
+
+    fn min(&self, i: usize) -> f32 {
+        f16::from_bits(self.m[i]).to_f32()
+    }
+}
+
 /// A row-major weight matrix: `rows` output features of `cols` inputs each,
-/// repacked at load time into plain arrays (scales apart from quants).
+/// repacked at load time.
 #[derive(Debug, Clone)]
 pub struct QMatrix {
     pub rows: usize,
@@ -37,25 +235,11 @@ pub struct QMatrix {
 #[derive(Debug, Clone)]
 enum WeightData {
     F32(Vec<f32>),
-    /// 16 bytes of nibbles per block: low nibble = element j, high = j + 16.
-    Q4_0 {
-        d: Vec<f32>,
-        qs: Vec<u8>,
-    },
-    Q4_1 {
-        d: Vec<f32>,
-        m: Vec<f32>,
-        qs: Vec<u8>,
-    },
-    /// Signed bytes, stored as raw `u8` (reinterpret with `as i8`).
-    Q8_0 {
-        d: Vec<f32>,
-        qs: Vec<u8>,
-    },
+    Quant(QuantWeights),
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+fn f16_bits_at(b: &[u8], i: usize) -> u16 {
+    u16::from_le_bytes([b[i], b[i + 1]])
 }
 
 impl QMatrix {
@@ -75,29 +259,33 @@ impl QMatrix {
         cols: usize,
         raw: &[u8],
     ) -> Result<Self, String> {
-        if format == WeightFormat::F32 {
-            if raw.len() != rows * cols * 4 {
-                return Err(format!(
-                    "F32 tensor has {} bytes, expected {}",
-                    raw.len(),
-                    rows * cols * 4
-                ));
+        let kind = match format {
+            WeightFormat::F32 => {
+                if raw.len() != rows * cols * 4 {
+                    return Err(format!(
+                        "F32 tensor has {} bytes, expected {}",
+                        raw.len(),
+                        rows * cols * 4
+                    ));
+                }
+                let v = raw
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                return Ok(Self::from_f32(rows, cols, v));
             }
-            let v = raw
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            return Ok(Self::from_f32(rows, cols, v));
-        }
+            WeightFormat::Q4_0 => QuantKind::Q4_0,
+            WeightFormat::Q4_1 => QuantKind::Q4_1,
+            WeightFormat::Q8_0 => QuantKind::Q8_0,
+        };
         if !cols.is_multiple_of(QK) {
             return Err(format!("row length {cols} is not a multiple of {QK}"));
         }
         let nb = rows * cols / QK;
-        let bsize = match format {
-            WeightFormat::Q4_0 => 18,
-            WeightFormat::Q4_1 => 20,
-            WeightFormat::Q8_0 => 34,
-            WeightFormat::F32 => unreachable!(),
+        let bsize = match kind {
+            QuantKind::Q4_0 => 18,
+            QuantKind::Q4_1 => 20,
+            QuantKind::Q8_0 => 34,
         };
         if raw.len() != nb * bsize {
             return Err(format!(
@@ -106,48 +294,43 @@ impl QMatrix {
                 nb * bsize
             ));
         }
-        let blocks = raw.chunks_exact(bsize);
-        let data = match format {
-            WeightFormat::Q4_0 => {
-                let mut d = Vec::with_capacity(nb);
-                let mut qs = Vec::with_capacity(nb * 16);
-                for b in blocks {
-                    d.push(f16_at(b, 0));
-                    qs.extend_from_slice(&b[2..18]);
+        let q = QuantWeights::build(kind, rows, cols, |gb, vals| {
+            let b = &raw[gb * bsize..(gb + 1) * bsize];
+            match kind {
+                QuantKind::Q4_0 | QuantKind::Q4_1 => {
+                    let qs = &b[bsize - 16..];
+                    for j in 0..16 {
+                        vals[j] = qs[j] & 15;
+                        vals[j + 16] = qs[j] >> 4;
+                    }
+                    let m = if kind == QuantKind::Q4_1 {
+                        f16_bits_at(b, 2)
+                    } else {
+                        0
+                    };
+                    (f16_bits_at(b, 0), m)
                 }
-                WeightData::Q4_0 { d, qs }
-            }
-            WeightFormat::Q4_1 => {
-                let mut d = Vec::with_capacity(nb);
-                let mut m = Vec::with_capacity(nb);
-                let mut qs = Vec::with_capacity(nb * 16);
-                for b in blocks {
-                    d.push(f16_at(b, 0));
-                    m.push(f16_at(b, 2));
-                    qs.extend_from_slice(&b[4..20]);
+                QuantKind::Q8_0 => {
+                    vals.copy_from_slice(&b[2..34]);
+                    (f16_bits_at(b, 0), 0)
                 }
-                WeightData::Q4_1 { d, m, qs }
             }
-            WeightFormat::Q8_0 => {
-                let mut d = Vec::with_capacity(nb);
-                let mut qs = Vec::with_capacity(nb * 32);
-                for b in blocks {
-                    d.push(f16_at(b, 0));
-                    qs.extend_from_slice(&b[2..34]);
-                }
-                WeightData::Q8_0 { d, qs }
-            }
-            WeightFormat::F32 => unreachable!(),
-        };
-        Ok(Self { rows, cols, data })
+        });
+        Ok(Self {
+            rows,
+            cols,
+            data: WeightData::Quant(q),
+        })
     }
 
     pub fn format(&self) -> WeightFormat {
         match &self.data {
             WeightData::F32(_) => WeightFormat::F32,
-            WeightData::Q4_0 { .. } => WeightFormat::Q4_0,
-            WeightData::Q4_1 { .. } => WeightFormat::Q4_1,
-            WeightData::Q8_0 { .. } => WeightFormat::Q8_0,
+            WeightData::Quant(q) => match q.kind {
+                QuantKind::Q4_0 => WeightFormat::Q4_0,
+                QuantKind::Q4_1 => WeightFormat::Q4_1,
+                QuantKind::Q8_0 => WeightFormat::Q8_0,
+            },
         }
     }
 
@@ -155,9 +338,7 @@ impl QMatrix {
     pub fn size_bytes(&self) -> usize {
         match &self.data {
             WeightData::F32(v) => v.len() * 4,
-            WeightData::Q4_0 { d, qs } => d.len() * 4 + qs.len(),
-            WeightData::Q4_1 { d, m, qs } => (d.len() + m.len()) * 4 + qs.len(),
-            WeightData::Q8_0 { d, qs } => d.len() * 4 + qs.len(),
+            WeightData::Quant(q) => q.qs.len() + (q.d.len() + q.m.len()) * 2,
         }
     }
 
@@ -170,24 +351,20 @@ impl QMatrix {
         if !self.cols.is_multiple_of(QK) {
             return None;
         }
-        let nb = v.len() / QK;
-        let mut d = Vec::with_capacity(nb);
-        let mut qs = Vec::with_capacity(v.len());
-        for block in v.chunks_exact(QK) {
+        let q = QuantWeights::build(QuantKind::Q8_0, self.rows, self.cols, |gb, vals| {
+            let block = &v[gb * QK..(gb + 1) * QK];
             let amax = block.iter().fold(0f32, |a, &x| a.max(x.abs()));
             let scale = amax / 127.0;
             let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-            d.push(f16::from_f32(scale).to_f32());
-            qs.extend(
-                block
-                    .iter()
-                    .map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8 as u8),
-            );
-        }
+            for (o, &x) in vals.iter_mut().zip(block) {
+                *o = (x * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+            }
+            (f16::from_f32(scale).to_bits(), 0)
+        });
         Some(QMatrix {
             rows: self.rows,
             cols: self.cols,
-            data: WeightData::Q8_0 { d, qs },
+            data: WeightData::Quant(q),
         })
     }
 
@@ -195,34 +372,21 @@ impl QMatrix {
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let k = self.cols;
         assert_eq!(out.len(), k);
-        let nb = k / QK;
         match &self.data {
             WeightData::F32(v) => out.copy_from_slice(&v[r * k..(r + 1) * k]),
-            WeightData::Q4_0 { d, qs } => {
-                for b in 0..nb {
-                    let gb = r * nb + b;
-                    let q = &qs[gb * 16..gb * 16 + 16];
-                    for j in 0..16 {
-                        out[b * QK + j] = ((q[j] & 15) as i32 - 8) as f32 * d[gb];
-                        out[b * QK + j + 16] = ((q[j] >> 4) as i32 - 8) as f32 * d[gb];
-                    }
-                }
-            }
-            WeightData::Q4_1 { d, m, qs } => {
-                for b in 0..nb {
-                    let gb = r * nb + b;
-                    let q = &qs[gb * 16..gb * 16 + 16];
-                    for j in 0..16 {
-                        out[b * QK + j] = (q[j] & 15) as f32 * d[gb] + m[gb];
-                        out[b * QK + j + 16] = (q[j] >> 4) as f32 * d[gb] + m[gb];
-                    }
-                }
-            }
-            WeightData::Q8_0 { d, qs } => {
-                for b in 0..nb {
-                    let gb = r * nb + b;
-                    for j in 0..QK {
-                        out[b * QK + j] = qs[gb * QK + j] as i8 as f32 * d[gb];
+            WeightData::Quant(q) => {
+                let mut codes = vec![0i8; q.nbp * QK];
+                q.row_codes(r, &mut codes);
+                for b in 0..q.nb {
+                    let gb = r * q.nbp + b;
+                    let d = q.scale(gb);
+                    let m = if q.kind == QuantKind::Q4_1 {
+                        q.min(gb)
+                    } else {
+                        0.0
+                    };
+                    for e in 0..QK {
+                        out[b * QK + e] = codes[b * QK + e] as f32 * d + m;
                     }
                 }
             }
@@ -236,10 +400,9 @@ impl QMatrix {
 pub enum KernelPath {
     #[default]
     Portable,
-    /// AVX2 + FMA, one block per `vpmaddubsw`.
+    /// AVX2 + FMA + F16C on the group layout, 8 lanes.
     Avx2,
-    /// AVX-512 VNNI, two blocks per `vpdpbusd` (rows with an even number
-    /// of blocks; others use AVX2).
+    /// AVX-512 VNNI on the group layout, 16 lanes, one `vpdpbusd` per step.
     Vnni,
 }
 
@@ -275,6 +438,77 @@ impl KernelPath {
     }
 }
 
+/// Q8 activation rows in the group layout, with per-lane metadata.
+#[derive(Debug, Default)]
+pub struct GroupedActs {
+    pub n: usize,
+    pub nbp: usize,
+    pub ngroups: usize,
+    /// `n * nbp * 32` codes, each group in stream order.
+    pub xs: Vec<i8>,
+    /// Per row and group, 16 lanes: the scale of the lane's block.
+    pub dx: Vec<f32>,
+    /// Per row and group, 16 lanes: the sum of the lane's codes over the
+    /// group's steps (removes the weights' +8 / +128 offsets exactly).
+    pub lsum: Vec<i32>,
+    /// Per row and group, 16 lanes: `d * sum(q)` of the lane's block on its
+    /// first lane, zero elsewhere (Q4_1's minimum term, counted once).
+    pub smin: Vec<f32>,
+}
+
+impl GroupedActs {
+    /// Size for `n` rows of `nb` blocks, all zero; returns the group plan.
+    pub(crate) fn reset(&mut self, n: usize, nb: usize) -> Vec<(usize, usize)> {
+        let nbp = padded_blocks(nb);
+        let plan = group_plan(nbp);
+        let ng = plan.len();
+        self.n = n;
+        self.nbp = nbp;
+        self.ngroups = ng;
+        self.xs.clear();
+        self.xs.resize(n * nbp * QK, 0);
+        for v in [&mut self.dx, &mut self.smin] {
+            v.clear();
+            v.resize(n * ng * 16, 0.0);
+        }
+        self.lsum.clear();
+        self.lsum.resize(n * ng * 16, 0);
+        plan
+    }
+
+    /// Re-lay plain Q8 blocks (the reference for the fused SIMD
+    /// quantizer, which writes this layout directly).
+    #[cfg_attr(not(test), allow(dead_code))]
+    fn prepare(&mut self, qs: &[i8], qd: &[f32], qsum: &[f32], n: usize, nb: usize) {
+        let plan = self.reset(n, nb);
+        let (nbp, ng) = (self.nbp, self.ngroups);
+        for row in 0..n {
+            for (gi, &(b0, g)) in plan.iter().enumerate() {
+                let base = (row * nbp + b0) * QK;
+                let lanes = 16 / g;
+                let meta = (row * ng + gi) * 16;
+                // Each block's eight 4-byte chunks go to their (step, lane).
+                for b in 0..g.min(nb.saturating_sub(b0)) {
+                    let xb = row * nb + b0 + b;
+                    let src = &qs[xb * QK..(xb + 1) * QK];
+                    for c in 0..8 {
+                        let (s, u) = (c / lanes, c % lanes);
+                        let l = b * lanes + u;
+                        let o = base + s * 64 + l * 4;
+                        let chunk = &src[c * 4..c * 4 + 4];
+                        self.xs[o..o + 4].copy_from_slice(chunk);
+                        self.lsum[meta + l] += chunk.iter().map(|&v| v as i32).sum::<i32>();
+                        if u == 0 && s == 0 {
+                            self.dx[meta + l..meta + l + lanes].fill(qd[xb]);
+                            self.smin[meta + l] = qsum[xb];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Activation rows prepared for one or more matmuls sharing the same input.
 #[derive(Debug, Default)]
 pub struct Activations {
@@ -287,11 +521,8 @@ pub struct Activations {
     qsum: Vec<f32>,
     qs: Vec<i8>,
     quantized: bool,
-    /// The same quants in the AVX-512 pair layout, when that path is used.
-    #[cfg(target_arch = "x86_64")]
-    pairs: super::simd::vnni::PairActs,
-    #[cfg(target_arch = "x86_64")]
-    use_pairs: bool,
+    /// The same quants in the group layout, for the SIMD paths.
+    grouped: GroupedActs,
 }
 
 impl Activations {
@@ -308,41 +539,61 @@ impl Activations {
         assert_eq!(x.len(), rows * cols);
         self.rows = rows;
         self.cols = cols;
-        self.f32.clear();
-        self.f32.extend_from_slice(x);
         self.quantized = quantize && cols.is_multiple_of(QK);
+        // The f32 copy only feeds F32 weights.
+        self.f32.clear();
+        if !self.quantized {
+            self.f32.extend_from_slice(x);
+        }
         if self.quantized {
             let nb = rows * cols / QK;
             self.qd.resize(nb, 0.0);
             self.qsum.resize(nb, 0.0);
             self.qs.resize(rows * cols, 0);
-            quantize_q8(x, &mut self.qd, &mut self.qsum, &mut self.qs);
-            #[cfg(target_arch = "x86_64")]
-            {
-                let nb = cols / QK;
-                self.use_pairs = nb.is_multiple_of(2) && self.path == KernelPath::Vnni;
-                if self.use_pairs {
-                    self.pairs.prepare(&self.qs, &self.qd, rows, nb);
-                }
+            match self.path {
+                #[cfg(target_arch = "x86_64")]
+                KernelPath::Avx2 | KernelPath::Vnni => super::simd::quantize_grouped(
+                    x,
+                    rows,
+                    cols / QK,
+                    &mut self.qd,
+                    &mut self.qsum,
+                    &mut self.qs,
+                    &mut self.grouped,
+                ),
+                _ => quantize_q8(x, &mut self.qd, &mut self.qsum, &mut self.qs),
             }
         }
     }
 }
 
-/// Quantize to Q8 blocks (ggml `quantize_row_q8_1`): d = amax / 127 rounded
-/// to f16, q = round(x / d), sum = d * sum(q) rounded to f16.
+/// Quantize to Q8 blocks (ggml `quantize_row_q8_1`, as its x86 SIMD code
+/// rounds): d = amax / 127 rounded to f16, q = round-half-even(x / d),
+/// sum = d * sum(q) rounded to f16. Written so the compiler vectorizes it.
 pub fn quantize_q8(x: &[f32], d_out: &mut [f32], sum_out: &mut [f32], q_out: &mut [i8]) {
     for (b, xs) in x.chunks_exact(QK).enumerate() {
-        let amax = xs.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let xs: &[f32; QK] = xs.try_into().expect("whole block");
+        let mut m = [0f32; 16];
+        for c in xs.chunks_exact(16) {
+            for l in 0..16 {
+                m[l] = m[l].max(c[l].abs());
+            }
+        }
+        let amax = m.iter().fold(0f32, |a, &v| a.max(v));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        let q = &mut q_out[b * QK..(b + 1) * QK];
-        for (qi, &xi) in q.iter_mut().zip(xs) {
-            let v = (xi * id).round() as i8;
-            *qi = v;
-            sum += v as i32;
+        let q: &mut [i8; QK] = (&mut q_out[b * QK..(b + 1) * QK])
+            .try_into()
+            .expect("whole block");
+        let mut sums = [0i32; 16];
+        for c in 0..2 {
+            for l in 0..16 {
+                let v = (xs[c * 16 + l] * id).round_ties_even() as i32;
+                q[c * 16 + l] = v as i8;
+                sums[l] += v;
+            }
         }
+        let sum: i32 = sums.iter().sum();
         let d16 = f16::from_f32(d).to_f32();
         d_out[b] = d16;
         // ggml stores s = d * sum(q) as f16; keep that rounding so Q4_1
@@ -371,24 +622,31 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-#[inline]
-fn sumi_q4(q: &[u8], x: &[i8], offset: i32) -> i32 {
-    let mut lo = 0i32;
-    let mut hi = 0i32;
-    for j in 0..16 {
-        lo += ((q[j] & 15) as i32 - offset) * x[j] as i32;
-        hi += ((q[j] >> 4) as i32 - offset) * x[j + 16] as i32;
+/// Portable quantized rows: each weight row's codes are unpacked once and
+/// met by every activation row, block by block.
+fn quant_rows_portable(a: &Activations, q: &QuantWeights, r0: usize, r1: usize, out: &mut [f32]) {
+    let n = a.rows;
+    let nb = q.nb;
+    let mut codes = vec![0i8; q.nbp * QK];
+    for r in r0..r1 {
+        q.row_codes(r, &mut codes);
+        let o = &mut out[(r - r0) * n..(r - r0 + 1) * n];
+        for (i, oi) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let gb = r * q.nbp + b;
+                let xb = i * nb + b;
+                let w = &codes[b * QK..(b + 1) * QK];
+                let x = &a.qs[xb * QK..(xb + 1) * QK];
+                let s: i32 = w.iter().zip(x).map(|(&w, &x)| w as i32 * x as i32).sum();
+                acc += s as f32 * (q.scale(gb) * a.qd[xb]);
+                if q.kind == QuantKind::Q4_1 {
+                    acc += q.min(gb) * a.qsum[xb];
+                }
+            }
+            *oi = acc;
+        }
     }
-    lo + hi
-}
-
-#[inline]
-fn sumi_q8(q: &[u8], x: &[i8]) -> i32 {
-    let mut s = 0i32;
-    for j in 0..QK {
-        s += q[j] as i8 as i32 * x[j] as i32;
-    }
-    s
 }
 
 /// Compute rows `r0..r1` of `w` against every activation row; result is
@@ -396,97 +654,29 @@ fn sumi_q8(q: &[u8], x: &[i8]) -> i32 {
 fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f32]) {
     let n = a.rows;
     let k = a.cols;
-    let nb = k / QK;
-    #[cfg(target_arch = "x86_64")]
-    if a.quantized && a.use_pairs {
-        use super::simd::{vnni, Kind};
-        let wv = match &w.data {
-            WeightData::Q4_0 { d, qs } => Some((Kind::Q4_0, d, &[][..], qs)),
-            WeightData::Q4_1 { d, m, qs } => Some((Kind::Q4_1, d, m.as_slice(), qs)),
-            WeightData::Q8_0 { d, qs } => Some((Kind::Q8_0, d, &[][..], qs)),
-            WeightData::F32(_) => None,
-        };
-        if let Some((kind, d, m, qs)) = wv {
-            let wts = vnni::Weights { kind, qs, d, m };
-            vnni::rows(&wts, &a.pairs, &a.qsum, r0, r1, out);
-            return;
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if a.quantized && a.path != KernelPath::Portable {
-        use super::simd::{Kind, Operands};
-        let op = match &w.data {
-            WeightData::Q4_0 { d, qs } => Some((Kind::Q4_0, d, None, qs)),
-            WeightData::Q4_1 { d, m, qs } => Some((Kind::Q4_1, d, Some(m), qs)),
-            WeightData::Q8_0 { d, qs } => Some((Kind::Q8_0, d, None, qs)),
-            WeightData::F32(_) => None,
-        };
-        if let Some((kind, d, m, qs)) = op {
-            let op = Operands {
-                kind,
-                w_qs: qs,
-                w_d: d,
-                w_m: m.map(|m| m.as_slice()).unwrap_or(&[]),
-                x_qs: &a.qs,
-                x_d: &a.qd,
-                x_s: &a.qsum,
-                nb,
-                n,
-            };
-            super::simd::rows(&op, r0, r1, out);
-            return;
-        }
-    }
-    for r in r0..r1 {
-        let o = &mut out[(r - r0) * n..(r - r0 + 1) * n];
-        match &w.data {
-            WeightData::F32(v) => {
+    match &w.data {
+        WeightData::F32(v) => {
+            for r in r0..r1 {
                 let wr = &v[r * k..(r + 1) * k];
-                for (i, oi) in o.iter_mut().enumerate() {
+                for (i, oi) in out[(r - r0) * n..(r - r0 + 1) * n].iter_mut().enumerate() {
                     *oi = dot_f32(wr, &a.f32[i * k..(i + 1) * k]);
                 }
             }
-            WeightData::Q4_0 { d, qs } | WeightData::Q4_1 { d, qs, .. } if a.quantized => {
-                let (offset, m) = match &w.data {
-                    WeightData::Q4_1 { m, .. } => (0, Some(m)),
-                    _ => (8, None),
-                };
-                for (i, oi) in o.iter_mut().enumerate() {
-                    let mut acc = 0f32;
-                    for b in 0..nb {
-                        let gb = r * nb + b;
-                        let xb = i * nb + b;
-                        let s = sumi_q4(
-                            &qs[gb * 16..gb * 16 + 16],
-                            &a.qs[xb * QK..xb * QK + QK],
-                            offset,
-                        );
-                        acc += s as f32 * (d[gb] * a.qd[xb]);
-                        if let Some(m) = m {
-                            acc += m[gb] * a.qsum[xb];
-                        }
-                    }
-                    *oi = acc;
-                }
-            }
-            WeightData::Q8_0 { d, qs } if a.quantized => {
-                for (i, oi) in o.iter_mut().enumerate() {
-                    let mut acc = 0f32;
-                    for b in 0..nb {
-                        let gb = r * nb + b;
-                        let xb = i * nb + b;
-                        let s = sumi_q8(&qs[gb * QK..gb * QK + QK], &a.qs[xb * QK..xb * QK + QK]);
-                        acc += s as f32 * (d[gb] * a.qd[xb]);
-                    }
-                    *oi = acc;
-                }
-            }
-            _ => {
-                // Quantized weights against unquantized activations (only
-                // reachable if a caller skipped quantization): dequantize.
-                let mut row = vec![0f32; k];
+        }
+        WeightData::Quant(q) if a.quantized => match a.path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Vnni => super::simd::vnni::rows(q, &a.grouped, r0, r1, out),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => super::simd::rows(q, &a.grouped, r0, r1, out),
+            _ => quant_rows_portable(a, q, r0, r1, out),
+        },
+        WeightData::Quant(_) => {
+            // Quantized weights against unquantized activations (only
+            // reachable if a caller skipped quantization): dequantize.
+            let mut row = vec![0f32; k];
+            for r in r0..r1 {
                 w.dequantize_row(r, &mut row);
-                for (i, oi) in o.iter_mut().enumerate() {
+                for (i, oi) in out[(r - r0) * n..(r - r0 + 1) * n].iter_mut().enumerate() {
                     *oi = dot_f32(&row, &a.f32[i * k..(i + 1) * k]);
                 }
             }
@@ -497,42 +687,52 @@ fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f3
 /// Rows of weights per parallel task.
 const ROWS_PER_TASK: usize = 64;
 
+/// A parallel task: weight `wi`, its rows `r0..r1`, and the `n` output
+/// segments (one per activation row) those rows fill.
+type Job<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
+
 /// `outs[j] = a @ ws[j]^T` for several weights sharing one input, in one
-/// parallel pass. Each `outs[j]` is `a.rows x ws[j].rows`, row-major.
+/// parallel pass. Each `outs[j]` is `a.rows x ws[j].rows`, row-major. Every
+/// task writes its own disjoint segments of the outputs directly (no
+/// full-size staging copy).
 pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>]) {
     assert_eq!(ws.len(), outs.len());
     let n = a.rows;
-    let mut tasks = Vec::new();
-    for (wi, w) in ws.iter().enumerate() {
+    let mut jobs: Vec<Job<'_>> = Vec::new();
+    for (wi, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
         assert_eq!(w.cols, a.cols, "matmul inner dimension mismatch");
-        let mut r = 0;
-        while r < w.rows {
-            let r1 = (r + ROWS_PER_TASK).min(w.rows);
-            tasks.push((wi, r, r1));
-            r = r1;
-        }
-    }
-    let results: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(wi, r0, r1)| {
-            let mut buf = vec![0f32; (r1 - r0) * n];
-            matmul_rows(a, ws[wi], r0, r1, &mut buf);
-            buf
-        })
-        .collect();
-    for (w, out) in ws.iter().zip(outs.iter_mut()) {
         out.clear();
         out.resize(n * w.rows, 0.0);
-    }
-    for (&(wi, r0, r1), buf) in tasks.iter().zip(&results) {
-        let m = ws[wi].rows;
-        let out = &mut outs[wi];
-        for r in r0..r1 {
-            for i in 0..n {
-                out[i * m + r] = buf[(r - r0) * n + i];
+        if w.rows == 0 {
+            continue;
+        }
+        let bounds: Vec<(usize, usize)> = (0..w.rows)
+            .step_by(ROWS_PER_TASK)
+            .map(|r| (r, (r + ROWS_PER_TASK).min(w.rows)))
+            .collect();
+        let mut segs: Vec<Vec<&mut [f32]>> = bounds.iter().map(|_| Vec::with_capacity(n)).collect();
+        for row in out.chunks_mut(w.rows) {
+            let mut rest = row;
+            for (ti, &(r0, r1)) in bounds.iter().enumerate() {
+                let (seg, tail) = rest.split_at_mut(r1 - r0);
+                segs[ti].push(seg);
+                rest = tail;
             }
         }
+        for (&(r0, r1), s) in bounds.iter().zip(segs) {
+            jobs.push((wi, r0, r1, s));
+        }
     }
+    jobs.into_par_iter().for_each(|(wi, r0, r1, mut segs)| {
+        let nr = r1 - r0;
+        let mut buf = vec![0f32; nr * n];
+        matmul_rows(a, ws[wi], r0, r1, &mut buf);
+        for (i, seg) in segs.iter_mut().enumerate() {
+            for (r, o) in seg.iter_mut().enumerate() {
+                *o = buf[r * n + i];
+            }
+        }
+    });
 }
 
 /// Whether matmuls against `w` want quantized activations.
@@ -540,10 +740,32 @@ pub fn wants_q8(w: &QMatrix) -> bool {
     w.format() != WeightFormat::F32
 }
 
+/// Sum of squares in 16 fixed lanes folded in a fixed order (vectorizes;
+/// the same result for a row whatever the batch).
+#[inline]
+fn sum_sq(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            acc[l] = c[l].mul_add(c[l], acc[l]);
+        }
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    rem.iter().fold(acc[0], |s, &v| v.mul_add(v, s))
+}
+
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let k = w.len();
     for (xr, or) in x.chunks_exact(k).zip(out.chunks_exact_mut(k)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / k as f32;
+        let ss = sum_sq(xr) / k as f32;
         let scale = 1.0 / (ss + eps).sqrt();
         for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
             *o = xv * scale * wv;
@@ -551,20 +773,75 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-pub fn silu_mul(g: &mut [f32], u: &[f32]) {
-    for (gv, &uv) in g.iter_mut().zip(u) {
-        *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+/// `e^x` in f32 (Cephes' range reduction and degree-6 polynomial, within
+/// 2 ulp), branch-free so loops over it vectorize. Exactly 0 below -87.3
+/// (so -inf masks give exact zeros), +inf above 88.7.
+#[inline]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    let xc = x.clamp(-87.3, 88.3);
+    let n = (xc * LOG2E).round_ties_even();
+    let r = n.mul_add(-C2, n.mul_add(-C1, xc));
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_2e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 0.166_666_65);
+    p = p.mul_add(r, 0.5);
+    let e = p.mul_add(r * r, r + 1.0);
+    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    let v = e * scale;
+    if x < -87.3 {
+        0.0
+    } else if x > 88.7 {
+        f32::INFINITY
+    } else {
+        v
     }
 }
 
-/// In-place softmax over `x`; returns nothing, `x` sums to 1.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+pub fn silu_mul(g: &mut [f32], u: &[f32]) {
+    for (gv, &uv) in g.iter_mut().zip(u) {
+        *gv = *gv / (1.0 + exp_f32(-*gv)) * uv;
     }
+}
+
+/// In-place softmax over `x`: `x` sums to 1; -inf entries become exact 0.
+pub fn softmax(x: &mut [f32]) {
+    let mut m = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            m[l] = m[l].max(c[l]);
+        }
+    }
+    let max = rem
+        .iter()
+        .chain(&m)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    for v in x.iter_mut() {
+        *v = exp_f32(*v - max);
+    }
+    // Sum in 16 fixed lanes, folded in a fixed order.
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            acc[l] += c[l];
+        }
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    let sum = rem.iter().fold(acc[0], |s, &v| s + v);
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
@@ -586,7 +863,9 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> QMatrix {
+    /// Quantize with candle (ggml's own block code), returning the raw
+    /// blocks too, so references never read our repacked layout.
+    fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> (QMatrix, Vec<u8>) {
         use candle_core::quantized::{GgmlDType, QTensor};
         let t =
             candle_core::Tensor::from_slice(w, (rows, cols), &candle_core::Device::Cpu).unwrap();
@@ -594,81 +873,249 @@ mod tests {
             WeightFormat::Q4_0 => GgmlDType::Q4_0,
             WeightFormat::Q4_1 => GgmlDType::Q4_1,
             WeightFormat::Q8_0 => GgmlDType::Q8_0,
-            WeightFormat::F32 => return QMatrix::from_f32(rows, cols, w.to_vec()),
+            WeightFormat::F32 => return (QMatrix::from_f32(rows, cols, w.to_vec()), Vec::new()),
         };
-        let q = QTensor::quantize(&t, dt).unwrap();
-        QMatrix::from_ggml_blocks(format, rows, cols, &q.data().unwrap()).unwrap()
+        let raw = QTensor::quantize(&t, dt).unwrap().data().unwrap().to_vec();
+        let m = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+        (m, raw)
     }
 
-    /// Scalar reference, in f64 from the definitions: dequantized weights
-    /// times dequantized activations; for Q4_1 the block minimum multiplies
-    /// the activation block's stored sum (d * sum(q), kept as f16 like ggml).
-    fn reference(a: &[f32], n: usize, w: &QMatrix) -> Vec<f32> {
-        let k = w.cols;
-        let nb = n * k / QK;
-        let (mut d, mut s, mut q) = (vec![0.0; nb], vec![0.0; nb], vec![0i8; n * k]);
-        quantize_q8(a, &mut d, &mut s, &mut q);
-        let mut out = vec![0f32; n * w.rows];
-        let mut row = vec![0f32; k];
-        for r in 0..w.rows {
-            w.dequantize_row(r, &mut row);
+    /// Block `gb` of raw ggml data: (scale, minimum, signed codes).
+    fn ggml_block(format: WeightFormat, raw: &[u8], gb: usize) -> (f64, f64, [i32; QK]) {
+        let f = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f64();
+        let mut c = [0i32; QK];
+        match format {
+            WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+                let size = if format == WeightFormat::Q4_0 { 18 } else { 20 };
+                let b = &raw[gb * size..(gb + 1) * size];
+                let off = if format == WeightFormat::Q4_0 { 8 } else { 0 };
+                for j in 0..16 {
+                    c[j] = (b[size - 16 + j] & 15) as i32 - off;
+                    c[j + 16] = (b[size - 16 + j] >> 4) as i32 - off;
+                }
+                let m = if format == WeightFormat::Q4_1 {
+                    f(b, 2)
+                } else {
+                    0.0
+                };
+                (f(b, 0), m, c)
+            }
+            WeightFormat::Q8_0 => {
+                let b = &raw[gb * 34..(gb + 1) * 34];
+                for j in 0..QK {
+                    c[j] = b[2 + j] as i8 as i32;
+                }
+                (f(b, 0), 0.0, c)
+            }
+            WeightFormat::F32 => unreachable!(),
+        }
+    }
+
+    /// Scalar reference in f64 from the ggml definitions (raw blocks, not our
+    /// layout): weights times Q8-quantized activations; for Q4_1 the block
+    /// minimum multiplies the activation block's stored sum (d * sum(q), kept
+    /// as f16 like ggml).
+    fn reference(
+        x: &[f32],
+        n: usize,
+        format: WeightFormat,
+        w: &[f32],
+        raw: &[u8],
+        rows: usize,
+    ) -> Vec<f32> {
+        let k = x.len() / n;
+        let nb = k / QK;
+        let (mut d, mut s, mut q) = (vec![0.0; n * nb], vec![0.0; n * nb], vec![0i8; n * k]);
+        if format != WeightFormat::F32 {
+            quantize_q8(x, &mut d, &mut s, &mut q);
+        }
+        let mut out = vec![0f32; n * rows];
+        for r in 0..rows {
             for i in 0..n {
                 let mut acc = 0f64;
-                match &w.data {
-                    WeightData::F32(_) => {
-                        for j in 0..k {
-                            acc += row[j] as f64 * a[i * k + j] as f64;
-                        }
+                if format == WeightFormat::F32 {
+                    for j in 0..k {
+                        acc += w[r * k + j] as f64 * x[i * k + j] as f64;
                     }
-                    WeightData::Q4_1 { d: wd, m, .. } => {
-                        for b in 0..k / QK {
-                            let (gb, xb) = (r * k / QK + b, i * k / QK + b);
-                            let mut sumi = 0f64;
-                            for j in 0..QK {
-                                let wq = ((row[b * QK + j] - m[gb]) / wd[gb]).round() as f64;
-                                sumi += wq * q[xb * QK + j] as f64;
-                            }
-                            acc +=
-                                sumi * wd[gb] as f64 * d[xb] as f64 + m[gb] as f64 * s[xb] as f64;
-                        }
-                    }
-                    _ => {
-                        for j in 0..k {
-                            acc +=
-                                row[j] as f64 * (q[i * k + j] as f32 * d[(i * k + j) / QK]) as f64;
-                        }
+                } else {
+                    for b in 0..nb {
+                        let (wd, wm, c) = ggml_block(format, raw, r * nb + b);
+                        let xb = i * nb + b;
+                        let sumi: i64 = (0..QK).map(|e| c[e] as i64 * q[xb * QK + e] as i64).sum();
+                        acc += sumi as f64 * wd * d[xb] as f64 + wm * s[xb] as f64;
                     }
                 }
-                out[i * w.rows + r] = acc as f32;
+                out[i * rows + r] = acc as f32;
             }
         }
         out
     }
 
+    const FORMATS: [WeightFormat; 4] = [
+        WeightFormat::F32,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q8_0,
+    ];
+
     #[test]
-    fn matmul_matches_scalar_reference_every_format() {
-        let mut seed = 7u64;
-        for format in [
-            WeightFormat::F32,
-            WeightFormat::Q4_0,
-            WeightFormat::Q4_1,
-            WeightFormat::Q8_0,
-        ] {
-            for &(rows, cols, n) in &[(70usize, 64usize, 1usize), (33, 96, 3), (130, 128, 8)] {
-                let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
-                let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
-                let qm = pack(format, &w, rows, cols);
-                let mut a = Activations::default();
-                a.prepare(&x, n, cols, wants_q8(&qm));
-                let mut out = Vec::new();
-                matmul_many(&a, &[&qm], &mut [&mut out]);
-                let want = reference(&x, n, &qm);
-                for (g, r) in out.iter().zip(&want) {
-                    assert!(
-                        (g - r).abs() <= 1e-3 * (1.0 + r.abs()),
-                        "{format:?} {g} vs {r}"
-                    );
+    fn group_layout_is_a_bijection() {
+        for g in [2usize, 4, 8, 16] {
+            let mut seen = vec![false; g * QK];
+            for b in 0..g {
+                for e in 0..QK {
+                    let p = slot(g, b, e);
+                    assert!(!seen[p], "g={g} b={b} e={e}");
+                    seen[p] = true;
+                    // The lane holding it belongs to block b.
+                    assert_eq!((p % 64) / 4 / (16 / g), b);
                 }
+            }
+            let mut packed = vec![0u8; g * 16 * 2];
+            for p in 0..g * QK {
+                let (i, hi) = nibble_at(g, p);
+                packed[i * 2 + usize::from(hi)] += 1;
+            }
+            assert!(packed.iter().all(|&c| c == 1), "g={g}");
+        }
+        assert_eq!(group_plan(18), vec![(0, 16), (16, 2)]);
+        assert_eq!(group_plan(26), vec![(0, 16), (16, 8), (24, 2)]);
+        assert_eq!(group_plan(48), vec![(0, 16), (16, 16), (32, 16)]);
+    }
+
+    #[test]
+    fn repacked_rows_dequantize_exactly_like_ggml() {
+        let mut seed = 3u64;
+        for format in &FORMATS[1..] {
+            for &(rows, cols) in &[(3usize, 96usize), (2, 576), (2, 800), (1, 1536)] {
+                let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+                let (qm, raw) = pack(*format, &w, rows, cols);
+                let mut row = vec![0f32; cols];
+                for r in 0..rows {
+                    qm.dequantize_row(r, &mut row);
+                    for b in 0..cols / QK {
+                        let (d, m, c) = ggml_block(*format, &raw, r * cols / QK + b);
+                        for e in 0..QK {
+                            let want = (c[e] as f32) * d as f32 + m as f32;
+                            assert_eq!(
+                                row[b * QK + e],
+                                want,
+                                "{format:?} {rows}x{cols} r={r} b={b} e={e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_matches_scalar_reference_every_format_path_and_shape() {
+        let mut seed = 7u64;
+        // Shape classes: one 2-block group; odd block counts (padded); every
+        // group size; SmolLM2's 576 (16 + 2) and 1536 (3 x 16); 1 to 17
+        // activation rows (one and two row chunks).
+        let shapes = [
+            (70usize, 64usize, 1usize),
+            (33, 96, 3),
+            (130, 128, 8),
+            (9, 256, 2),
+            (65, 576, 5),
+            (17, 800, 13),
+            (8, 1536, 17),
+            (5, 32, 4),
+        ];
+        for path in KernelPath::supported() {
+            for format in FORMATS {
+                for &(rows, cols, n) in &shapes {
+                    let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+                    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 3.0).collect();
+                    let (qm, raw) = pack(format, &w, rows, cols);
+                    let mut a = Activations::new(path);
+                    a.prepare(&x, n, cols, wants_q8(&qm));
+                    let mut out = Vec::new();
+                    matmul_many(&a, &[&qm], &mut [&mut out]);
+                    let want = reference(&x, n, format, &w, &raw, rows);
+                    for (g, r) in out.iter().zip(&want) {
+                        assert!(
+                            (g - r).abs() <= 2e-5 * (1.0 + r.abs()) * (cols as f32).sqrt(),
+                            "{path:?} {format:?} {rows}x{cols} n={n}: {g} vs {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_simd_quantizer_matches_the_reference_bit_for_bit() {
+        let mut seed = 9u64;
+        for path in KernelPath::supported() {
+            if path == KernelPath::Portable {
+                continue;
+            }
+            for &(n, cols) in &[(1usize, 64usize), (3, 96), (5, 576), (2, 800), (4, 1536)] {
+                let mut x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 4.0).collect();
+                x[7] = 0.0;
+                x[n * cols - 32..].fill(0.0); // an all-zero block (scale 0)
+                let nb = n * cols / QK;
+                let (mut d, mut sm, mut q) = (vec![0.0; nb], vec![0.0; nb], vec![0i8; n * cols]);
+                quantize_q8(&x, &mut d, &mut sm, &mut q);
+                let mut want = GroupedActs::default();
+                want.prepare(&q, &d, &sm, n, cols / QK);
+                let mut a = Activations::new(path);
+                a.prepare(&x, n, cols, true);
+                assert_eq!(
+                    (a.qd.clone(), a.qsum.clone(), a.qs.clone()),
+                    (d, sm, q),
+                    "{path:?} {n}x{cols}"
+                );
+                let g = &a.grouped;
+                assert_eq!((g.n, g.nbp, g.ngroups), (want.n, want.nbp, want.ngroups));
+                assert_eq!(g.xs, want.xs, "{path:?} {n}x{cols}");
+                assert_eq!(g.dx, want.dx, "{path:?} {n}x{cols}");
+                assert_eq!(g.lsum, want.lsum, "{path:?} {n}x{cols}");
+                assert_eq!(g.smin, want.smin, "{path:?} {n}x{cols}");
+            }
+        }
+    }
+
+    #[test]
+    fn exp_f32_is_within_a_few_ulp_of_libm() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let (got, want) = (exp_f32(x) as f64, (x as f64).exp());
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 4.0 * f32::EPSILON as f64, "relative error {worst}");
+        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f32(-100.0), 0.0);
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(exp_f32(100.0), f32::INFINITY);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_zeroes_masked_entries() {
+        let mut seed = 4u64;
+        for len in [1usize, 5, 16, 17, 300] {
+            let mut x: Vec<f32> = (0..len).map(|_| lcg(&mut seed) * 20.0).collect();
+            if len > 2 {
+                x[1] = f32::NEG_INFINITY;
+            }
+            let want: Vec<f64> = {
+                let m = x.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+                let e: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp()).collect();
+                let s: f64 = e.iter().sum();
+                e.iter().map(|v| v / s).collect()
+            };
+            softmax(&mut x);
+            for (g, w) in x.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-6, "{g} vs {w}");
+            }
+            if len > 2 {
+                assert_eq!(x[1], 0.0);
             }
         }
     }
@@ -693,32 +1140,29 @@ mod tests {
     #[test]
     fn matmul_is_batch_invariant() {
         let mut seed = 11u64;
-        let (rows, cols) = (100, 128);
-        for path in KernelPath::supported() {
-            for format in [
-                WeightFormat::F32,
-                WeightFormat::Q4_0,
-                WeightFormat::Q4_1,
-                WeightFormat::Q8_0,
-            ] {
-                let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
-                let qm = pack(format, &w, rows, cols);
-                let x: Vec<f32> = (0..16 * cols).map(|_| lcg(&mut seed)).collect();
-                let mut a = Activations::new(path);
-                a.prepare(&x, 16, cols, wants_q8(&qm));
-                let mut all = Vec::new();
-                matmul_many(&a, &[&qm], &mut [&mut all]);
-                for n in [1usize, 2, 5, 7] {
-                    for start in [0usize, 3, 16 - n] {
-                        let mut b = Activations::new(path);
-                        b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(&qm));
-                        let mut part = Vec::new();
-                        matmul_many(&b, &[&qm], &mut [&mut part]);
-                        assert_eq!(
-                            part[..],
-                            all[start * rows..(start + n) * rows],
-                            "{path:?} {format:?} n={n} start={start}"
-                        );
+        for &(rows, cols) in &[(100usize, 128usize), (40, 576), (24, 96)] {
+            for path in KernelPath::supported() {
+                for format in FORMATS {
+                    let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+                    let (qm, _) = pack(format, &w, rows, cols);
+                    let total = 20;
+                    let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed)).collect();
+                    let mut a = Activations::new(path);
+                    a.prepare(&x, total, cols, wants_q8(&qm));
+                    let mut all = Vec::new();
+                    matmul_many(&a, &[&qm], &mut [&mut all]);
+                    for n in [1usize, 2, 5, 7, 12, 13] {
+                        for start in [0usize, 3, total - n] {
+                            let mut b = Activations::new(path);
+                            b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(&qm));
+                            let mut part = Vec::new();
+                            matmul_many(&b, &[&qm], &mut [&mut part]);
+                            assert_eq!(
+                                part[..],
+                                all[start * rows..(start + n) * rows],
+                                "{path:?} {format:?} {rows}x{cols} n={n} start={start}"
+                            );
+                        }
                     }
                 }
             }

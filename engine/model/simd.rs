@@ -1,100 +1,202 @@
-//! AVX2/FMA block-dot kernels, selected at run time (`kernels` falls back to
-//! portable code elsewhere).
+//! x86-64 kernels on the group layout (see `kernels`), selected at run time.
 //!
-//! Each weight block is loaded and unpacked once and applied to up to four
-//! activation rows. Every activation row keeps its own accumulator and sees
-//! the same instruction sequence whatever the number of rows, so results are
-//! batch-invariant, as in the portable path.
+//! Both paths unpack a group of weight blocks once and apply it to a chunk
+//! of activation rows. Every activation row keeps its own accumulator and
+//! sees the same instruction sequence whatever the number of rows in the
+//! call, so results are batch-invariant, as in the portable path.
+//!
+//! Offsets are removed exactly in integers: Q4_0 codes are kept as unsigned
+//! nibbles and corrected with `8 * sum(x)` per lane; Q8_0 codes are made
+//! unsigned with +128 (VNNI) and corrected with `128 * sum(x)`, or kept
+//! signed with the sign folded into the activations (AVX2).
 
 #![cfg(target_arch = "x86_64")]
 
+use super::kernels::{GroupedActs, QuantKind, QuantWeights, QK};
 use std::arch::x86_64::*;
 
-/// Whether this CPU has AVX2 and FMA (checked once).
+/// Whether this CPU has AVX2, FMA and F16C (checked once).
 pub fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
         std::env::var_os("SPECD_NO_SIMD").is_none()
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     })
 }
 
-/// The weight formats these kernels handle.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// nibbles minus 8, scale only
-    Q4_0,
-    /// nibbles, scale and minimum
-    Q4_1,
-    /// signed bytes, scale only
-    Q8_0,
+/// Quantize `n` rows of `nb` blocks to Q8 (exactly as
+/// `kernels::quantize_q8`: round half to even, f16-rounded scale and sum)
+/// and write them both in element order and in the group layout.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_grouped(
+    x: &[f32],
+    n: usize,
+    nb: usize,
+    qd: &mut [f32],
+    qsum: &mut [f32],
+    qs: &mut [i8],
+    g: &mut GroupedActs,
+) {
+    assert!(available());
+    assert!(x.len() >= n * nb * QK && qs.len() >= n * nb * QK);
+    assert!(qd.len() >= n * nb && qsum.len() >= n * nb);
+    let plan = g.reset(n, nb);
+    // SAFETY: `available()` confirmed AVX2, FMA and F16C on this CPU.
+    unsafe { quantize_grouped_avx2(x, n, nb, qd, qsum, qs, g, &plan) }
 }
 
-/// Borrowed views of one weight matrix and one batch of Q8 activations.
-pub struct Operands<'a> {
-    pub kind: Kind,
-    pub w_qs: &'a [u8],
-    pub w_d: &'a [f32],
-    pub w_m: &'a [f32],
-    pub x_qs: &'a [i8],
-    pub x_d: &'a [f32],
-    pub x_s: &'a [f32],
-    /// Blocks per row.
-    pub nb: usize,
-    /// Activation rows.
-    pub n: usize,
-}
-
-impl Operands<'_> {
-    fn check(&self, r1: usize) {
-        let wbytes = match self.kind {
-            Kind::Q4_0 | Kind::Q4_1 => 16,
-            Kind::Q8_0 => 32,
-        };
-        assert!(self.w_qs.len() >= r1 * self.nb * wbytes);
-        assert!(self.w_d.len() >= r1 * self.nb);
-        if self.kind == Kind::Q4_1 {
-            assert!(self.w_m.len() >= r1 * self.nb);
-            assert!(self.x_s.len() >= self.n * self.nb);
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn quantize_grouped_avx2(
+    x: &[f32],
+    n: usize,
+    nb: usize,
+    qd: &mut [f32],
+    qsum: &mut [f32],
+    qs: &mut [i8],
+    g: &mut GroupedActs,
+    plan: &[(usize, usize)],
+) {
+    let (nbp, ng) = (g.nbp, g.ngroups);
+    let absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let ones8 = _mm256_set1_epi8(1);
+    let ones16 = _mm256_set1_epi16(1);
+    for row in 0..n {
+        for (gi, &(b0, gs)) in plan.iter().enumerate() {
+            let lanes = 16 / gs;
+            let base = (row * nbp + b0) * QK;
+            let meta = (row * ng + gi) * 16;
+            for b in 0..gs.min(nb.saturating_sub(b0)) {
+                let xb = row * nb + b0 + b;
+                let xs = &x[xb * QK..(xb + 1) * QK];
+                let v: [__m256; 4] = core::array::from_fn(|i| {
+                    let c = &xs[8 * i..8 * i + 8];
+                    // SAFETY: `c` holds exactly 8 floats.
+                    unsafe { _mm256_loadu_ps(c.as_ptr()) }
+                });
+                let m = _mm256_max_ps(
+                    _mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                    _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)),
+                );
+                let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+                let d = amax / 127.0;
+                let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+                let q: [__m256i; 4] =
+                    core::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)));
+                let p01 = _mm256_packs_epi32(q[0], q[1]);
+                let p23 = _mm256_packs_epi32(q[2], q[3]);
+                let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
+                let dst = &mut qs[xb * QK..(xb + 1) * QK];
+                // SAFETY: `dst` holds exactly 32 bytes.
+                unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bytes) };
+                // Sums of each 4-byte chunk (signed bytes times one).
+                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, bytes), ones16);
+                let mut cs = [0i32; 8];
+                let mut words = [0u32; 8];
+                // SAFETY: both arrays are exactly 32 bytes.
+                unsafe {
+                    _mm256_storeu_si256(cs.as_mut_ptr() as *mut __m256i, sums);
+                    _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, bytes);
+                }
+                let total: i32 = cs.iter().sum();
+                let d16 = half::f16::from_f32(d).to_f32();
+                qd[xb] = d16;
+                let sm = half::f16::from_f32(total as f32 * d16).to_f32();
+                qsum[xb] = sm;
+                for c in 0..8 {
+                    let (s, u) = (c / lanes, c % lanes);
+                    let l = b * lanes + u;
+                    let o = base + s * 64 + l * 4;
+                    g.xs[o..o + 4]
+                        .copy_from_slice(&(words[c] as i32).to_le_bytes().map(|v| v as i8));
+                    g.lsum[meta + l] += cs[c];
+                }
+                g.dx[meta + b * lanes..meta + (b + 1) * lanes].fill(d16);
+                g.smin[meta + b * lanes] = sm;
+            }
         }
-        assert!(self.x_qs.len() >= self.n * self.nb * 32);
-        assert!(self.x_d.len() >= self.n * self.nb);
     }
 }
 
-/// Rows `r0..r1` of the weights against every activation row, written
-/// weight-row-major: `out[(r - r0) * n + i]`.
-pub fn rows(op: &Operands<'_>, r0: usize, r1: usize, out: &mut [f32]) {
-    assert!(available());
-    op.check(r1);
-    assert!(out.len() >= (r1 - r0) * op.n);
-    // SAFETY: `available()` confirmed AVX2 and FMA on this CPU, and
-    // `check` confirmed every slice covers the blocks the kernel reads.
-    unsafe { rows_avx2(op, r0, r1, out) }
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+
+fn kind_code(k: QuantKind) -> u8 {
+    match k {
+        QuantKind::Q4_0 => Q4_0,
+        QuantKind::Q4_1 => Q4_1,
+        QuantKind::Q8_0 => Q8_0,
+    }
 }
 
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rows_avx2(op: &Operands<'_>, r0: usize, r1: usize, out: &mut [f32]) {
-    let n = op.n;
-    for r in r0..r1 {
-        let o = &mut out[(r - r0) * n..(r - r0 + 1) * n];
-        let mut i = 0;
-        while i < n {
-            match n - i {
-                1 => row_group::<1>(op, r, i, o),
-                2 => row_group::<2>(op, r, i, o),
-                3 => row_group::<3>(op, r, i, o),
-                _ => row_group::<4>(op, r, i, o),
-            }
-            i += 4.min(n - i);
+/// The checks every kernel entry makes before its unchecked loads: each
+/// slice covers the rows it will read.
+fn check(w: &QuantWeights, x: &GroupedActs, r1: usize, r0: usize, out: &[f32]) {
+    assert_eq!(
+        w.nbp, x.nbp,
+        "weights and activations disagree on blocks per row"
+    );
+    assert_eq!(w.plan.len(), x.ngroups);
+    assert!(w.qs.len() >= r1 * w.nbp * w.kind.block_bytes());
+    assert!(w.d.len() >= r1 * w.nbp);
+    if w.kind == QuantKind::Q4_1 {
+        assert!(w.m.len() >= r1 * w.nbp);
+    }
+    let meta = x.n * x.ngroups * 16;
+    assert!(x.xs.len() >= x.n * x.nbp * QK);
+    assert!(x.dx.len() >= meta && x.lsum.len() >= meta && x.smin.len() >= meta);
+    assert!(out.len() >= (r1 - r0) * x.n);
+}
+
+/// Rows `r0..r1` of `w` against every activation row (AVX2), written
+/// weight-row-major: `out[(r - r0) * n + i]`.
+pub fn rows(w: &QuantWeights, x: &GroupedActs, r0: usize, r1: usize, out: &mut [f32]) {
+    assert!(available());
+    check(w, x, r1, r0, out);
+    // SAFETY: `available()` confirmed AVX2, FMA and F16C on this CPU.
+    unsafe {
+        match kind_code(w.kind) {
+            Q4_0 => avx2_rows::<Q4_0>(w, x, r0, r1, out),
+            Q4_1 => avx2_rows::<Q4_1>(w, x, r0, r1, out),
+            _ => avx2_rows::<Q8_0>(w, x, r0, r1, out),
         }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn avx2_rows<const K: u8>(
+    w: &QuantWeights,
+    x: &GroupedActs,
+    r0: usize,
+    r1: usize,
+    out: &mut [f32],
+) {
+    let n = x.n;
+    let mut i0 = 0;
+    while i0 < n {
+        let rr = (n - i0).min(4);
+        for r in r0..r1 {
+            let o = &mut out[(r - r0) * n + i0..(r - r0) * n + i0 + rr];
+            match rr {
+                1 => avx2_row::<1, K>(w, x, r, i0, o),
+                2 => avx2_row::<2, K>(w, x, r, i0, o),
+                3 => avx2_row::<3, K>(w, x, r, i0, o),
+                _ => avx2_row::<4, K>(w, x, r, i0, o),
+            }
+        }
+        i0 += rr;
     }
 }
 
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum256(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps::<1>(v);
     let s = _mm_add_ps(lo, hi);
@@ -103,75 +205,148 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// Weight row `r` against activation rows `i0..i0 + R`.
+/// 32 bytes from `s[off..]` (bounds-checked).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-fn row_group<const R: usize>(op: &Operands<'_>, r: usize, i0: usize, o: &mut [f32]) {
-    let nb = op.nb;
-    let mask = _mm_set1_epi8(0x0f);
-    let eight = _mm256_set1_epi8(8);
-    let ones = _mm256_set1_epi16(1);
+#[target_feature(enable = "avx2")]
+fn ld256<T>(s: &[T], off: usize) -> __m256i {
+    let s = &s[off..off + 32 / size_of::<T>()];
+    // SAFETY: `s` now holds exactly 32 bytes.
+    unsafe { _mm256_loadu_si256(s.as_ptr() as *const __m256i) }
+}
+
+/// 8 floats from `s[off..]` (bounds-checked).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn ld256ps(s: &[f32], off: usize) -> __m256 {
+    let s = &s[off..off + 8];
+    // SAFETY: `s` now holds exactly 8 floats.
+    unsafe { _mm256_loadu_ps(s.as_ptr()) }
+}
+
+/// Weight row `r` against activation rows `i0..i0 + R` (AVX2).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn avx2_row<const R: usize, const K: u8>(
+    w: &QuantWeights,
+    x: &GroupedActs,
+    r: usize,
+    i0: usize,
+    o: &mut [f32],
+) {
     let mut acc = [_mm256_setzero_ps(); R];
-    let mut accm = [0f32; R];
-    for b in 0..nb {
-        let gb = r * nb + b;
-        // Unsigned weight bytes and, where the weights are signed, their
-        // signs folded into the activations (maddubs takes u8 x i8).
-        let (w_abs, w_sgn) = match op.kind {
-            Kind::Q4_0 | Kind::Q4_1 => {
-                // SAFETY: `check` guarantees 16 bytes at gb * 16.
-                let raw =
-                    unsafe { _mm_loadu_si128(op.w_qs.as_ptr().add(gb * 16) as *const __m128i) };
-                let lo = _mm_and_si128(raw, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), mask);
-                let w = _mm256_set_m128i(hi, lo);
-                if op.kind == Kind::Q4_0 {
-                    let ws = _mm256_sub_epi8(w, eight);
-                    (_mm256_sign_epi8(ws, ws), Some(ws))
-                } else {
-                    (w, None)
-                }
-            }
-            Kind::Q8_0 => {
-                // SAFETY: `check` guarantees 32 bytes at gb * 32.
-                let ws =
-                    unsafe { _mm256_loadu_si256(op.w_qs.as_ptr().add(gb * 32) as *const __m256i) };
-                (_mm256_sign_epi8(ws, ws), Some(ws))
-            }
-        };
-        let wd = op.w_d[gb];
-        for j in 0..R {
-            let xb = (i0 + j) * nb + b;
-            // SAFETY: `check` guarantees 32 activation bytes at xb * 32.
-            let x = unsafe { _mm256_loadu_si256(op.x_qs.as_ptr().add(xb * 32) as *const __m256i) };
-            let x = match w_sgn {
-                Some(ws) => _mm256_sign_epi8(x, ws),
-                None => x,
-            };
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones);
-            let scale = _mm256_set1_ps(wd * op.x_d[xb]);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[j]);
-            if op.kind == Kind::Q4_1 {
-                accm[j] = op.w_m[gb].mul_add(op.x_s[xb], accm[j]);
-            }
+    for (gi, &(b0, g)) in w.plan.iter().enumerate() {
+        match g {
+            16 => avx2_group::<R, K, 8>(w, x, r, i0, gi, b0, &mut acc),
+            8 => avx2_group::<R, K, 4>(w, x, r, i0, gi, b0, &mut acc),
+            4 => avx2_group::<R, K, 2>(w, x, r, i0, gi, b0, &mut acc),
+            _ => avx2_group::<R, K, 1>(w, x, r, i0, gi, b0, &mut acc),
         }
     }
     for j in 0..R {
-        o[i0 + j] = hsum(acc[j]) + accm[j];
+        o[j] = hsum256(acc[j]);
     }
 }
 
-/// AVX-512 VNNI kernels: two 32-element blocks per 512-bit `vpdpbusd`.
-///
-/// Activations are prepared in a pair-interleaved layout so that a pair of
-/// consecutive Q4 weight blocks needs no shuffling: for blocks (b0, b1) the
-/// 64 activation bytes are `[b0 x0..16, b1 x0..16, b0 x16..32, b1 x16..32]`,
-/// matching `[lo nibbles of b0|b1, hi nibbles of b0|b1]`. Q8_0 weights are
-/// permuted into the same order in registers (one lane shuffle per pair) and
-/// made unsigned with +128; signed offsets (-8 for Q4_0, -128 for Q8_0) are
-/// removed exactly in integers with a per-pair activation sum vector.
+/// One group of `2 * S` blocks, as two 8-lane halves.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn avx2_group<const R: usize, const K: u8, const S: usize>(
+    w: &QuantWeights,
+    x: &GroupedActs,
+    r: usize,
+    i0: usize,
+    gi: usize,
+    b0: usize,
+    acc: &mut [__m256; R],
+) {
+    let g = 2 * S;
+    let lanes = 16 / g;
+    let (nbp, bb) = (w.nbp, w.kind.block_bytes());
+    let wsl = &w.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
+    let ds = &w.d[r * nbp + b0..r * nbp + b0 + g];
+    let ms = if K == Q4_1 {
+        &w.m[r * nbp + b0..r * nbp + b0 + g]
+    } else {
+        &[][..]
+    };
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    for h in 0..2 {
+        let mut wv = [_mm256_setzero_si256(); S];
+        if K == Q8_0 {
+            for s in 0..S {
+                wv[s] = ld256(wsl, 64 * s + 32 * h);
+            }
+        } else if S == 1 {
+            let raw = ld256(wsl, 0);
+            wv[0] = if h == 0 {
+                _mm256_and_si256(raw, mask)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask)
+            };
+        } else {
+            for j in 0..S / 2 {
+                let raw = ld256(wsl, 64 * j + 32 * h);
+                wv[2 * j] = _mm256_and_si256(raw, mask);
+                wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+            }
+        }
+        // Per-lane scales of this half: lane t is zmm lane 8h + t.
+        let mut dl = [0u16; 8];
+        let mut ml = [0u16; 8];
+        for t in 0..8 {
+            dl[t] = ds[(8 * h + t) / lanes];
+            if K == Q4_1 {
+                ml[t] = ms[(8 * h + t) / lanes];
+            }
+        }
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128_arr(&dl));
+        let mw = _mm256_cvtph_ps(_mm_loadu_si128_arr(&ml));
+        let mut wabs = wv;
+        if K == Q8_0 {
+            for s in 0..S {
+                wabs[s] = _mm256_sign_epi8(wv[s], wv[s]);
+            }
+        }
+        for j in 0..R {
+            let row = i0 + j;
+            let xo = (row * nbp + b0) * QK;
+            let xsl = &x.xs[xo..xo + g * QK];
+            let mo = (row * x.ngroups + gi) * 16 + 8 * h;
+            let mut ip = _mm256_setzero_si256();
+            for s in 0..S {
+                let xv = ld256(xsl, 64 * s + 32 * h);
+                let p = if K == Q8_0 {
+                    _mm256_maddubs_epi16(wabs[s], _mm256_sign_epi8(xv, wv[s]))
+                } else {
+                    _mm256_maddubs_epi16(wv[s], xv)
+                };
+                ip = _mm256_add_epi32(ip, _mm256_madd_epi16(p, ones));
+            }
+            if K == Q4_0 {
+                ip = _mm256_sub_epi32(ip, _mm256_slli_epi32::<3>(ld256(&x.lsum, mo)));
+            }
+            let sc = _mm256_mul_ps(dw, ld256ps(&x.dx, mo));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip), sc, acc[j]);
+            if K == Q4_1 {
+                acc[j] = _mm256_fmadd_ps(mw, ld256ps(&x.smin, mo), acc[j]);
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn _mm_loadu_si128_arr(a: &[u16; 8]) -> __m128i {
+    // SAFETY: `a` is exactly 16 bytes.
+    unsafe { _mm_loadu_si128(a.as_ptr() as *const __m128i) }
+}
+
+/// AVX-512 VNNI kernels: one 512-bit `vpdpbusd` per 64-byte step, 16
+/// lanes, up to 12 activation rows per unpacked weight group.
 pub mod vnni {
-    use super::Kind;
+    use super::{check, kind_code, GroupedActs, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -186,230 +361,222 @@ pub mod vnni {
         })
     }
 
-    /// Activations in the pair layout (rows of `nb` blocks, `nb` even),
-    /// pair-major across rows.
-    #[derive(Debug, Default)]
-    pub struct PairActs {
-        pub nb: usize,
-        pub n: usize,
-        /// `n * nb * 32` bytes, pair-interleaved.
-        pub qs: Vec<i8>,
-        /// Per pair: `[d0; 4] ++ [d1; 4]`.
-        pub dv: Vec<f32>,
-        /// Per pair: 8 lane sums of the activation bytes (after folding).
-        pub sums: Vec<i32>,
-    }
+    /// Most activation rows one weight-group unpack serves: two vector
+    /// registers per row (integer and float accumulators) plus the unpacked
+    /// steps fit the 32 registers.
+    const MAX_ROWS: usize = 8;
 
-    impl PairActs {
-        /// Re-lay plain Q8 blocks (`qs`, `d` per block) into the pair layout.
-        pub fn prepare(&mut self, qs: &[i8], d: &[f32], n: usize, nb: usize) {
-            debug_assert!(nb.is_multiple_of(2));
-            self.nb = nb;
-            self.n = n;
-            let pairs = n * nb / 2;
-            self.qs.resize(n * nb * 32, 0);
-            self.dv.resize(pairs * 8, 0.0);
-            self.sums.resize(pairs * 8, 0);
-            // Pair-major: slot (q, row) = q * n + row, so the rows a kernel
-            // group reads for one weight pair sit next to each other.
-            let per_row = nb / 2;
-            for row in 0..n {
-                for q in 0..per_row {
-                    let (b0, b1) = (row * nb + 2 * q, row * nb + 2 * q + 1);
-                    let slot = q * n + row;
-                    let src0 = &qs[b0 * 32..b0 * 32 + 32];
-                    let src1 = &qs[b1 * 32..b1 * 32 + 32];
-                    let dst = &mut self.qs[slot * 64..slot * 64 + 64];
-                    dst[0..16].copy_from_slice(&src0[0..16]);
-                    dst[16..32].copy_from_slice(&src1[0..16]);
-                    dst[32..48].copy_from_slice(&src0[16..32]);
-                    dst[48..64].copy_from_slice(&src1[16..32]);
-                    for l in 0..8 {
-                        let s: i32 = dst[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum::<i32>()
-                            + dst[32 + 4 * l..32 + 4 * l + 4]
-                                .iter()
-                                .map(|&v| v as i32)
-                                .sum::<i32>();
-                        self.sums[slot * 8 + l] = s;
-                    }
-                    self.dv[slot * 8..slot * 8 + 4].fill(d[b0]);
-                    self.dv[slot * 8 + 4..slot * 8 + 8].fill(d[b1]);
-                }
-            }
-        }
-    }
-
-    pub struct Weights<'a> {
-        pub kind: Kind,
-        pub qs: &'a [u8],
-        pub d: &'a [f32],
-        pub m: &'a [f32],
-    }
-
-    /// Rows `r0..r1` of `w` against all activation rows; `xs` holds the
-    /// plain per-block `d * sum(q)` (Q4_1's minimum term).
-    pub fn rows(w: &Weights<'_>, a: &PairActs, xs: &[f32], r0: usize, r1: usize, out: &mut [f32]) {
+    /// Rows `r0..r1` of `w` against every activation row, written
+    /// weight-row-major: `out[(r - r0) * n + i]`.
+    pub fn rows(w: &QuantWeights, x: &GroupedActs, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(available());
-        let (nb, n) = (a.nb, a.n);
-        assert!(nb.is_multiple_of(2));
-        let wbytes = if w.kind == Kind::Q8_0 { 32 } else { 16 };
-        assert!(w.qs.len() >= r1 * nb * wbytes && w.d.len() >= r1 * nb);
-        if w.kind == Kind::Q4_1 {
-            assert!(w.m.len() >= r1 * nb && xs.len() >= n * nb);
-        }
-        assert!(
-            a.qs.len() >= n * nb * 32 && a.dv.len() >= n * nb * 4 && a.sums.len() >= n * nb * 4
-        );
-        assert!(out.len() >= (r1 - r0) * n);
-        // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI, and the
-        // asserts above confirm every slice covers what the kernel reads.
-        unsafe { rows_vnni(w, a, xs, r0, r1, out) }
-    }
-
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q8_0: u8 = 2;
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn rows_vnni(
-        w: &Weights<'_>,
-        a: &PairActs,
-        xs: &[f32],
-        r0: usize,
-        r1: usize,
-        out: &mut [f32],
-    ) {
-        match w.kind {
-            Kind::Q4_0 => rows_k::<Q4_0>(w, a, xs, r0, r1, out),
-            Kind::Q4_1 => rows_k::<Q4_1>(w, a, xs, r0, r1, out),
-            Kind::Q8_0 => rows_k::<Q8_0>(w, a, xs, r0, r1, out),
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    fn rows_k<const K: u8>(
-        w: &Weights<'_>,
-        a: &PairActs,
-        xs: &[f32],
-        r0: usize,
-        r1: usize,
-        out: &mut [f32],
-    ) {
-        let n = a.n;
-        for r in r0..r1 {
-            let o = &mut out[(r - r0) * n..(r - r0 + 1) * n];
-            let mut i = 0;
-            while i < n {
-                // Up to 8 activation rows share one unpacked weight pair
-                // (32 vector registers hold 8 accumulators with room to
-                // spare), so a verify of up to 8 tokens reads and unpacks
-                // each weight block once.
-                match n - i {
-                    1 => group::<1, K>(w, a, xs, r, i, o),
-                    2 => group::<2, K>(w, a, xs, r, i, o),
-                    3 => group::<3, K>(w, a, xs, r, i, o),
-                    4 => group::<4, K>(w, a, xs, r, i, o),
-                    5 => group::<5, K>(w, a, xs, r, i, o),
-                    6 => group::<6, K>(w, a, xs, r, i, o),
-                    7 => group::<7, K>(w, a, xs, r, i, o),
-                    _ => group::<8, K>(w, a, xs, r, i, o),
-                }
-                i += 8.min(n - i);
+        check(w, x, r1, r0, out);
+        // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI, AVX2, FMA
+        // and F16C on this CPU.
+        unsafe {
+            match kind_code(w.kind) {
+                Q4_0 => vnni_rows::<Q4_0>(w, x, r0, r1, out),
+                Q4_1 => vnni_rows::<Q4_1>(w, x, r0, r1, out),
+                _ => vnni_rows::<Q8_0>(w, x, r0, r1, out),
             }
         }
     }
 
-    /// Sequential-order dot of two f32 slices of equal length (16 lanes).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    fn dot16(x: &[f32], y: &[f32]) -> f32 {
-        let len = x.len().min(y.len());
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
-        while i < len {
-            let rem = (len - i).min(16);
-            let mask: __mmask16 = if rem == 16 { 0xffff } else { (1u16 << rem) - 1 };
-            // SAFETY: the mask limits the loads to `rem` elements inside both slices.
-            let (xv, yv) = unsafe {
-                (
-                    _mm512_maskz_loadu_ps(mask, x.as_ptr().add(i)),
-                    _mm512_maskz_loadu_ps(mask, y.as_ptr().add(i)),
-                )
-            };
-            acc = _mm512_fmadd_ps(xv, yv, acc);
-            i += 16;
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn vnni_rows<const K: u8>(
+        w: &QuantWeights,
+        x: &GroupedActs,
+        r0: usize,
+        r1: usize,
+        out: &mut [f32],
+    ) {
+        let n = x.n;
+        // Balanced chunks of at most MAX_ROWS activation rows; the chunk is
+        // the outer loop so its activations stay in L1 across weight rows.
+        let chunks = n.div_ceil(MAX_ROWS);
+        let per = n.div_ceil(chunks.max(1));
+        // Software prefetch of the weight row a few rows ahead: the stream
+        // comes from DRAM (the model is larger than the caches) and the
+        // hardware prefetcher restarts at every page.
+        let row_bytes = w.nbp * w.kind.block_bytes();
+        let total_rows = w.qs.len() / row_bytes.max(1);
+        let ahead = (PREFETCH_BYTES / row_bytes.max(1)).max(1);
+        let mut i0 = 0;
+        while i0 < n {
+            let rr = (n - i0).min(per);
+            for r in r0..r1 {
+                if r + ahead < total_rows {
+                    prefetch_row(w, r + ahead, row_bytes);
+                }
+                let o = &mut out[(r - r0) * n + i0..(r - r0) * n + i0 + rr];
+                match rr {
+                    1 => row::<1, K>(w, x, r, i0, o),
+                    2 => row::<2, K>(w, x, r, i0, o),
+                    3 => row::<3, K>(w, x, r, i0, o),
+                    4 => row::<4, K>(w, x, r, i0, o),
+                    5 => row::<5, K>(w, x, r, i0, o),
+                    6 => row::<6, K>(w, x, r, i0, o),
+                    7 => row::<7, K>(w, x, r, i0, o),
+                    _ => row::<8, K>(w, x, r, i0, o),
+                }
+            }
+            i0 += rr;
         }
-        _mm512_reduce_add_ps(acc)
     }
 
+    /// How far ahead (in weight bytes) `vnni_rows` prefetches.
+    const PREFETCH_BYTES: usize = 2048;
+
+    /// Prefetch weight row `r` (codes, scales, minimums) into L1.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    fn group<const R: usize, const K: u8>(
-        w: &Weights<'_>,
-        a: &PairActs,
-        xs: &[f32],
+    #[target_feature(enable = "avx512f")]
+    fn prefetch_row(w: &QuantWeights, r: usize, row_bytes: usize) {
+        let q = &w.qs[r * row_bytes..(r + 1) * row_bytes];
+        for off in (0..row_bytes).step_by(64) {
+            // SAFETY: `off < q.len()`, so the address is inside `q`; a
+            // prefetch never faults or changes memory.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().add(off) as *const i8) };
+        }
+        let d = &w.d[r * w.nbp..(r + 1) * w.nbp];
+        _mm_prefetch::<_MM_HINT_T0>(d.as_ptr() as *const i8);
+        if !w.m.is_empty() {
+            let m = &w.m[r * w.nbp..(r + 1) * w.nbp];
+            _mm_prefetch::<_MM_HINT_T0>(m.as_ptr() as *const i8);
+        }
+    }
+
+    /// `g` f16 scales expanded to 16 lanes (lane l gets scale l / (16 / g)).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn expand(s: &[u16], g: usize) -> __m512 {
+        let s = &s[..g];
+        let mask: __mmask16 = if g == 16 { 0xffff } else { (1u16 << g) - 1 };
+        // SAFETY: the mask limits the load to the `g` elements of `s`.
+        let v = unsafe { _mm256_maskz_loadu_epi16(mask, s.as_ptr() as *const i16) };
+        let shift = (16 / g).trailing_zeros() as i32;
+        let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        let idx = _mm512_srlv_epi32(iota, _mm512_set1_epi32(shift));
+        _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(v))
+    }
+
+    /// Weight row `r` against activation rows `i0..i0 + R`.
+    ///
+    /// Per group: each step's weights are unpacked once and met by all R
+    /// rows before the next step (R independent `vpdpbusd` chains; with
+    /// fewer than 4 rows, even and odd steps use separate chains, summed
+    /// exactly in integers), then per row the offset correction and one
+    /// scaled float accumulate (two for Q4_1).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn row<const R: usize, const K: u8>(
+        w: &QuantWeights,
+        x: &GroupedActs,
         r: usize,
         i0: usize,
         o: &mut [f32],
     ) {
-        let nb = a.nb;
-        let pairs = nb / 2;
-        let mask = _mm256_set1_epi8(0x0f);
-        let flip = _mm512_set1_epi8(-128);
+        let split = R < 4;
+        let (nbp, bb) = (w.nbp, w.kind.block_bytes());
+        let xrow = |j: usize| (i0 + j) * nbp * QK;
         let zero = _mm512_setzero_si512();
-        let mut acc = [_mm256_setzero_ps(); R];
-        for p in 0..pairs {
-            let gb = r * nb + 2 * p;
-            let wv = match K {
-                Q4_0 | Q4_1 => {
-                    // SAFETY: `rows` checked 16 bytes per block for blocks gb, gb + 1.
-                    let raw =
-                        unsafe { _mm256_loadu_si256(w.qs.as_ptr().add(gb * 16) as *const __m256i) };
-                    let lo = _mm256_and_si256(raw, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        let mask4 = _mm512_set1_epi8(0x0f);
+        let flip = _mm512_set1_epi8(-128);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for (gi, &(b0, g)) in w.plan.iter().enumerate() {
+            let wsl = &w.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
+            let xo = b0 * QK;
+            let mut ipa = [zero; R];
+            let mut ipb = [zero; R];
+            if K != Q8_0 && g == 2 {
+                let raw32 = &wsl[..32];
+                // SAFETY: `raw32` is exactly 32 bytes (a 2-block Q4 group).
+                let raw = unsafe { _mm256_loadu_si256(raw32.as_ptr() as *const __m256i) };
+                let m = _mm256_set1_epi8(0x0f);
+                let lo = _mm256_and_si256(raw, m);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m);
+                let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                for j in 0..R {
+                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, ld512(&x.xs, xrow(j) + xo));
                 }
-                _ => {
-                    // SAFETY: `rows` checked 32 bytes per block for blocks gb, gb + 1.
-                    let raw =
-                        unsafe { _mm512_loadu_si512(w.qs.as_ptr().add(gb * 32) as *const __m512i) };
-                    // [b0 lo, b0 hi, b1 lo, b1 hi] -> [b0 lo, b1 lo, b0 hi, b1 hi], then +128.
-                    _mm512_xor_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(raw, raw), flip)
+            } else if K == Q8_0 && g == 2 {
+                let wv = _mm512_xor_si512(ld512(wsl, 0), flip);
+                for j in 0..R {
+                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, ld512(&x.xs, xrow(j) + xo));
                 }
+            } else {
+                // Steps in pairs: (2p, 2p + 1).
+                for p in 0..g / 4 {
+                    let (we, wo) = if K == Q8_0 {
+                        (
+                            _mm512_xor_si512(ld512(wsl, 128 * p), flip),
+                            _mm512_xor_si512(ld512(wsl, 128 * p + 64), flip),
+                        )
+                    } else {
+                        let raw = ld512(wsl, 64 * p);
+                        (
+                            _mm512_and_si512(raw, mask4),
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4),
+                        )
+                    };
+                    for j in 0..R {
+                        let xe = ld512(&x.xs, xrow(j) + xo + 128 * p);
+                        ipa[j] = _mm512_dpbusd_epi32(ipa[j], we, xe);
+                    }
+                    for j in 0..R {
+                        let xd = ld512(&x.xs, xrow(j) + xo + 128 * p + 64);
+                        if split {
+                            ipb[j] = _mm512_dpbusd_epi32(ipb[j], wo, xd);
+                        } else {
+                            ipa[j] = _mm512_dpbusd_epi32(ipa[j], wo, xd);
+                        }
+                    }
+                }
+            }
+            let dw = expand(&w.d[r * nbp + b0..], g);
+            let mw = if K == Q4_1 {
+                expand(&w.m[r * nbp + b0..], g)
+            } else {
+                _mm512_setzero_ps()
             };
-            let dw = _mm256_set_m128(_mm_set1_ps(w.d[gb + 1]), _mm_set1_ps(w.d[gb]));
             for j in 0..R {
-                let xp = p * a.n + i0 + j;
-                // SAFETY: `rows` checked 64 activation bytes and 8 scale and
-                // sum lanes per pair for every row.
-                let (x, dx, sums) = unsafe {
-                    (
-                        _mm512_loadu_si512(a.qs.as_ptr().add(xp * 64) as *const __m512i),
-                        _mm256_loadu_ps(a.dv.as_ptr().add(xp * 8)),
-                        _mm256_loadu_si256(a.sums.as_ptr().add(xp * 8) as *const __m256i),
-                    )
+                let mut ip = if split {
+                    _mm512_add_epi32(ipa[j], ipb[j])
+                } else {
+                    ipa[j]
                 };
-                let prod = _mm512_dpbusd_epi32(zero, wv, x);
-                let mut p8 = _mm256_add_epi32(
-                    _mm512_castsi512_si256(prod),
-                    _mm512_extracti64x4_epi64::<1>(prod),
-                );
+                let mo = ((i0 + j) * x.ngroups + gi) * 16;
                 match K {
-                    Q4_0 => p8 = _mm256_sub_epi32(p8, _mm256_slli_epi32::<3>(sums)),
-                    Q8_0 => p8 = _mm256_sub_epi32(p8, _mm256_slli_epi32::<7>(sums)),
+                    Q4_0 => ip = _mm512_sub_epi32(ip, _mm512_slli_epi32::<3>(ld512(&x.lsum, mo))),
+                    Q8_0 => ip = _mm512_sub_epi32(ip, _mm512_slli_epi32::<7>(ld512(&x.lsum, mo))),
                     _ => {}
                 }
-                let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(p8), dw);
-                acc[j] = _mm256_fmadd_ps(scaled, dx, acc[j]);
+                let sc = _mm512_mul_ps(dw, ld512ps(&x.dx, mo));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[j]);
+                if K == Q4_1 {
+                    acc[j] = _mm512_fmadd_ps(mw, ld512ps(&x.smin, mo), acc[j]);
+                }
             }
         }
         for j in 0..R {
-            let mut v = super::hsum(acc[j]);
-            if K == Q4_1 {
-                let i = i0 + j;
-                v += dot16(&w.m[r * nb..(r + 1) * nb], &xs[i * nb..(i + 1) * nb]);
-            }
-            o[i0 + j] = v;
+            o[j] = _mm512_reduce_add_ps(acc[j]);
         }
+    }
+
+    /// 64 bytes from `s[off..]` (bounds-checked).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn ld512<T>(s: &[T], off: usize) -> __m512i {
+        let s = &s[off..off + 64 / size_of::<T>()];
+        // SAFETY: `s` now holds exactly 64 bytes.
+        unsafe { _mm512_loadu_si512(s.as_ptr() as *const __m512i) }
+    }
+
+    /// 16 floats from `s[off..]` (bounds-checked).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn ld512ps(s: &[f32], off: usize) -> __m512 {
+        let s = &s[off..off + 16];
+        // SAFETY: `s` now holds exactly 16 floats.
+        unsafe { _mm512_loadu_ps(s.as_ptr()) }
     }
 }
