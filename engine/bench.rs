@@ -18,6 +18,20 @@ pub struct ModelBench {
     pub context: usize,
     /// (k, median ms per forward of k tokens, ratio to k = 1)
     pub verify: Vec<(usize, f64, f64)>,
+    /// Bytes of weights as held in memory (repacked).
+    pub weight_bytes: usize,
+    /// Bytes of the one KV cache at `context` (+ the largest k).
+    pub kv_bytes: usize,
+    /// Peak resident set of the process (Linux `VmHWM`), if known.
+    pub peak_rss_bytes: Option<usize>,
+}
+
+/// Peak resident set size of this process, from `/proc/self/status`.
+pub fn peak_rss_bytes() -> Option<usize> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -70,8 +84,12 @@ pub fn bench_model(
 
     // Verify cost at a fixed context: forward k tokens, roll back, repeat;
     // the k values are interleaved per repetition to cancel drift.
+    // The context is filled in chunks of 512 tokens, as the engine's
+    // default `max_batch_tokens` prefills a long prompt.
     let mut c = model.new_cache();
-    model.forward_one(&mut c, &tokens(context, vocab, 3), Logits::None)?;
+    for chunk in tokens(context, vocab, 3).chunks(512) {
+        model.forward_one(&mut c, chunk, Logits::None)?;
+    }
     let draft = tokens(*ks.iter().max().unwrap_or(&1), vocab, 4);
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
     for _ in 0..reps {
@@ -82,6 +100,7 @@ pub fn bench_model(
             c.truncate(context);
         }
     }
+    let kv_bytes = c.num_blocks() * c.layout().block_bytes();
     let med: Vec<f64> = times.into_iter().map(median).collect();
     let base = ks
         .iter()
@@ -102,5 +121,8 @@ pub fn bench_model(
         decode_tok_s,
         context,
         verify,
+        weight_bytes: model.weight_bytes(),
+        kv_bytes,
+        peak_rss_bytes: peak_rss_bytes(),
     })
 }

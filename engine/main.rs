@@ -792,5 +792,15 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     for (k, ms, r) in &b.verify {
         println!("  {k:>3}  {ms:>9.2}  {r:>6.2}");
     }
+    let mb = |b: usize| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "memory: weights {:.1} MiB, KV cache at context {} {:.1} MiB, peak RSS {}",
+        mb(b.weight_bytes),
+        b.context,
+        mb(b.kv_bytes),
+        b.peak_rss_bytes
+            .map(|r| format!("{:.1} MiB", mb(r)))
+            .unwrap_or_else(|| "unknown".into())
+    );
     Ok(())
 }

@@ -6,7 +6,7 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use common::{max_abs_diff, TempDir, TINY};
-use specd::model::{load_model, Logits, Model, SeqInput, TreeMask};
+use specd::model::{load_model, KvDtype, Logits, Model, SeqInput, TreeMask};
 
 const PROMPT: [u32; 7] = [5, 17, 42, 3, 88, 9, 61];
 const NEXT: [u32; 3] = [12, 77, 30];
@@ -35,7 +35,9 @@ fn ours(model: &Model) -> Vec<Vec<f32>> {
 fn safetensors_matches_candle_llama() {
     let dir = TempDir::new("st");
     common::write_tiny_safetensors(&dir.0, &TINY, 1);
-    let model = load_model(&dir.0, 2).unwrap();
+    // Full-precision cache: the references keep K/V in f32.
+    let mut model = load_model(&dir.0, 2).unwrap();
+    model.set_kv_dtype(KvDtype::F32);
     let cfg: candle_transformers::models::llama::LlamaConfig =
         serde_json::from_str(&std::fs::read_to_string(dir.0.join("config.json")).unwrap()).unwrap();
     let cfg = cfg.into_config(false);
@@ -87,7 +89,8 @@ fn check_gguf_against_quantized_llama(dtype: GgmlDType, tol: f32) {
     let dir = TempDir::new(&format!("gguf-{dtype:?}"));
     let path = dir.0.join("tiny.gguf");
     common::write_tiny_gguf(&path, &TINY, 2, dtype, "llama");
-    let model = load_model(&path, 2).unwrap();
+    let mut model = load_model(&path, 2).unwrap();
+    model.set_kv_dtype(KvDtype::F32);
     let mut f = std::fs::File::open(&path).unwrap();
     let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
     let mut reference = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
@@ -149,6 +152,27 @@ fn gguf_q4_1_matches_candle_quantized_llama() {
 #[test]
 fn gguf_q4_0_and_k_quants_load_and_agree() {
     check_gguf_against_quantized_llama(GgmlDType::Q4_0, 0.1);
+}
+
+/// The default f16 cache stays close to the f32 one (K/V rounded to 11
+/// significant bits), and both are deterministic.
+#[test]
+fn f16_kv_cache_is_close_to_f32() {
+    let dir = TempDir::new("kvdtype");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &TINY, 2, GgmlDType::F32, "llama");
+    let mut model = load_model(&path, 2).unwrap();
+    assert_eq!(model.kv_dtype(), KvDtype::F16);
+    let half = ours(&model);
+    assert_eq!(half, ours(&model));
+    model.set_kv_dtype(KvDtype::F32);
+    let full = ours(&model);
+    let mut worst = 0f32;
+    for (h, f) in half.iter().zip(&full) {
+        worst = worst.max(max_abs_diff(h, f));
+    }
+    assert!(worst > 0.0, "the caches should differ in rounding");
+    assert!(worst < 0.02, "f16 cache moved logits by {worst}");
 }
 
 fn tiny_q() -> (TempDir, Model) {

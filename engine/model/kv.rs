@@ -11,8 +11,66 @@
 //!   `[layer][k|v][kv_head][..]`: keys transposed (`[head_dim][slot]`) so the
 //!   scores of a whole block are plain vector FMAs with no horizontal sums,
 //!   values as `[slot][head_dim]` so the weighted sum is too.
+//! - Entries are stored as f16 by default (as llama.cpp's cache): half the
+//!   memory of f32; attention widens a block at a time. The rounding is a
+//!   function of the written value only, so it cannot break batch
+//!   invariance. `KvDtype::F32` keeps full precision (reference checks).
+//! - One released block is kept as a spare, so a verify that crosses a block
+//!   boundary and is rolled back does not allocate and zero a block per step.
 
 use crate::error::{Result, SpecdError};
+use half::f16;
+
+/// Element type of the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    #[default]
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+}
+
+/// One block's storage.
+#[derive(Debug, Clone)]
+enum Block {
+    F16(Box<[f16]>),
+    F32(Box<[f32]>),
+}
+
+/// A borrowed run of cache entries.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum KvSlice<'a> {
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+}
+
+impl<'a> KvSlice<'a> {
+    /// The entries as f32: borrowed when stored as f32, else widened into
+    /// `buf`.
+    pub(crate) fn widen<'b>(self, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            KvSlice::F32(s) => s,
+            KvSlice::F16(s) => {
+                buf.resize(s.len(), 0.0);
+                s.convert_to_f32_slice(buf);
+                buf
+            }
+        }
+    }
+}
 
 /// Shape of a cache block, fixed per model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,16 +79,17 @@ pub struct KvLayout {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    pub dtype: KvDtype,
 }
 
 impl KvLayout {
-    /// f32 elements in one block.
+    /// Entries in one block.
     pub fn block_elems(&self) -> usize {
         self.layers * 2 * self.kv_heads * self.block_size * self.head_dim
     }
 
     pub fn block_bytes(&self) -> usize {
-        self.block_elems() * std::mem::size_of::<f32>()
+        self.block_elems() * self.dtype.size()
     }
 
     /// Blocks needed for `tokens` positions.
@@ -48,7 +107,8 @@ impl KvLayout {
 #[derive(Debug, Clone)]
 pub struct KvCache {
     layout: KvLayout,
-    blocks: Vec<Box<[f32]>>,
+    blocks: Vec<Block>,
+    spare: Option<Block>,
     len: usize,
     max_len: usize,
 }
@@ -58,6 +118,7 @@ impl KvCache {
         Self {
             layout,
             blocks: Vec::new(),
+            spare: None,
             len: 0,
             max_len,
         }
@@ -96,8 +157,15 @@ impl KvCache {
         }
         let blocks = self.layout.blocks_for(need);
         while self.blocks.len() < blocks {
-            self.blocks
-                .push(vec![0f32; self.layout.block_elems()].into_boxed_slice());
+            let n = self.layout.block_elems();
+            let block = self
+                .spare
+                .take()
+                .unwrap_or_else(|| match self.layout.dtype {
+                    KvDtype::F16 => Block::F16(vec![f16::ZERO; n].into_boxed_slice()),
+                    KvDtype::F32 => Block::F32(vec![0f32; n].into_boxed_slice()),
+                });
+            self.blocks.push(block);
         }
         Ok(())
     }
@@ -108,7 +176,12 @@ impl KvCache {
             self.len = len;
         }
         let keep = self.layout.blocks_for(self.len);
-        self.blocks.truncate(keep);
+        while self.blocks.len() > keep {
+            let b = self.blocks.pop();
+            if self.spare.is_none() {
+                self.spare = b;
+            }
+        }
     }
 
     /// Mark `n` more positions as written (after a forward filled them).
@@ -121,32 +194,47 @@ impl KvCache {
     pub(crate) fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let l = self.layout;
         let (b, s) = (slot / l.block_size, slot % l.block_size);
-        let block = &mut self.blocks[b];
         for h in 0..l.kv_heads {
             let src = h * l.head_dim..(h + 1) * l.head_dim;
             let ko = l.offset(layer, 0, h);
-            for (d, &kv) in k[src.clone()].iter().enumerate() {
-                block[ko + d * l.block_size + s] = kv;
-            }
             let vo = l.offset(layer, 1, h) + s * l.head_dim;
-            block[vo..vo + l.head_dim].copy_from_slice(&v[src]);
+            match &mut self.blocks[b] {
+                Block::F16(block) => {
+                    for (d, &kv) in k[src.clone()].iter().enumerate() {
+                        block[ko + d * l.block_size + s] = f16::from_f32(kv);
+                    }
+                    for (o, &x) in block[vo..vo + l.head_dim].iter_mut().zip(&v[src]) {
+                        *o = f16::from_f32(x);
+                    }
+                }
+                Block::F32(block) => {
+                    for (d, &kv) in k[src.clone()].iter().enumerate() {
+                        block[ko + d * l.block_size + s] = kv;
+                    }
+                    block[vo..vo + l.head_dim].copy_from_slice(&v[src]);
+                }
+            }
+        }
+    }
+
+    fn run(&self, b: usize, o: usize) -> KvSlice<'_> {
+        let n = self.layout.block_size * self.layout.head_dim;
+        match &self.blocks[b] {
+            Block::F16(x) => KvSlice::F16(&x[o..o + n]),
+            Block::F32(x) => KvSlice::F32(&x[o..o + n]),
         }
     }
 
     /// Keys of one head in block `b`, transposed: `[head_dim][block_size]`.
     #[inline]
-    pub(crate) fn keys_t(&self, layer: usize, head: usize, b: usize) -> &[f32] {
-        let l = self.layout;
-        let o = l.offset(layer, 0, head);
-        &self.blocks[b][o..o + l.block_size * l.head_dim]
+    pub(crate) fn keys_t(&self, layer: usize, head: usize, b: usize) -> KvSlice<'_> {
+        self.run(b, self.layout.offset(layer, 0, head))
     }
 
     /// Values of one head in block `b`: `[block_size][head_dim]`.
     #[inline]
-    pub(crate) fn values(&self, layer: usize, head: usize, b: usize) -> &[f32] {
-        let l = self.layout;
-        let o = l.offset(layer, 1, head);
-        &self.blocks[b][o..o + l.block_size * l.head_dim]
+    pub(crate) fn values(&self, layer: usize, head: usize, b: usize) -> KvSlice<'_> {
+        self.run(b, self.layout.offset(layer, 1, head))
     }
 }
 
@@ -160,6 +248,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 4,
             block_size: 4,
+            dtype: KvDtype::F16,
         }
     }
 
@@ -194,10 +283,11 @@ mod tests {
         let v: Vec<f32> = (0..8).map(|x| 100.0 + x as f32).collect();
         c.write(1, 5, &k, &v);
         // slot 5 = block 1, slot 1; head 1 holds k[4..8], transposed.
-        let kt = c.keys_t(1, 1, 1);
+        let mut buf = Vec::new();
+        let kt = c.keys_t(1, 1, 1).widen(&mut buf).to_vec();
         let col: Vec<f32> = (0..4).map(|d| kt[d * 4 + 1]).collect();
         assert_eq!(col, vec![4.0, 5.0, 6.0, 7.0]);
-        let vb = c.values(1, 0, 1);
+        let vb = c.values(1, 0, 1).widen(&mut buf);
         assert_eq!(&vb[4..8], &[100.0, 101.0, 102.0, 103.0]);
     }
 }

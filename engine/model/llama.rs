@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::kernels::{self, Activations, QMatrix};
-use super::kv::KvCache;
+use super::kv::{KvCache, KvDtype};
 use super::{ModelConfig, RopeStyle};
 use crate::error::{Result, SpecdError};
 
@@ -137,6 +137,7 @@ pub struct Model {
     rope_sin: Vec<f32>,
     pool: rayon::ThreadPool,
     kernel_path: kernels::KernelPath,
+    kv_dtype: KvDtype,
 }
 
 /// Default thread count: the machine's available parallelism.
@@ -178,6 +179,7 @@ impl Model {
             rope_sin,
             pool,
             kernel_path: kernels::KernelPath::best(),
+            kv_dtype: KvDtype::default(),
         })
     }
 
@@ -212,6 +214,24 @@ impl Model {
         n
     }
 
+    /// Bytes of weights held in memory (matrices as repacked, plus norms).
+    pub fn weight_bytes(&self) -> usize {
+        let w = &self.weights;
+        let mut total = w.embed.size_bytes()
+            + w.output.as_ref().map_or(0, |o| o.size_bytes())
+            + w.norm.len() * 4;
+        for l in &w.layers {
+            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                total += m.size_bytes();
+            }
+            total += (l.attn_norm.len() + l.ffn_norm.len()) * 4;
+            for b in [&l.bq, &l.bk, &l.bv].into_iter().flatten() {
+                total += b.len() * 4;
+            }
+        }
+        total
+    }
+
     /// The quantized-kernel implementation this model runs.
     pub fn kernel_path(&self) -> kernels::KernelPath {
         self.kernel_path
@@ -223,10 +243,19 @@ impl Model {
 
     /// A fresh, empty cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(
-            self.config.kv_layout(super::DEFAULT_BLOCK_SIZE),
-            self.config.max_seq_len,
-        )
+        let mut layout = self.config.kv_layout(super::DEFAULT_BLOCK_SIZE);
+        layout.dtype = self.kv_dtype;
+        KvCache::new(layout, self.config.max_seq_len)
+    }
+
+    /// Element type of caches made by `new_cache` from now on (default
+    /// f16; f32 for full-precision reference comparisons).
+    pub fn set_kv_dtype(&mut self, dtype: KvDtype) {
+        self.kv_dtype = dtype;
+    }
+
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
     }
 
     /// Convenience: forward one sequence.
@@ -350,11 +379,21 @@ impl Model {
         let scale = 1.0 / (hd as f32).sqrt();
         let group = nh / nkv;
         // Sequence index of every batch row (fixed for the whole forward).
-        let seq_of: Vec<usize> = metas
-            .iter()
-            .enumerate()
-            .flat_map(|(si, m)| std::iter::repeat_n(si, m.n))
-            .collect();
+
+        // Attention tasks: (sequence, kv head, first token, end token).
+        let mut attn_tasks = Vec::new();
+        for (si, m) in metas.iter().enumerate() {
+            let chunks = m.n.div_ceil(ATTN_TOKENS_PER_TASK).max(1);
+            let per = m.n.div_ceil(chunks).max(1);
+            for g in 0..nkv {
+                let mut t0 = 0;
+                while t0 < m.n {
+                    let t1 = (t0 + per).min(m.n);
+                    attn_tasks.push((si, g, t0, t1));
+                    t0 = t1;
+                }
+            }
+        }
 
         for (li, lw) in self.weights.layers.iter().enumerate() {
             kernels::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
@@ -382,23 +421,47 @@ impl Model {
                     );
                 }
             }
-            // Attention: one task per (token, kv head), covering the query
-            // heads that share it; each reads only its own sequence's cache,
-            // in position order, so results do not depend on the batch.
+            // Attention: one task per (sequence, kv head, chunk of tokens),
+            // covering the query heads that share the kv head; each reads
+            // only its own sequence's cache, in slot order, and every
+            // (token, head) result is computed the same way whatever else
+            // shares the task, so results do not depend on the batch.
             {
                 let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
                 let q = &q;
-                attn.par_chunks_mut(group * hd)
-                    .enumerate()
-                    .for_each(|(idx, out)| {
-                        let (r, g) = (idx / nkv, idx % nkv);
-                        let si = seq_of[r];
+                let metas = &metas;
+                let outs: Vec<Vec<f32>> = attn_tasks
+                    .par_iter()
+                    .map(|&(si, g, t0, t1)| {
                         let m = &metas[si];
-                        let t = r - m.start;
-                        let qs = &q[r * dim + g * group * hd..r * dim + (g + 1) * group * hd];
-                        let allowed = m.allowed.as_ref().map(|a| a[t].as_slice());
-                        attend(caches[si], li, g, qs, m.base, t, allowed, scale, out);
-                    });
+                        let mut out = Vec::new();
+                        attend(
+                            caches[si],
+                            li,
+                            g,
+                            &AttnQuery {
+                                q,
+                                dim,
+                                group,
+                                row0: m.start,
+                                base: m.base,
+                                tree: m.allowed.as_deref(),
+                            },
+                            t0..t1,
+                            scale,
+                            &mut out,
+                        );
+                        out
+                    })
+                    .collect();
+                for (&(si, g, t0, t1), out) in attn_tasks.iter().zip(&outs) {
+                    let w = group * hd;
+                    for t in t0..t1 {
+                        let r = metas[si].start + t;
+                        attn[r * dim + g * w..r * dim + (g + 1) * w]
+                            .copy_from_slice(&out[(t - t0) * w..(t - t0 + 1) * w]);
+                    }
+                }
             }
             act.prepare(&attn, total, dim, kernels::wants_q8(&lw.wo));
             kernels::matmul_many(&act, &[&lw.wo], &mut [&mut o]);
@@ -513,69 +576,200 @@ fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
     }
 }
 
-/// Attention of the query heads sharing `kv_head` (`qs`: `group x head_dim`)
-/// at new-token index `t` (slot `base + t`).
+/// Query tokens per attention task (a task widens each cache block to f32
+/// once for all its tokens).
+const ATTN_TOKENS_PER_TASK: usize = 4;
+
+/// Where one sequence's queries are in the batch.
+struct AttnQuery<'a> {
+    /// All queries of the batch, `rows x dim`.
+    q: &'a [f32],
+    dim: usize,
+    /// Query heads per kv head.
+    group: usize,
+    /// Batch row of the sequence's first new token.
+    row0: usize,
+    /// Cache slot of the first new token.
+    base: usize,
+    /// Tree mask (new-token ancestors), or `None` for a chain.
+    tree: Option<&'a [Vec<bool>]>,
+}
+
+impl AttnQuery<'_> {
+    /// Whether new token `t` may see cache slot `slot` (`slot <= base + t`).
+    #[inline]
+    fn visible(&self, t: usize, slot: usize) -> bool {
+        if slot < self.base {
+            return true;
+        }
+        let j = slot - self.base;
+        match self.tree {
+            Some(a) => a[t][j],
+            None => j <= t,
+        }
+    }
+}
+
+/// 64 dot products `q . kt[d][c..c + 64]`, each accumulated over `d` in
+/// order (four independent 16-lane chains, so the FMA latency overlaps).
+#[inline]
+fn scores64(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
+    let mut acc = [[0f32; 16]; 4];
+    for (d, &qd) in qrow.iter().enumerate() {
+        let k: &[f32; 64] = kt[d * stride + c..d * stride + c + 64].try_into().unwrap();
+        for (a, kc) in acc.iter_mut().zip(k.chunks_exact(16)) {
+            for l in 0..16 {
+                a[l] = qd.mul_add(kc[l], a[l]);
+            }
+        }
+    }
+    acc
+}
+
+/// Sixteen dot products (the tail of a block that is not a multiple of 64).
+#[inline]
+fn scores16(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [f32; 16] {
+    let mut acc = [0f32; 16];
+    for (d, &qd) in qrow.iter().enumerate() {
+        let k: &[f32; 16] = kt[d * stride + c..d * stride + c + 16].try_into().unwrap();
+        for l in 0..16 {
+            acc[l] = qd.mul_add(k[l], acc[l]);
+        }
+    }
+    acc
+}
+
+/// `acc[k][l] += p[j] * v[j][c + 16k + l]` for slots `j` in order.
+#[inline]
+fn pv64(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
+    let mut a = *acc;
+    for (j, &pj) in p.iter().enumerate() {
+        let vr: &[f32; 64] = v[j * hd + c..j * hd + c + 64].try_into().unwrap();
+        for (ak, vc) in a.iter_mut().zip(vr.chunks_exact(16)) {
+            for l in 0..16 {
+                ak[l] = pj.mul_add(vc[l], ak[l]);
+            }
+        }
+    }
+    *acc = a;
+}
+
+/// Attention of the query heads sharing `kv_head` for new tokens `ts` of
+/// one sequence. `out` becomes `ts.len() x group x head_dim`.
+///
+/// Per (token, head): scores over visible slots (each a `head_dim`-ordered
+/// FMA chain), a softmax in slot order (invisible slots are -inf, adding
+/// exactly zero), then the value sum in slot order. The cache is read one
+/// block at a time, widened from f16 once for all of the task's tokens.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     cache: &KvCache,
     layer: usize,
     kv_head: usize,
-    qs: &[f32],
-    base: usize,
-    t: usize,
-    allowed: Option<&[bool]>,
+    aq: &AttnQuery<'_>,
+    ts: std::ops::Range<usize>,
     scale: f32,
-    out: &mut [f32],
+    out: &mut Vec<f32>,
 ) {
     let l = cache.layout();
-    let hd = l.head_dim;
-    let bs = l.block_size;
-    let group = qs.len() / hd;
-    // Slots this query may see: the committed context, then its own part of
-    // the new tokens (all earlier ones for a chain, ancestors for a tree).
-    let visible = |slot: usize| -> bool {
-        if slot < base {
-            return true;
-        }
-        let j = slot - base;
-        match allowed {
-            Some(a) => a[j],
-            None => j <= t,
-        }
+    let (hd, bs, group) = (l.head_dim, l.block_size, aq.group);
+    let nt = ts.len();
+    let nq = nt * group;
+    // Token t sees slots below base + t + 1 at most.
+    let end_max = aq.base + ts.end;
+    let nblocks = l.blocks_for(end_max);
+    let span = nblocks * bs;
+    let mut scores = vec![0f32; nq * span];
+    let mut wide = Vec::new();
+    let qrow = |qi: usize| {
+        let (t, h) = (ts.start + qi / group, qi % group);
+        let o = (aq.row0 + t) * aq.dim + (kv_head * group + h) * hd;
+        &aq.q[o..o + hd]
     };
-    let end = base + t + 1;
-    let nblocks = l.blocks_for(end);
-    // scores[h][slot], whole blocks (slots past `end` are ignored).
-    let mut scores = vec![0f32; group * nblocks * bs];
+    let limit = |qi: usize, b: usize| {
+        (aq.base + ts.start + qi / group + 1)
+            .saturating_sub(b * bs)
+            .min(bs)
+    };
     for b in 0..nblocks {
-        let kt = cache.keys_t(layer, kv_head, b);
-        for h in 0..group {
-            let q = &qs[h * hd..(h + 1) * hd];
-            let sc = &mut scores[(h * nblocks + b) * bs..(h * nblocks + b + 1) * bs];
-            for d in 0..hd {
-                let qd = q[d];
-                let krow = &kt[d * bs..(d + 1) * bs];
-                for (s, &k) in sc.iter_mut().zip(krow) {
-                    *s = qd.mul_add(k, *s);
+        let buf = cache.keys_t(layer, kv_head, b).widen(&mut wide);
+        for qi in 0..nq {
+            let lim = limit(qi, b);
+            if lim == 0 {
+                continue;
+            }
+            let q = qrow(qi);
+            let sc = &mut scores[qi * span + b * bs..qi * span + (b + 1) * bs];
+            let mut c = 0;
+            while c < lim {
+                if c + 64 <= bs {
+                    let acc = scores64(q, buf, bs, c);
+                    for (k, a) in acc.iter().enumerate() {
+                        sc[c + 16 * k..c + 16 * (k + 1)].copy_from_slice(a);
+                    }
+                    c += 64;
+                } else if c + 16 <= bs {
+                    sc[c..c + 16].copy_from_slice(&scores16(q, buf, bs, c));
+                    c += 16;
+                } else {
+                    for s in c..bs {
+                        let mut acc = 0f32;
+                        for (d, &qd) in q.iter().enumerate() {
+                            acc = qd.mul_add(buf[d * bs + s], acc);
+                        }
+                        sc[s] = acc;
+                    }
+                    c = bs;
                 }
             }
         }
     }
-    let vis: Vec<usize> = (0..end).filter(|&s| visible(s)).collect();
-    let mut p = vec![0f32; vis.len()];
-    for h in 0..group {
-        let sc = &scores[h * nblocks * bs..(h + 1) * nblocks * bs];
-        for (pv, &s) in p.iter_mut().zip(&vis) {
-            *pv = sc[s] * scale;
+    for qi in 0..nq {
+        let t = ts.start + qi / group;
+        let end = aq.base + t + 1;
+        let sc = &mut scores[qi * span..qi * span + end];
+        for (slot, v) in sc.iter_mut().enumerate() {
+            *v = if aq.visible(t, slot) {
+                *v * scale
+            } else {
+                f32::NEG_INFINITY
+            };
         }
-        kernels::softmax(&mut p);
-        let o = &mut out[h * hd..(h + 1) * hd];
-        o.fill(0.0);
-        for (&pv, &slot) in p.iter().zip(&vis) {
-            let vals = cache.values(layer, kv_head, slot / bs);
-            let v = &vals[(slot % bs) * hd..(slot % bs + 1) * hd];
-            for (ov, &vv) in o.iter_mut().zip(v) {
-                *ov = pv.mul_add(vv, *ov);
+        kernels::softmax(sc);
+    }
+    out.clear();
+    out.resize(nq * hd, 0.0);
+    for b in 0..nblocks {
+        let buf = cache.values(layer, kv_head, b).widen(&mut wide);
+        for qi in 0..nq {
+            let lim = limit(qi, b);
+            if lim == 0 {
+                continue;
+            }
+            // Invisible tree slots have p = 0 (exp of -inf), so the FMA
+            // leaves the sums unchanged.
+            let p = &scores[qi * span + b * bs..qi * span + b * bs + lim];
+            let o = &mut out[qi * hd..(qi + 1) * hd];
+            let mut c = 0;
+            while c < hd {
+                if c + 64 <= hd {
+                    let mut acc = [[0f32; 16]; 4];
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        a.copy_from_slice(&o[c + 16 * k..c + 16 * (k + 1)]);
+                    }
+                    pv64(p, buf, hd, c, &mut acc);
+                    for (k, a) in acc.iter().enumerate() {
+                        o[c + 16 * k..c + 16 * (k + 1)].copy_from_slice(a);
+                    }
+                    c += 64;
+                } else {
+                    for (j, &pj) in p.iter().enumerate() {
+                        for d in c..hd {
+                            o[d] = pj.mul_add(buf[j * hd + d], o[d]);
+                        }
+                    }
+                    c = hd;
+                }
             }
         }
     }

@@ -15,7 +15,7 @@ pub mod load;
 mod simd;
 
 pub use kernels::{QMatrix, WeightFormat};
-pub use kv::{KvCache, KvLayout};
+pub use kv::{KvCache, KvDtype, KvLayout};
 pub use llama::{Logits, Model, SeqInput, SeqOutput, TreeMask};
 pub use load::load_model;
 
@@ -54,6 +54,7 @@ impl ModelConfig {
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             block_size,
+            dtype: KvDtype::default(),
         }
     }
 }
