@@ -65,6 +65,11 @@ impl<'a> KvSlice<'a> {
             KvSlice::F32(s) => s,
             KvSlice::F16(s) => {
                 buf.resize(s.len(), 0.0);
+                #[cfg(target_arch = "x86_64")]
+                if super::simd::attn::available() {
+                    super::simd::attn::widen(s, buf);
+                    return buf;
+                }
                 s.convert_to_f32_slice(buf);
                 buf
             }

@@ -614,6 +614,14 @@ impl AttnQuery<'_> {
 /// order (four independent 16-lane chains, so the FMA latency overlaps).
 #[inline]
 fn scores64(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::attn::available() {
+        return super::simd::attn::scores64(qrow, kt, stride, c);
+    }
+    scores64_portable(qrow, kt, stride, c)
+}
+
+fn scores64_portable(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
     let mut acc = [[0f32; 16]; 4];
     for (d, &qd) in qrow.iter().enumerate() {
         let k: &[f32; 64] = kt[d * stride + c..d * stride + c + 64].try_into().unwrap();
@@ -642,6 +650,14 @@ fn scores16(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [f32; 16] {
 /// `acc[k][l] += p[j] * v[j][c + 16k + l]` for slots `j` in order.
 #[inline]
 fn pv64(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::attn::available() {
+        return super::simd::attn::pv64(p, v, hd, c, acc);
+    }
+    pv64_portable(p, v, hd, c, acc)
+}
+
+fn pv64_portable(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
     let mut a = *acc;
     for (j, &pj) in p.iter().enumerate() {
         let vr: &[f32; 64] = v[j * hd + c..j * hd + c + 64].try_into().unwrap();
@@ -772,5 +788,41 @@ fn attend(
                 }
             }
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// The AVX-512 attention loops give the portable loops' bits.
+    #[test]
+    fn simd_attention_loops_match_portable_bits() {
+        if !super::super::simd::attn::available() {
+            return;
+        }
+        let mut seed = 1u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        let (hd, bs) = (64usize, 64usize);
+        let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
+        let kt: Vec<f32> = (0..hd * bs).map(|_| rnd()).collect();
+        assert_eq!(
+            super::super::simd::attn::scores64(&q, &kt, bs, 0),
+            scores64_portable(&q, &kt, bs, 0)
+        );
+        let p: Vec<f32> = (0..37).map(|_| rnd().abs()).collect();
+        let v: Vec<f32> = (0..37 * 128).map(|_| rnd()).collect();
+        let init = [[0.25f32; 16]; 4];
+        let (mut a, mut b) = (init, init);
+        super::super::simd::attn::pv64(&p, &v, 128, 64, &mut a);
+        pv64_portable(&p, &v, 128, 64, &mut b);
+        assert_eq!(a, b);
+        let h: Vec<half::f16> = (0..100).map(|_| half::f16::from_f32(rnd())).collect();
+        let mut w = vec![0f32; 100];
+        super::super::simd::attn::widen(&h, &mut w);
+        assert!(h.iter().zip(&w).all(|(h, w)| h.to_f32() == *w));
     }
 }

@@ -361,10 +361,10 @@ pub mod vnni {
         })
     }
 
-    /// Most activation rows one weight-group unpack serves: two vector
-    /// registers per row (integer and float accumulators) plus the unpacked
-    /// steps fit the 32 registers.
-    const MAX_ROWS: usize = 8;
+    /// Most activation rows one weight-group unpack serves: two weight rows
+    /// run together, with two integer and two float accumulators per
+    /// activation row, which with the unpacked steps fit 32 registers.
+    const MAX_ROWS: usize = 6;
 
     /// Rows `r0..r1` of `w` against every activation row, written
     /// weight-row-major: `out[(r - r0) * n + i]`.
@@ -404,44 +404,210 @@ pub mod vnni {
         let mut i0 = 0;
         while i0 < n {
             let rr = (n - i0).min(per);
-            for r in r0..r1 {
-                if r + ahead < total_rows {
-                    prefetch_row(w, r + ahead, row_bytes);
+            let mut r = r0;
+            while r < r1 {
+                let pair = r + 1 < r1;
+                for p in r..r + 1 + usize::from(pair) {
+                    if p + ahead < total_rows {
+                        prefetch_row::<PREFETCH_HINT>(w, p + ahead, row_bytes);
+                    }
                 }
-                let o = &mut out[(r - r0) * n + i0..(r - r0) * n + i0 + rr];
-                match rr {
-                    1 => row::<1, K>(w, x, r, i0, o),
-                    2 => row::<2, K>(w, x, r, i0, o),
-                    3 => row::<3, K>(w, x, r, i0, o),
-                    4 => row::<4, K>(w, x, r, i0, o),
-                    5 => row::<5, K>(w, x, r, i0, o),
-                    6 => row::<6, K>(w, x, r, i0, o),
-                    7 => row::<7, K>(w, x, r, i0, o),
-                    _ => row::<8, K>(w, x, r, i0, o),
+                let (head, tail) = out.split_at_mut((r + 1 - r0) * n);
+                let o0 = &mut head[(r - r0) * n + i0..(r - r0) * n + i0 + rr];
+                if pair {
+                    let o1 = &mut tail[i0..i0 + rr];
+                    match rr {
+                        1 => rows2::<1, K>(w, x, r, i0, o0, o1),
+                        2 => rows2::<2, K>(w, x, r, i0, o0, o1),
+                        3 => rows2::<3, K>(w, x, r, i0, o0, o1),
+                        4 => rows2::<4, K>(w, x, r, i0, o0, o1),
+                        5 => rows2::<5, K>(w, x, r, i0, o0, o1),
+                        6 => rows2::<6, K>(w, x, r, i0, o0, o1),
+                        7 => rows2::<7, K>(w, x, r, i0, o0, o1),
+                        _ => rows2::<8, K>(w, x, r, i0, o0, o1),
+                    }
+                    r += 2;
+                } else {
+                    match rr {
+                        1 => row::<1, K>(w, x, r, i0, o0),
+                        2 => row::<2, K>(w, x, r, i0, o0),
+                        3 => row::<3, K>(w, x, r, i0, o0),
+                        4 => row::<4, K>(w, x, r, i0, o0),
+                        5 => row::<5, K>(w, x, r, i0, o0),
+                        6 => row::<6, K>(w, x, r, i0, o0),
+                        7 => row::<7, K>(w, x, r, i0, o0),
+                        _ => row::<8, K>(w, x, r, i0, o0),
+                    }
+                    r += 1;
                 }
             }
             i0 += rr;
         }
     }
 
+    /// Weight steps `(even, odd)` of step pair `p` of a group (`g >= 4`),
+    /// unsigned.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn step_pair<const K: u8>(wsl: &[u8], p: usize) -> (__m512i, __m512i) {
+        if K == Q8_0 {
+            let flip = _mm512_set1_epi8(-128);
+            (
+                _mm512_xor_si512(ld512(wsl, 128 * p), flip),
+                _mm512_xor_si512(ld512(wsl, 128 * p + 64), flip),
+            )
+        } else {
+            let mask4 = _mm512_set1_epi8(0x0f);
+            let raw = ld512(wsl, 64 * p);
+            (
+                _mm512_and_si512(raw, mask4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4),
+            )
+        }
+    }
+
+    /// The single step of a 2-block group, unsigned.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn step_single<const K: u8>(wsl: &[u8]) -> __m512i {
+        if K == Q8_0 {
+            _mm512_xor_si512(ld512(wsl, 0), _mm512_set1_epi8(-128))
+        } else {
+            let raw32 = &wsl[..32];
+            // SAFETY: `raw32` is exactly 32 bytes (a 2-block Q4 group).
+            let raw = unsafe { _mm256_loadu_si256(raw32.as_ptr() as *const __m256i) };
+            let m = _mm256_set1_epi8(0x0f);
+            let lo = _mm256_and_si256(raw, m);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m);
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        }
+    }
+
+    /// Weight rows `r` and `r + 1` against activation rows `i0..i0 + R`:
+    /// every activation load feeds both rows' `vpdpbusd`, and the per-row
+    /// metadata loads are shared. Each (weight row, activation row) result
+    /// is the same sequence of operations as in `row` (integer sums are
+    /// exact, the float steps identical), so pairing changes no bit.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn rows2<const R: usize, const K: u8>(
+        w: &QuantWeights,
+        x: &GroupedActs,
+        r: usize,
+        i0: usize,
+        o0: &mut [f32],
+        o1: &mut [f32],
+    ) {
+        let split = R < 3;
+        let (nbp, bb) = (w.nbp, w.kind.block_bytes());
+        let xrow = |j: usize| (i0 + j) * nbp * QK;
+        let zero = _mm512_setzero_si512();
+        let mut acc0 = [_mm512_setzero_ps(); R];
+        let mut acc1 = [_mm512_setzero_ps(); R];
+        for (gi, &(b0, g)) in w.plan.iter().enumerate() {
+            let w0 = &w.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
+            let w1 = &w.qs[((r + 1) * nbp + b0) * bb..((r + 1) * nbp + b0 + g) * bb];
+            let xo = b0 * QK;
+            let mut a0 = [zero; R];
+            let mut b0v = [zero; R];
+            let mut a1 = [zero; R];
+            let mut b1v = [zero; R];
+            if g == 2 {
+                let (v0, v1) = (step_single::<K>(w0), step_single::<K>(w1));
+                for j in 0..R {
+                    let xv = ld512(&x.xs, xrow(j) + xo);
+                    a0[j] = _mm512_dpbusd_epi32(a0[j], v0, xv);
+                    a1[j] = _mm512_dpbusd_epi32(a1[j], v1, xv);
+                }
+            } else {
+                for p in 0..g / 4 {
+                    let (e0, d0) = step_pair::<K>(w0, p);
+                    let (e1, d1) = step_pair::<K>(w1, p);
+                    for j in 0..R {
+                        let xe = ld512(&x.xs, xrow(j) + xo + 128 * p);
+                        a0[j] = _mm512_dpbusd_epi32(a0[j], e0, xe);
+                        a1[j] = _mm512_dpbusd_epi32(a1[j], e1, xe);
+                    }
+                    for j in 0..R {
+                        let xd = ld512(&x.xs, xrow(j) + xo + 128 * p + 64);
+                        if split {
+                            b0v[j] = _mm512_dpbusd_epi32(b0v[j], d0, xd);
+                            b1v[j] = _mm512_dpbusd_epi32(b1v[j], d1, xd);
+                        } else {
+                            a0[j] = _mm512_dpbusd_epi32(a0[j], d0, xd);
+                            a1[j] = _mm512_dpbusd_epi32(a1[j], d1, xd);
+                        }
+                    }
+                }
+            }
+            let dw0 = expand(&w.d[r * nbp + b0..], g);
+            let dw1 = expand(&w.d[(r + 1) * nbp + b0..], g);
+            let (mw0, mw1) = if K == Q4_1 {
+                (
+                    expand(&w.m[r * nbp + b0..], g),
+                    expand(&w.m[(r + 1) * nbp + b0..], g),
+                )
+            } else {
+                (_mm512_setzero_ps(), _mm512_setzero_ps())
+            };
+            for j in 0..R {
+                let (mut ip0, mut ip1) = if split {
+                    (
+                        _mm512_add_epi32(a0[j], b0v[j]),
+                        _mm512_add_epi32(a1[j], b1v[j]),
+                    )
+                } else {
+                    (a0[j], a1[j])
+                };
+                let mo = ((i0 + j) * x.ngroups + gi) * 16;
+                match K {
+                    Q4_0 => {
+                        let c = _mm512_slli_epi32::<3>(ld512(&x.lsum, mo));
+                        ip0 = _mm512_sub_epi32(ip0, c);
+                        ip1 = _mm512_sub_epi32(ip1, c);
+                    }
+                    Q8_0 => {
+                        let c = _mm512_slli_epi32::<7>(ld512(&x.lsum, mo));
+                        ip0 = _mm512_sub_epi32(ip0, c);
+                        ip1 = _mm512_sub_epi32(ip1, c);
+                    }
+                    _ => {}
+                }
+                let dx = ld512ps(&x.dx, mo);
+                acc0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip0), _mm512_mul_ps(dw0, dx), acc0[j]);
+                acc1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip1), _mm512_mul_ps(dw1, dx), acc1[j]);
+                if K == Q4_1 {
+                    let sm = ld512ps(&x.smin, mo);
+                    acc0[j] = _mm512_fmadd_ps(mw0, sm, acc0[j]);
+                    acc1[j] = _mm512_fmadd_ps(mw1, sm, acc1[j]);
+                }
+            }
+        }
+        for j in 0..R {
+            o0[j] = _mm512_reduce_add_ps(acc0[j]);
+            o1[j] = _mm512_reduce_add_ps(acc1[j]);
+        }
+    }
+
     /// How far ahead (in weight bytes) `vnni_rows` prefetches.
     const PREFETCH_BYTES: usize = 2048;
+    const PREFETCH_HINT: i32 = _MM_HINT_T0;
 
     /// Prefetch weight row `r` (codes, scales, minimums) into L1.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn prefetch_row(w: &QuantWeights, r: usize, row_bytes: usize) {
+    fn prefetch_row<const H: i32>(w: &QuantWeights, r: usize, row_bytes: usize) {
         let q = &w.qs[r * row_bytes..(r + 1) * row_bytes];
         for off in (0..row_bytes).step_by(64) {
             // SAFETY: `off < q.len()`, so the address is inside `q`; a
             // prefetch never faults or changes memory.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().add(off) as *const i8) };
+            unsafe { _mm_prefetch::<H>(q.as_ptr().add(off) as *const i8) };
         }
         let d = &w.d[r * w.nbp..(r + 1) * w.nbp];
-        _mm_prefetch::<_MM_HINT_T0>(d.as_ptr() as *const i8);
+        _mm_prefetch::<H>(d.as_ptr() as *const i8);
         if !w.m.is_empty() {
             let m = &w.m[r * w.nbp..(r + 1) * w.nbp];
-            _mm_prefetch::<_MM_HINT_T0>(m.as_ptr() as *const i8);
+            _mm_prefetch::<H>(m.as_ptr() as *const i8);
         }
     }
 
@@ -578,5 +744,101 @@ pub mod vnni {
         let s = &s[off..off + 16];
         // SAFETY: `s` now holds exactly 16 floats.
         unsafe { _mm512_loadu_ps(s.as_ptr()) }
+    }
+}
+
+/// AVX-512 inner loops of attention. Each computes exactly what its
+/// portable twin in `llama` computes, in the same order (one FMA per
+/// element per step), so the two give identical bits.
+pub mod attn {
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        super::vnni::available()
+    }
+
+    /// 64 dot products `q . kt[d][c..c + 64]`, accumulated over `d` in order.
+    pub fn scores64(q: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
+        assert!(available());
+        assert!(c + 64 <= stride && q.len().saturating_sub(1) * stride + c + 64 <= kt.len());
+        // SAFETY: AVX-512F is available; the assert bounds every load.
+        unsafe { scores64_avx512(q, kt, stride, c) }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn scores64_avx512(q: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
+        let mut a = [_mm512_setzero_ps(); 4];
+        for (d, &qd) in q.iter().enumerate() {
+            let qv = _mm512_set1_ps(qd);
+            let row = &kt[d * stride + c..d * stride + c + 64];
+            for (k, ak) in a.iter_mut().enumerate() {
+                // SAFETY: `row` holds 64 floats; lane block k is inside it.
+                let kv = unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * k)) };
+                *ak = _mm512_fmadd_ps(qv, kv, *ak);
+            }
+        }
+        let mut out = [[0f32; 16]; 4];
+        for (o, ak) in out.iter_mut().zip(a) {
+            // SAFETY: `o` is exactly 16 floats.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), ak) };
+        }
+        out
+    }
+
+    /// `acc[k][l] += p[j] * v[j][c + 16k + l]` for slots `j` in order.
+    pub fn pv64(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
+        assert!(available());
+        assert!(c + 64 <= hd && p.len() * hd <= v.len());
+        // SAFETY: AVX-512F is available; the assert bounds every load.
+        unsafe { pv64_avx512(p, v, hd, c, acc) }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn pv64_avx512(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
+        let mut a = [_mm512_setzero_ps(); 4];
+        for (ak, src) in a.iter_mut().zip(acc.iter()) {
+            // SAFETY: `src` is exactly 16 floats.
+            *ak = unsafe { _mm512_loadu_ps(src.as_ptr()) };
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            let pv = _mm512_set1_ps(pj);
+            let row = &v[j * hd + c..j * hd + c + 64];
+            for (k, ak) in a.iter_mut().enumerate() {
+                // SAFETY: `row` holds 64 floats; lane block k is inside it.
+                let vv = unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * k)) };
+                *ak = _mm512_fmadd_ps(pv, vv, *ak);
+            }
+        }
+        for (dst, ak) in acc.iter_mut().zip(a) {
+            // SAFETY: `dst` is exactly 16 floats.
+            unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), ak) };
+        }
+    }
+
+    /// Widen f16 to f32 (exact).
+    pub fn widen(src: &[half::f16], dst: &mut [f32]) {
+        assert!(available());
+        assert_eq!(src.len(), dst.len());
+        // SAFETY: AVX-512F is available; the loop bounds every access.
+        unsafe { widen_avx512(src, dst) }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn widen_avx512(src: &[half::f16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 16 <= n {
+            let s = &src[i..i + 16];
+            let d = &mut dst[i..i + 16];
+            // SAFETY: `s` is 16 f16 (32 bytes) and `d` 16 floats.
+            unsafe {
+                let h = _mm256_loadu_si256(s.as_ptr() as *const __m256i);
+                _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(h));
+            }
+            i += 16;
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
+        }
     }
 }
