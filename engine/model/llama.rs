@@ -610,28 +610,39 @@ impl AttnQuery<'_> {
     }
 }
 
-/// 64 dot products `q . kt[d][c..c + 64]`, each accumulated over `d` in
-/// order (four independent 16-lane chains, so the FMA latency overlaps).
+/// Most queries (heads of one token) the 64-slot loops take at once.
+const MAXQ: usize = 4;
+
+/// For each query `qs[i]` (`i < MAXQ`), 64 dot products
+/// `q . kt[d][c..c + 64]`, each accumulated over `d` in order. The
+/// queries share every load of `kt` (up to 16 independent FMA chains).
 #[inline]
-fn scores64(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
+fn scores64(qs: &[&[f32]], kt: &[f32], stride: usize, c: usize, out: &mut [[[f32; 16]; 4]; MAXQ]) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::attn::available() {
-        return super::simd::attn::scores64(qrow, kt, stride, c);
+        return super::simd::attn::scores64(qs, kt, stride, c, out);
     }
-    scores64_portable(qrow, kt, stride, c)
+    scores64_portable(qs, kt, stride, c, out)
 }
 
-fn scores64_portable(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
-    let mut acc = [[0f32; 16]; 4];
-    for (d, &qd) in qrow.iter().enumerate() {
-        let k: &[f32; 64] = kt[d * stride + c..d * stride + c + 64].try_into().unwrap();
-        for (a, kc) in acc.iter_mut().zip(k.chunks_exact(16)) {
-            for l in 0..16 {
-                a[l] = qd.mul_add(kc[l], a[l]);
+fn scores64_portable(
+    qs: &[&[f32]],
+    kt: &[f32],
+    stride: usize,
+    c: usize,
+    out: &mut [[[f32; 16]; 4]; MAXQ],
+) {
+    for (q, acc) in qs.iter().zip(out.iter_mut()) {
+        *acc = [[0f32; 16]; 4];
+        for (d, &qd) in q.iter().enumerate() {
+            let k: &[f32; 64] = kt[d * stride + c..d * stride + c + 64].try_into().unwrap();
+            for (a, kc) in acc.iter_mut().zip(k.chunks_exact(16)) {
+                for l in 0..16 {
+                    a[l] = qd.mul_add(kc[l], a[l]);
+                }
             }
         }
     }
-    acc
 }
 
 /// Sixteen dot products (the tail of a block that is not a multiple of 64).
@@ -647,27 +658,29 @@ fn scores16(qrow: &[f32], kt: &[f32], stride: usize, c: usize) -> [f32; 16] {
     acc
 }
 
-/// `acc[k][l] += p[j] * v[j][c + 16k + l]` for slots `j` in order.
+/// For each query `i`: `acc[i][k][l] += ps[i][j] * v[j][c + 16k + l]` for
+/// slots `j` in order (all `ps[i]` have the same length); the queries share
+/// every load of `v`.
 #[inline]
-fn pv64(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
+fn pv64(ps: &[&[f32]], v: &[f32], hd: usize, c: usize, acc: &mut [[[f32; 16]; 4]; MAXQ]) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::attn::available() {
-        return super::simd::attn::pv64(p, v, hd, c, acc);
+        return super::simd::attn::pv64(ps, v, hd, c, acc);
     }
-    pv64_portable(p, v, hd, c, acc)
+    pv64_portable(ps, v, hd, c, acc)
 }
 
-fn pv64_portable(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
-    let mut a = *acc;
-    for (j, &pj) in p.iter().enumerate() {
-        let vr: &[f32; 64] = v[j * hd + c..j * hd + c + 64].try_into().unwrap();
-        for (ak, vc) in a.iter_mut().zip(vr.chunks_exact(16)) {
-            for l in 0..16 {
-                ak[l] = pj.mul_add(vc[l], ak[l]);
+fn pv64_portable(ps: &[&[f32]], v: &[f32], hd: usize, c: usize, acc: &mut [[[f32; 16]; 4]; MAXQ]) {
+    for (p, a) in ps.iter().zip(acc.iter_mut()) {
+        for (j, &pj) in p.iter().enumerate() {
+            let vr: &[f32; 64] = v[j * hd + c..j * hd + c + 64].try_into().unwrap();
+            for (ak, vc) in a.iter_mut().zip(vr.chunks_exact(16)) {
+                for l in 0..16 {
+                    ak[l] = pj.mul_add(vc[l], ak[l]);
+                }
             }
         }
     }
-    *acc = a;
 }
 
 /// Attention of the query heads sharing `kv_head` for new tokens `ts` of
@@ -707,35 +720,52 @@ fn attend(
             .saturating_sub(b * bs)
             .min(bs)
     };
+    let mut acc4 = [[[0f32; 16]; 4]; MAXQ];
     for b in 0..nblocks {
         let buf = cache.keys_t(layer, kv_head, b).widen(&mut wide);
-        for qi in 0..nq {
-            let lim = limit(qi, b);
+        // The heads of one token share a limit; take them MAXQ at a time.
+        for ti in 0..nt {
+            let lim = limit(ti * group, b);
             if lim == 0 {
                 continue;
             }
-            let q = qrow(qi);
-            let sc = &mut scores[qi * span + b * bs..qi * span + (b + 1) * bs];
-            let mut c = 0;
-            while c < lim {
-                if c + 64 <= bs {
-                    let acc = scores64(q, buf, bs, c);
-                    for (k, a) in acc.iter().enumerate() {
-                        sc[c + 16 * k..c + 16 * (k + 1)].copy_from_slice(a);
-                    }
-                    c += 64;
-                } else if c + 16 <= bs {
-                    sc[c..c + 16].copy_from_slice(&scores16(q, buf, bs, c));
-                    c += 16;
-                } else {
-                    for s in c..bs {
-                        let mut acc = 0f32;
-                        for (d, &qd) in q.iter().enumerate() {
-                            acc = qd.mul_add(buf[d * bs + s], acc);
+            for h0 in (0..group).step_by(MAXQ) {
+                let qis = ti * group + h0..ti * group + (h0 + MAXQ).min(group);
+                let qs: Vec<&[f32]> = qis.clone().map(qrow).collect();
+                let mut c = 0;
+                while c < lim {
+                    if c + 64 <= bs {
+                        scores64(&qs, buf, bs, c, &mut acc4);
+                        for (qi, acc) in qis.clone().zip(&acc4) {
+                            let sc =
+                                &mut scores[qi * span + b * bs + c..qi * span + b * bs + c + 64];
+                            for (k, a) in acc.iter().enumerate() {
+                                sc[16 * k..16 * (k + 1)].copy_from_slice(a);
+                            }
                         }
-                        sc[s] = acc;
+                        c += 64;
+                    } else {
+                        for (qi, q) in qis.clone().zip(&qs) {
+                            let sc = &mut scores[qi * span + b * bs..qi * span + (b + 1) * bs];
+                            let mut cc = c;
+                            while cc < bs {
+                                if cc + 16 <= bs {
+                                    sc[cc..cc + 16].copy_from_slice(&scores16(q, buf, bs, cc));
+                                    cc += 16;
+                                } else {
+                                    for s in cc..bs {
+                                        let mut acc = 0f32;
+                                        for (d, &qd) in q.iter().enumerate() {
+                                            acc = qd.mul_add(buf[d * bs + s], acc);
+                                        }
+                                        sc[s] = acc;
+                                    }
+                                    cc = bs;
+                                }
+                            }
+                        }
+                        c = bs;
                     }
-                    c = bs;
                 }
             }
         }
@@ -757,34 +787,47 @@ fn attend(
     out.resize(nq * hd, 0.0);
     for b in 0..nblocks {
         let buf = cache.values(layer, kv_head, b).widen(&mut wide);
-        for qi in 0..nq {
-            let lim = limit(qi, b);
+        for ti in 0..nt {
+            let lim = limit(ti * group, b);
             if lim == 0 {
                 continue;
             }
             // Invisible tree slots have p = 0 (exp of -inf), so the FMA
             // leaves the sums unchanged.
-            let p = &scores[qi * span + b * bs..qi * span + b * bs + lim];
-            let o = &mut out[qi * hd..(qi + 1) * hd];
-            let mut c = 0;
-            while c < hd {
-                if c + 64 <= hd {
-                    let mut acc = [[0f32; 16]; 4];
-                    for (k, a) in acc.iter_mut().enumerate() {
-                        a.copy_from_slice(&o[c + 16 * k..c + 16 * (k + 1)]);
-                    }
-                    pv64(p, buf, hd, c, &mut acc);
-                    for (k, a) in acc.iter().enumerate() {
-                        o[c + 16 * k..c + 16 * (k + 1)].copy_from_slice(a);
-                    }
-                    c += 64;
-                } else {
-                    for (j, &pj) in p.iter().enumerate() {
-                        for d in c..hd {
-                            o[d] = pj.mul_add(buf[j * hd + d], o[d]);
+            for h0 in (0..group).step_by(MAXQ) {
+                let qis = ti * group + h0..ti * group + (h0 + MAXQ).min(group);
+                let ps: Vec<&[f32]> = qis
+                    .clone()
+                    .map(|qi| &scores[qi * span + b * bs..qi * span + b * bs + lim])
+                    .collect();
+                let mut c = 0;
+                while c < hd {
+                    if c + 64 <= hd {
+                        for (qi, acc) in qis.clone().zip(acc4.iter_mut()) {
+                            let o = &out[qi * hd + c..qi * hd + c + 64];
+                            for (k, a) in acc.iter_mut().enumerate() {
+                                a.copy_from_slice(&o[16 * k..16 * (k + 1)]);
+                            }
                         }
+                        pv64(&ps, buf, hd, c, &mut acc4);
+                        for (qi, acc) in qis.clone().zip(&acc4) {
+                            let o = &mut out[qi * hd + c..qi * hd + c + 64];
+                            for (k, a) in acc.iter().enumerate() {
+                                o[16 * k..16 * (k + 1)].copy_from_slice(a);
+                            }
+                        }
+                        c += 64;
+                    } else {
+                        for (qi, p) in qis.clone().zip(&ps) {
+                            let o = &mut out[qi * hd..(qi + 1) * hd];
+                            for (j, &pj) in p.iter().enumerate() {
+                                for d in c..hd {
+                                    o[d] = pj.mul_add(buf[j * hd + d], o[d]);
+                                }
+                            }
+                        }
+                        c = hd;
                     }
-                    c = hd;
                 }
             }
         }
@@ -807,19 +850,25 @@ mod tests {
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         };
         let (hd, bs) = (64usize, 64usize);
-        let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
-        let kt: Vec<f32> = (0..hd * bs).map(|_| rnd()).collect();
-        assert_eq!(
-            super::super::simd::attn::scores64(&q, &kt, bs, 0),
-            scores64_portable(&q, &kt, bs, 0)
-        );
-        let p: Vec<f32> = (0..37).map(|_| rnd().abs()).collect();
-        let v: Vec<f32> = (0..37 * 128).map(|_| rnd()).collect();
-        let init = [[0.25f32; 16]; 4];
-        let (mut a, mut b) = (init, init);
-        super::super::simd::attn::pv64(&p, &v, 128, 64, &mut a);
-        pv64_portable(&p, &v, 128, 64, &mut b);
-        assert_eq!(a, b);
+        for nq in 1..=MAXQ {
+            let qv: Vec<Vec<f32>> = (0..nq).map(|_| (0..hd).map(|_| rnd()).collect()).collect();
+            let qs: Vec<&[f32]> = qv.iter().map(|q| q.as_slice()).collect();
+            let kt: Vec<f32> = (0..hd * bs).map(|_| rnd()).collect();
+            let (mut a, mut b) = ([[[0f32; 16]; 4]; MAXQ], [[[0f32; 16]; 4]; MAXQ]);
+            super::super::simd::attn::scores64(&qs, &kt, bs, 0, &mut a);
+            scores64_portable(&qs, &kt, bs, 0, &mut b);
+            assert_eq!(a[..nq], b[..nq]);
+            let pv: Vec<Vec<f32>> = (0..nq)
+                .map(|_| (0..37).map(|_| rnd().abs()).collect())
+                .collect();
+            let ps: Vec<&[f32]> = pv.iter().map(|p| p.as_slice()).collect();
+            let v: Vec<f32> = (0..37 * 128).map(|_| rnd()).collect();
+            let init = [[[0.25f32; 16]; 4]; MAXQ];
+            let (mut a, mut b) = (init, init);
+            super::super::simd::attn::pv64(&ps, &v, 128, 64, &mut a);
+            pv64_portable(&ps, &v, 128, 64, &mut b);
+            assert_eq!(a[..nq], b[..nq]);
+        }
         let h: Vec<half::f16> = (0..100).map(|_| half::f16::from_f32(rnd())).collect();
         let mut w = vec![0f32; 100];
         super::super::simd::attn::widen(&h, &mut w);

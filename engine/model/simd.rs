@@ -512,10 +512,14 @@ pub mod vnni {
             let mut b0v = [zero; R];
             let mut a1 = [zero; R];
             let mut b1v = [zero; R];
+            // Each activation row's part of this group, bounds-checked once.
+            let xr: [&[i8]; R] =
+                core::array::from_fn(|j| &x.xs[xrow(j) + xo..xrow(j) + xo + g * QK]);
             if g == 2 {
                 let (v0, v1) = (step_single::<K>(w0), step_single::<K>(w1));
                 for j in 0..R {
-                    let xv = ld512(&x.xs, xrow(j) + xo);
+                    // SAFETY: `xr[j]` holds the group's 64 bytes.
+                    let xv = unsafe { ldu(xr[j], 0) };
                     a0[j] = _mm512_dpbusd_epi32(a0[j], v0, xv);
                     a1[j] = _mm512_dpbusd_epi32(a1[j], v1, xv);
                 }
@@ -524,12 +528,15 @@ pub mod vnni {
                     let (e0, d0) = step_pair::<K>(w0, p);
                     let (e1, d1) = step_pair::<K>(w1, p);
                     for j in 0..R {
-                        let xe = ld512(&x.xs, xrow(j) + xo + 128 * p);
+                        // SAFETY: `xr[j]` holds `32 * g` bytes and
+                        // `128 * p + 128 <= 32 * g` for `p < g / 4`.
+                        let xe = unsafe { ldu(xr[j], 128 * p) };
                         a0[j] = _mm512_dpbusd_epi32(a0[j], e0, xe);
                         a1[j] = _mm512_dpbusd_epi32(a1[j], e1, xe);
                     }
                     for j in 0..R {
-                        let xd = ld512(&x.xs, xrow(j) + xo + 128 * p + 64);
+                        // SAFETY: as above.
+                        let xd = unsafe { ldu(xr[j], 128 * p + 64) };
                         if split {
                             b0v[j] = _mm512_dpbusd_epi32(b0v[j], d0, xd);
                             b1v[j] = _mm512_dpbusd_epi32(b1v[j], d1, xd);
@@ -737,6 +744,18 @@ pub mod vnni {
         unsafe { _mm512_loadu_si512(s.as_ptr() as *const __m512i) }
     }
 
+    /// 64 bytes from `s[off..]`, unchecked in release builds.
+    ///
+    /// # Safety
+    /// `off + 64 <= s.len()` and AVX-512F is available.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn ldu(s: &[i8], off: usize) -> __m512i {
+        debug_assert!(off + 64 <= s.len());
+        // SAFETY: the caller guarantees 64 bytes from `off` inside `s`.
+        unsafe { _mm512_loadu_si512(s.as_ptr().add(off) as *const __m512i) }
+    }
+
     /// 16 floats from `s[off..]` (bounds-checked).
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -757,61 +776,116 @@ pub mod attn {
         super::vnni::available()
     }
 
-    /// 64 dot products `q . kt[d][c..c + 64]`, accumulated over `d` in order.
-    pub fn scores64(q: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
+    /// For each of up to 4 queries, 64 dot products `q . kt[d][c..c + 64]`
+    /// accumulated over `d` in order; the queries share the loads of `kt`.
+    pub fn scores64(
+        qs: &[&[f32]],
+        kt: &[f32],
+        stride: usize,
+        c: usize,
+        out: &mut [[[f32; 16]; 4]; 4],
+    ) {
         assert!(available());
-        assert!(c + 64 <= stride && q.len().saturating_sub(1) * stride + c + 64 <= kt.len());
-        // SAFETY: AVX-512F is available; the assert bounds every load.
-        unsafe { scores64_avx512(q, kt, stride, c) }
+        assert!(!qs.is_empty() && qs.len() <= 4);
+        let hd = qs[0].len();
+        assert!(qs.iter().all(|q| q.len() == hd));
+        assert!(c + 64 <= stride && hd.saturating_sub(1) * stride + c + 64 <= kt.len());
+        // SAFETY: AVX-512F is available; the asserts bound every load.
+        unsafe {
+            match qs.len() {
+                1 => scores64_n::<1>(qs, kt, stride, c, out),
+                2 => scores64_n::<2>(qs, kt, stride, c, out),
+                3 => scores64_n::<3>(qs, kt, stride, c, out),
+                _ => scores64_n::<4>(qs, kt, stride, c, out),
+            }
+        }
     }
 
     #[target_feature(enable = "avx512f")]
-    fn scores64_avx512(q: &[f32], kt: &[f32], stride: usize, c: usize) -> [[f32; 16]; 4] {
-        let mut a = [_mm512_setzero_ps(); 4];
-        for (d, &qd) in q.iter().enumerate() {
-            let qv = _mm512_set1_ps(qd);
+    fn scores64_n<const Q: usize>(
+        qs: &[&[f32]],
+        kt: &[f32],
+        stride: usize,
+        c: usize,
+        out: &mut [[[f32; 16]; 4]; 4],
+    ) {
+        let hd = qs[0].len();
+        let mut a = [[_mm512_setzero_ps(); 4]; Q];
+        for d in 0..hd {
             let row = &kt[d * stride + c..d * stride + c + 64];
-            for (k, ak) in a.iter_mut().enumerate() {
+            let mut kv = [_mm512_setzero_ps(); 4];
+            for (k, v) in kv.iter_mut().enumerate() {
                 // SAFETY: `row` holds 64 floats; lane block k is inside it.
-                let kv = unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * k)) };
-                *ak = _mm512_fmadd_ps(qv, kv, *ak);
+                *v = unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * k)) };
+            }
+            for i in 0..Q {
+                let qv = _mm512_set1_ps(qs[i][d]);
+                for k in 0..4 {
+                    a[i][k] = _mm512_fmadd_ps(qv, kv[k], a[i][k]);
+                }
             }
         }
-        let mut out = [[0f32; 16]; 4];
-        for (o, ak) in out.iter_mut().zip(a) {
-            // SAFETY: `o` is exactly 16 floats.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), ak) };
+        for i in 0..Q {
+            for k in 0..4 {
+                // SAFETY: `out[i][k]` is exactly 16 floats.
+                unsafe { _mm512_storeu_ps(out[i][k].as_mut_ptr(), a[i][k]) };
+            }
         }
-        out
     }
 
-    /// `acc[k][l] += p[j] * v[j][c + 16k + l]` for slots `j` in order.
-    pub fn pv64(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
+    /// For each of up to 4 queries: `acc[i][k][l] += ps[i][j] * v[j][c +
+    /// 16k + l]` for slots `j` in order; the queries share the loads of `v`.
+    pub fn pv64(ps: &[&[f32]], v: &[f32], hd: usize, c: usize, acc: &mut [[[f32; 16]; 4]; 4]) {
         assert!(available());
-        assert!(c + 64 <= hd && p.len() * hd <= v.len());
-        // SAFETY: AVX-512F is available; the assert bounds every load.
-        unsafe { pv64_avx512(p, v, hd, c, acc) }
+        assert!(!ps.is_empty() && ps.len() <= 4);
+        let n = ps[0].len();
+        assert!(ps.iter().all(|p| p.len() == n));
+        assert!(c + 64 <= hd && n * hd <= v.len());
+        // SAFETY: AVX-512F is available; the asserts bound every load.
+        unsafe {
+            match ps.len() {
+                1 => pv64_n::<1>(ps, v, hd, c, acc),
+                2 => pv64_n::<2>(ps, v, hd, c, acc),
+                3 => pv64_n::<3>(ps, v, hd, c, acc),
+                _ => pv64_n::<4>(ps, v, hd, c, acc),
+            }
+        }
     }
 
     #[target_feature(enable = "avx512f")]
-    fn pv64_avx512(p: &[f32], v: &[f32], hd: usize, c: usize, acc: &mut [[f32; 16]; 4]) {
-        let mut a = [_mm512_setzero_ps(); 4];
-        for (ak, src) in a.iter_mut().zip(acc.iter()) {
-            // SAFETY: `src` is exactly 16 floats.
-            *ak = unsafe { _mm512_loadu_ps(src.as_ptr()) };
-        }
-        for (j, &pj) in p.iter().enumerate() {
-            let pv = _mm512_set1_ps(pj);
-            let row = &v[j * hd + c..j * hd + c + 64];
-            for (k, ak) in a.iter_mut().enumerate() {
-                // SAFETY: `row` holds 64 floats; lane block k is inside it.
-                let vv = unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * k)) };
-                *ak = _mm512_fmadd_ps(pv, vv, *ak);
+    fn pv64_n<const Q: usize>(
+        ps: &[&[f32]],
+        v: &[f32],
+        hd: usize,
+        c: usize,
+        acc: &mut [[[f32; 16]; 4]; 4],
+    ) {
+        let mut a = [[_mm512_setzero_ps(); 4]; Q];
+        for i in 0..Q {
+            for k in 0..4 {
+                // SAFETY: `acc[i][k]` is exactly 16 floats.
+                a[i][k] = unsafe { _mm512_loadu_ps(acc[i][k].as_ptr()) };
             }
         }
-        for (dst, ak) in acc.iter_mut().zip(a) {
-            // SAFETY: `dst` is exactly 16 floats.
-            unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), ak) };
+        for j in 0..ps[0].len() {
+            let row = &v[j * hd + c..j * hd + c + 64];
+            let mut vv = [_mm512_setzero_ps(); 4];
+            for (k, x) in vv.iter_mut().enumerate() {
+                // SAFETY: `row` holds 64 floats; lane block k is inside it.
+                *x = unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * k)) };
+            }
+            for i in 0..Q {
+                let pv = _mm512_set1_ps(ps[i][j]);
+                for k in 0..4 {
+                    a[i][k] = _mm512_fmadd_ps(pv, vv[k], a[i][k]);
+                }
+            }
+        }
+        for i in 0..Q {
+            for k in 0..4 {
+                // SAFETY: `acc[i][k]` is exactly 16 floats.
+                unsafe { _mm512_storeu_ps(acc[i][k].as_mut_ptr(), a[i][k]) };
+            }
         }
     }
 
