@@ -597,7 +597,7 @@ pub mod vnni {
     }
 
     /// How far ahead (in weight bytes) `vnni_rows` prefetches.
-    const PREFETCH_BYTES: usize = 2048;
+    const PREFETCH_BYTES: usize = 8192;
     const PREFETCH_HINT: i32 = _MM_HINT_T0;
 
     /// Prefetch weight row `r` (codes, scales, minimums) into L1.
