@@ -656,8 +656,7 @@ fn quant_rows_portable(a: &Activations, q: &QuantWeights, r0: usize, r1: usize, 
     let mut codes = vec![0i8; q.nbp * QK];
     for r in r0..r1 {
         q.row_codes(r, &mut codes);
-        let o = &mut out[(r - r0) * n..(r - r0 + 1) * n];
-        for (i, oi) in o.iter_mut().enumerate() {
+        for i in 0..n {
             let mut acc = 0f32;
             for b in 0..nb {
                 let gb = r * q.nbp + b;
@@ -670,13 +669,13 @@ fn quant_rows_portable(a: &Activations, q: &QuantWeights, r0: usize, r1: usize, 
                     acc += q.min(gb) * a.qsum[xb];
                 }
             }
-            *oi = acc;
+            out[i * (r1 - r0) + (r - r0)] = acc;
         }
     }
 }
 
 /// Compute rows `r0..r1` of `w` against every activation row; result is
-/// laid out weight-row-major: `out[(r - r0) * n + i]`.
+/// laid out activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
 fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f32]) {
     let n = a.rows;
     let k = a.cols;
@@ -684,8 +683,8 @@ fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f3
         WeightData::F32(v) => {
             for r in r0..r1 {
                 let wr = &v[r * k..(r + 1) * k];
-                for (i, oi) in out[(r - r0) * n..(r - r0 + 1) * n].iter_mut().enumerate() {
-                    *oi = dot_f32(wr, &a.f32[i * k..(i + 1) * k]);
+                for i in 0..n {
+                    out[i * (r1 - r0) + (r - r0)] = dot_f32(wr, &a.f32[i * k..(i + 1) * k]);
                 }
             }
         }
@@ -702,8 +701,8 @@ fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f3
             let mut row = vec![0f32; k];
             for r in r0..r1 {
                 w.dequantize_row(r, &mut row);
-                for (i, oi) in out[(r - r0) * n..(r - r0 + 1) * n].iter_mut().enumerate() {
-                    *oi = dot_f32(&row, &a.f32[i * k..(i + 1) * k]);
+                for i in 0..n {
+                    out[i * (r1 - r0) + (r - r0)] = dot_f32(&row, &a.f32[i * k..(i + 1) * k]);
                 }
             }
         }
@@ -754,9 +753,7 @@ pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>])
         let mut buf = vec![0f32; nr * n];
         matmul_rows(a, ws[wi], r0, r1, &mut buf);
         for (i, seg) in segs.iter_mut().enumerate() {
-            for (r, o) in seg.iter_mut().enumerate() {
-                *o = buf[r * n + i];
-            }
+            seg.copy_from_slice(&buf[i * nr..(i + 1) * nr]);
         }
     });
 }
@@ -807,8 +804,14 @@ pub fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;
+    // n = round-half-even(x * log2 e) by the 1.5 * 2^23 trick, which also
+    // leaves n as an integer in the low mantissa bits (no float-to-int
+    // conversion, so loops over this vectorize).
+    const MAGIC: f32 = 12_582_912.0;
     let xc = x.clamp(-87.3, 88.3);
-    let n = (xc * LOG2E).round_ties_even();
+    let t = xc * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let ni = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
     let r = n.mul_add(-C2, n.mul_add(-C1, xc));
     let mut p = 1.987_569_1e-4f32;
     p = p.mul_add(r, 1.398_2e-3);
@@ -817,7 +820,7 @@ pub fn exp_f32(x: f32) -> f32 {
     p = p.mul_add(r, 0.166_666_65);
     p = p.mul_add(r, 0.5);
     let e = p.mul_add(r * r, r + 1.0);
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    let scale = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
     let v = e * scale;
     if x < -87.3 {
         0.0

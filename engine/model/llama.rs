@@ -731,11 +731,15 @@ fn attend(
             }
             for h0 in (0..group).step_by(MAXQ) {
                 let qis = ti * group + h0..ti * group + (h0 + MAXQ).min(group);
-                let qs: Vec<&[f32]> = qis.clone().map(qrow).collect();
+                let mut qa: [&[f32]; MAXQ] = [&[]; MAXQ];
+                for (slot, qi) in qa.iter_mut().zip(qis.clone()) {
+                    *slot = qrow(qi);
+                }
+                let qs = &qa[..qis.len()];
                 let mut c = 0;
                 while c < lim {
                     if c + 64 <= bs {
-                        scores64(&qs, buf, bs, c, &mut acc4);
+                        scores64(qs, buf, bs, c, &mut acc4);
                         for (qi, acc) in qis.clone().zip(&acc4) {
                             let sc =
                                 &mut scores[qi * span + b * bs + c..qi * span + b * bs + c + 64];
@@ -745,7 +749,7 @@ fn attend(
                         }
                         c += 64;
                     } else {
-                        for (qi, q) in qis.clone().zip(&qs) {
+                        for (qi, q) in qis.clone().zip(qs) {
                             let sc = &mut scores[qi * span + b * bs..qi * span + (b + 1) * bs];
                             let mut cc = c;
                             while cc < bs {
@@ -796,10 +800,11 @@ fn attend(
             // leaves the sums unchanged.
             for h0 in (0..group).step_by(MAXQ) {
                 let qis = ti * group + h0..ti * group + (h0 + MAXQ).min(group);
-                let ps: Vec<&[f32]> = qis
-                    .clone()
-                    .map(|qi| &scores[qi * span + b * bs..qi * span + b * bs + lim])
-                    .collect();
+                let mut pa: [&[f32]; MAXQ] = [&[]; MAXQ];
+                for (slot, qi) in pa.iter_mut().zip(qis.clone()) {
+                    *slot = &scores[qi * span + b * bs..qi * span + b * bs + lim];
+                }
+                let ps = &pa[..qis.len()];
                 let mut c = 0;
                 while c < hd {
                     if c + 64 <= hd {
@@ -809,7 +814,7 @@ fn attend(
                                 a.copy_from_slice(&o[16 * k..16 * (k + 1)]);
                             }
                         }
-                        pv64(&ps, buf, hd, c, &mut acc4);
+                        pv64(ps, buf, hd, c, &mut acc4);
                         for (qi, acc) in qis.clone().zip(&acc4) {
                             let o = &mut out[qi * hd + c..qi * hd + c + 64];
                             for (k, a) in acc.iter().enumerate() {
@@ -818,7 +823,7 @@ fn attend(
                         }
                         c += 64;
                     } else {
-                        for (qi, p) in qis.clone().zip(&ps) {
+                        for (qi, p) in qis.clone().zip(ps) {
                             let o = &mut out[qi * hd..(qi + 1) * hd];
                             for (j, &pj) in p.iter().enumerate() {
                                 for d in c..hd {

@@ -155,7 +155,7 @@ fn check(w: &QuantWeights, x: &GroupedActs, r1: usize, r0: usize, out: &[f32]) {
 }
 
 /// Rows `r0..r1` of `w` against every activation row (AVX2), written
-/// weight-row-major: `out[(r - r0) * n + i]`.
+/// activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
 pub fn rows(w: &QuantWeights, x: &GroupedActs, r0: usize, r1: usize, out: &mut [f32]) {
     assert!(available());
     check(w, x, r1, r0, out);
@@ -182,12 +182,17 @@ fn avx2_rows<const K: u8>(
     while i0 < n {
         let rr = (n - i0).min(4);
         for r in r0..r1 {
-            let o = &mut out[(r - r0) * n + i0..(r - r0) * n + i0 + rr];
+            let nr = r1 - r0;
+            let mut put = |v: &[f32]| {
+                for (j, &x) in v.iter().enumerate() {
+                    out[(i0 + j) * nr + (r - r0)] = x;
+                }
+            };
             match rr {
-                1 => avx2_row::<1, K>(w, x, r, i0, o),
-                2 => avx2_row::<2, K>(w, x, r, i0, o),
-                3 => avx2_row::<3, K>(w, x, r, i0, o),
-                _ => avx2_row::<4, K>(w, x, r, i0, o),
+                1 => put(&avx2_row::<1, K>(w, x, r, i0)),
+                2 => put(&avx2_row::<2, K>(w, x, r, i0)),
+                3 => put(&avx2_row::<3, K>(w, x, r, i0)),
+                _ => put(&avx2_row::<4, K>(w, x, r, i0)),
             }
         }
         i0 += rr;
@@ -231,8 +236,7 @@ fn avx2_row<const R: usize, const K: u8>(
     x: &GroupedActs,
     r: usize,
     i0: usize,
-    o: &mut [f32],
-) {
+) -> [f32; R] {
     let mut acc = [_mm256_setzero_ps(); R];
     for (gi, &(b0, g)) in w.plan.iter().enumerate() {
         match g {
@@ -242,9 +246,11 @@ fn avx2_row<const R: usize, const K: u8>(
             _ => avx2_group::<R, K, 1>(w, x, r, i0, gi, b0, &mut acc),
         }
     }
+    let mut o = [0f32; R];
     for j in 0..R {
         o[j] = hsum256(acc[j]);
     }
+    o
 }
 
 /// One group of `2 * S` blocks, as two 8-lane halves.
@@ -367,7 +373,7 @@ pub mod vnni {
     const MAX_ROWS: usize = 6;
 
     /// Rows `r0..r1` of `w` against every activation row, written
-    /// weight-row-major: `out[(r - r0) * n + i]`.
+    /// activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
     pub fn rows(w: &QuantWeights, x: &GroupedActs, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(available());
         check(w, x, r1, r0, out);
@@ -412,37 +418,49 @@ pub mod vnni {
                         prefetch_row::<PREFETCH_HINT>(w, p + ahead, row_bytes);
                     }
                 }
-                let (head, tail) = out.split_at_mut((r + 1 - r0) * n);
-                let o0 = &mut head[(r - r0) * n + i0..(r - r0) * n + i0 + rr];
-                if pair {
-                    let o1 = &mut tail[i0..i0 + rr];
-                    match rr {
-                        1 => rows2::<1, K>(w, x, r, i0, o0, o1),
-                        2 => rows2::<2, K>(w, x, r, i0, o0, o1),
-                        3 => rows2::<3, K>(w, x, r, i0, o0, o1),
-                        4 => rows2::<4, K>(w, x, r, i0, o0, o1),
-                        5 => rows2::<5, K>(w, x, r, i0, o0, o1),
-                        6 => rows2::<6, K>(w, x, r, i0, o0, o1),
-                        7 => rows2::<7, K>(w, x, r, i0, o0, o1),
-                        _ => rows2::<8, K>(w, x, r, i0, o0, o1),
+                let nr = r1 - r0;
+                let mut put = |rr_: usize, v: &[f32]| {
+                    for (j, &x) in v.iter().enumerate() {
+                        out[(i0 + j) * nr + (rr_ - r0)] = x;
                     }
+                };
+                if pair {
+                    let (a, b) = match rr {
+                        1 => pair_vec(rows2::<1, K>(w, x, r, i0)),
+                        2 => pair_vec(rows2::<2, K>(w, x, r, i0)),
+                        3 => pair_vec(rows2::<3, K>(w, x, r, i0)),
+                        4 => pair_vec(rows2::<4, K>(w, x, r, i0)),
+                        5 => pair_vec(rows2::<5, K>(w, x, r, i0)),
+                        _ => pair_vec(rows2::<6, K>(w, x, r, i0)),
+                    };
+                    put(r, &a[..rr]);
+                    put(r + 1, &b[..rr]);
                     r += 2;
                 } else {
                     match rr {
-                        1 => row::<1, K>(w, x, r, i0, o0),
-                        2 => row::<2, K>(w, x, r, i0, o0),
-                        3 => row::<3, K>(w, x, r, i0, o0),
-                        4 => row::<4, K>(w, x, r, i0, o0),
-                        5 => row::<5, K>(w, x, r, i0, o0),
-                        6 => row::<6, K>(w, x, r, i0, o0),
-                        7 => row::<7, K>(w, x, r, i0, o0),
-                        _ => row::<8, K>(w, x, r, i0, o0),
+                        1 => put(r, &row::<1, K>(w, x, r, i0)),
+                        2 => put(r, &row::<2, K>(w, x, r, i0)),
+                        3 => put(r, &row::<3, K>(w, x, r, i0)),
+                        4 => put(r, &row::<4, K>(w, x, r, i0)),
+                        5 => put(r, &row::<5, K>(w, x, r, i0)),
+                        _ => put(r, &row::<6, K>(w, x, r, i0)),
                     }
                     r += 1;
                 }
             }
             i0 += rr;
         }
+    }
+
+    /// Widen a pair of per-row results to `MAX_ROWS` arrays.
+    #[inline]
+    fn pair_vec<const R: usize>(
+        (a, b): ([f32; R], [f32; R]),
+    ) -> ([f32; MAX_ROWS], [f32; MAX_ROWS]) {
+        let (mut x, mut y) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
+        x[..R].copy_from_slice(&a);
+        y[..R].copy_from_slice(&b);
+        (x, y)
     }
 
     /// Weight steps `(even, odd)` of step pair `p` of a group (`g >= 4`),
@@ -495,9 +513,7 @@ pub mod vnni {
         x: &GroupedActs,
         r: usize,
         i0: usize,
-        o0: &mut [f32],
-        o1: &mut [f32],
-    ) {
+    ) -> ([f32; R], [f32; R]) {
         let split = R < 3;
         let (nbp, bb) = (w.nbp, w.kind.block_bytes());
         let xrow = |j: usize| (i0 + j) * nbp * QK;
@@ -590,10 +606,12 @@ pub mod vnni {
                 }
             }
         }
+        let (mut o0, mut o1) = ([0f32; R], [0f32; R]);
         for j in 0..R {
             o0[j] = _mm512_reduce_add_ps(acc0[j]);
             o1[j] = _mm512_reduce_add_ps(acc1[j]);
         }
+        (o0, o1)
     }
 
     /// How far ahead (in weight bytes) `vnni_rows` prefetches.
@@ -646,8 +664,7 @@ pub mod vnni {
         x: &GroupedActs,
         r: usize,
         i0: usize,
-        o: &mut [f32],
-    ) {
+    ) -> [f32; R] {
         let split = R < 4;
         let (nbp, bb) = (w.nbp, w.kind.block_bytes());
         let xrow = |j: usize| (i0 + j) * nbp * QK;
@@ -730,9 +747,11 @@ pub mod vnni {
                 }
             }
         }
+        let mut o = [0f32; R];
         for j in 0..R {
             o[j] = _mm512_reduce_add_ps(acc[j]);
         }
+        o
     }
 
     /// 64 bytes from `s[off..]` (bounds-checked).
