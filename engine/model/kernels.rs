@@ -142,7 +142,8 @@ pub struct QuantWeights {
     /// Blocks per row including the pad block.
     pub nbp: usize,
     pub plan: Vec<(usize, usize)>,
-    /// `rows * nbp * block_bytes`, row-major, each group in its stream order.
+    /// `rows * nbp * block_bytes`, row-major, each group in its stream order
+    /// (Q8_0 codes as `q + 128`).
     pub qs: Vec<u8>,
     /// Block scales as f16 bits, `rows * nbp`, block order.
     pub d: Vec<u16>,
@@ -192,7 +193,13 @@ impl QuantWeights {
                 }
                 let dst = &mut qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
                 match kind {
-                    QuantKind::Q8_0 => dst.copy_from_slice(&stream[..g * QK]),
+                    // Q8_0 codes are stored offset to unsigned (q + 128), the
+                    // operand `vpdpbusd` wants; the kernels remove the offset.
+                    QuantKind::Q8_0 => {
+                        for (d, &v) in dst.iter_mut().zip(&stream[..g * QK]) {
+                            *d = v ^ 0x80;
+                        }
+                    }
                     QuantKind::Q4_0 | QuantKind::Q4_1 => {
                         for (p, &v) in stream[..g * QK].iter().enumerate() {
                             let (i, hi) = nibble_at(g, p);
@@ -224,7 +231,7 @@ impl QuantWeights {
                 for e in 0..QK {
                     let p = slot(g, b, e);
                     out[(b0 + b) * QK + e] = match self.kind {
-                        QuantKind::Q8_0 => src[p] as i8,
+                        QuantKind::Q8_0 => (src[p] ^ 0x80) as i8,
                         QuantKind::Q4_0 | QuantKind::Q4_1 => {
                             let (i, hi) = nibble_at(g, p);
                             let c = if hi { src[i] >> 4 } else { src[i] & 15 } as i8;

@@ -281,8 +281,10 @@ fn avx2_group<const R: usize, const K: u8, const S: usize>(
     for h in 0..2 {
         let mut wv = [_mm256_setzero_si256(); S];
         if K == Q8_0 {
+            // Stored as q + 128; back to signed for the sign trick.
+            let flip = _mm256_set1_epi8(-128);
             for s in 0..S {
-                wv[s] = ld256(wsl, 64 * s + 32 * h);
+                wv[s] = _mm256_xor_si256(ld256(wsl, 64 * s + 32 * h), flip);
             }
         } else if S == 1 {
             let raw = ld256(wsl, 0);
@@ -469,11 +471,8 @@ pub mod vnni {
     #[target_feature(enable = "avx512f,avx512bw")]
     fn step_pair<const K: u8>(wsl: &[u8], p: usize) -> (__m512i, __m512i) {
         if K == Q8_0 {
-            let flip = _mm512_set1_epi8(-128);
-            (
-                _mm512_xor_si512(ld512(wsl, 128 * p), flip),
-                _mm512_xor_si512(ld512(wsl, 128 * p + 64), flip),
-            )
+            // Stored unsigned (q + 128) already.
+            (ld512(wsl, 128 * p), ld512(wsl, 128 * p + 64))
         } else {
             let mask4 = _mm512_set1_epi8(0x0f);
             let raw = ld512(wsl, 64 * p);
@@ -489,7 +488,7 @@ pub mod vnni {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     fn step_single<const K: u8>(wsl: &[u8]) -> __m512i {
         if K == Q8_0 {
-            _mm512_xor_si512(ld512(wsl, 0), _mm512_set1_epi8(-128))
+            ld512(wsl, 0)
         } else {
             let raw32 = &wsl[..32];
             // SAFETY: `raw32` is exactly 32 bytes (a 2-block Q4 group).
@@ -670,7 +669,6 @@ pub mod vnni {
         let xrow = |j: usize| (i0 + j) * nbp * QK;
         let zero = _mm512_setzero_si512();
         let mask4 = _mm512_set1_epi8(0x0f);
-        let flip = _mm512_set1_epi8(-128);
         let mut acc = [_mm512_setzero_ps(); R];
         for (gi, &(b0, g)) in w.plan.iter().enumerate() {
             let wsl = &w.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
@@ -689,7 +687,7 @@ pub mod vnni {
                     ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, ld512(&x.xs, xrow(j) + xo));
                 }
             } else if K == Q8_0 && g == 2 {
-                let wv = _mm512_xor_si512(ld512(wsl, 0), flip);
+                let wv = ld512(wsl, 0);
                 for j in 0..R {
                     ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, ld512(&x.xs, xrow(j) + xo));
                 }
@@ -697,10 +695,7 @@ pub mod vnni {
                 // Steps in pairs: (2p, 2p + 1).
                 for p in 0..g / 4 {
                     let (we, wo) = if K == Q8_0 {
-                        (
-                            _mm512_xor_si512(ld512(wsl, 128 * p), flip),
-                            _mm512_xor_si512(ld512(wsl, 128 * p + 64), flip),
-                        )
+                        (ld512(wsl, 128 * p), ld512(wsl, 128 * p + 64))
                     } else {
                         let raw = ld512(wsl, 64 * p);
                         (
