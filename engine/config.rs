@@ -29,6 +29,8 @@ pub struct ModelSection {
     pub threads: Option<usize>,
     /// Name served in the API (default: the file stem).
     pub name: Option<String>,
+    /// KV cache element type: "f16" (default, half the memory) or "f32".
+    pub kv_dtype: Option<crate::model::KvDtype>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -58,7 +60,7 @@ impl Default for EngineSection {
             kv_blocks: 0,
             default_proposer: "none".into(),
             adaptive_draft: true,
-            draft_cost: 0.25,
+            draft_cost: 0.15,
         }
     }
 }
@@ -409,6 +411,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("names no [[proposer]]"), "{e}");
+        let e = Config::parse("[model]\nkv_dtype = \"f8\"\n", Some(Path::new("k.toml")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("k.toml") && e.contains("kv_dtype") && e.contains("expected `f16` or `f32`"),
+            "{e}"
+        );
+        let c = Config::parse("[model]\nkv_dtype = \"f32\"\n", None).unwrap();
+        assert_eq!(c.model.kv_dtype, Some(crate::model::KvDtype::F32));
         let e = Config::parse("[model\n", None).unwrap_err().to_string();
         assert!(
             e.contains("<built-in default>") || e.contains("config"),

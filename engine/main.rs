@@ -66,6 +66,17 @@ struct ModelArgs {
     /// draft, as the draft plugin does by default).
     #[arg(long)]
     quantize: bool,
+    /// KV cache element type: f16 (default) or f32.
+    #[arg(long, value_parser = parse_kv_dtype)]
+    kv_dtype: Option<model::KvDtype>,
+}
+
+fn parse_kv_dtype(s: &str) -> std::result::Result<model::KvDtype, String> {
+    match s {
+        "f16" => Ok(model::KvDtype::F16),
+        "f32" => Ok(model::KvDtype::F32),
+        other => Err(format!("unknown KV cache type {other:?} (use f16 or f32)")),
+    }
 }
 
 impl ModelArgs {
@@ -83,6 +94,9 @@ impl ModelArgs {
             .with_context(|| format!("loading {}", path.display()))?;
         if self.quantize {
             m.quantize_f32_to_q8_0();
+        }
+        if let Some(d) = self.kv_dtype {
+            m.set_kv_dtype(d);
         }
         Ok((path, m))
     }
@@ -605,7 +619,11 @@ fn cmd_ab(a: AbArgs) -> Result<()> {
         .threads
         .or(cfg.model.threads)
         .unwrap_or_else(model::llama::default_threads);
-    let model = Arc::new(model::load_model(&model_path, threads)?);
+    let mut model = model::load_model(&model_path, threads)?;
+    if let Some(d) = cfg.model.kv_dtype {
+        model.set_kv_dtype(d);
+    }
+    let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::for_model(&model_path)?);
     eprintln!(
         "specd ab: {} prompts from {}, {} arm(s) + plain, {} repeat(s), max_tokens {}",
@@ -693,10 +711,12 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         .model
         .threads
         .unwrap_or_else(model::llama::default_threads);
-    let model = Arc::new(
-        model::load_model(&model_path, threads)
-            .with_context(|| format!("loading {}", model_path.display()))?,
-    );
+    let mut model = model::load_model(&model_path, threads)
+        .with_context(|| format!("loading {}", model_path.display()))?;
+    if let Some(d) = cfg.model.kv_dtype {
+        model.set_kv_dtype(d);
+    }
+    let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::for_model(&model_path)?);
     let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
     let proposers = drafter.names();
