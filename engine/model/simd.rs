@@ -323,14 +323,22 @@ fn avx2_group<const R: usize, const K: u8, const S: usize>(
             let xsl = &x.xs[xo..xo + g * QK];
             let mo = (row * x.ngroups + gi) * 16 + 8 * h;
             let mut ip = _mm256_setzero_si256();
-            for s in 0..S {
-                let xv = ld256(xsl, 64 * s + 32 * h);
-                let p = if K == Q8_0 {
-                    _mm256_maddubs_epi16(wabs[s], _mm256_sign_epi8(xv, wv[s]))
-                } else {
-                    _mm256_maddubs_epi16(wv[s], xv)
-                };
-                ip = _mm256_add_epi32(ip, _mm256_madd_epi16(p, ones));
+            if K == Q8_0 {
+                for s in 0..S {
+                    let xv = ld256(xsl, 64 * s + 32 * h);
+                    let p = _mm256_maddubs_epi16(wabs[s], _mm256_sign_epi8(xv, wv[s]));
+                    ip = _mm256_add_epi32(ip, _mm256_madd_epi16(p, ones));
+                }
+            } else {
+                // 4-bit codes: each 16-bit pair sum is at most 2 * 15 * 127
+                // = 3810, so up to 8 steps add exactly in 16 bits (30480)
+                // before one widening multiply-add.
+                let mut p16 = _mm256_setzero_si256();
+                for s in 0..S {
+                    let xv = ld256(xsl, 64 * s + 32 * h);
+                    p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(wv[s], xv));
+                }
+                ip = _mm256_madd_epi16(p16, ones);
             }
             if K == Q4_0 {
                 ip = _mm256_sub_epi32(ip, _mm256_slli_epi32::<3>(ld256(&x.lsum, mo)));
@@ -675,6 +683,9 @@ pub mod vnni {
             let xo = b0 * QK;
             let mut ipa = [zero; R];
             let mut ipb = [zero; R];
+            // Each activation row's part of this group, bounds-checked once.
+            let xr: [&[i8]; R] =
+                core::array::from_fn(|j| &x.xs[xrow(j) + xo..xrow(j) + xo + g * QK]);
             if K != Q8_0 && g == 2 {
                 let raw32 = &wsl[..32];
                 // SAFETY: `raw32` is exactly 32 bytes (a 2-block Q4 group).
@@ -684,12 +695,14 @@ pub mod vnni {
                 let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m);
                 let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                 for j in 0..R {
-                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, ld512(&x.xs, xrow(j) + xo));
+                    // SAFETY: `xr[j]` holds the group's 64 bytes.
+                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, unsafe { ldu(xr[j], 0) });
                 }
             } else if K == Q8_0 && g == 2 {
                 let wv = ld512(wsl, 0);
                 for j in 0..R {
-                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, ld512(&x.xs, xrow(j) + xo));
+                    // SAFETY: `xr[j]` holds the group's 64 bytes.
+                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, unsafe { ldu(xr[j], 0) });
                 }
             } else {
                 // Steps in pairs: (2p, 2p + 1).
@@ -704,11 +717,14 @@ pub mod vnni {
                         )
                     };
                     for j in 0..R {
-                        let xe = ld512(&x.xs, xrow(j) + xo + 128 * p);
+                        // SAFETY: `xr[j]` holds `32 * g` bytes and
+                        // `128 * p + 128 <= 32 * g` for `p < g / 4`.
+                        let xe = unsafe { ldu(xr[j], 128 * p) };
                         ipa[j] = _mm512_dpbusd_epi32(ipa[j], we, xe);
                     }
                     for j in 0..R {
-                        let xd = ld512(&x.xs, xrow(j) + xo + 128 * p + 64);
+                        // SAFETY: as above.
+                        let xd = unsafe { ldu(xr[j], 128 * p + 64) };
                         if split {
                             ipb[j] = _mm512_dpbusd_epi32(ipb[j], wo, xd);
                         } else {
