@@ -220,28 +220,46 @@ impl QuantWeights {
         }
     }
 
+    /// Unsigned codes of the group at block `b0` (`g` blocks) of row `r`, in
+    /// stream order: 4-bit codes as 0..=15, Q8_0 as `q + 128`.
+    pub fn unpack_group(&self, r: usize, b0: usize, g: usize, out: &mut [u8]) {
+        let bb = self.kind.block_bytes();
+        let src = &self.qs[(r * self.nbp + b0) * bb..(r * self.nbp + b0 + g) * bb];
+        let out = &mut out[..g * QK];
+        match self.kind {
+            QuantKind::Q8_0 => out.copy_from_slice(src),
+            QuantKind::Q4_0 | QuantKind::Q4_1 if g == 2 => {
+                for i in 0..32 {
+                    out[i] = src[i] & 15;
+                    out[32 + i] = src[i] >> 4;
+                }
+            }
+            QuantKind::Q4_0 | QuantKind::Q4_1 => {
+                for (j, raw) in src.chunks_exact(64).enumerate() {
+                    for i in 0..64 {
+                        out[128 * j + i] = raw[i] & 15;
+                        out[128 * j + 64 + i] = raw[i] >> 4;
+                    }
+                }
+            }
+        }
+    }
+
     /// Codes of row `r` in element order, as signed weights (Q4_0 codes
     /// minus 8; Q4_1 codes 0..=15; Q8_0 as stored): `nbp * 32` values.
     pub fn row_codes(&self, r: usize, out: &mut [i8]) {
-        let (nbp, bb) = (self.nbp, self.kind.block_bytes());
-        assert!(out.len() >= nbp * QK);
+        assert!(out.len() >= self.nbp * QK);
+        let offset: i16 = match self.kind {
+            QuantKind::Q4_0 => 8,
+            QuantKind::Q4_1 => 0,
+            QuantKind::Q8_0 => 128,
+        };
+        let mut stream = [0u8; 16 * QK];
         for &(b0, g) in &self.plan {
-            let src = &self.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
+            self.unpack_group(r, b0, g, &mut stream);
             for b in 0..g {
                 for e in 0..QK {
-                    let p = slot(g, b, e);
-                    out[(b0 + b) * QK + e] = match self.kind {
-                        QuantKind::Q8_0 => (src[p] ^ 0x80) as i8,
-                        QuantKind::Q4_0 | QuantKind::Q4_1 => {
-                            let (i, hi) = nibble_at(g, p);
-                            let c = if hi { src[i] >> 4 } else { src[i] & 15 } as i8;
-                            if self.kind == QuantKind::Q4_0 {
-                                c - 8
-                            } else {
-                                c
-                            }
-                        }
-                    };
+                    out[(b0 + b) * QK + e] = (stream[slot(g, b, e)] as i16 - offset) as i8;
                 }
             }
         }
@@ -509,9 +527,8 @@ impl GroupedActs {
         plan
     }
 
-    /// Re-lay plain Q8 blocks (the reference for the fused SIMD
-    /// quantizer, which writes this layout directly).
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// Re-lay plain Q8 blocks (the portable path; also the reference for
+    /// the fused SIMD quantizer, which writes this layout directly).
     fn prepare(&mut self, qs: &[i8], qd: &[f32], qsum: &[f32], n: usize, nb: usize) {
         let plan = self.reset(n, nb);
         let (nbp, ng) = (self.nbp, self.ngroups);
@@ -594,7 +611,11 @@ impl Activations {
                     &mut self.qs,
                     &mut self.grouped,
                 ),
-                _ => quantize_q8(x, &mut self.qd, &mut self.qsum, &mut self.qs),
+                _ => {
+                    quantize_q8(x, &mut self.qd, &mut self.qsum, &mut self.qs);
+                    self.grouped
+                        .prepare(&self.qs, &self.qd, &self.qsum, rows, cols / QK);
+                }
             }
         }
     }
@@ -655,28 +676,69 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// Portable quantized rows: each weight row's codes are unpacked once and
-/// met by every activation row, block by block.
+/// Portable quantized rows on the group layout, written so the compiler
+/// vectorizes them for any target: each weight group is unpacked once into
+/// unsigned codes and met by every activation row, 16 integer lanes per
+/// step as in the SIMD paths, offsets removed exactly with the lane sums,
+/// then one scaled accumulate per lane; lanes are folded in a fixed order.
 fn quant_rows_portable(a: &Activations, q: &QuantWeights, r0: usize, r1: usize, out: &mut [f32]) {
     let n = a.rows;
-    let nb = q.nb;
-    let mut codes = vec![0i8; q.nbp * QK];
+    let g = &a.grouped;
+    let (nbp, ng) = (q.nbp, g.ngroups);
+    assert_eq!(g.nbp, nbp, "activations prepared for another shape");
+    let offset: i32 = match q.kind {
+        QuantKind::Q4_0 => 8,
+        QuantKind::Q4_1 => 0,
+        QuantKind::Q8_0 => 128,
+    };
+    let mut codes = [0u8; 16 * QK];
+    let mut acc = vec![[0f32; 16]; n];
     for r in r0..r1 {
-        q.row_codes(r, &mut codes);
-        for i in 0..n {
-            let mut acc = 0f32;
-            for b in 0..nb {
-                let gb = r * q.nbp + b;
-                let xb = i * nb + b;
-                let w = &codes[b * QK..(b + 1) * QK];
-                let x = &a.qs[xb * QK..(xb + 1) * QK];
-                let s: i32 = w.iter().zip(x).map(|(&w, &x)| w as i32 * x as i32).sum();
-                acc += s as f32 * (q.scale(gb) * a.qd[xb]);
+        acc.iter_mut().for_each(|a| *a = [0.0; 16]);
+        for (gi, &(b0, gs)) in q.plan.iter().enumerate() {
+            q.unpack_group(r, b0, gs, &mut codes[..gs * QK]);
+            let lanes = 16 / gs;
+            let mut dw = [0f32; 16];
+            let mut mw = [0f32; 16];
+            for l in 0..16 {
+                let blk = r * nbp + b0 + l / lanes;
+                dw[l] = q.scale(blk);
                 if q.kind == QuantKind::Q4_1 {
-                    acc += q.min(gb) * a.qsum[xb];
+                    mw[l] = q.min(blk);
                 }
             }
-            out[i * (r1 - r0) + (r - r0)] = acc;
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let xs = &g.xs[(i * nbp + b0) * QK..(i * nbp + b0 + gs) * QK];
+                let mut ip = [0i32; 16];
+                for (w, x) in codes[..gs * QK].chunks_exact(64).zip(xs.chunks_exact(64)) {
+                    for l in 0..16 {
+                        let mut t = 0i32;
+                        for k in 0..4 {
+                            t += w[4 * l + k] as i32 * x[4 * l + k] as i32;
+                        }
+                        ip[l] += t;
+                    }
+                }
+                let mo = (i * ng + gi) * 16;
+                for l in 0..16 {
+                    let v = (ip[l] - offset * g.lsum[mo + l]) as f32;
+                    acc[l] = v.mul_add(dw[l] * g.dx[mo + l], acc[l]);
+                    if q.kind == QuantKind::Q4_1 {
+                        acc[l] = mw[l].mul_add(g.smin[mo + l], acc[l]);
+                    }
+                }
+            }
+        }
+        for (i, lanes) in acc.iter().enumerate() {
+            let mut v = *lanes;
+            let mut w = 16;
+            while w > 1 {
+                w /= 2;
+                for l in 0..w {
+                    v[l] += v[l + w];
+                }
+            }
+            out[i * (r1 - r0) + (r - r0)] = v[0];
         }
     }
 }
