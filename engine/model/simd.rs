@@ -417,6 +417,26 @@ pub mod vnni {
         let row_bytes = w.nbp * w.kind.block_bytes();
         let total_rows = w.qs.len() / row_bytes.max(1);
         let ahead = (PREFETCH_BYTES / row_bytes.max(1)).max(1);
+        let nr = r1 - r0;
+        if n > per && n <= 2 * per {
+            // Two chunks (7 to 12 rows): each weight row pair is read once
+            // and met by both chunks while it sits in L1.
+            let mut r = r0;
+            while r < r1 {
+                let pair = r + 1 < r1;
+                for p in r..r + 1 + usize::from(pair) {
+                    if p + ahead < total_rows {
+                        prefetch_row::<PREFETCH_HINT>(w, p + ahead, row_bytes);
+                    }
+                }
+                pass::<K>(w, x, r, pair, 0, per, r0, nr, out);
+                pass::<K>(w, x, r, pair, per, n - per, r0, nr, out);
+                r += 1 + usize::from(pair);
+            }
+            return;
+        }
+        // Otherwise the chunk is the outer loop: its activations stay in L1
+        // across the task's weight rows.
         let mut i0 = 0;
         while i0 < n {
             let rr = (n - i0).min(per);
@@ -428,10 +448,9 @@ pub mod vnni {
                         prefetch_row::<PREFETCH_HINT>(w, p + ahead, row_bytes);
                     }
                 }
-                let nr = r1 - r0;
-                let mut put = |rr_: usize, v: &[f32]| {
-                    for (j, &x) in v.iter().enumerate() {
-                        out[(i0 + j) * nr + (rr_ - r0)] = x;
+                let mut put = |rw: usize, v: &[f32]| {
+                    for (j, &val) in v.iter().enumerate() {
+                        out[(i0 + j) * nr + (rw - r0)] = val;
                     }
                 };
                 if pair {
@@ -445,7 +464,6 @@ pub mod vnni {
                     };
                     put(r, &a[..rr]);
                     put(r + 1, &b[..rr]);
-                    r += 2;
                 } else {
                     match rr {
                         1 => put(r, &row::<1, K>(w, x, r, i0)),
@@ -455,10 +473,54 @@ pub mod vnni {
                         5 => put(r, &row::<5, K>(w, x, r, i0)),
                         _ => put(r, &row::<6, K>(w, x, r, i0)),
                     }
-                    r += 1;
                 }
+                r += 1 + usize::from(pair);
             }
             i0 += rr;
+        }
+    }
+
+    /// Weight row `r` (and `r + 1` when `pair`) against activation rows
+    /// `i0..i0 + rr`, written to `out[i * nr + (row - r0)]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn pass<const K: u8>(
+        w: &QuantWeights,
+        x: &GroupedActs,
+        r: usize,
+        pair: bool,
+        i0: usize,
+        rr: usize,
+        r0: usize,
+        nr: usize,
+        out: &mut [f32],
+    ) {
+        let mut put = |rw: usize, v: &[f32]| {
+            for (j, &val) in v.iter().enumerate() {
+                out[(i0 + j) * nr + (rw - r0)] = val;
+            }
+        };
+        if pair {
+            let (a, b) = match rr {
+                1 => pair_vec(rows2::<1, K>(w, x, r, i0)),
+                2 => pair_vec(rows2::<2, K>(w, x, r, i0)),
+                3 => pair_vec(rows2::<3, K>(w, x, r, i0)),
+                4 => pair_vec(rows2::<4, K>(w, x, r, i0)),
+                5 => pair_vec(rows2::<5, K>(w, x, r, i0)),
+                _ => pair_vec(rows2::<6, K>(w, x, r, i0)),
+            };
+            put(r, &a[..rr]);
+            put(r + 1, &b[..rr]);
+        } else {
+            match rr {
+                1 => put(r, &row::<1, K>(w, x, r, i0)),
+                2 => put(r, &row::<2, K>(w, x, r, i0)),
+                3 => put(r, &row::<3, K>(w, x, r, i0)),
+                4 => put(r, &row::<4, K>(w, x, r, i0)),
+                5 => put(r, &row::<5, K>(w, x, r, i0)),
+                _ => put(r, &row::<6, K>(w, x, r, i0)),
+            }
         }
     }
 
