@@ -372,3 +372,110 @@ fn hidden_states_of_requested_layers() {
         .unwrap_err();
     assert!(err.to_string().contains("layer"));
 }
+
+/// Contexts longer than one attention slot range (512 slots) are split
+/// into several tasks whose partial softmax sums are merged: the result
+/// still matches candle (f32 cache), is bit-identical alone or batched with
+/// another sequence, and survives rollback exactly.
+#[test]
+fn long_context_split_attention_matches_reference_and_is_batch_invariant() {
+    let spec = common::TinySpec {
+        max_seq: 1400,
+        ..TINY
+    };
+    let dir = TempDir::new("longctx");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &spec, 4, GgmlDType::F32, "llama");
+    let mut model = load_model(&path, 2).unwrap();
+    model.set_kv_dtype(KvDtype::F32);
+    let prompt: Vec<u32> = (0..1100u32).map(|i| (i * 37 + 11) % 96).collect();
+    let next = [7u32, 19, 64];
+
+    // Ours: the prompt in 512-token chunks, then the next tokens one by one.
+    let mut cache = model.new_cache();
+    for c in prompt.chunks(512) {
+        model.forward_one(&mut cache, c, Logits::None).unwrap();
+    }
+    let mut got = Vec::new();
+    for t in next {
+        got.push(
+            model
+                .forward_one(&mut cache, &[t], Logits::Last)
+                .unwrap()
+                .logits,
+        );
+    }
+
+    // candle's quantized_llama on the same file.
+    let mut f = std::fs::File::open(&path).unwrap();
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let mut reference = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
+        ct,
+        &mut f,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let x = Tensor::new(&prompt[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    reference.forward(&x, 0).unwrap();
+    for (i, t) in next.iter().enumerate() {
+        let x = Tensor::new(&[*t], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let want = reference
+            .forward(&x, prompt.len() + i)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let d = max_abs_diff(&got[i], &want);
+        assert!(d < 1e-3, "step {i}: max |dlogit| {d}");
+    }
+
+    // Verify-style forward of 3 tokens at 1100 context: alone, batched with a
+    // short sequence, and after a rollback: bit-identical.
+    model.set_kv_dtype(KvDtype::F16);
+    let mut long = model.new_cache();
+    for c in prompt.chunks(512) {
+        model.forward_one(&mut long, c, Logits::None).unwrap();
+    }
+    let alone = model
+        .forward_one(&mut long, &next, Logits::All)
+        .unwrap()
+        .logits;
+    long.truncate(prompt.len());
+    let mut short = model.new_cache();
+    model
+        .forward_one(&mut short, &[1, 2, 3], Logits::None)
+        .unwrap();
+    let out = model
+        .forward(
+            &mut [
+                SeqInput {
+                    cache: &mut short,
+                    tokens: &[4, 5],
+                    logits: Logits::All,
+                    tree: None,
+                },
+                SeqInput {
+                    cache: &mut long,
+                    tokens: &next,
+                    logits: Logits::All,
+                    tree: None,
+                },
+            ],
+            &[],
+        )
+        .unwrap();
+    assert_eq!(out[1].logits, alone, "batched differs from alone");
+    long.truncate(prompt.len());
+    let again = model
+        .forward_one(&mut long, &next, Logits::All)
+        .unwrap()
+        .logits;
+    assert_eq!(again, alone, "rollback differs");
+}

@@ -906,6 +906,47 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
     }
 }
 
+/// In place, `x[i] = e^(x[i] - max)`; returns `(max, sum)`, summed in 16
+/// fixed lanes folded in a fixed order. All -inf gives `(-inf, 0)` and
+/// zeros; -inf entries become exact 0.
+pub fn exp_shifted(x: &mut [f32]) -> (f32, f32) {
+    let mut m = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            m[l] = m[l].max(c[l]);
+        }
+    }
+    let max = rem
+        .iter()
+        .chain(&m)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    if max == f32::NEG_INFINITY {
+        x.fill(0.0);
+        return (max, 0.0);
+    }
+    for v in x.iter_mut() {
+        *v = exp_f32(*v - max);
+    }
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            acc[l] += c[l];
+        }
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    (max, rem.iter().fold(acc[0], |s, &v| s + v))
+}
+
 /// In-place softmax over `x`: `x` sums to 1; -inf entries become exact 0.
 pub fn softmax(x: &mut [f32]) {
     let mut m = [f32::NEG_INFINITY; 16];

@@ -380,16 +380,25 @@ impl Model {
         let group = nh / nkv;
         // Sequence index of every batch row (fixed for the whole forward).
 
-        // Attention tasks: (sequence, kv head, first token, end token).
+        // Attention tasks: (sequence, kv head, tokens t0..t1, cache blocks
+        // c0..c1). Long contexts are split into fixed slot ranges (by
+        // absolute position, so the split never depends on the batch) whose
+        // partial softmax sums are merged in order afterwards.
         let mut attn_tasks = Vec::new();
         for (si, m) in metas.iter().enumerate() {
             let chunks = m.n.div_ceil(ATTN_TOKENS_PER_TASK).max(1);
             let per = m.n.div_ceil(chunks).max(1);
+            let nblocks = seqs[si].cache.layout().blocks_for(m.base + m.n);
             for g in 0..nkv {
                 let mut t0 = 0;
                 while t0 < m.n {
                     let t1 = (t0 + per).min(m.n);
-                    attn_tasks.push((si, g, t0, t1));
+                    let mut c0 = 0;
+                    while c0 < nblocks {
+                        let c1 = (c0 + ATTN_BLOCKS_PER_TASK).min(nblocks);
+                        attn_tasks.push((si, g, t0, t1, c0, c1));
+                        c0 = c1;
+                    }
                     t0 = t1;
                 }
             }
@@ -432,7 +441,7 @@ impl Model {
                 let metas = &metas;
                 let outs: Vec<Vec<f32>> = attn_tasks
                     .par_iter()
-                    .map(|&(si, g, t0, t1)| {
+                    .map(|&(si, g, t0, t1, c0, c1)| {
                         let m = &metas[si];
                         let mut out = Vec::new();
                         attend(
@@ -448,19 +457,40 @@ impl Model {
                                 tree: m.allowed.as_deref(),
                             },
                             t0..t1,
+                            c0..c1,
                             scale,
                             &mut out,
                         );
                         out
                     })
                     .collect();
-                for (&(si, g, t0, t1), out) in attn_tasks.iter().zip(&outs) {
-                    let w = group * hd;
+                // Merge each (token, head)'s slot ranges in order.
+                let w = group * hd;
+                let mut i = 0;
+                while i < attn_tasks.len() {
+                    let (si, g, t0, t1, _, _) = attn_tasks[i];
+                    let mut j = i;
+                    while j < attn_tasks.len()
+                        && attn_tasks[j].0 == si
+                        && attn_tasks[j].1 == g
+                        && attn_tasks[j].2 == t0
+                    {
+                        j += 1;
+                    }
                     for t in t0..t1 {
                         let r = metas[si].start + t;
-                        attn[r * dim + g * w..r * dim + (g + 1) * w]
-                            .copy_from_slice(&out[(t - t0) * w..(t - t0 + 1) * w]);
+                        let dst = &mut attn[r * dim + g * w..r * dim + (g + 1) * w];
+                        for h in 0..group {
+                            let qi = (t - t0) * group + h;
+                            merge_partials(
+                                outs[i..j]
+                                    .iter()
+                                    .map(|o| &o[qi * (hd + 2)..(qi + 1) * (hd + 2)]),
+                                &mut dst[h * hd..(h + 1) * hd],
+                            );
+                        }
                     }
+                    i = j;
                 }
             }
             act.prepare(&attn, total, dim, kernels::wants_q8(&lw.wo));
@@ -580,6 +610,32 @@ fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
 /// once for all its tokens).
 const ATTN_TOKENS_PER_TASK: usize = 4;
 
+/// Cache blocks per attention task: longer contexts split into several
+/// tasks (so a single decoding sequence still spreads over the threads).
+const ATTN_BLOCKS_PER_TASK: usize = 8;
+
+/// Merge partial attention results `[max, sum, o[head_dim]]` of consecutive
+/// slot ranges, in order: `out = sum_c o_c e^(m_c - M) / sum_c s_c e^(m_c - M)`.
+fn merge_partials<'a>(parts: impl Iterator<Item = &'a [f32]> + Clone, out: &mut [f32]) {
+    let mx = parts.clone().fold(f32::NEG_INFINITY, |a, p| a.max(p[0]));
+    out.fill(0.0);
+    let mut sum = 0f32;
+    for p in parts {
+        if p[0] == f32::NEG_INFINITY {
+            continue;
+        }
+        let e = kernels::exp_f32(p[0] - mx);
+        sum = p[1].mul_add(e, sum);
+        for (o, &v) in out.iter_mut().zip(&p[2..]) {
+            *o = v.mul_add(e, *o);
+        }
+    }
+    let inv = 1.0 / sum;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
 /// Where one sequence's queries are in the batch.
 struct AttnQuery<'a> {
     /// All queries of the batch, `rows x dim`.
@@ -684,12 +740,14 @@ fn pv64_portable(ps: &[&[f32]], v: &[f32], hd: usize, c: usize, acc: &mut [[[f32
 }
 
 /// Attention of the query heads sharing `kv_head` for new tokens `ts` of
-/// one sequence. `out` becomes `ts.len() x group x head_dim`.
+/// one sequence, over cache blocks `blocks`. `out` becomes, per (token,
+/// head) in order, `[max, sum, o[head_dim]]`: the largest scaled score over
+/// the visible slots of the range, the sum of `e^(score - max)`, and the
+/// value sum weighted by those terms (`merge_partials` combines ranges).
 ///
-/// Per (token, head): scores over visible slots (each a `head_dim`-ordered
-/// FMA chain), a softmax in slot order (invisible slots are -inf, adding
-/// exactly zero), then the value sum in slot order. The cache is read one
-/// block at a time, widened from f16 once for all of the task's tokens.
+/// Scores are `head_dim`-ordered FMA chains, the sums run in slot order
+/// (invisible slots are -inf, adding exactly zero), and the cache is read
+/// one block at a time, widened from f16 once for all of the task's tokens.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     cache: &KvCache,
@@ -697,6 +755,7 @@ fn attend(
     kv_head: usize,
     aq: &AttnQuery<'_>,
     ts: std::ops::Range<usize>,
+    blocks: std::ops::Range<usize>,
     scale: f32,
     out: &mut Vec<f32>,
 ) {
@@ -706,8 +765,9 @@ fn attend(
     let nq = nt * group;
     // Token t sees slots below base + t + 1 at most.
     let end_max = aq.base + ts.end;
-    let nblocks = l.blocks_for(end_max);
-    let span = nblocks * bs;
+    let b1 = blocks.end.min(l.blocks_for(end_max));
+    let b0 = blocks.start.min(b1);
+    let span = (b1 - b0) * bs;
     let mut scores = vec![0f32; nq * span];
     let mut wide = Vec::new();
     let qrow = |qi: usize| {
@@ -715,17 +775,15 @@ fn attend(
         let o = (aq.row0 + t) * aq.dim + (kv_head * group + h) * hd;
         &aq.q[o..o + hd]
     };
-    let limit = |qi: usize, b: usize| {
-        (aq.base + ts.start + qi / group + 1)
-            .saturating_sub(b * bs)
-            .min(bs)
-    };
+    // Visible slots of block b for the queries of local token ti.
+    let limit = |ti: usize, b: usize| (aq.base + ts.start + ti + 1).saturating_sub(b * bs).min(bs);
     let mut acc4 = [[[0f32; 16]; 4]; MAXQ];
-    for b in 0..nblocks {
+    for b in b0..b1 {
+        let lb = b - b0;
         let buf = cache.keys_t(layer, kv_head, b).widen(&mut wide);
         // The heads of one token share a limit; take them MAXQ at a time.
         for ti in 0..nt {
-            let lim = limit(ti * group, b);
+            let lim = limit(ti, b);
             if lim == 0 {
                 continue;
             }
@@ -742,7 +800,7 @@ fn attend(
                         scores64(qs, buf, bs, c, &mut acc4);
                         for (qi, acc) in qis.clone().zip(&acc4) {
                             let sc =
-                                &mut scores[qi * span + b * bs + c..qi * span + b * bs + c + 64];
+                                &mut scores[qi * span + lb * bs + c..qi * span + lb * bs + c + 64];
                             for (k, a) in acc.iter().enumerate() {
                                 sc[16 * k..16 * (k + 1)].copy_from_slice(a);
                             }
@@ -750,7 +808,7 @@ fn attend(
                         c += 64;
                     } else {
                         for (qi, q) in qis.clone().zip(qs) {
-                            let sc = &mut scores[qi * span + b * bs..qi * span + (b + 1) * bs];
+                            let sc = &mut scores[qi * span + lb * bs..qi * span + (lb + 1) * bs];
                             let mut cc = c;
                             while cc < bs {
                                 if cc + 16 <= bs {
@@ -774,49 +832,56 @@ fn attend(
             }
         }
     }
+    // Per query: scale and mask, the range's max, e^(x - max) and its sum.
+    out.clear();
+    out.resize(nq * (hd + 2), 0.0);
     for qi in 0..nq {
         let t = ts.start + qi / group;
-        let end = aq.base + t + 1;
-        let sc = &mut scores[qi * span..qi * span + end];
-        for (slot, v) in sc.iter_mut().enumerate() {
-            *v = if aq.visible(t, slot) {
+        let end = (aq.base + t + 1).min(b1 * bs);
+        let first = b0 * bs;
+        let n = end.saturating_sub(first);
+        let sc = &mut scores[qi * span..qi * span + n];
+        for (j, v) in sc.iter_mut().enumerate() {
+            *v = if aq.visible(t, first + j) {
                 *v * scale
             } else {
                 f32::NEG_INFINITY
             };
         }
-        kernels::softmax(sc);
+        let part = &mut out[qi * (hd + 2)..(qi + 1) * (hd + 2)];
+        let (mx, sum) = kernels::exp_shifted(sc);
+        part[0] = mx;
+        part[1] = sum;
     }
-    out.clear();
-    out.resize(nq * hd, 0.0);
-    for b in 0..nblocks {
+    for b in b0..b1 {
+        let lb = b - b0;
         let buf = cache.values(layer, kv_head, b).widen(&mut wide);
         for ti in 0..nt {
-            let lim = limit(ti * group, b);
+            let lim = limit(ti, b);
             if lim == 0 {
                 continue;
             }
-            // Invisible tree slots have p = 0 (exp of -inf), so the FMA
-            // leaves the sums unchanged.
+            // Invisible slots have p = 0 (exp of -inf), so the FMA leaves
+            // the sums unchanged.
             for h0 in (0..group).step_by(MAXQ) {
                 let qis = ti * group + h0..ti * group + (h0 + MAXQ).min(group);
                 let mut pa: [&[f32]; MAXQ] = [&[]; MAXQ];
                 for (slot, qi) in pa.iter_mut().zip(qis.clone()) {
-                    *slot = &scores[qi * span + b * bs..qi * span + b * bs + lim];
+                    *slot = &scores[qi * span + lb * bs..qi * span + lb * bs + lim];
                 }
                 let ps = &pa[..qis.len()];
                 let mut c = 0;
                 while c < hd {
                     if c + 64 <= hd {
                         for (qi, acc) in qis.clone().zip(acc4.iter_mut()) {
-                            let o = &out[qi * hd + c..qi * hd + c + 64];
+                            let o = &out[qi * (hd + 2) + 2 + c..qi * (hd + 2) + 2 + c + 64];
                             for (k, a) in acc.iter_mut().enumerate() {
                                 a.copy_from_slice(&o[16 * k..16 * (k + 1)]);
                             }
                         }
                         pv64(ps, buf, hd, c, &mut acc4);
                         for (qi, acc) in qis.clone().zip(&acc4) {
-                            let o = &mut out[qi * hd + c..qi * hd + c + 64];
+                            let o = &mut out[qi * (hd + 2) + 2 + c..qi * (hd + 2) + 2 + c + 64];
                             for (k, a) in acc.iter().enumerate() {
                                 o[16 * k..16 * (k + 1)].copy_from_slice(a);
                             }
@@ -824,7 +889,7 @@ fn attend(
                         c += 64;
                     } else {
                         for (qi, p) in qis.clone().zip(ps) {
-                            let o = &mut out[qi * hd..(qi + 1) * hd];
+                            let o = &mut out[qi * (hd + 2) + 2..(qi + 1) * (hd + 2)];
                             for (j, &pj) in p.iter().enumerate() {
                                 for d in c..hd {
                                     o[d] = pj.mul_add(buf[j * hd + d], o[d]);
