@@ -389,13 +389,21 @@ impl Model {
             let chunks = m.n.div_ceil(ATTN_TOKENS_PER_TASK).max(1);
             let per = m.n.div_ceil(chunks).max(1);
             let nblocks = seqs[si].cache.layout().blocks_for(m.base + m.n);
+            // Ranges become separate tasks only when the tokens give few
+            // (decode, verify); a prefill chunk's tasks walk their ranges in
+            // turn and merge them the same way, so the bits are the same.
+            let range = if chunks <= 2 {
+                ATTN_BLOCKS_PER_TASK
+            } else {
+                nblocks.max(1)
+            };
             for g in 0..nkv {
                 let mut t0 = 0;
                 while t0 < m.n {
                     let t1 = (t0 + per).min(m.n);
                     let mut c0 = 0;
                     while c0 < nblocks {
-                        let c1 = (c0 + ATTN_BLOCKS_PER_TASK).min(nblocks);
+                        let c1 = (c0 + range).min(nblocks);
                         attn_tasks.push((si, g, t0, t1, c0, c1));
                         c0 = c1;
                     }
@@ -443,24 +451,43 @@ impl Model {
                     .par_iter()
                     .map(|&(si, g, t0, t1, c0, c1)| {
                         let m = &metas[si];
+                        let aq = AttnQuery {
+                            q,
+                            dim,
+                            group,
+                            row0: m.start,
+                            base: m.base,
+                            tree: m.allowed.as_deref(),
+                        };
+                        let ranges: Vec<usize> = (c0..c1).step_by(ATTN_BLOCKS_PER_TASK).collect();
                         let mut out = Vec::new();
-                        attend(
-                            caches[si],
-                            li,
-                            g,
-                            &AttnQuery {
-                                q,
-                                dim,
-                                group,
-                                row0: m.start,
-                                base: m.base,
-                                tree: m.allowed.as_deref(),
-                            },
-                            t0..t1,
-                            c0..c1,
-                            scale,
-                            &mut out,
-                        );
+                        if ranges.len() <= 1 {
+                            attend(caches[si], li, g, &aq, t0..t1, c0..c1, scale, &mut out);
+                            return out;
+                        }
+                        // Several ranges in one task: merge them here, in
+                        // order, and hand back (0, 1, result), which the
+                        // merge below passes through unchanged.
+                        let parts: Vec<Vec<f32>> = ranges
+                            .iter()
+                            .map(|&r| {
+                                let mut p = Vec::new();
+                                let r1 = (r + ATTN_BLOCKS_PER_TASK).min(c1);
+                                attend(caches[si], li, g, &aq, t0..t1, r..r1, scale, &mut p);
+                                p
+                            })
+                            .collect();
+                        let nq = (t1 - t0) * group;
+                        out.resize(nq * (hd + 2), 0.0);
+                        for qi in 0..nq {
+                            let part = &mut out[qi * (hd + 2)..(qi + 1) * (hd + 2)];
+                            part[0] = 0.0;
+                            part[1] = 1.0;
+                            merge_partials(
+                                parts.iter().map(|p| &p[qi * (hd + 2)..(qi + 1) * (hd + 2)]),
+                                &mut part[2..],
+                            );
+                        }
                         out
                     })
                     .collect();
