@@ -827,6 +827,52 @@ pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>])
     });
 }
 
+/// SwiGLU feed-forward input: `out = silu(a @ gate^T) * (a @ up^T)`, one
+/// task per row range computing both projections and combining them, so
+/// there is no separate pass (or buffer) for the up projection. Each
+/// element is the same arithmetic as `matmul_many` followed by `silu_mul`.
+pub fn matmul_swiglu(a: &Activations, gate: &QMatrix, up: &QMatrix, out: &mut Vec<f32>) {
+    assert_eq!(gate.cols, a.cols, "matmul inner dimension mismatch");
+    assert_eq!(
+        (gate.rows, gate.cols),
+        (up.rows, up.cols),
+        "gate and up shapes differ"
+    );
+    let (n, m) = (a.rows, gate.rows);
+    out.clear();
+    out.resize(n * m, 0.0);
+    if m == 0 {
+        return;
+    }
+    let bounds: Vec<(usize, usize)> = (0..m)
+        .step_by(ROWS_PER_TASK)
+        .map(|r| (r, (r + ROWS_PER_TASK).min(m)))
+        .collect();
+    let mut segs: Vec<Vec<&mut [f32]>> = bounds.iter().map(|_| Vec::with_capacity(n)).collect();
+    for row in out.chunks_mut(m) {
+        let mut rest = row;
+        for (ti, &(r0, r1)) in bounds.iter().enumerate() {
+            let (seg, tail) = rest.split_at_mut(r1 - r0);
+            segs[ti].push(seg);
+            rest = tail;
+        }
+    }
+    bounds
+        .into_par_iter()
+        .zip(segs)
+        .for_each(|((r0, r1), mut segs)| {
+            let nr = r1 - r0;
+            let mut g = vec![0f32; nr * n];
+            let mut u = vec![0f32; nr * n];
+            matmul_rows(a, gate, r0, r1, &mut g);
+            matmul_rows(a, up, r0, r1, &mut u);
+            silu_mul(&mut g, &u);
+            for (i, seg) in segs.iter_mut().enumerate() {
+                seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);
+            }
+        });
+}
+
 /// Whether matmuls against `w` want quantized activations.
 pub fn wants_q8(w: &QMatrix) -> bool {
     w.format() != WeightFormat::F32
@@ -1255,6 +1301,28 @@ mod tests {
             }
             if len > 2 {
                 assert_eq!(x[1], 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn fused_swiglu_equals_matmul_then_silu() {
+        let mut seed = 21u64;
+        let (rows, cols, n) = (150usize, 96usize, 5usize);
+        for path in KernelPath::supported() {
+            for format in FORMATS {
+                let wg: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+                let wu: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+                let (g, _) = pack(format, &wg, rows, cols);
+                let (u, _) = pack(format, &wu, rows, cols);
+                let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
+                let mut a = Activations::new(path);
+                a.prepare(&x, n, cols, wants_q8(&g));
+                let (mut go, mut uo, mut fused) = (Vec::new(), Vec::new(), Vec::new());
+                matmul_many(&a, &[&g, &u], &mut [&mut go, &mut uo]);
+                silu_mul(&mut go, &uo);
+                matmul_swiglu(&a, &g, &u, &mut fused);
+                assert_eq!(fused, go, "{path:?} {format:?}");
             }
         }
     }

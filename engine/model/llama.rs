@@ -374,7 +374,7 @@ impl Model {
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
         let mut attn = vec![0f32; total * dim];
         let mut o = Vec::new();
-        let (mut g, mut u, mut d) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut g, mut d) = (Vec::new(), Vec::new());
         let mut hidden: Vec<(usize, Vec<f32>)> = Vec::new();
         let scale = 1.0 / (hd as f32).sqrt();
         let group = nh / nkv;
@@ -527,8 +527,7 @@ impl Model {
             }
             kernels::rms_norm(&x, &lw.ffn_norm, c.rms_eps, &mut h);
             act.prepare(&h, total, dim, kernels::wants_q8(&lw.w_gate));
-            kernels::matmul_many(&act, &[&lw.w_gate, &lw.w_up], &mut [&mut g, &mut u]);
-            kernels::silu_mul(&mut g, &u);
+            kernels::matmul_swiglu(&act, &lw.w_gate, &lw.w_up, &mut g);
             act.prepare(&g, total, c.intermediate, kernels::wants_q8(&lw.w_down));
             kernels::matmul_many(&act, &[&lw.w_down], &mut [&mut d]);
             for (xv, dv) in x.iter_mut().zip(&d) {
