@@ -709,13 +709,25 @@ pub mod vnni {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     fn expand(s: &[u16], g: usize) -> __m512 {
+        if g == 16 {
+            let s = &s[..16];
+            // SAFETY: `s` holds exactly 16 u16 = 32 bytes.
+            let v = unsafe { _mm256_loadu_si256(s.as_ptr() as *const __m256i) };
+            return _mm512_cvtph_ps(v);
+        }
         let s = &s[..g];
-        let mask: __mmask16 = if g == 16 { 0xffff } else { (1u16 << g) - 1 };
+        let mask: __mmask16 = (1u16 << g) - 1;
         // SAFETY: the mask limits the load to the `g` elements of `s`.
         let v = unsafe { _mm256_maskz_loadu_epi16(mask, s.as_ptr() as *const i16) };
-        let shift = (16 / g).trailing_zeros() as i32;
-        let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        let idx = _mm512_srlv_epi32(iota, _mm512_set1_epi32(shift));
+        // Lane l takes scale l / (16 / g).
+        const IDX: [[i32; 16]; 3] = [
+            [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3],
+            [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7],
+        ];
+        let t = &IDX[(g.trailing_zeros() as usize).saturating_sub(1).min(2)];
+        // SAFETY: `t` is exactly 16 i32.
+        let idx = unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) };
         _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(v))
     }
 
