@@ -85,13 +85,10 @@ fn safetensors_matches_candle_llama() {
     }
 }
 
-fn check_gguf_against_quantized_llama(dtype: GgmlDType, tol: f32) {
-    let dir = TempDir::new(&format!("gguf-{dtype:?}"));
-    let path = dir.0.join("tiny.gguf");
-    common::write_tiny_gguf(&path, &TINY, 2, dtype, "llama");
-    let mut model = load_model(&path, 2).unwrap();
-    model.set_kv_dtype(KvDtype::F32);
-    let mut f = std::fs::File::open(&path).unwrap();
+/// candle's quantized_llama on a GGUF file: last-position logits after
+/// `prompt`, then after each of `next`.
+fn candle_gguf_logits(path: &std::path::Path, prompt: &[u32], next: &[u32]) -> Vec<Vec<f32>> {
+    let mut f = std::fs::File::open(path).unwrap();
     let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
     let mut reference = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
         ct,
@@ -99,35 +96,33 @@ fn check_gguf_against_quantized_llama(dtype: GgmlDType, tol: f32) {
         &Device::Cpu,
     )
     .unwrap();
-    let mut want = Vec::new();
-    let x = Tensor::new(&PROMPT[..], &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    want.push(
+    let mut run = |ids: &[u32], pos: usize| {
+        let x = Tensor::new(ids, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         reference
-            .forward(&x, 0)
+            .forward(&x, pos)
             .unwrap()
             .squeeze(0)
             .unwrap()
             .to_vec1::<f32>()
-            .unwrap(),
-    );
-    for (i, t) in NEXT.iter().enumerate() {
-        let x = Tensor::new(&[*t], &Device::Cpu)
             .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        want.push(
-            reference
-                .forward(&x, PROMPT.len() + i)
-                .unwrap()
-                .squeeze(0)
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap(),
-        );
+    };
+    let mut want = vec![run(prompt, 0)];
+    for (i, t) in next.iter().enumerate() {
+        want.push(run(&[*t], prompt.len() + i));
     }
+    want
+}
+
+fn check_gguf_against_quantized_llama(dtype: GgmlDType, tol: f32) {
+    let dir = TempDir::new(&format!("gguf-{dtype:?}"));
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &TINY, 2, dtype, "llama");
+    let mut model = load_model(&path, 2).unwrap();
+    model.set_kv_dtype(KvDtype::F32);
+    let want = candle_gguf_logits(&path, &PROMPT, &NEXT);
     for (g, w) in ours(&model).iter().zip(&want) {
         let d = max_abs_diff(g, w);
         assert!(d < tol, "{dtype:?}: max |dlogit| {d}");
@@ -407,32 +402,9 @@ fn long_context_split_attention_matches_reference_and_is_batch_invariant() {
     }
 
     // candle's quantized_llama on the same file.
-    let mut f = std::fs::File::open(&path).unwrap();
-    let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
-    let mut reference = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
-        ct,
-        &mut f,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let x = Tensor::new(&prompt[..], &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    reference.forward(&x, 0).unwrap();
-    for (i, t) in next.iter().enumerate() {
-        let x = Tensor::new(&[*t], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let want = reference
-            .forward(&x, prompt.len() + i)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let d = max_abs_diff(&got[i], &want);
+    let want = candle_gguf_logits(&path, &prompt, &next);
+    for (i, (g, w)) in got.iter().zip(&want[1..]).enumerate() {
+        let d = max_abs_diff(g, w);
         assert!(d < 1e-3, "step {i}: max |dlogit| {d}");
     }
 

@@ -730,15 +730,7 @@ fn quant_rows_portable(a: &Activations, q: &QuantWeights, r0: usize, r1: usize, 
             }
         }
         for (i, lanes) in acc.iter().enumerate() {
-            let mut v = *lanes;
-            let mut w = 16;
-            while w > 1 {
-                w /= 2;
-                for l in 0..w {
-                    v[l] += v[l + w];
-                }
-            }
-            out[i * (r1 - r0) + (r - r0)] = v[0];
+            out[i * (r1 - r0) + (r - r0)] = fold16(*lanes);
         }
     }
 }
@@ -781,6 +773,31 @@ fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f3
 /// Rows of weights per parallel task.
 const ROWS_PER_TASK: usize = 64;
 
+/// Row ranges of `ROWS_PER_TASK` weight rows over `m` rows, and for each
+/// range its segment of every one of the `n` output rows of `out` (row-major
+/// `n x m`), split so parallel tasks can write them directly.
+#[allow(clippy::type_complexity)]
+fn task_segments(
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+) -> (Vec<(usize, usize)>, Vec<Vec<&mut [f32]>>) {
+    let bounds: Vec<(usize, usize)> = (0..m)
+        .step_by(ROWS_PER_TASK)
+        .map(|r| (r, (r + ROWS_PER_TASK).min(m)))
+        .collect();
+    let mut segs: Vec<Vec<&mut [f32]>> = bounds.iter().map(|_| Vec::with_capacity(n)).collect();
+    for row in out.chunks_mut(m) {
+        let mut rest = row;
+        for (ti, &(r0, r1)) in bounds.iter().enumerate() {
+            let (seg, tail) = rest.split_at_mut(r1 - r0);
+            segs[ti].push(seg);
+            rest = tail;
+        }
+    }
+    (bounds, segs)
+}
+
 /// A parallel task: weight `wi`, its rows `r0..r1`, and the `n` output
 /// segments (one per activation row) those rows fill.
 type Job<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
@@ -800,19 +817,7 @@ pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>])
         if w.rows == 0 {
             continue;
         }
-        let bounds: Vec<(usize, usize)> = (0..w.rows)
-            .step_by(ROWS_PER_TASK)
-            .map(|r| (r, (r + ROWS_PER_TASK).min(w.rows)))
-            .collect();
-        let mut segs: Vec<Vec<&mut [f32]>> = bounds.iter().map(|_| Vec::with_capacity(n)).collect();
-        for row in out.chunks_mut(w.rows) {
-            let mut rest = row;
-            for (ti, &(r0, r1)) in bounds.iter().enumerate() {
-                let (seg, tail) = rest.split_at_mut(r1 - r0);
-                segs[ti].push(seg);
-                rest = tail;
-            }
-        }
+        let (bounds, segs) = task_segments(out, w.rows, n);
         for (&(r0, r1), s) in bounds.iter().zip(segs) {
             jobs.push((wi, r0, r1, s));
         }
@@ -844,19 +849,7 @@ pub fn matmul_swiglu(a: &Activations, gate: &QMatrix, up: &QMatrix, out: &mut Ve
     if m == 0 {
         return;
     }
-    let bounds: Vec<(usize, usize)> = (0..m)
-        .step_by(ROWS_PER_TASK)
-        .map(|r| (r, (r + ROWS_PER_TASK).min(m)))
-        .collect();
-    let mut segs: Vec<Vec<&mut [f32]>> = bounds.iter().map(|_| Vec::with_capacity(n)).collect();
-    for row in out.chunks_mut(m) {
-        let mut rest = row;
-        for (ti, &(r0, r1)) in bounds.iter().enumerate() {
-            let (seg, tail) = rest.split_at_mut(r1 - r0);
-            segs[ti].push(seg);
-            rest = tail;
-        }
-    }
+    let (bounds, segs) = task_segments(out, m, n);
     bounds
         .into_par_iter()
         .zip(segs)
@@ -878,6 +871,19 @@ pub fn wants_q8(w: &QMatrix) -> bool {
     w.format() != WeightFormat::F32
 }
 
+/// Sum of 16 lanes folded pairwise in a fixed order.
+#[inline]
+pub fn fold16(mut v: [f32; 16]) -> f32 {
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            v[l] += v[l + w];
+        }
+    }
+    v[0]
+}
+
 /// Sum of squares in 16 fixed lanes folded in a fixed order (vectorizes;
 /// the same result for a row whatever the batch).
 #[inline]
@@ -890,14 +896,7 @@ fn sum_sq(x: &[f32]) -> f32 {
             acc[l] = c[l].mul_add(c[l], acc[l]);
         }
     }
-    let mut w = 16;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    rem.iter().fold(acc[0], |s, &v| v.mul_add(v, s))
+    rem.iter().fold(fold16(acc), |s, &v| v.mul_add(v, s))
 }
 
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -983,53 +982,18 @@ pub fn exp_shifted(x: &mut [f32]) -> (f32, f32) {
             acc[l] += c[l];
         }
     }
-    let mut w = 16;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    (max, rem.iter().fold(acc[0], |s, &v| s + v))
+    (max, rem.iter().fold(fold16(acc), |s, &v| s + v))
 }
 
-/// In-place softmax over `x`: `x` sums to 1; -inf entries become exact 0.
+/// In-place softmax over `x`: `x` sums to 1; -inf entries become exact 0
+/// (all -inf gives all zeros).
 pub fn softmax(x: &mut [f32]) {
-    let mut m = [f32::NEG_INFINITY; 16];
-    let chunks = x.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for l in 0..16 {
-            m[l] = m[l].max(c[l]);
+    let (_, sum) = exp_shifted(x);
+    if sum > 0.0 {
+        let inv = 1.0 / sum;
+        for v in x.iter_mut() {
+            *v *= inv;
         }
-    }
-    let max = rem
-        .iter()
-        .chain(&m)
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    for v in x.iter_mut() {
-        *v = exp_f32(*v - max);
-    }
-    // Sum in 16 fixed lanes, folded in a fixed order.
-    let mut acc = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for l in 0..16 {
-            acc[l] += c[l];
-        }
-    }
-    let mut w = 16;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    let sum = rem.iter().fold(acc[0], |s, &v| s + v);
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
     }
 }
 

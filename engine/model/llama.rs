@@ -695,6 +695,16 @@ impl AttnQuery<'_> {
 /// Most queries (heads of one token) the 64-slot loops take at once.
 const MAXQ: usize = 4;
 
+/// The slices `f(qi)` for up to `MAXQ` queries, on the stack.
+#[inline]
+fn gather<'a>(qis: std::ops::Range<usize>, f: impl Fn(usize) -> &'a [f32]) -> [&'a [f32]; MAXQ] {
+    let mut a: [&[f32]; MAXQ] = [&[]; MAXQ];
+    for (slot, qi) in a.iter_mut().zip(qis) {
+        *slot = f(qi);
+    }
+    a
+}
+
 /// For each query `qs[i]` (`i < MAXQ`), 64 dot products
 /// `q . kt[d][c..c + 64]`, each accumulated over `d` in order. The
 /// queries share every load of `kt` (up to 16 independent FMA chains).
@@ -815,10 +825,7 @@ fn attend(
             }
             for h0 in (0..group).step_by(MAXQ) {
                 let qis = ti * group + h0..ti * group + (h0 + MAXQ).min(group);
-                let mut qa: [&[f32]; MAXQ] = [&[]; MAXQ];
-                for (slot, qi) in qa.iter_mut().zip(qis.clone()) {
-                    *slot = qrow(qi);
-                }
+                let qa = gather(qis.clone(), qrow);
                 let qs = &qa[..qis.len()];
                 let mut c = 0;
                 while c < lim {
@@ -891,10 +898,9 @@ fn attend(
             // the sums unchanged.
             for h0 in (0..group).step_by(MAXQ) {
                 let qis = ti * group + h0..ti * group + (h0 + MAXQ).min(group);
-                let mut pa: [&[f32]; MAXQ] = [&[]; MAXQ];
-                for (slot, qi) in pa.iter_mut().zip(qis.clone()) {
-                    *slot = &scores[qi * span + lb * bs..qi * span + lb * bs + lim];
-                }
+                let pa = gather(qis.clone(), |qi| {
+                    &scores[qi * span + lb * bs..qi * span + lb * bs + lim]
+                });
                 let ps = &pa[..qis.len()];
                 let mut c = 0;
                 while c < hd {

@@ -448,32 +448,7 @@ pub mod vnni {
                         prefetch_row::<PREFETCH_HINT>(w, p + ahead, row_bytes);
                     }
                 }
-                let mut put = |rw: usize, v: &[f32]| {
-                    for (j, &val) in v.iter().enumerate() {
-                        out[(i0 + j) * nr + (rw - r0)] = val;
-                    }
-                };
-                if pair {
-                    let (a, b) = match rr {
-                        1 => pair_vec(rows2::<1, K>(w, x, r, i0)),
-                        2 => pair_vec(rows2::<2, K>(w, x, r, i0)),
-                        3 => pair_vec(rows2::<3, K>(w, x, r, i0)),
-                        4 => pair_vec(rows2::<4, K>(w, x, r, i0)),
-                        5 => pair_vec(rows2::<5, K>(w, x, r, i0)),
-                        _ => pair_vec(rows2::<6, K>(w, x, r, i0)),
-                    };
-                    put(r, &a[..rr]);
-                    put(r + 1, &b[..rr]);
-                } else {
-                    match rr {
-                        1 => put(r, &row::<1, K>(w, x, r, i0)),
-                        2 => put(r, &row::<2, K>(w, x, r, i0)),
-                        3 => put(r, &row::<3, K>(w, x, r, i0)),
-                        4 => put(r, &row::<4, K>(w, x, r, i0)),
-                        5 => put(r, &row::<5, K>(w, x, r, i0)),
-                        _ => put(r, &row::<6, K>(w, x, r, i0)),
-                    }
-                }
+                pass::<K>(w, x, r, pair, i0, rr, r0, nr, out);
                 r += 1 + usize::from(pair);
             }
             i0 += rr;
