@@ -5,29 +5,9 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Result, SpecdError};
 use crate::model::{Logits, Model};
-use crate::sampler::{self, FinishReason, Rng, SamplingParams, StopBuffer};
+use crate::sampler::{self, FinishReason, Rng, StopBuffer};
+use crate::spec::Request;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
-
-#[derive(Debug, Clone)]
-pub struct GenerateRequest {
-    pub prompt: Vec<u32>,
-    pub params: SamplingParams,
-    pub max_tokens: usize,
-    pub stop: Vec<String>,
-    pub ignore_eos: bool,
-}
-
-impl GenerateRequest {
-    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
-        Self {
-            prompt,
-            params: SamplingParams::greedy(),
-            max_tokens,
-            stop: Vec::new(),
-            ignore_eos: false,
-        }
-    }
-}
 
 #[derive(Debug, Clone)]
 pub struct GenerateOutput {
@@ -52,30 +32,16 @@ impl GenerateOutput {
     }
 }
 
-/// Check a request against the model before any work is done.
-pub fn validate(model: &Model, req: &GenerateRequest) -> Result<()> {
-    req.params.validate()?;
-    if req.prompt.is_empty() {
-        return Err(SpecdError::InvalidRequest("prompt is empty".into()));
-    }
-    let needed = req.prompt.len() + req.max_tokens;
-    if needed > model.config.max_seq_len {
-        return Err(SpecdError::ContextOverflow {
-            needed,
-            limit: model.config.max_seq_len,
-        });
-    }
-    Ok(())
-}
-
-/// Decode plainly, calling `on_text` with each piece of safe-to-print text.
+/// Decode plainly (the reference every proposer is compared against),
+/// calling `on_text` with each piece of safe-to-print text. The request's
+/// proposer fields are ignored.
 pub fn generate(
     model: &Model,
     tokenizer: Option<&Tokenizer>,
-    req: &GenerateRequest,
+    req: &Request,
     mut on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput> {
-    validate(model, req)?;
+    req.validate(model.config.max_seq_len)?;
     if !req.stop.is_empty() && tokenizer.is_none() {
         return Err(SpecdError::InvalidRequest(
             "stop strings need a tokenizer".into(),

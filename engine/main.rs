@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use specd::config::Config;
-use specd::generate::{generate, GenerateRequest};
+use specd::generate::generate;
 use specd::model::{self, Model};
 use specd::sampler::SamplingParams;
 use specd::spec::actors::{EngineHandle, EngineParts};
@@ -401,12 +401,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
 
 fn generate_plain(a: &GenerateArgs, model: &Model, tok: &Tokenizer) -> Result<()> {
     let prompt = encode_prompt(tok, a.prompt.as_deref().unwrap_or_default(), a.chat)?;
-    let req = GenerateRequest {
-        prompt,
+    let req = Request {
         params: sampling(a),
-        max_tokens: a.max_tokens,
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        ..Request::greedy(prompt, a.max_tokens)
     };
     let stdout = std::io::stdout();
     let out = generate(model, Some(tok), &req, |t| {

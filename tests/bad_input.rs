@@ -4,8 +4,8 @@ mod common;
 
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TINY};
-use specd::generate::{validate, GenerateRequest};
 use specd::model::load_model;
+use specd::spec::Request;
 use specd::SpecdError;
 
 #[test]
@@ -66,8 +66,8 @@ fn prompt_longer_than_context() {
     let p = dir.0.join("tiny.gguf");
     common::write_tiny_gguf(&p, &TINY, 1, GgmlDType::Q8_0, "llama");
     let model = load_model(&p, 1).unwrap();
-    let req = GenerateRequest::greedy(vec![5; TINY.max_seq + 1], 4);
-    let err = validate(&model, &req).unwrap_err();
+    let req = Request::greedy(vec![5; TINY.max_seq + 1], 4);
+    let err = req.validate(model.config.max_seq_len).unwrap_err();
     assert!(matches!(err, SpecdError::ContextOverflow { .. }), "{err}");
     assert!(
         err.to_string().contains(&format!("{}", TINY.max_seq)),

@@ -9,7 +9,7 @@ use candle_core::quantized::GgmlDType;
 use common::{TempDir, TINY};
 use specd::config::Config;
 use specd::distill::{distill, DistillConfig, State};
-use specd::generate::{generate, GenerateRequest};
+use specd::generate::generate;
 use specd::model::load_model;
 use specd::spec::engine::{EngineConfig, EngineCore};
 use specd::spec::Request;
@@ -91,7 +91,7 @@ fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
     )
     .unwrap();
     let done = e.run_to_completion().unwrap();
-    let want = generate(&model, None, &GenerateRequest::greedy(prompt, 24), |_| {})
+    let want = generate(&model, None, &Request::greedy(prompt, 24), |_| {})
         .unwrap()
         .tokens;
     assert_eq!(done[0].tokens, want);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TinySpec, TINY};
 use specd::config::Config;
-use specd::generate::{generate, GenerateRequest};
+use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::sampler::SamplingParams;
 use specd::spec::accept::Residual;
@@ -74,7 +74,7 @@ fn greedy_with_a_draft_model_is_lossless_on_smollm2() {
             .collect(),
     );
     for (c, p) in done.iter().zip(&prompts) {
-        let want = generate(&model, None, &GenerateRequest::greedy(p.clone(), n), |_| {})
+        let want = generate(&model, None, &Request::greedy(p.clone(), n), |_| {})
             .unwrap()
             .tokens;
         assert_eq!(c.tokens, want);

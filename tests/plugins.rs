@@ -10,7 +10,7 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TINY};
 use specd::config::Config;
-use specd::generate::{generate, GenerateRequest};
+use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::plugins;
 use specd::spec::engine::{EngineConfig, EngineCore};
@@ -98,14 +98,9 @@ fn run(
 }
 
 fn plain(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate(
-        model,
-        None,
-        &GenerateRequest::greedy(prompt.to_vec(), n),
-        |_| {},
-    )
-    .unwrap()
-    .tokens
+    generate(model, None, &Request::greedy(prompt.to_vec(), n), |_| {})
+        .unwrap()
+        .tokens
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use common::{OracleProposer, PanickyProposer, RandomProposer, TempDir, TinySpec, TINY};
-use specd::generate::{generate, GenerateRequest};
+use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::sampler::{FinishReason, SamplingParams};
 use specd::spec::accept::Residual;
@@ -50,18 +50,13 @@ fn engine(
 }
 
 fn plain(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate(
-        model,
-        None,
-        &GenerateRequest::greedy(prompt.to_vec(), n),
-        |_| {},
-    )
-    .unwrap()
-    .tokens
+    generate(model, None, &Request::greedy(prompt.to_vec(), n), |_| {})
+        .unwrap()
+        .tokens
 }
 
 fn plain_no_eos(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut r = GenerateRequest::greedy(prompt.to_vec(), n);
+    let mut r = Request::greedy(prompt.to_vec(), n);
     r.ignore_eos = true;
     generate(model, None, &r, |_| {}).unwrap().tokens
 }

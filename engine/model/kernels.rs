@@ -985,22 +985,6 @@ pub fn exp_shifted(x: &mut [f32]) -> (f32, f32) {
     (max, rem.iter().fold(fold16(acc), |s, &v| s + v))
 }
 
-/// In-place softmax over `x`: `x` sums to 1; -inf entries become exact 0
-/// (all -inf gives all zeros).
-pub fn softmax(x: &mut [f32]) {
-    let (_, sum) = exp_shifted(x);
-    if sum > 0.0 {
-        let inv = 1.0 / sum;
-        for v in x.iter_mut() {
-            *v *= inv;
-        }
-    }
-}
-
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    dot_f32(a, b)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1246,7 +1230,7 @@ mod tests {
     }
 
     #[test]
-    fn softmax_sums_to_one_and_zeroes_masked_entries() {
+    fn exp_shifted_normalizes_to_softmax_and_zeroes_masked_entries() {
         let mut seed = 4u64;
         for len in [1usize, 5, 16, 17, 300] {
             let mut x: Vec<f32> = (0..len).map(|_| lcg(&mut seed) * 20.0).collect();
@@ -1259,7 +1243,8 @@ mod tests {
                 let s: f64 = e.iter().sum();
                 e.iter().map(|v| v / s).collect()
             };
-            softmax(&mut x);
+            let (_, sum) = exp_shifted(&mut x);
+            x.iter_mut().for_each(|v| *v /= sum);
             for (g, w) in x.iter().zip(&want) {
                 assert!((*g as f64 - w).abs() < 1e-6, "{g} vs {w}");
             }

@@ -459,18 +459,17 @@ impl Model {
                             base: m.base,
                             tree: m.allowed.as_deref(),
                         };
-                        let ranges: Vec<usize> = (c0..c1).step_by(ATTN_BLOCKS_PER_TASK).collect();
                         let mut out = Vec::new();
-                        if ranges.len() <= 1 {
+                        if c1 - c0 <= ATTN_BLOCKS_PER_TASK {
                             attend(caches[si], li, g, &aq, t0..t1, c0..c1, scale, &mut out);
                             return out;
                         }
                         // Several ranges in one task: merge them here, in
                         // order, and hand back (0, 1, result), which the
                         // merge below passes through unchanged.
-                        let parts: Vec<Vec<f32>> = ranges
-                            .iter()
-                            .map(|&r| {
+                        let parts: Vec<Vec<f32>> = (c0..c1)
+                            .step_by(ATTN_BLOCKS_PER_TASK)
+                            .map(|r| {
                                 let mut p = Vec::new();
                                 let r1 = (r + ATTN_BLOCKS_PER_TASK).min(c1);
                                 attend(caches[si], li, g, &aq, t0..t1, r..r1, scale, &mut p);

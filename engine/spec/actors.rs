@@ -440,12 +440,7 @@ impl SchedulerActor {
                 };
                 let ok = !outs.is_empty() || items.is_empty();
                 let mut outs = outs;
-                let drafted: HashMap<SeqId, usize> = items
-                    .iter()
-                    .filter(|i| matches!(i.work, Work::Decode { .. }))
-                    .zip(&drafts)
-                    .map(|(i, d)| (i.seq, d.tokens.len()))
-                    .collect();
+                let drafted = engine::drafted_lengths(&items, &drafts);
                 let aitems = if ok {
                     engine::accept_items(&act.scheduler, &items, drafts, &mut outs)
                 } else {

@@ -274,6 +274,17 @@ pub fn draft_inputs<'a>(sched: &'a Scheduler, items: &[PlanItem]) -> Vec<Propose
 }
 
 /// Verify items for a plan, with each decode item's drafts appended.
+/// Tokens drafted for each decoding item (drafts align with the decode
+/// items of the plan, in order).
+pub fn drafted_lengths(items: &[PlanItem], drafts: &[Draft]) -> HashMap<SeqId, usize> {
+    items
+        .iter()
+        .filter(|i| matches!(i.work, Work::Decode { .. }))
+        .zip(drafts)
+        .map(|(i, d)| (i.seq, d.tokens.len()))
+        .collect()
+}
+
 pub fn verify_items(
     items: &[PlanItem],
     drafts: &[Draft],
@@ -444,12 +455,7 @@ impl EngineCore {
         let drafts = self.drafter.propose(&inputs);
         drop(inputs);
         let t1 = Instant::now();
-        let drafted: HashMap<SeqId, usize> = items
-            .iter()
-            .filter(|i| matches!(i.work, Work::Decode { .. }))
-            .zip(&drafts)
-            .map(|(i, d)| (i.seq, d.tokens.len()))
-            .collect();
+        let drafted = drafted_lengths(&items, &drafts);
         let drafter = &self.drafter;
         let vitems = verify_items(&items, &drafts, |s| drafter.hidden_layers(s).to_vec());
         report.batch_tokens = vitems.iter().map(|v| v.tokens.len()).sum();

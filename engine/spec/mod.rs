@@ -43,6 +43,29 @@ pub struct Request {
 }
 
 impl Request {
+    /// Check the request against a context limit before any work is done
+    /// (the scheduler and plain `generate` both call this).
+    pub fn validate(&self, max_seq_len: usize) -> crate::error::Result<()> {
+        use crate::error::SpecdError;
+        self.params.validate()?;
+        if self.prompt.is_empty() {
+            return Err(SpecdError::InvalidRequest("prompt is empty".into()));
+        }
+        if self.max_tokens == 0 {
+            return Err(SpecdError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        let needed = self.prompt.len() + self.max_tokens;
+        if needed > max_seq_len {
+            return Err(SpecdError::ContextOverflow {
+                needed,
+                limit: max_seq_len,
+            });
+        }
+        Ok(())
+    }
+
     pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
         Self {
             prompt,

@@ -217,22 +217,7 @@ impl Scheduler {
         sink: Option<UnboundedSender<Event>>,
         known: impl Fn(&str) -> bool,
     ) -> Result<SeqId> {
-        req.params.validate()?;
-        if req.prompt.is_empty() {
-            return Err(SpecdError::InvalidRequest("prompt is empty".into()));
-        }
-        if req.max_tokens == 0 {
-            return Err(SpecdError::InvalidRequest(
-                "max_tokens must be at least 1".into(),
-            ));
-        }
-        let needed = req.prompt.len() + req.max_tokens;
-        if needed > self.config.max_seq_len {
-            return Err(SpecdError::ContextOverflow {
-                needed,
-                limit: self.config.max_seq_len,
-            });
-        }
+        req.validate(self.config.max_seq_len)?;
         if !req.stop.is_empty() && self.tokenizer.is_none() {
             return Err(SpecdError::InvalidRequest(
                 "stop strings need a tokenizer".into(),
