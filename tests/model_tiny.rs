@@ -368,7 +368,7 @@ fn hidden_states_of_requested_layers() {
     assert!(err.to_string().contains("layer"));
 }
 
-/// Contexts longer than one attention slot range (512 slots) are split
+/// Contexts longer than one attention slot range (128 slots) are split
 /// into several tasks whose partial softmax sums are merged: the result
 /// still matches candle (f32 cache), is bit-identical alone or batched with
 /// another sequence, and survives rollback exactly.

@@ -386,14 +386,21 @@ impl Model {
         // partial softmax sums are merged in order afterwards.
         let mut attn_tasks = Vec::new();
         for (si, m) in metas.iter().enumerate() {
-            let chunks = m.n.div_ceil(ATTN_TOKENS_PER_TASK).max(1);
+            // A decode or verify forward keeps all its tokens in one task
+            // (the cache is read once) and spreads over the slot ranges.
+            let per_task = if m.n <= ATTN_VERIFY_TOKENS {
+                m.n
+            } else {
+                ATTN_TOKENS_PER_TASK
+            };
+            let chunks = m.n.div_ceil(per_task.max(1)).max(1);
             let per = m.n.div_ceil(chunks).max(1);
             let nblocks = seqs[si].cache.layout().blocks_for(m.base + m.n);
             // Ranges become separate tasks only when the tokens give few
             // (decode, verify); a prefill chunk's tasks walk their ranges in
             // turn and merge them the same way, so the bits are the same.
             let range = if chunks <= 2 {
-                ATTN_BLOCKS_PER_TASK
+                ATTN_BLOCKS_PER_RANGE
             } else {
                 nblocks.max(1)
             };
@@ -460,7 +467,7 @@ impl Model {
                             tree: m.allowed.as_deref(),
                         };
                         let mut out = Vec::new();
-                        if c1 - c0 <= ATTN_BLOCKS_PER_TASK {
+                        if c1 - c0 <= ATTN_BLOCKS_PER_RANGE {
                             attend(caches[si], li, g, &aq, t0..t1, c0..c1, scale, &mut out);
                             return out;
                         }
@@ -468,10 +475,10 @@ impl Model {
                         // order, and hand back (0, 1, result), which the
                         // merge below passes through unchanged.
                         let parts: Vec<Vec<f32>> = (c0..c1)
-                            .step_by(ATTN_BLOCKS_PER_TASK)
+                            .step_by(ATTN_BLOCKS_PER_RANGE)
                             .map(|r| {
                                 let mut p = Vec::new();
-                                let r1 = (r + ATTN_BLOCKS_PER_TASK).min(c1);
+                                let r1 = (r + ATTN_BLOCKS_PER_RANGE).min(c1);
                                 attend(caches[si], li, g, &aq, t0..t1, r..r1, scale, &mut p);
                                 p
                             })
@@ -635,9 +642,15 @@ fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
 /// once for all its tokens).
 const ATTN_TOKENS_PER_TASK: usize = 4;
 
-/// Cache blocks per attention task: longer contexts split into several
-/// tasks (so a single decoding sequence still spreads over the threads).
-const ATTN_BLOCKS_PER_TASK: usize = 8;
+/// Forwards of at most this many tokens per sequence (decode, verify) keep
+/// a sequence's tokens in one attention task per (kv head, slot range).
+const ATTN_VERIFY_TOKENS: usize = 16;
+
+/// Cache blocks per attention slot range. Ranges sit at fixed absolute
+/// positions and their partial softmax sums are merged in order, so a
+/// token's result never depends on the batch; short ranges let a single
+/// decoding or verifying sequence spread over the threads.
+const ATTN_BLOCKS_PER_RANGE: usize = 2;
 
 /// Merge partial attention results `[max, sum, o[head_dim]]` of consecutive
 /// slot ranges, in order: `out = sum_c o_c e^(m_c - M) / sum_c s_c e^(m_c - M)`.

@@ -471,192 +471,282 @@ pub mod vnni {
         nr: usize,
         out: &mut [f32],
     ) {
-        let mut put = |rw: usize, v: &[f32]| {
+        assert!(r + usize::from(pair) < w.qs.len() / (w.nbp * w.kind.block_bytes()).max(1));
+        assert!(i0 + rr <= x.n && (1..=MAX_ROWS).contains(&rr));
+        let mut put = |p: usize, v: &[f32]| {
             for (j, &val) in v.iter().enumerate() {
-                out[(i0 + j) * nr + (rw - r0)] = val;
+                out[(i0 + j) * nr + (r + p - r0)] = val;
             }
         };
-        if pair {
-            let (a, b) = match rr {
-                1 => pair_vec(rows2::<1, K>(w, x, r, i0)),
-                2 => pair_vec(rows2::<2, K>(w, x, r, i0)),
-                3 => pair_vec(rows2::<3, K>(w, x, r, i0)),
-                4 => pair_vec(rows2::<4, K>(w, x, r, i0)),
-                5 => pair_vec(rows2::<5, K>(w, x, r, i0)),
-                _ => pair_vec(rows2::<6, K>(w, x, r, i0)),
-            };
-            put(r, &a[..rr]);
-            put(r + 1, &b[..rr]);
-        } else {
-            match rr {
-                1 => put(r, &row::<1, K>(w, x, r, i0)),
-                2 => put(r, &row::<2, K>(w, x, r, i0)),
-                3 => put(r, &row::<3, K>(w, x, r, i0)),
-                4 => put(r, &row::<4, K>(w, x, r, i0)),
-                5 => put(r, &row::<5, K>(w, x, r, i0)),
-                _ => put(r, &row::<6, K>(w, x, r, i0)),
+        // SAFETY: `check` (called by `rows`) bounded the weight rows below
+        // `r1` and the activation rows below `x.n`; the asserts above keep
+        // this tile inside them.
+        unsafe {
+            macro_rules! go {
+                ($p:literal) => {
+                    match rr {
+                        1 => tile::<$p, 1, K>(w, x, r, i0)
+                            .iter()
+                            .enumerate()
+                            .for_each(|(p, v)| put(p, v)),
+                        2 => tile::<$p, 2, K>(w, x, r, i0)
+                            .iter()
+                            .enumerate()
+                            .for_each(|(p, v)| put(p, v)),
+                        3 => tile::<$p, 3, K>(w, x, r, i0)
+                            .iter()
+                            .enumerate()
+                            .for_each(|(p, v)| put(p, v)),
+                        4 => tile::<$p, 4, K>(w, x, r, i0)
+                            .iter()
+                            .enumerate()
+                            .for_each(|(p, v)| put(p, v)),
+                        5 => tile::<$p, 5, K>(w, x, r, i0)
+                            .iter()
+                            .enumerate()
+                            .for_each(|(p, v)| put(p, v)),
+                        _ => tile::<$p, 6, K>(w, x, r, i0)
+                            .iter()
+                            .enumerate()
+                            .for_each(|(p, v)| put(p, v)),
+                    }
+                };
+            }
+            if pair {
+                go!(2)
+            } else {
+                go!(1)
             }
         }
     }
 
-    /// Widen a pair of per-row results to `MAX_ROWS` arrays.
-    #[inline]
-    fn pair_vec<const R: usize>(
-        (a, b): ([f32; R], [f32; R]),
-    ) -> ([f32; MAX_ROWS], [f32; MAX_ROWS]) {
-        let (mut x, mut y) = ([0f32; MAX_ROWS], [0f32; MAX_ROWS]);
-        x[..R].copy_from_slice(&a);
-        y[..R].copy_from_slice(&b);
-        (x, y)
-    }
-
-    /// Weight steps `(even, odd)` of step pair `p` of a group (`g >= 4`),
-    /// unsigned.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    fn step_pair<const K: u8>(wsl: &[u8], p: usize) -> (__m512i, __m512i) {
-        if K == Q8_0 {
-            // Stored unsigned (q + 128) already.
-            (ld512(wsl, 128 * p), ld512(wsl, 128 * p + 64))
-        } else {
-            let mask4 = _mm512_set1_epi8(0x0f);
-            let raw = ld512(wsl, 64 * p);
-            (
-                _mm512_and_si512(raw, mask4),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4),
-            )
-        }
-    }
-
-    /// The single step of a 2-block group, unsigned.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    fn step_single<const K: u8>(wsl: &[u8]) -> __m512i {
-        if K == Q8_0 {
-            ld512(wsl, 0)
-        } else {
-            let raw32 = &wsl[..32];
-            // SAFETY: `raw32` is exactly 32 bytes (a 2-block Q4 group).
-            let raw = unsafe { _mm256_loadu_si256(raw32.as_ptr() as *const __m256i) };
-            let m = _mm256_set1_epi8(0x0f);
-            let lo = _mm256_and_si256(raw, m);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m);
-            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-        }
-    }
-
-    /// Weight rows `r` and `r + 1` against activation rows `i0..i0 + R`:
-    /// every activation load feeds both rows' `vpdpbusd`, and the per-row
-    /// metadata loads are shared. Each (weight row, activation row) result
-    /// is the same sequence of operations as in `row` (integer sums are
-    /// exact, the float steps identical), so pairing changes no bit.
+    /// Weight rows `r..r + P` against activation rows `i0..i0 + R`.
+    ///
+    /// Per group: each 64-byte step of each weight row is unpacked once and
+    /// met by all R activation rows (every activation load feeds all P
+    /// rows' `vpdpbusd`); with few chains, even and odd steps use separate
+    /// accumulators, summed exactly in integers. Then per (weight row,
+    /// activation row) the offset correction and one scaled float
+    /// accumulate (two for Q4_1). A result is the same sequence of
+    /// operations for every P and R (integer sums are exact, the float
+    /// steps and the final reduction tree fixed per accumulator), so tiling
+    /// changes no bit.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL/VNNI, FMA and F16C are available; weight rows
+    /// `r..r + P` and activation rows `i0..i0 + R` exist in `w` and `x`,
+    /// whose shapes `check` has validated.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn rows2<const R: usize, const K: u8>(
+    unsafe fn tile<const P: usize, const R: usize, const K: u8>(
         w: &QuantWeights,
         x: &GroupedActs,
         r: usize,
         i0: usize,
-    ) -> ([f32; R], [f32; R]) {
-        let split = R < 3;
-        let (nbp, bb) = (w.nbp, w.kind.block_bytes());
-        let xrow = |j: usize| (i0 + j) * nbp * QK;
+    ) -> [[f32; R]; P] {
+        let split = P * R <= 4;
+        let (nbp, bb, ng) = (w.nbp, w.kind.block_bytes(), x.ngroups);
+        // Row starts; every load below reads inside the rows the caller
+        // guarantees (`b0 + g <= nbp` for every group of the plan).
+        let wq: [*const u8; P] =
+            core::array::from_fn(|p| w.qs.as_ptr().wrapping_add((r + p) * nbp * bb));
+        let wd: [*const u16; P] =
+            core::array::from_fn(|p| w.d.as_ptr().wrapping_add((r + p) * nbp));
+        let wm: [*const u16; P] =
+            core::array::from_fn(|p| w.m.as_ptr().wrapping_add((r + p) * nbp));
+        let xq: [*const i8; R] =
+            core::array::from_fn(|j| x.xs.as_ptr().wrapping_add((i0 + j) * nbp * QK));
+        let meta = |j: usize, gi: usize| ((i0 + j) * ng + gi) * 16;
         let zero = _mm512_setzero_si512();
-        let mut acc0 = [_mm512_setzero_ps(); R];
-        let mut acc1 = [_mm512_setzero_ps(); R];
+        let mask4 = _mm512_set1_epi8(0x0f);
+        let mut acc = [[_mm512_setzero_ps(); R]; P];
         for (gi, &(b0, g)) in w.plan.iter().enumerate() {
-            let w0 = &w.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
-            let w1 = &w.qs[((r + 1) * nbp + b0) * bb..((r + 1) * nbp + b0 + g) * bb];
-            let xo = b0 * QK;
-            let mut a0 = [zero; R];
-            let mut b0v = [zero; R];
-            let mut a1 = [zero; R];
-            let mut b1v = [zero; R];
-            // Each activation row's part of this group, bounds-checked once.
-            let xr: [&[i8]; R] =
-                core::array::from_fn(|j| &x.xs[xrow(j) + xo..xrow(j) + xo + g * QK]);
+            // The chains start from minus the weights' offset times the
+            // lane's activation sum (Q4_0: 8, Q8_0: 128; Q4_1 has none),
+            // which removes the offset exactly.
+            let start: [__m512i; R] = core::array::from_fn(|j| {
+                if K == Q4_1 {
+                    return zero;
+                }
+                // SAFETY: activation row i0 + j exists, so its 16 lane sums
+                // of group gi are inside `x.lsum` (checked by `check`).
+                let ls = unsafe { ldi(x.lsum.as_ptr().add(meta(j, gi)) as *const u8) };
+                if K == Q4_0 {
+                    _mm512_sub_epi32(zero, _mm512_slli_epi32::<3>(ls))
+                } else {
+                    _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(ls))
+                }
+            });
+            let mut ia = [start; P];
+            let mut ib = [[zero; R]; P];
+            let wg: [*const u8; P] = core::array::from_fn(|p| wq[p].wrapping_add(b0 * bb));
+            let xg: [*const u8; R] =
+                core::array::from_fn(|j| xq[j].wrapping_add(b0 * QK) as *const u8);
             if g == 2 {
-                let (v0, v1) = (step_single::<K>(w0), step_single::<K>(w1));
+                // One 64-byte step: Q8 codes as stored, Q4 nibbles of 32
+                // bytes (low then high half).
+                let wv: [__m512i; P] = core::array::from_fn(|p| {
+                    if K == Q8_0 {
+                        // SAFETY: a 2-block Q8_0 group is 64 bytes of row r + p.
+                        unsafe { ldi(wg[p]) }
+                    } else {
+                        // SAFETY: a 2-block Q4 group is 32 bytes of row r + p.
+                        let raw = unsafe { _mm256_loadu_si256(wg[p] as *const __m256i) };
+                        let m = _mm256_set1_epi8(0x0f);
+                        let lo = _mm256_and_si256(raw, m);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m);
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                    }
+                });
                 for j in 0..R {
-                    // SAFETY: `xr[j]` holds the group's 64 bytes.
-                    let xv = unsafe { ldu(xr[j], 0) };
-                    a0[j] = _mm512_dpbusd_epi32(a0[j], v0, xv);
-                    a1[j] = _mm512_dpbusd_epi32(a1[j], v1, xv);
+                    // SAFETY: the group's 64 activation bytes of row i0 + j.
+                    let xv = unsafe { ldi(xg[j]) };
+                    for p in 0..P {
+                        ia[p][j] = _mm512_dpbusd_epi32(ia[p][j], wv[p], xv);
+                    }
                 }
             } else {
-                for p in 0..g / 4 {
-                    let (e0, d0) = step_pair::<K>(w0, p);
-                    let (e1, d1) = step_pair::<K>(w1, p);
+                // Steps in pairs (2s, 2s + 1).
+                for s in 0..g / 4 {
+                    let (we, wo): ([__m512i; P], [__m512i; P]) = if K == Q8_0 {
+                        (
+                            // SAFETY: steps 2s and 2s + 1 of the group lie in
+                            // its `64 * g / 2` bytes since s < g / 4.
+                            core::array::from_fn(|p| unsafe { ldi(wg[p].add(128 * s)) }),
+                            // SAFETY: as above.
+                            core::array::from_fn(|p| unsafe { ldi(wg[p].add(128 * s + 64)) }),
+                        )
+                    } else {
+                        // SAFETY: the packed pair of steps is 64 bytes at
+                        // 64 * s of the group's `16 * g` bytes.
+                        let raw: [__m512i; P] =
+                            core::array::from_fn(|p| unsafe { ldi(wg[p].add(64 * s)) });
+                        (
+                            core::array::from_fn(|p| _mm512_and_si512(raw[p], mask4)),
+                            core::array::from_fn(|p| {
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(raw[p]), mask4)
+                            }),
+                        )
+                    };
                     for j in 0..R {
-                        // SAFETY: `xr[j]` holds `32 * g` bytes and
-                        // `128 * p + 128 <= 32 * g` for `p < g / 4`.
-                        let xe = unsafe { ldu(xr[j], 128 * p) };
-                        a0[j] = _mm512_dpbusd_epi32(a0[j], e0, xe);
-                        a1[j] = _mm512_dpbusd_epi32(a1[j], e1, xe);
+                        // SAFETY: the group's activations are `32 * g` bytes
+                        // and 128 * s + 128 <= 32 * g.
+                        let xe = unsafe { ldi(xg[j].add(128 * s)) };
+                        for p in 0..P {
+                            ia[p][j] = _mm512_dpbusd_epi32(ia[p][j], we[p], xe);
+                        }
                     }
                     for j in 0..R {
                         // SAFETY: as above.
-                        let xd = unsafe { ldu(xr[j], 128 * p + 64) };
-                        if split {
-                            b0v[j] = _mm512_dpbusd_epi32(b0v[j], d0, xd);
-                            b1v[j] = _mm512_dpbusd_epi32(b1v[j], d1, xd);
-                        } else {
-                            a0[j] = _mm512_dpbusd_epi32(a0[j], d0, xd);
-                            a1[j] = _mm512_dpbusd_epi32(a1[j], d1, xd);
+                        let xd = unsafe { ldi(xg[j].add(128 * s + 64)) };
+                        for p in 0..P {
+                            if split {
+                                ib[p][j] = _mm512_dpbusd_epi32(ib[p][j], wo[p], xd);
+                            } else {
+                                ia[p][j] = _mm512_dpbusd_epi32(ia[p][j], wo[p], xd);
+                            }
                         }
                     }
                 }
             }
-            let dw0 = expand(&w.d[r * nbp + b0..], g);
-            let dw1 = expand(&w.d[(r + 1) * nbp + b0..], g);
-            let (mw0, mw1) = if K == Q4_1 {
-                (
-                    expand(&w.m[r * nbp + b0..], g),
-                    expand(&w.m[(r + 1) * nbp + b0..], g),
-                )
-            } else {
-                (_mm512_setzero_ps(), _mm512_setzero_ps())
-            };
-            for j in 0..R {
-                let (mut ip0, mut ip1) = if split {
-                    (
-                        _mm512_add_epi32(a0[j], b0v[j]),
-                        _mm512_add_epi32(a1[j], b1v[j]),
-                    )
-                } else {
-                    (a0[j], a1[j])
-                };
-                let mo = ((i0 + j) * x.ngroups + gi) * 16;
-                match K {
-                    Q4_0 => {
-                        let c = _mm512_slli_epi32::<3>(ld512(&x.lsum, mo));
-                        ip0 = _mm512_sub_epi32(ip0, c);
-                        ip1 = _mm512_sub_epi32(ip1, c);
-                    }
-                    Q8_0 => {
-                        let c = _mm512_slli_epi32::<7>(ld512(&x.lsum, mo));
-                        ip0 = _mm512_sub_epi32(ip0, c);
-                        ip1 = _mm512_sub_epi32(ip1, c);
-                    }
-                    _ => {}
-                }
-                let dx = ld512ps(&x.dx, mo);
-                acc0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip0), _mm512_mul_ps(dw0, dx), acc0[j]);
-                acc1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip1), _mm512_mul_ps(dw1, dx), acc1[j]);
+            // SAFETY: the group's `g` scales of row r + p.
+            let dw: [__m512; P] = core::array::from_fn(|p| unsafe { expand(wd[p].add(b0), g) });
+            let mw: [__m512; P] = core::array::from_fn(|p| {
                 if K == Q4_1 {
-                    let sm = ld512ps(&x.smin, mo);
-                    acc0[j] = _mm512_fmadd_ps(mw0, sm, acc0[j]);
-                    acc1[j] = _mm512_fmadd_ps(mw1, sm, acc1[j]);
+                    // SAFETY: as above, for the minimums (Q4_1 has them).
+                    unsafe { expand(wm[p].add(b0), g) }
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            for j in 0..R {
+                let mo = meta(j, gi);
+                // SAFETY: the 16 lane scales of group gi of row i0 + j.
+                let dx = unsafe { _mm512_loadu_ps(x.dx.as_ptr().add(mo)) };
+                let sm = if K == Q4_1 {
+                    // SAFETY: as above, for the minimum terms.
+                    unsafe { _mm512_loadu_ps(x.smin.as_ptr().add(mo)) }
+                } else {
+                    _mm512_setzero_ps()
+                };
+                for p in 0..P {
+                    let ip = if split {
+                        _mm512_add_epi32(ia[p][j], ib[p][j])
+                    } else {
+                        ia[p][j]
+                    };
+                    acc[p][j] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(ip),
+                        _mm512_mul_ps(dw[p], dx),
+                        acc[p][j],
+                    );
+                    if K == Q4_1 {
+                        acc[p][j] = _mm512_fmadd_ps(mw[p], sm, acc[p][j]);
+                    }
                 }
             }
         }
-        let (mut o0, mut o1) = ([0f32; R], [0f32; R]);
-        for j in 0..R {
-            o0[j] = _mm512_reduce_add_ps(acc0[j]);
-            o1[j] = _mm512_reduce_add_ps(acc1[j]);
+        let mut o = [[0f32; R]; P];
+        for p in 0..P {
+            hsum_many(&acc[p], &mut o[p]);
         }
-        (o0, o1)
+        o
     }
+
+    /// 64 bytes at `p`.
+    ///
+    /// # Safety
+    /// 64 readable bytes at `p`; AVX-512F is available.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn ldi(p: *const u8) -> __m512i {
+        // SAFETY: the caller's guarantee.
+        unsafe { _mm512_loadu_si512(p as *const __m512i) }
+    }
+
+    /// Horizontal sums of up to 8 vectors at a time through one shuffle
+    /// tree; each vector's 16 lanes are added in the same fixed order
+    /// whatever shares the tree: e + (e + 8), then ((e + 4) + (e + 12))
+    /// added, then (e0 + e2) + (e1 + e3).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn hsum_many<const N: usize>(v: &[__m512; N], out: &mut [f32; N]) {
+        for c0 in (0..N).step_by(8) {
+            let z = _mm512_setzero_ps();
+            let a: [__m512; 8] = core::array::from_fn(|i| if c0 + i < N { v[c0 + i] } else { z });
+            // lanes l + (l + 8): pairs of vectors share one result.
+            let u: [__m512; 4] = core::array::from_fn(|i| {
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x44>(a[2 * i], a[2 * i + 1]),
+                    _mm512_shuffle_f32x4::<0xEE>(a[2 * i], a[2 * i + 1]),
+                )
+            });
+            // then + (l + 4): one 128-bit lane per vector.
+            let t: [__m512; 2] = core::array::from_fn(|i| {
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x88>(u[2 * i], u[2 * i + 1]),
+                    _mm512_shuffle_f32x4::<0xDD>(u[2 * i], u[2 * i + 1]),
+                )
+            });
+            // then (e0 + e2) + (e1 + e3) inside each 128-bit lane.
+            let s = _mm512_add_ps(
+                _mm512_unpacklo_ps(t[0], t[1]),
+                _mm512_unpackhi_ps(t[0], t[1]),
+            );
+            let f = _mm512_add_ps(s, _mm512_permute_ps::<0x4E>(s));
+            let mut lanes = [0f32; 16];
+            // SAFETY: `lanes` is exactly 16 floats.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), f) };
+            // t[0] holds vectors 0-3 and t[1] vectors 4-7, one per 128-bit
+            // lane; vector i ends in lane i % 4, element i / 4.
+            for i in 0..8.min(N - c0) {
+                out[c0 + i] = lanes[HSUM_SLOT[i]];
+            }
+        }
+    }
+
+    /// Where `hsum_many` leaves vector i (0..8) of a chunk.
+    const HSUM_SLOT: [usize; 8] = [0, 4, 8, 12, 1, 5, 9, 13];
 
     /// How far ahead (in weight bytes) `vnni_rows` prefetches.
     const PREFETCH_BYTES: usize = 8192;
@@ -680,20 +770,22 @@ pub mod vnni {
         }
     }
 
-    /// `g` f16 scales expanded to 16 lanes (lane l gets scale l / (16 / g)).
+    /// `g` f16 scales from `s` expanded to 16 lanes (lane l gets scale
+    /// l / (16 / g)).
+    ///
+    /// # Safety
+    /// `s` points at `g` readable u16 and AVX-512F/BW/VL are available.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    fn expand(s: &[u16], g: usize) -> __m512 {
+    unsafe fn expand(s: *const u16, g: usize) -> __m512 {
         if g == 16 {
-            let s = &s[..16];
-            // SAFETY: `s` holds exactly 16 u16 = 32 bytes.
-            let v = unsafe { _mm256_loadu_si256(s.as_ptr() as *const __m256i) };
+            // SAFETY: 16 u16 = 32 bytes from `s` (the caller's guarantee).
+            let v = unsafe { _mm256_loadu_si256(s as *const __m256i) };
             return _mm512_cvtph_ps(v);
         }
-        let s = &s[..g];
         let mask: __mmask16 = (1u16 << g) - 1;
-        // SAFETY: the mask limits the load to the `g` elements of `s`.
-        let v = unsafe { _mm256_maskz_loadu_epi16(mask, s.as_ptr() as *const i16) };
+        // SAFETY: the mask limits the load to the `g` elements at `s`.
+        let v = unsafe { _mm256_maskz_loadu_epi16(mask, s as *const i16) };
         // Lane l takes scale l / (16 / g).
         const IDX: [[i32; 16]; 3] = [
             [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
@@ -704,144 +796,6 @@ pub mod vnni {
         // SAFETY: `t` is exactly 16 i32.
         let idx = unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) };
         _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(v))
-    }
-
-    /// Weight row `r` against activation rows `i0..i0 + R`.
-    ///
-    /// Per group: each step's weights are unpacked once and met by all R
-    /// rows before the next step (R independent `vpdpbusd` chains; with
-    /// fewer than 4 rows, even and odd steps use separate chains, summed
-    /// exactly in integers), then per row the offset correction and one
-    /// scaled float accumulate (two for Q4_1).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn row<const R: usize, const K: u8>(
-        w: &QuantWeights,
-        x: &GroupedActs,
-        r: usize,
-        i0: usize,
-    ) -> [f32; R] {
-        let split = R < 4;
-        let (nbp, bb) = (w.nbp, w.kind.block_bytes());
-        let xrow = |j: usize| (i0 + j) * nbp * QK;
-        let zero = _mm512_setzero_si512();
-        let mask4 = _mm512_set1_epi8(0x0f);
-        let mut acc = [_mm512_setzero_ps(); R];
-        for (gi, &(b0, g)) in w.plan.iter().enumerate() {
-            let wsl = &w.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
-            let xo = b0 * QK;
-            let mut ipa = [zero; R];
-            let mut ipb = [zero; R];
-            // Each activation row's part of this group, bounds-checked once.
-            let xr: [&[i8]; R] =
-                core::array::from_fn(|j| &x.xs[xrow(j) + xo..xrow(j) + xo + g * QK]);
-            if K != Q8_0 && g == 2 {
-                let raw32 = &wsl[..32];
-                // SAFETY: `raw32` is exactly 32 bytes (a 2-block Q4 group).
-                let raw = unsafe { _mm256_loadu_si256(raw32.as_ptr() as *const __m256i) };
-                let m = _mm256_set1_epi8(0x0f);
-                let lo = _mm256_and_si256(raw, m);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m);
-                let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                for j in 0..R {
-                    // SAFETY: `xr[j]` holds the group's 64 bytes.
-                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, unsafe { ldu(xr[j], 0) });
-                }
-            } else if K == Q8_0 && g == 2 {
-                let wv = ld512(wsl, 0);
-                for j in 0..R {
-                    // SAFETY: `xr[j]` holds the group's 64 bytes.
-                    ipa[j] = _mm512_dpbusd_epi32(ipa[j], wv, unsafe { ldu(xr[j], 0) });
-                }
-            } else {
-                // Steps in pairs: (2p, 2p + 1).
-                for p in 0..g / 4 {
-                    let (we, wo) = if K == Q8_0 {
-                        (ld512(wsl, 128 * p), ld512(wsl, 128 * p + 64))
-                    } else {
-                        let raw = ld512(wsl, 64 * p);
-                        (
-                            _mm512_and_si512(raw, mask4),
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4),
-                        )
-                    };
-                    for j in 0..R {
-                        // SAFETY: `xr[j]` holds `32 * g` bytes and
-                        // `128 * p + 128 <= 32 * g` for `p < g / 4`.
-                        let xe = unsafe { ldu(xr[j], 128 * p) };
-                        ipa[j] = _mm512_dpbusd_epi32(ipa[j], we, xe);
-                    }
-                    for j in 0..R {
-                        // SAFETY: as above.
-                        let xd = unsafe { ldu(xr[j], 128 * p + 64) };
-                        if split {
-                            ipb[j] = _mm512_dpbusd_epi32(ipb[j], wo, xd);
-                        } else {
-                            ipa[j] = _mm512_dpbusd_epi32(ipa[j], wo, xd);
-                        }
-                    }
-                }
-            }
-            let dw = expand(&w.d[r * nbp + b0..], g);
-            let mw = if K == Q4_1 {
-                expand(&w.m[r * nbp + b0..], g)
-            } else {
-                _mm512_setzero_ps()
-            };
-            for j in 0..R {
-                let mut ip = if split {
-                    _mm512_add_epi32(ipa[j], ipb[j])
-                } else {
-                    ipa[j]
-                };
-                let mo = ((i0 + j) * x.ngroups + gi) * 16;
-                match K {
-                    Q4_0 => ip = _mm512_sub_epi32(ip, _mm512_slli_epi32::<3>(ld512(&x.lsum, mo))),
-                    Q8_0 => ip = _mm512_sub_epi32(ip, _mm512_slli_epi32::<7>(ld512(&x.lsum, mo))),
-                    _ => {}
-                }
-                let sc = _mm512_mul_ps(dw, ld512ps(&x.dx, mo));
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[j]);
-                if K == Q4_1 {
-                    acc[j] = _mm512_fmadd_ps(mw, ld512ps(&x.smin, mo), acc[j]);
-                }
-            }
-        }
-        let mut o = [0f32; R];
-        for j in 0..R {
-            o[j] = _mm512_reduce_add_ps(acc[j]);
-        }
-        o
-    }
-
-    /// 64 bytes from `s[off..]` (bounds-checked).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn ld512<T>(s: &[T], off: usize) -> __m512i {
-        let s = &s[off..off + 64 / size_of::<T>()];
-        // SAFETY: `s` now holds exactly 64 bytes.
-        unsafe { _mm512_loadu_si512(s.as_ptr() as *const __m512i) }
-    }
-
-    /// 64 bytes from `s[off..]`, unchecked in release builds.
-    ///
-    /// # Safety
-    /// `off + 64 <= s.len()` and AVX-512F is available.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn ldu(s: &[i8], off: usize) -> __m512i {
-        debug_assert!(off + 64 <= s.len());
-        // SAFETY: the caller guarantees 64 bytes from `off` inside `s`.
-        unsafe { _mm512_loadu_si512(s.as_ptr().add(off) as *const __m512i) }
-    }
-
-    /// 16 floats from `s[off..]` (bounds-checked).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn ld512ps(s: &[f32], off: usize) -> __m512 {
-        let s = &s[off..off + 16];
-        // SAFETY: `s` now holds exactly 16 floats.
-        unsafe { _mm512_loadu_ps(s.as_ptr()) }
     }
 }
 
