@@ -107,6 +107,61 @@ fn nibble_at(g: usize, p: usize) -> (usize, bool) {
     }
 }
 
+// ---------------------------------------------------------------------------
+// The row-tile layout (AVX-512 VNNI).
+//
+// Rows are taken 16 at a time (a tile; the last one padded with zero rows).
+// For each tile and block, one record holds the codes, then the 16 rows'
+// scales (f16), then for Q4_1 their minimums: the codes are 8 steps of 64
+// bytes in which 4-byte lane `l` holds elements `4s..4s + 4` of row `l`'s
+// block (Q4: two steps share 64 packed bytes, low nibbles the even step).
+// One `vpdpbusd` of a step against the activation's 4 bytes broadcast adds
+// 4 products to each of the 16 rows; after the block's 8 steps every lane
+// holds one row's block dot product, which one multiply by the 16 row
+// scales finishes. The lanes are output rows, so a result needs no
+// horizontal sum and every block costs the same (no tail groups).
+// ---------------------------------------------------------------------------
+
+/// How a matrix's quantized codes are arranged; fixed at load by the kernel
+/// path that will read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Groups of blocks per row (portable and AVX2 paths).
+    Groups,
+    /// Tiles of 16 rows, per-block records (AVX-512 VNNI path).
+    Rows16,
+}
+
+impl Layout {
+    /// The layout `path`'s kernels read.
+    pub fn for_path(path: KernelPath) -> Self {
+        match path {
+            KernelPath::Vnni => Layout::Rows16,
+            _ => Layout::Groups,
+        }
+    }
+}
+
+/// Rows per tile of the row-tile layout.
+pub const TILE: usize = 16;
+
+/// Bytes of one (tile, block) record of the row-tile layout.
+pub fn tile_record_bytes(kind: QuantKind) -> usize {
+    TILE * kind.block_bytes() + 2 * TILE * if kind == QuantKind::Q4_1 { 2 } else { 1 }
+}
+
+/// Where element `e` of a row in lane `l` sits in a (tile, block) record:
+/// (byte, high nibble). Q8_0: step `e / 4`, byte `e % 4` of the lane; Q4:
+/// steps 2t and 2t + 1 share the 64 packed bytes at 64t.
+#[inline]
+fn tile_code_at(kind: QuantKind, l: usize, e: usize) -> (usize, bool) {
+    let (s, k) = (e / 4, e % 4);
+    match kind {
+        QuantKind::Q8_0 => (64 * s + 4 * l + k, false),
+        _ => (64 * (s / 2) + 4 * l + k, s % 2 == 1),
+    }
+}
+
 /// A zeroed buffer of `n` bytes whose pages the kernel is asked to back
 /// with transparent huge pages before they are first touched (Linux; THP
 /// in `madvise` mode): weights are streamed in full every forward, and 2 MiB
@@ -133,19 +188,25 @@ fn huge_page_vec(n: usize) -> Vec<u8> {
     v
 }
 
-/// Quantized weights in the group layout.
+/// Quantized weights in the group or the row-tile layout.
 #[derive(Debug, Clone)]
 pub struct QuantWeights {
     pub kind: QuantKind,
+    pub layout: Layout,
+    pub rows: usize,
     /// Real blocks per row.
     pub nb: usize,
-    /// Blocks per row including the pad block.
+    /// Blocks per row including the pad block (group layout; `nb` for
+    /// row tiles).
     pub nbp: usize,
+    /// Groups of a row (group layout only).
     pub plan: Vec<(usize, usize)>,
-    /// `rows * nbp * block_bytes`, row-major, each group in its stream order
-    /// (Q8_0 codes as `q + 128`).
+    /// Groups: `rows * nbp * block_bytes`, row-major, each group in its
+    /// stream order. Row tiles: `tiles * nb` records (`tile_record_bytes`),
+    /// tile-major. Q8_0 codes are stored as `q + 128`.
     pub qs: Vec<u8>,
-    /// Block scales as f16 bits, `rows * nbp`, block order.
+    /// Block scales as f16 bits, `rows * nbp`, block order (group layout;
+    /// row tiles keep them in their records).
     pub d: Vec<u16>,
     /// Block minimums (Q4_1 only), as `d`.
     pub m: Vec<u16>,
@@ -157,11 +218,50 @@ impl QuantWeights {
     /// and returns its (scale, minimum) as f16 bits.
     fn build(
         kind: QuantKind,
+        layout: Layout,
         rows: usize,
         cols: usize,
         mut block: impl FnMut(usize, &mut [u8; QK]) -> (u16, u16),
     ) -> Self {
         let nb = cols / QK;
+        if layout == Layout::Rows16 {
+            let rec = tile_record_bytes(kind);
+            let cb = TILE * kind.block_bytes();
+            let tiles = rows.div_ceil(TILE);
+            let mut qs = huge_page_vec(tiles * nb * rec);
+            let mut vals = [0u8; QK];
+            for r in 0..rows {
+                let l = r % TILE;
+                for b in 0..nb {
+                    let (db, mb) = block(r * nb + b, &mut vals);
+                    let o = ((r / TILE) * nb + b) * rec;
+                    let dst = &mut qs[o..o + rec];
+                    for (e, &v) in vals.iter().enumerate() {
+                        let (i, hi) = tile_code_at(kind, l, e);
+                        match kind {
+                            QuantKind::Q8_0 => dst[i] = v ^ 0x80,
+                            _ => dst[i] |= (v & 15) << if hi { 4 } else { 0 },
+                        }
+                    }
+                    dst[cb + 2 * l..cb + 2 * l + 2].copy_from_slice(&db.to_le_bytes());
+                    if kind == QuantKind::Q4_1 {
+                        let mo = cb + 2 * TILE + 2 * l;
+                        dst[mo..mo + 2].copy_from_slice(&mb.to_le_bytes());
+                    }
+                }
+            }
+            return Self {
+                kind,
+                layout,
+                rows,
+                nb,
+                nbp: nb,
+                plan: Vec::new(),
+                qs,
+                d: Vec::new(),
+                m: Vec::new(),
+            };
+        }
         let nbp = padded_blocks(nb);
         let plan = group_plan(nbp);
         let bb = kind.block_bytes();
@@ -211,6 +311,8 @@ impl QuantWeights {
         }
         Self {
             kind,
+            layout,
+            rows,
             nb,
             nbp,
             plan,
@@ -254,6 +356,21 @@ impl QuantWeights {
             QuantKind::Q4_1 => 0,
             QuantKind::Q8_0 => 128,
         };
+        if self.layout == Layout::Rows16 {
+            let rec = tile_record_bytes(self.kind);
+            for b in 0..self.nb {
+                let o = ((r / TILE) * self.nb + b) * rec;
+                for e in 0..QK {
+                    let (i, hi) = tile_code_at(self.kind, r % TILE, e);
+                    let v = match self.kind {
+                        QuantKind::Q8_0 => self.qs[o + i],
+                        _ => (self.qs[o + i] >> if hi { 4 } else { 0 }) & 15,
+                    };
+                    out[b * QK + e] = (v as i16 - offset) as i8;
+                }
+            }
+            return;
+        }
         let mut stream = [0u8; 16 * QK];
         for &(b0, g) in &self.plan {
             self.unpack_group(r, b0, g, &mut stream);
@@ -265,12 +382,29 @@ impl QuantWeights {
         }
     }
 
-    fn scale(&self, i: usize) -> f32 {
-        f16::from_bits(self.d[i]).to_f32()
+    /// Scale of block `b` of row `r`.
+    fn scale(&self, r: usize, b: usize) -> f32 {
+        f16::from_bits(self.meta(r, b, 0)).to_f32()
     }
 
-    fn min(&self, i: usize) -> f32 {
-        f16::from_bits(self.m[i]).to_f32()
+    /// Minimum of block `b` of row `r` (Q4_1).
+    fn min(&self, r: usize, b: usize) -> f32 {
+        f16::from_bits(self.meta(r, b, 1)).to_f32()
+    }
+
+    /// f16 bits of the scale (`which == 0`) or minimum of block `b` of row `r`.
+    fn meta(&self, r: usize, b: usize, which: usize) -> u16 {
+        match self.layout {
+            Layout::Groups => [&self.d, &self.m][which][r * self.nbp + b],
+            Layout::Rows16 => {
+                let rec = tile_record_bytes(self.kind);
+                let o = ((r / TILE) * self.nb + b) * rec
+                    + TILE * self.kind.block_bytes()
+                    + 2 * TILE * which
+                    + 2 * (r % TILE);
+                u16::from_le_bytes([self.qs[o], self.qs[o + 1]])
+            }
+        }
     }
 }
 
@@ -303,8 +437,20 @@ impl QMatrix {
         }
     }
 
-    /// Repack raw ggml blocks (as stored in GGUF) of a quantized format.
+    /// Repack raw ggml blocks (as stored in GGUF) of a quantized format for
+    /// this process's kernel path.
     pub fn from_ggml_blocks(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        raw: &[u8],
+    ) -> Result<Self, String> {
+        Self::from_ggml_blocks_for(KernelPath::best(), format, rows, cols, raw)
+    }
+
+    /// Repack raw ggml blocks in the layout `path`'s kernels read.
+    pub fn from_ggml_blocks_for(
+        path: KernelPath,
         format: WeightFormat,
         rows: usize,
         cols: usize,
@@ -345,7 +491,7 @@ impl QMatrix {
                 nb * bsize
             ));
         }
-        let q = QuantWeights::build(kind, rows, cols, |gb, vals| {
+        let q = QuantWeights::build(kind, Layout::for_path(path), rows, cols, |gb, vals| {
             let b = &raw[gb * bsize..(gb + 1) * bsize];
             match kind {
                 QuantKind::Q4_0 | QuantKind::Q4_1 => {
@@ -402,7 +548,8 @@ impl QMatrix {
         if !self.cols.is_multiple_of(QK) {
             return None;
         }
-        let q = QuantWeights::build(QuantKind::Q8_0, self.rows, self.cols, |gb, vals| {
+        let layout = Layout::for_path(KernelPath::best());
+        let q = QuantWeights::build(QuantKind::Q8_0, layout, self.rows, self.cols, |gb, vals| {
             let block = &v[gb * QK..(gb + 1) * QK];
             let amax = block.iter().fold(0f32, |a, &x| a.max(x.abs()));
             let scale = amax / 127.0;
@@ -429,10 +576,9 @@ impl QMatrix {
                 let mut codes = vec![0i8; q.nbp * QK];
                 q.row_codes(r, &mut codes);
                 for b in 0..q.nb {
-                    let gb = r * q.nbp + b;
-                    let d = q.scale(gb);
+                    let d = q.scale(r, b);
                     let m = if q.kind == QuantKind::Q4_1 {
-                        q.min(gb)
+                        q.min(r, b)
                     } else {
                         0.0
                     };
@@ -453,7 +599,8 @@ pub enum KernelPath {
     Portable,
     /// AVX2 + FMA + F16C on the group layout, 8 lanes.
     Avx2,
-    /// AVX-512 VNNI on the group layout, 16 lanes, one `vpdpbusd` per step.
+    /// AVX-512 VNNI on the row-tile layout: 16 rows per vector, one
+    /// `vpdpbusd` per 4-byte step of a block.
     Vnni,
 }
 
@@ -570,9 +717,28 @@ pub struct Activations {
     qd: Vec<f32>,
     qsum: Vec<f32>,
     qs: Vec<i8>,
+    /// sum(q) per block (exact).
+    isum: Vec<i32>,
     quantized: bool,
-    /// The same quants in the group layout, for the SIMD paths.
-    grouped: GroupedActs,
+    /// The same quants in the group layout, for group-layout weights: made
+    /// at prepare time on the paths that read it, else on first use.
+    grouped: std::sync::OnceLock<GroupedActs>,
+    /// Buffers of a previous grouping, reused.
+    spare: GroupedActs,
+}
+
+/// Q8 activation blocks in element order.
+#[derive(Debug, Clone, Copy)]
+pub struct PlainActs<'a> {
+    pub n: usize,
+    pub nb: usize,
+    pub qs: &'a [i8],
+    /// Scale per block.
+    pub qd: &'a [f32],
+    /// d * sum(q) per block, f16-rounded (Q4_1's minimum term).
+    pub qsum: &'a [f32],
+    /// sum(q) per block.
+    pub isum: &'a [i32],
 }
 
 impl Activations {
@@ -595,36 +761,81 @@ impl Activations {
         if !self.quantized {
             self.f32.extend_from_slice(x);
         }
+        if let Some(g) = self.grouped.take() {
+            self.spare = g;
+        }
         if self.quantized {
             let nb = rows * cols / QK;
             self.qd.resize(nb, 0.0);
             self.qsum.resize(nb, 0.0);
+            self.isum.resize(nb, 0);
             self.qs.resize(rows * cols, 0);
+            let mut g = std::mem::take(&mut self.spare);
             match self.path {
                 #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2 | KernelPath::Vnni => super::simd::quantize_grouped(
-                    x,
-                    rows,
-                    cols / QK,
-                    &mut self.qd,
-                    &mut self.qsum,
-                    &mut self.qs,
-                    &mut self.grouped,
-                ),
+                KernelPath::Avx2 | KernelPath::Vnni => {
+                    // VNNI weights are row tiles, which read the plain blocks.
+                    let grouped = self.path == KernelPath::Avx2;
+                    super::simd::quantize_grouped(
+                        x,
+                        rows,
+                        cols / QK,
+                        (&mut self.qd, &mut self.qsum, &mut self.isum, &mut self.qs),
+                        grouped.then_some(&mut g),
+                    );
+                    if grouped {
+                        let _ = self.grouped.set(g);
+                    } else {
+                        self.spare = g;
+                    }
+                }
                 _ => {
-                    quantize_q8(x, &mut self.qd, &mut self.qsum, &mut self.qs);
-                    self.grouped
-                        .prepare(&self.qs, &self.qd, &self.qsum, rows, cols / QK);
+                    quantize_q8(
+                        x,
+                        &mut self.qd,
+                        &mut self.qsum,
+                        &mut self.isum,
+                        &mut self.qs,
+                    );
+                    g.prepare(&self.qs, &self.qd, &self.qsum, rows, cols / QK);
+                    let _ = self.grouped.set(g);
                 }
             }
         }
+    }
+
+    /// The quantized rows as plain Q8 blocks.
+    pub fn plain(&self) -> PlainActs<'_> {
+        PlainActs {
+            n: self.rows,
+            nb: self.cols / QK,
+            qs: &self.qs,
+            qd: &self.qd,
+            qsum: &self.qsum,
+            isum: &self.isum,
+        }
+    }
+
+    /// The quantized rows in the group layout.
+    pub fn grouped(&self) -> &GroupedActs {
+        self.grouped.get_or_init(|| {
+            let mut g = GroupedActs::default();
+            g.prepare(&self.qs, &self.qd, &self.qsum, self.rows, self.cols / QK);
+            g
+        })
     }
 }
 
 /// Quantize to Q8 blocks (ggml `quantize_row_q8_1`, as its x86 SIMD code
 /// rounds): d = amax / 127 rounded to f16, q = round-half-even(x / d),
 /// sum = d * sum(q) rounded to f16. Written so the compiler vectorizes it.
-pub fn quantize_q8(x: &[f32], d_out: &mut [f32], sum_out: &mut [f32], q_out: &mut [i8]) {
+pub fn quantize_q8(
+    x: &[f32],
+    d_out: &mut [f32],
+    sum_out: &mut [f32],
+    isum_out: &mut [i32],
+    q_out: &mut [i8],
+) {
     for (b, xs) in x.chunks_exact(QK).enumerate() {
         let xs: &[f32; QK] = xs.try_into().expect("whole block");
         let mut m = [0f32; 16];
@@ -648,6 +859,7 @@ pub fn quantize_q8(x: &[f32], d_out: &mut [f32], sum_out: &mut [f32], q_out: &mu
             }
         }
         let sum: i32 = sums.iter().sum();
+        isum_out[b] = sum;
         let d16 = f16::from_f32(d).to_f32();
         d_out[b] = d16;
         // ggml stores s = d * sum(q) as f16; keep that rounding so Q4_1
@@ -683,7 +895,7 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// then one scaled accumulate per lane; lanes are folded in a fixed order.
 fn quant_rows_portable(a: &Activations, q: &QuantWeights, r0: usize, r1: usize, out: &mut [f32]) {
     let n = a.rows;
-    let g = &a.grouped;
+    let g = a.grouped();
     let (nbp, ng) = (q.nbp, g.ngroups);
     assert_eq!(g.nbp, nbp, "activations prepared for another shape");
     let offset: i32 = match q.kind {
@@ -701,10 +913,10 @@ fn quant_rows_portable(a: &Activations, q: &QuantWeights, r0: usize, r1: usize, 
             let mut dw = [0f32; 16];
             let mut mw = [0f32; 16];
             for l in 0..16 {
-                let blk = r * nbp + b0 + l / lanes;
-                dw[l] = q.scale(blk);
+                let blk = b0 + l / lanes;
+                dw[l] = q.scale(r, blk);
                 if q.kind == QuantKind::Q4_1 {
-                    mw[l] = q.min(blk);
+                    mw[l] = q.min(r, blk);
                 }
             }
             for (i, acc) in acc.iter_mut().enumerate() {
@@ -749,12 +961,16 @@ fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f3
                 }
             }
         }
-        WeightData::Quant(q) if a.quantized => match a.path {
+        WeightData::Quant(q) if a.quantized => match (q.layout, a.path) {
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Vnni => super::simd::vnni::rows(q, &a.grouped, r0, r1, out),
+            (Layout::Rows16, _) => super::simd::vnni::rows16(q, &a.plain(), r0, r1, out),
+            #[cfg(not(target_arch = "x86_64"))]
+            (Layout::Rows16, _) => unreachable!("row tiles are built for the VNNI path only"),
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 => super::simd::rows(q, &a.grouped, r0, r1, out),
-            _ => quant_rows_portable(a, q, r0, r1, out),
+            (Layout::Groups, KernelPath::Avx2 | KernelPath::Vnni) => {
+                super::simd::rows(q, a.grouped(), r0, r1, out)
+            }
+            (Layout::Groups, _) => quant_rows_portable(a, q, r0, r1, out),
         },
         WeightData::Quant(_) => {
             // Quantized weights against unquantized activations (only
@@ -998,7 +1214,13 @@ mod tests {
 
     /// Quantize with candle (ggml's own block code), returning the raw
     /// blocks too, so references never read our repacked layout.
-    fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> (QMatrix, Vec<u8>) {
+    fn pack(
+        path: KernelPath,
+        format: WeightFormat,
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> (QMatrix, Vec<u8>) {
         use candle_core::quantized::{GgmlDType, QTensor};
         let t =
             candle_core::Tensor::from_slice(w, (rows, cols), &candle_core::Device::Cpu).unwrap();
@@ -1009,7 +1231,7 @@ mod tests {
             WeightFormat::F32 => return (QMatrix::from_f32(rows, cols, w.to_vec()), Vec::new()),
         };
         let raw = QTensor::quantize(&t, dt).unwrap().data().unwrap().to_vec();
-        let m = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+        let m = QMatrix::from_ggml_blocks_for(path, format, rows, cols, &raw).unwrap();
         (m, raw)
     }
 
@@ -1060,7 +1282,7 @@ mod tests {
         let nb = k / QK;
         let (mut d, mut s, mut q) = (vec![0.0; n * nb], vec![0.0; n * nb], vec![0i8; n * k]);
         if format != WeightFormat::F32 {
-            quantize_q8(x, &mut d, &mut s, &mut q);
+            quantize_q8(x, &mut d, &mut s, &mut vec![0; n * nb], &mut q);
         }
         let mut out = vec![0f32; n * rows];
         for r in 0..rows {
@@ -1117,23 +1339,53 @@ mod tests {
     }
 
     #[test]
+    fn row_tile_layout_is_a_bijection() {
+        for kind in [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0] {
+            let code_bytes = TILE * kind.block_bytes();
+            let mut seen = vec![0u8; code_bytes * 2];
+            for l in 0..TILE {
+                for e in 0..QK {
+                    let (i, hi) = tile_code_at(kind, l, e);
+                    assert!(i < code_bytes, "{kind:?} l={l} e={e}");
+                    // The byte lies in lane l of its 64-byte step.
+                    assert_eq!((i % 64) / 4, l);
+                    seen[2 * i + usize::from(hi)] += 1;
+                }
+            }
+            let want = if kind == QuantKind::Q8_0 {
+                [1, 0]
+            } else {
+                [1, 1]
+            };
+            for pair in seen.chunks_exact(2) {
+                assert_eq!(pair, want, "{kind:?}");
+            }
+        }
+        assert_eq!(tile_record_bytes(QuantKind::Q4_1), 16 * 16 + 64);
+        assert_eq!(tile_record_bytes(QuantKind::Q8_0), 16 * 32 + 32);
+    }
+
+    #[test]
     fn repacked_rows_dequantize_exactly_like_ggml() {
         let mut seed = 3u64;
-        for format in &FORMATS[1..] {
-            for &(rows, cols) in &[(3usize, 96usize), (2, 576), (2, 800), (1, 1536)] {
+        for (path, format) in KernelPath::supported()
+            .into_iter()
+            .flat_map(|p| FORMATS[1..].iter().map(move |f| (p, *f)))
+        {
+            for &(rows, cols) in &[(3usize, 96usize), (2, 576), (2, 800), (1, 1536), (19, 64)] {
                 let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
-                let (qm, raw) = pack(*format, &w, rows, cols);
+                let (qm, raw) = pack(path, format, &w, rows, cols);
                 let mut row = vec![0f32; cols];
                 for r in 0..rows {
                     qm.dequantize_row(r, &mut row);
                     for b in 0..cols / QK {
-                        let (d, m, c) = ggml_block(*format, &raw, r * cols / QK + b);
+                        let (d, m, c) = ggml_block(format, &raw, r * cols / QK + b);
                         for e in 0..QK {
                             let want = (c[e] as f32) * d as f32 + m as f32;
                             assert_eq!(
                                 row[b * QK + e],
                                 want,
-                                "{format:?} {rows}x{cols} r={r} b={b} e={e}"
+                                "{path:?} {format:?} {rows}x{cols} r={r} b={b} e={e}"
                             );
                         }
                     }
@@ -1147,7 +1399,8 @@ mod tests {
         let mut seed = 7u64;
         // Shape classes: one 2-block group; odd block counts (padded); every
         // group size; SmolLM2's 576 (16 + 2) and 1536 (3 x 16); 1 to 17
-        // activation rows (one and two row chunks).
+        // activation rows (one to three row chunks); row counts that end in
+        // a partial 16-row tile, within one task and across tasks of 64.
         let shapes = [
             (70usize, 64usize, 1usize),
             (33, 96, 3),
@@ -1163,7 +1416,7 @@ mod tests {
                 for &(rows, cols, n) in &shapes {
                     let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
                     let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 3.0).collect();
-                    let (qm, raw) = pack(format, &w, rows, cols);
+                    let (qm, raw) = pack(path, format, &w, rows, cols);
                     let mut a = Activations::new(path);
                     a.prepare(&x, n, cols, wants_q8(&qm));
                     let mut out = Vec::new();
@@ -1193,17 +1446,18 @@ mod tests {
                 x[n * cols - 32..].fill(0.0); // an all-zero block (scale 0)
                 let nb = n * cols / QK;
                 let (mut d, mut sm, mut q) = (vec![0.0; nb], vec![0.0; nb], vec![0i8; n * cols]);
-                quantize_q8(&x, &mut d, &mut sm, &mut q);
+                let mut si = vec![0i32; nb];
+                quantize_q8(&x, &mut d, &mut sm, &mut si, &mut q);
                 let mut want = GroupedActs::default();
                 want.prepare(&q, &d, &sm, n, cols / QK);
                 let mut a = Activations::new(path);
                 a.prepare(&x, n, cols, true);
                 assert_eq!(
-                    (a.qd.clone(), a.qsum.clone(), a.qs.clone()),
-                    (d, sm, q),
+                    (a.qd.clone(), a.qsum.clone(), a.isum.clone(), a.qs.clone()),
+                    (d, sm, si, q),
                     "{path:?} {n}x{cols}"
                 );
-                let g = &a.grouped;
+                let g = a.grouped();
                 assert_eq!((g.n, g.nbp, g.ngroups), (want.n, want.nbp, want.ngroups));
                 assert_eq!(g.xs, want.xs, "{path:?} {n}x{cols}");
                 assert_eq!(g.dx, want.dx, "{path:?} {n}x{cols}");
@@ -1262,8 +1516,8 @@ mod tests {
             for format in FORMATS {
                 let wg: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
                 let wu: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
-                let (g, _) = pack(format, &wg, rows, cols);
-                let (u, _) = pack(format, &wu, rows, cols);
+                let (g, _) = pack(path, format, &wg, rows, cols);
+                let (u, _) = pack(path, format, &wu, rows, cols);
                 let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
                 let mut a = Activations::new(path);
                 a.prepare(&x, n, cols, wants_q8(&g));
@@ -1300,7 +1554,7 @@ mod tests {
             for path in KernelPath::supported() {
                 for format in FORMATS {
                     let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
-                    let (qm, _) = pack(format, &w, rows, cols);
+                    let (qm, _) = pack(path, format, &w, rows, cols);
                     let total = 20;
                     let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed)).collect();
                     let mut a = Activations::new(path);

@@ -1,14 +1,15 @@
-//! x86-64 kernels on the group layout (see `kernels`), selected at run time.
+//! x86-64 kernels, selected at run time: AVX2 on the group layout and
+//! AVX-512 VNNI on the row-tile layout (see `kernels`).
 //!
-//! Both paths unpack a group of weight blocks once and apply it to a chunk
-//! of activation rows. Every activation row keeps its own accumulator and
-//! sees the same instruction sequence whatever the number of rows in the
-//! call, so results are batch-invariant, as in the portable path.
+//! Both unpack weights once per step and apply them to a chunk of
+//! activation rows. Every activation row keeps its own accumulator and sees
+//! the same instruction sequence whatever the number of rows in the call,
+//! so results are batch-invariant, as in the portable path.
 //!
 //! Offsets are removed exactly in integers: Q4_0 codes are kept as unsigned
-//! nibbles and corrected with `8 * sum(x)` per lane; Q8_0 codes are made
-//! unsigned with +128 (VNNI) and corrected with `128 * sum(x)`, or kept
-//! signed with the sign folded into the activations (AVX2).
+//! nibbles and corrected with `8 * sum(x)`; Q8_0 codes are made unsigned
+//! with +128 (VNNI) and corrected with `128 * sum(x)`, or kept signed with
+//! the sign folded into the activations (AVX2).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -28,23 +29,28 @@ pub fn available() -> bool {
 
 /// Quantize `n` rows of `nb` blocks to Q8 (exactly as
 /// `kernels::quantize_q8`: round half to even, f16-rounded scale and sum)
-/// and write them both in element order and in the group layout.
-#[allow(clippy::too_many_arguments)]
+/// into `(scales, d * sums, sums, codes)` in element order and, when `g` is
+/// given, also in the group layout.
 pub fn quantize_grouped(
     x: &[f32],
     n: usize,
     nb: usize,
-    qd: &mut [f32],
-    qsum: &mut [f32],
-    qs: &mut [i8],
-    g: &mut GroupedActs,
+    (qd, qsum, isum, qs): (&mut [f32], &mut [f32], &mut [i32], &mut [i8]),
+    g: Option<&mut GroupedActs>,
 ) {
     assert!(available());
     assert!(x.len() >= n * nb * QK && qs.len() >= n * nb * QK);
-    assert!(qd.len() >= n * nb && qsum.len() >= n * nb);
-    let plan = g.reset(n, nb);
+    assert!(qd.len() >= n * nb && qsum.len() >= n * nb && isum.len() >= n * nb);
+    let mut none = GroupedActs::default();
+    let (g, plan) = match g {
+        Some(g) => {
+            let plan = g.reset(n, nb);
+            (g, plan)
+        }
+        None => (&mut none, Vec::new()),
+    };
     // SAFETY: `available()` confirmed AVX2, FMA and F16C on this CPU.
-    unsafe { quantize_grouped_avx2(x, n, nb, qd, qsum, qs, g, &plan) }
+    unsafe { quantize_grouped_avx2(x, n, nb, qd, qsum, isum, qs, g, &plan) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -55,15 +61,23 @@ fn quantize_grouped_avx2(
     nb: usize,
     qd: &mut [f32],
     qsum: &mut [f32],
+    isum: &mut [i32],
     qs: &mut [i8],
     g: &mut GroupedActs,
     plan: &[(usize, usize)],
 ) {
+    if plan.is_empty() {
+        // Element order only.
+        for xb in 0..n * nb {
+            let (d, sm, total) =
+                quantize_block_avx2(&x[xb * QK..(xb + 1) * QK], &mut qs[xb * QK..(xb + 1) * QK]);
+            qd[xb] = d;
+            qsum[xb] = sm;
+            isum[xb] = total;
+        }
+        return;
+    }
     let (nbp, ng) = (g.nbp, g.ngroups);
-    let absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    let ones8 = _mm256_set1_epi8(1);
-    let ones16 = _mm256_set1_epi16(1);
     for row in 0..n {
         for (gi, &(b0, gs)) in plan.iter().enumerate() {
             let lanes = 16 / gs;
@@ -71,56 +85,67 @@ fn quantize_grouped_avx2(
             let meta = (row * ng + gi) * 16;
             for b in 0..gs.min(nb.saturating_sub(b0)) {
                 let xb = row * nb + b0 + b;
-                let xs = &x[xb * QK..(xb + 1) * QK];
-                let v: [__m256; 4] = core::array::from_fn(|i| {
-                    let c = &xs[8 * i..8 * i + 8];
-                    // SAFETY: `c` holds exactly 8 floats.
-                    unsafe { _mm256_loadu_ps(c.as_ptr()) }
-                });
-                let m = _mm256_max_ps(
-                    _mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
-                    _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)),
-                );
-                let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-                let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
-                let d = amax / 127.0;
-                let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-                let q: [__m256i; 4] =
-                    core::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)));
-                let p01 = _mm256_packs_epi32(q[0], q[1]);
-                let p23 = _mm256_packs_epi32(q[2], q[3]);
-                let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
                 let dst = &mut qs[xb * QK..(xb + 1) * QK];
-                // SAFETY: `dst` holds exactly 32 bytes.
-                unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bytes) };
-                // Sums of each 4-byte chunk (signed bytes times one).
-                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, bytes), ones16);
-                let mut cs = [0i32; 8];
-                let mut words = [0u32; 8];
-                // SAFETY: both arrays are exactly 32 bytes.
-                unsafe {
-                    _mm256_storeu_si256(cs.as_mut_ptr() as *mut __m256i, sums);
-                    _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, bytes);
-                }
-                let total: i32 = cs.iter().sum();
-                let d16 = half::f16::from_f32(d).to_f32();
+                let (d16, sm, total) = quantize_block_avx2(&x[xb * QK..(xb + 1) * QK], dst);
                 qd[xb] = d16;
-                let sm = half::f16::from_f32(total as f32 * d16).to_f32();
                 qsum[xb] = sm;
+                isum[xb] = total;
                 for c in 0..8 {
                     let (s, u) = (c / lanes, c % lanes);
                     let l = b * lanes + u;
                     let o = base + s * 64 + l * 4;
-                    g.xs[o..o + 4]
-                        .copy_from_slice(&(words[c] as i32).to_le_bytes().map(|v| v as i8));
-                    g.lsum[meta + l] += cs[c];
+                    let chunk = &dst[c * 4..c * 4 + 4];
+                    g.xs[o..o + 4].copy_from_slice(chunk);
+                    g.lsum[meta + l] += chunk.iter().map(|&v| v as i32).sum::<i32>();
                 }
                 g.dx[meta + b * lanes..meta + (b + 1) * lanes].fill(d16);
                 g.smin[meta + b * lanes] = sm;
             }
         }
     }
+}
+
+/// One block of 32 floats to Q8 codes in `dst`: (f16-rounded scale,
+/// f16-rounded d * sum(q), sum(q)).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_block_avx2(xs: &[f32], dst: &mut [i8]) -> (f32, f32, i32) {
+    let (xs, dst) = (&xs[..QK], &mut dst[..QK]);
+    let absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let ones8 = _mm256_set1_epi8(1);
+    let ones16 = _mm256_set1_epi16(1);
+    let v: [__m256; 4] = core::array::from_fn(|i| {
+        let c = &xs[8 * i..8 * i + 8];
+        // SAFETY: `c` holds exactly 8 floats.
+        unsafe { _mm256_loadu_ps(c.as_ptr()) }
+    });
+    let m = _mm256_max_ps(
+        _mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+        _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)),
+    );
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let q: [__m256i; 4] = core::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)));
+    let p01 = _mm256_packs_epi32(q[0], q[1]);
+    let p23 = _mm256_packs_epi32(q[2], q[3]);
+    let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
+    // SAFETY: `dst` holds exactly 32 bytes.
+    unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bytes) };
+    // Sum of the signed bytes (times one, in 16 then 32 bits: exact).
+    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, bytes), ones16);
+    let s4 = _mm_add_epi32(
+        _mm256_castsi256_si128(sums),
+        _mm256_extracti128_si256::<1>(sums),
+    );
+    let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b01_00_11_10>(s4));
+    let total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<0b10_11_00_01>(s2)));
+    let d16 = half::f16::from_f32(d).to_f32();
+    let sm = half::f16::from_f32(total as f32 * d16).to_f32();
+    (d16, sm, total)
 }
 
 const Q4_0: u8 = 0;
@@ -359,10 +384,12 @@ fn _mm_loadu_si128_arr(a: &[u16; 8]) -> __m128i {
     unsafe { _mm_loadu_si128(a.as_ptr() as *const __m128i) }
 }
 
-/// AVX-512 VNNI kernels: one 512-bit `vpdpbusd` per 64-byte step, 16
-/// lanes, up to 12 activation rows per unpacked weight group.
+/// AVX-512 VNNI kernel on row tiles: one 512-bit `vpdpbusd` per 4-byte
+/// step of a block adds to 16 output rows at once; up to 8 activation rows
+/// per pass over a tile.
 pub mod vnni {
-    use super::{check, kind_code, GroupedActs, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
+    use super::super::kernels::{tile_record_bytes, Layout, PlainActs, TILE};
+    use super::{QuantKind, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -377,318 +404,193 @@ pub mod vnni {
         })
     }
 
-    /// Most activation rows one weight-group unpack serves: two weight rows
-    /// run together, with two integer and two float accumulators per
-    /// activation row, which with the unpacked steps fit 32 registers.
-    const MAX_ROWS: usize = 6;
+    /// Most activation rows one pass over a tile serves: one integer and
+    /// one float accumulator per row, plus the unpacked steps, fit the 32
+    /// vector registers.
+    const MAX_ROWS: usize = 8;
 
-    /// Rows `r0..r1` of `w` against every activation row, written
-    /// activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
-    pub fn rows(w: &QuantWeights, x: &GroupedActs, r0: usize, r1: usize, out: &mut [f32]) {
+    /// How far ahead (in weight bytes) the kernel prefetches: the stream
+    /// comes from DRAM (the model is larger than the caches).
+    const PREFETCH_BYTES: usize = 8192;
+
+    /// Rows `r0..r1` of `w` (row tiles) against every activation row,
+    /// written activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
+    pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(available());
-        check(w, x, r1, r0, out);
-        // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI, AVX2, FMA
-        // and F16C on this CPU.
-        unsafe {
-            match kind_code(w.kind) {
-                Q4_0 => vnni_rows::<Q4_0>(w, x, r0, r1, out),
-                Q4_1 => vnni_rows::<Q4_1>(w, x, r0, r1, out),
-                _ => vnni_rows::<Q8_0>(w, x, r0, r1, out),
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn vnni_rows<const K: u8>(
-        w: &QuantWeights,
-        x: &GroupedActs,
-        r0: usize,
-        r1: usize,
-        out: &mut [f32],
-    ) {
+        assert_eq!(w.layout, Layout::Rows16);
+        assert_eq!(
+            w.nb, x.nb,
+            "weights and activations disagree on blocks per row"
+        );
+        assert!(r0.is_multiple_of(TILE) && r0 <= r1 && r1 <= w.rows);
+        let rec = tile_record_bytes(w.kind);
+        assert!(w.qs.len() >= w.rows.div_ceil(TILE) * w.nb * rec);
+        let nb = x.nb;
+        assert!(x.qs.len() >= x.n * nb * QK);
+        assert!(x.qd.len() >= x.n * nb && x.qsum.len() >= x.n * nb && x.isum.len() >= x.n * nb);
+        let nr = r1 - r0;
+        assert!(out.len() >= nr * x.n);
         let n = x.n;
-        // Balanced chunks of at most MAX_ROWS activation rows; the chunk is
-        // the outer loop so its activations stay in L1 across weight rows.
         let chunks = n.div_ceil(MAX_ROWS);
         let per = n.div_ceil(chunks.max(1));
-        // Software prefetch of the weight row a few rows ahead: the stream
-        // comes from DRAM (the model is larger than the caches) and the
-        // hardware prefetcher restarts at every page.
-        let row_bytes = w.nbp * w.kind.block_bytes();
-        let total_rows = w.qs.len() / row_bytes.max(1);
-        let ahead = (PREFETCH_BYTES / row_bytes.max(1)).max(1);
-        let nr = r1 - r0;
-        if n > per && n <= 2 * per {
-            // Two chunks (7 to 12 rows): each weight row pair is read once
-            // and met by both chunks while it sits in L1.
-            let mut r = r0;
-            while r < r1 {
-                let pair = r + 1 < r1;
-                for p in r..r + 1 + usize::from(pair) {
-                    if p + ahead < total_rows {
-                        prefetch_row::<PREFETCH_HINT>(w, p + ahead, row_bytes);
-                    }
-                }
-                pass::<K>(w, x, r, pair, 0, per, r0, nr, out);
-                pass::<K>(w, x, r, pair, per, n - per, r0, nr, out);
-                r += 1 + usize::from(pair);
-            }
-            return;
-        }
-        // Otherwise the chunk is the outer loop: its activations stay in L1
-        // across the task's weight rows.
-        let mut i0 = 0;
-        while i0 < n {
-            let rr = (n - i0).min(per);
-            let mut r = r0;
-            while r < r1 {
-                let pair = r + 1 < r1;
-                for p in r..r + 1 + usize::from(pair) {
-                    if p + ahead < total_rows {
-                        prefetch_row::<PREFETCH_HINT>(w, p + ahead, row_bytes);
-                    }
-                }
-                pass::<K>(w, x, r, pair, i0, rr, r0, nr, out);
-                r += 1 + usize::from(pair);
-            }
-            i0 += rr;
-        }
-    }
-
-    /// Weight row `r` (and `r + 1` when `pair`) against activation rows
-    /// `i0..i0 + rr`, written to `out[i * nr + (row - r0)]`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    fn pass<const K: u8>(
-        w: &QuantWeights,
-        x: &GroupedActs,
-        r: usize,
-        pair: bool,
-        i0: usize,
-        rr: usize,
-        r0: usize,
-        nr: usize,
-        out: &mut [f32],
-    ) {
-        assert!(r + usize::from(pair) < w.qs.len() / (w.nbp * w.kind.block_bytes()).max(1));
-        assert!(i0 + rr <= x.n && (1..=MAX_ROWS).contains(&rr));
-        let mut put = |p: usize, v: &[f32]| {
-            for (j, &val) in v.iter().enumerate() {
-                out[(i0 + j) * nr + (r + p - r0)] = val;
-            }
-        };
-        // SAFETY: `check` (called by `rows`) bounded the weight rows below
-        // `r1` and the activation rows below `x.n`; the asserts above keep
-        // this tile inside them.
+        // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI and F16C; the
+        // asserts above bound every tile record and activation block the
+        // kernel reads.
         unsafe {
-            macro_rules! go {
-                ($p:literal) => {
-                    match rr {
-                        1 => tile::<$p, 1, K>(w, x, r, i0)
-                            .iter()
-                            .enumerate()
-                            .for_each(|(p, v)| put(p, v)),
-                        2 => tile::<$p, 2, K>(w, x, r, i0)
-                            .iter()
-                            .enumerate()
-                            .for_each(|(p, v)| put(p, v)),
-                        3 => tile::<$p, 3, K>(w, x, r, i0)
-                            .iter()
-                            .enumerate()
-                            .for_each(|(p, v)| put(p, v)),
-                        4 => tile::<$p, 4, K>(w, x, r, i0)
-                            .iter()
-                            .enumerate()
-                            .for_each(|(p, v)| put(p, v)),
-                        5 => tile::<$p, 5, K>(w, x, r, i0)
-                            .iter()
-                            .enumerate()
-                            .for_each(|(p, v)| put(p, v)),
-                        _ => tile::<$p, 6, K>(w, x, r, i0)
-                            .iter()
-                            .enumerate()
-                            .for_each(|(p, v)| put(p, v)),
+            for t in r0 / TILE..r1.div_ceil(TILE) {
+                let live = (r1 - t * TILE).min(TILE);
+                let mut i0 = 0;
+                while i0 < n {
+                    let rr = (n - i0).min(per);
+                    let mut put = |v: &[[f32; TILE]]| {
+                        for (j, lanes) in v.iter().enumerate() {
+                            let o = (i0 + j) * nr + t * TILE - r0;
+                            out[o..o + live].copy_from_slice(&lanes[..live]);
+                        }
+                    };
+                    match w.kind {
+                        QuantKind::Q4_0 => go::<Q4_0>(w, x, t, i0, rr, &mut put),
+                        QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, &mut put),
+                        QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, &mut put),
                     }
-                };
-            }
-            if pair {
-                go!(2)
-            } else {
-                go!(1)
+                    i0 += rr;
+                }
             }
         }
     }
 
-    /// Weight rows `r..r + P` against activation rows `i0..i0 + R`.
-    ///
-    /// Per group: each 64-byte step of each weight row is unpacked once and
-    /// met by all R activation rows (every activation load feeds all P
-    /// rows' `vpdpbusd`); with few chains, even and odd steps use separate
-    /// accumulators, summed exactly in integers. Then per (weight row,
-    /// activation row) the offset correction and one scaled float
-    /// accumulate (two for Q4_1). A result is the same sequence of
-    /// operations for every P and R (integer sums are exact, the float
-    /// steps and the final reduction tree fixed per accumulator), so tiling
-    /// changes no bit.
+    /// Tile `t` against activation rows `i0..i0 + rr` (`1 <= rr <=
+    /// MAX_ROWS`), handed to `put`.
     ///
     /// # Safety
-    /// AVX-512F/BW/VL/VNNI, FMA and F16C are available; weight rows
-    /// `r..r + P` and activation rows `i0..i0 + R` exist in `w` and `x`,
-    /// whose shapes `check` has validated.
+    /// As `tile`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile<const P: usize, const R: usize, const K: u8>(
+    unsafe fn go<const K: u8>(
         w: &QuantWeights,
-        x: &GroupedActs,
-        r: usize,
+        x: &PlainActs<'_>,
+        t: usize,
         i0: usize,
-    ) -> [[f32; R]; P] {
-        let split = P * R <= 4;
-        let (nbp, bb, ng) = (w.nbp, w.kind.block_bytes(), x.ngroups);
-        // Row starts; every load below reads inside the rows the caller
-        // guarantees (`b0 + g <= nbp` for every group of the plan).
-        let wq: [*const u8; P] =
-            core::array::from_fn(|p| w.qs.as_ptr().wrapping_add((r + p) * nbp * bb));
-        let wd: [*const u16; P] =
-            core::array::from_fn(|p| w.d.as_ptr().wrapping_add((r + p) * nbp));
-        let wm: [*const u16; P] =
-            core::array::from_fn(|p| w.m.as_ptr().wrapping_add((r + p) * nbp));
-        let xq: [*const i8; R] =
-            core::array::from_fn(|j| x.xs.as_ptr().wrapping_add((i0 + j) * nbp * QK));
-        let meta = |j: usize, gi: usize| ((i0 + j) * ng + gi) * 16;
-        let zero = _mm512_setzero_si512();
+        rr: usize,
+        put: &mut impl FnMut(&[[f32; TILE]]),
+    ) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            match rr {
+                1 => put(&tile::<1, K>(w, x, t, i0)),
+                2 => put(&tile::<2, K>(w, x, t, i0)),
+                3 => put(&tile::<3, K>(w, x, t, i0)),
+                4 => put(&tile::<4, K>(w, x, t, i0)),
+                5 => put(&tile::<5, K>(w, x, t, i0)),
+                6 => put(&tile::<6, K>(w, x, t, i0)),
+                7 => put(&tile::<7, K>(w, x, t, i0)),
+                _ => put(&tile::<8, K>(w, x, t, i0)),
+            }
+        }
+    }
+
+    /// The 16 rows of tile `t` against activation rows `i0..i0 + R`.
+    ///
+    /// Per block: each 64-byte step is unpacked once and met by all R
+    /// activation rows (their 4 bytes broadcast); each row's integer chain
+    /// starts from minus the weights' offset times the block's activation
+    /// sum (Q4_0: 8, Q8_0: 128), so it ends holding the exact block dot
+    /// product of all 16 rows; then one scaled float accumulate (two for
+    /// Q4_1) per activation row. Lane l is row 16t + l throughout, and its
+    /// result is the same chain of operations for every R.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL/VNNI and F16C are available; tile `t` and activation
+    /// rows `i0..i0 + R` exist (as `rows16` asserts).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile<const R: usize, const K: u8>(
+        w: &QuantWeights,
+        x: &PlainActs<'_>,
+        t: usize,
+        i0: usize,
+    ) -> [[f32; TILE]; R] {
+        let nb = w.nb;
+        let rec = tile_record_bytes(w.kind);
+        let cb = TILE * w.kind.block_bytes();
+        let split = R <= 2;
+        let base = w.qs.as_ptr().wrapping_add(t * nb * rec);
         let mask4 = _mm512_set1_epi8(0x0f);
-        let mut acc = [[_mm512_setzero_ps(); R]; P];
-        for (gi, &(b0, g)) in w.plan.iter().enumerate() {
-            // The chains start from minus the weights' offset times the
-            // lane's activation sum (Q4_0: 8, Q8_0: 128; Q4_1 has none),
-            // which removes the offset exactly.
-            let start: [__m512i; R] = core::array::from_fn(|j| {
-                if K == Q4_1 {
-                    return zero;
-                }
-                // SAFETY: activation row i0 + j exists, so its 16 lane sums
-                // of group gi are inside `x.lsum` (checked by `check`).
-                let ls = unsafe { ldi(x.lsum.as_ptr().add(meta(j, gi)) as *const u8) };
-                if K == Q4_0 {
-                    _mm512_sub_epi32(zero, _mm512_slli_epi32::<3>(ls))
-                } else {
-                    _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(ls))
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let blk = base.wrapping_add(b * rec);
+            for off in (0..rec).step_by(64) {
+                // A prefetch never faults, whatever the address.
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_BYTES + off) as *const i8);
+            }
+            let xb: [usize; R] = core::array::from_fn(|j| (i0 + j) * nb + b);
+            let mut ia: [__m512i; R] = core::array::from_fn(|j| {
+                let s = x.isum[xb[j]];
+                match K {
+                    Q4_0 => _mm512_set1_epi32(-(s << 3)),
+                    Q8_0 => _mm512_set1_epi32(-(s << 7)),
+                    _ => zero,
                 }
             });
-            let mut ia = [start; P];
-            let mut ib = [[zero; R]; P];
-            let wg: [*const u8; P] = core::array::from_fn(|p| wq[p].wrapping_add(b0 * bb));
-            let xg: [*const u8; R] =
-                core::array::from_fn(|j| xq[j].wrapping_add(b0 * QK) as *const u8);
-            if g == 2 {
-                // One 64-byte step: Q8 codes as stored, Q4 nibbles of 32
-                // bytes (low then high half).
-                let wv: [__m512i; P] = core::array::from_fn(|p| {
-                    if K == Q8_0 {
-                        // SAFETY: a 2-block Q8_0 group is 64 bytes of row r + p.
-                        unsafe { ldi(wg[p]) }
-                    } else {
-                        // SAFETY: a 2-block Q4 group is 32 bytes of row r + p.
-                        let raw = unsafe { _mm256_loadu_si256(wg[p] as *const __m256i) };
-                        let m = _mm256_set1_epi8(0x0f);
-                        let lo = _mm256_and_si256(raw, m);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m);
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-                    }
-                });
+            let mut ib = [zero; R];
+            // Steps in pairs (2u, 2u + 1).
+            for u in 0..4 {
+                let (we, wo) = if K == Q8_0 {
+                    // SAFETY: steps 2u and 2u + 1 are inside the record's
+                    // 512 code bytes.
+                    unsafe { (ld(blk.add(128 * u)), ld(blk.add(128 * u + 64))) }
+                } else {
+                    // SAFETY: packed steps 2u, 2u + 1 are 64 of the record's
+                    // 256 code bytes.
+                    let raw = unsafe { ld(blk.add(64 * u)) };
+                    (
+                        _mm512_and_si512(raw, mask4),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4),
+                    )
+                };
                 for j in 0..R {
-                    // SAFETY: the group's 64 activation bytes of row i0 + j.
-                    let xv = unsafe { ldi(xg[j]) };
-                    for p in 0..P {
-                        ia[p][j] = _mm512_dpbusd_epi32(ia[p][j], wv[p], xv);
-                    }
-                }
-            } else {
-                // Steps in pairs (2s, 2s + 1).
-                for s in 0..g / 4 {
-                    let (we, wo): ([__m512i; P], [__m512i; P]) = if K == Q8_0 {
+                    // SAFETY: bytes 8u..8u + 8 of activation block xb[j].
+                    let (e, o) = unsafe {
+                        let p = x.qs.as_ptr().add(xb[j] * QK + 8 * u);
                         (
-                            // SAFETY: steps 2s and 2s + 1 of the group lie in
-                            // its `64 * g / 2` bytes since s < g / 4.
-                            core::array::from_fn(|p| unsafe { ldi(wg[p].add(128 * s)) }),
-                            // SAFETY: as above.
-                            core::array::from_fn(|p| unsafe { ldi(wg[p].add(128 * s + 64)) }),
-                        )
-                    } else {
-                        // SAFETY: the packed pair of steps is 64 bytes at
-                        // 64 * s of the group's `16 * g` bytes.
-                        let raw: [__m512i; P] =
-                            core::array::from_fn(|p| unsafe { ldi(wg[p].add(64 * s)) });
-                        (
-                            core::array::from_fn(|p| _mm512_and_si512(raw[p], mask4)),
-                            core::array::from_fn(|p| {
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(raw[p]), mask4)
-                            }),
+                            (p as *const i32).read_unaligned(),
+                            (p.add(4) as *const i32).read_unaligned(),
                         )
                     };
-                    for j in 0..R {
-                        // SAFETY: the group's activations are `32 * g` bytes
-                        // and 128 * s + 128 <= 32 * g.
-                        let xe = unsafe { ldi(xg[j].add(128 * s)) };
-                        for p in 0..P {
-                            ia[p][j] = _mm512_dpbusd_epi32(ia[p][j], we[p], xe);
-                        }
-                    }
-                    for j in 0..R {
-                        // SAFETY: as above.
-                        let xd = unsafe { ldi(xg[j].add(128 * s + 64)) };
-                        for p in 0..P {
-                            if split {
-                                ib[p][j] = _mm512_dpbusd_epi32(ib[p][j], wo[p], xd);
-                            } else {
-                                ia[p][j] = _mm512_dpbusd_epi32(ia[p][j], wo[p], xd);
-                            }
-                        }
+                    ia[j] = _mm512_dpbusd_epi32(ia[j], we, _mm512_set1_epi32(e));
+                    if split {
+                        ib[j] = _mm512_dpbusd_epi32(ib[j], wo, _mm512_set1_epi32(o));
+                    } else {
+                        ia[j] = _mm512_dpbusd_epi32(ia[j], wo, _mm512_set1_epi32(o));
                     }
                 }
             }
-            // SAFETY: the group's `g` scales of row r + p.
-            let dw: [__m512; P] = core::array::from_fn(|p| unsafe { expand(wd[p].add(b0), g) });
-            let mw: [__m512; P] = core::array::from_fn(|p| {
-                if K == Q4_1 {
-                    // SAFETY: as above, for the minimums (Q4_1 has them).
-                    unsafe { expand(wm[p].add(b0), g) }
-                } else {
-                    _mm512_setzero_ps()
-                }
-            });
+            // SAFETY: the record's 16 scales follow its codes.
+            let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb) as *const __m256i)) };
+            let mw = if K == Q4_1 {
+                // SAFETY: Q4_1 records end with the 16 minimums.
+                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb + 32) as *const __m256i)) }
+            } else {
+                _mm512_setzero_ps()
+            };
             for j in 0..R {
-                let mo = meta(j, gi);
-                // SAFETY: the 16 lane scales of group gi of row i0 + j.
-                let dx = unsafe { _mm512_loadu_ps(x.dx.as_ptr().add(mo)) };
-                let sm = if K == Q4_1 {
-                    // SAFETY: as above, for the minimum terms.
-                    unsafe { _mm512_loadu_ps(x.smin.as_ptr().add(mo)) }
+                let ip = if split {
+                    _mm512_add_epi32(ia[j], ib[j])
                 } else {
-                    _mm512_setzero_ps()
+                    ia[j]
                 };
-                for p in 0..P {
-                    let ip = if split {
-                        _mm512_add_epi32(ia[p][j], ib[p][j])
-                    } else {
-                        ia[p][j]
-                    };
-                    acc[p][j] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(ip),
-                        _mm512_mul_ps(dw[p], dx),
-                        acc[p][j],
-                    );
-                    if K == Q4_1 {
-                        acc[p][j] = _mm512_fmadd_ps(mw[p], sm, acc[p][j]);
-                    }
+                let sc = _mm512_mul_ps(dw, _mm512_set1_ps(x.qd[xb[j]]));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[j]);
+                if K == Q4_1 {
+                    acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.qsum[xb[j]]), acc[j]);
                 }
             }
         }
-        let mut o = [[0f32; R]; P];
-        for p in 0..P {
-            hsum_many(&acc[p], &mut o[p]);
+        let mut o = [[0f32; TILE]; R];
+        for j in 0..R {
+            // SAFETY: `o[j]` is exactly 16 floats.
+            unsafe { _mm512_storeu_ps(o[j].as_mut_ptr(), acc[j]) };
         }
         o
     }
@@ -699,103 +601,9 @@ pub mod vnni {
     /// 64 readable bytes at `p`; AVX-512F is available.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn ldi(p: *const u8) -> __m512i {
+    unsafe fn ld(p: *const u8) -> __m512i {
         // SAFETY: the caller's guarantee.
         unsafe { _mm512_loadu_si512(p as *const __m512i) }
-    }
-
-    /// Horizontal sums of up to 8 vectors at a time through one shuffle
-    /// tree; each vector's 16 lanes are added in the same fixed order
-    /// whatever shares the tree: e + (e + 8), then ((e + 4) + (e + 12))
-    /// added, then (e0 + e2) + (e1 + e3).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn hsum_many<const N: usize>(v: &[__m512; N], out: &mut [f32; N]) {
-        for c0 in (0..N).step_by(8) {
-            let z = _mm512_setzero_ps();
-            let a: [__m512; 8] = core::array::from_fn(|i| if c0 + i < N { v[c0 + i] } else { z });
-            // lanes l + (l + 8): pairs of vectors share one result.
-            let u: [__m512; 4] = core::array::from_fn(|i| {
-                _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0x44>(a[2 * i], a[2 * i + 1]),
-                    _mm512_shuffle_f32x4::<0xEE>(a[2 * i], a[2 * i + 1]),
-                )
-            });
-            // then + (l + 4): one 128-bit lane per vector.
-            let t: [__m512; 2] = core::array::from_fn(|i| {
-                _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0x88>(u[2 * i], u[2 * i + 1]),
-                    _mm512_shuffle_f32x4::<0xDD>(u[2 * i], u[2 * i + 1]),
-                )
-            });
-            // then (e0 + e2) + (e1 + e3) inside each 128-bit lane.
-            let s = _mm512_add_ps(
-                _mm512_unpacklo_ps(t[0], t[1]),
-                _mm512_unpackhi_ps(t[0], t[1]),
-            );
-            let f = _mm512_add_ps(s, _mm512_permute_ps::<0x4E>(s));
-            let mut lanes = [0f32; 16];
-            // SAFETY: `lanes` is exactly 16 floats.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), f) };
-            // t[0] holds vectors 0-3 and t[1] vectors 4-7, one per 128-bit
-            // lane; vector i ends in lane i % 4, element i / 4.
-            for i in 0..8.min(N - c0) {
-                out[c0 + i] = lanes[HSUM_SLOT[i]];
-            }
-        }
-    }
-
-    /// Where `hsum_many` leaves vector i (0..8) of a chunk.
-    const HSUM_SLOT: [usize; 8] = [0, 4, 8, 12, 1, 5, 9, 13];
-
-    /// How far ahead (in weight bytes) `vnni_rows` prefetches.
-    const PREFETCH_BYTES: usize = 8192;
-    const PREFETCH_HINT: i32 = _MM_HINT_T0;
-
-    /// Prefetch weight row `r` (codes, scales, minimums) into L1.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn prefetch_row<const H: i32>(w: &QuantWeights, r: usize, row_bytes: usize) {
-        let q = &w.qs[r * row_bytes..(r + 1) * row_bytes];
-        for off in (0..row_bytes).step_by(64) {
-            // SAFETY: `off < q.len()`, so the address is inside `q`; a
-            // prefetch never faults or changes memory.
-            unsafe { _mm_prefetch::<H>(q.as_ptr().add(off) as *const i8) };
-        }
-        let d = &w.d[r * w.nbp..(r + 1) * w.nbp];
-        _mm_prefetch::<H>(d.as_ptr() as *const i8);
-        if !w.m.is_empty() {
-            let m = &w.m[r * w.nbp..(r + 1) * w.nbp];
-            _mm_prefetch::<H>(m.as_ptr() as *const i8);
-        }
-    }
-
-    /// `g` f16 scales from `s` expanded to 16 lanes (lane l gets scale
-    /// l / (16 / g)).
-    ///
-    /// # Safety
-    /// `s` points at `g` readable u16 and AVX-512F/BW/VL are available.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn expand(s: *const u16, g: usize) -> __m512 {
-        if g == 16 {
-            // SAFETY: 16 u16 = 32 bytes from `s` (the caller's guarantee).
-            let v = unsafe { _mm256_loadu_si256(s as *const __m256i) };
-            return _mm512_cvtph_ps(v);
-        }
-        let mask: __mmask16 = (1u16 << g) - 1;
-        // SAFETY: the mask limits the load to the `g` elements at `s`.
-        let v = unsafe { _mm256_maskz_loadu_epi16(mask, s as *const i16) };
-        // Lane l takes scale l / (16 / g).
-        const IDX: [[i32; 16]; 3] = [
-            [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
-            [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3],
-            [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7],
-        ];
-        let t = &IDX[(g.trailing_zeros() as usize).saturating_sub(1).min(2)];
-        // SAFETY: `t` is exactly 16 i32.
-        let idx = unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) };
-        _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(v))
     }
 }
 
