@@ -136,8 +136,8 @@ impl Layout {
     /// The layout `path`'s kernels read.
     pub fn for_path(path: KernelPath) -> Self {
         match path {
-            KernelPath::Vnni => Layout::Rows16,
-            _ => Layout::Groups,
+            KernelPath::Vnni | KernelPath::Avx2 => Layout::Rows16,
+            KernelPath::Portable => Layout::Groups,
         }
     }
 }
@@ -774,8 +774,9 @@ impl Activations {
             match self.path {
                 #[cfg(target_arch = "x86_64")]
                 KernelPath::Avx2 | KernelPath::Vnni => {
-                    // VNNI weights are row tiles, which read the plain blocks.
-                    let grouped = self.path == KernelPath::Avx2;
+                    // These paths' weights are row tiles, which read the
+                    // plain blocks; a group layout is made only on demand.
+                    let grouped = false;
                     super::simd::quantize_grouped(
                         x,
                         rows,
@@ -963,9 +964,13 @@ fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f3
         }
         WeightData::Quant(q) if a.quantized => match (q.layout, a.path) {
             #[cfg(target_arch = "x86_64")]
-            (Layout::Rows16, _) => super::simd::vnni::rows16(q, &a.plain(), r0, r1, out),
+            (Layout::Rows16, KernelPath::Vnni) => {
+                super::simd::vnni::rows16(q, &a.plain(), r0, r1, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Layout::Rows16, _) => super::simd::rows16(q, &a.plain(), r0, r1, out),
             #[cfg(not(target_arch = "x86_64"))]
-            (Layout::Rows16, _) => unreachable!("row tiles are built for the VNNI path only"),
+            (Layout::Rows16, _) => unreachable!("row tiles are built for the x86 SIMD paths only"),
             #[cfg(target_arch = "x86_64")]
             (Layout::Groups, KernelPath::Avx2 | KernelPath::Vnni) => {
                 super::simd::rows(q, a.grouped(), r0, r1, out)

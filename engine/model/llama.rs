@@ -952,10 +952,12 @@ fn attend(
 mod tests {
     use super::*;
 
-    /// The AVX-512 attention loops give the portable loops' bits.
+    /// The SIMD attention loops (AVX-512 where available, and AVX2) give
+    /// the portable loops' bits.
     #[test]
     fn simd_attention_loops_match_portable_bits() {
-        if !super::super::simd::attn::available() {
+        use super::super::simd::attn;
+        if !attn::available() {
             return;
         }
         let mut seed = 1u64;
@@ -969,23 +971,28 @@ mod tests {
             let qs: Vec<&[f32]> = qv.iter().map(|q| q.as_slice()).collect();
             let kt: Vec<f32> = (0..hd * bs).map(|_| rnd()).collect();
             let (mut a, mut b) = ([[[0f32; 16]; 4]; MAXQ], [[[0f32; 16]; 4]; MAXQ]);
-            super::super::simd::attn::scores64(&qs, &kt, bs, 0, &mut a);
+            let mut c = a;
+            attn::scores64(&qs, &kt, bs, 0, &mut a);
+            attn::scores64_avx2(&qs, &kt, bs, 0, &mut c);
             scores64_portable(&qs, &kt, bs, 0, &mut b);
             assert_eq!(a[..nq], b[..nq]);
+            assert_eq!(c[..nq], b[..nq]);
             let pv: Vec<Vec<f32>> = (0..nq)
                 .map(|_| (0..37).map(|_| rnd().abs()).collect())
                 .collect();
             let ps: Vec<&[f32]> = pv.iter().map(|p| p.as_slice()).collect();
             let v: Vec<f32> = (0..37 * 128).map(|_| rnd()).collect();
             let init = [[[0.25f32; 16]; 4]; MAXQ];
-            let (mut a, mut b) = (init, init);
-            super::super::simd::attn::pv64(&ps, &v, 128, 64, &mut a);
+            let (mut a, mut b, mut c) = (init, init, init);
+            attn::pv64(&ps, &v, 128, 64, &mut a);
+            attn::pv64_avx2(&ps, &v, 128, 64, &mut c);
             pv64_portable(&ps, &v, 128, 64, &mut b);
             assert_eq!(a[..nq], b[..nq]);
+            assert_eq!(c[..nq], b[..nq]);
         }
         let h: Vec<half::f16> = (0..100).map(|_| half::f16::from_f32(rnd())).collect();
         let mut w = vec![0f32; 100];
-        super::super::simd::attn::widen(&h, &mut w);
+        attn::widen(&h, &mut w);
         assert!(h.iter().zip(&w).all(|(h, w)| h.to_f32() == *w));
     }
 }

@@ -13,7 +13,9 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::kernels::{GroupedActs, QuantKind, QuantWeights, QK};
+use super::kernels::{
+    tile_record_bytes, GroupedActs, Layout, PlainActs, QuantKind, QuantWeights, QK, TILE,
+};
 use std::arch::x86_64::*;
 
 /// Whether this CPU has AVX2, FMA and F16C (checked once).
@@ -384,11 +386,207 @@ fn _mm_loadu_si128_arr(a: &[u16; 8]) -> __m128i {
     unsafe { _mm_loadu_si128(a.as_ptr() as *const __m128i) }
 }
 
+/// The loop shared by the row-tile kernels: checks that `w` (row tiles)
+/// and `x` fit, then for every tile of rows `r0..r1` and every chunk of at
+/// most `max_rows` activation rows (balanced, tile-outer so a tile's records
+/// stay in L1 across chunks) calls `run(tile, i0, rows, put)`, whose
+/// kernel hands its `rows x 16` results to `put`.
+pub(crate) fn drive_tiles(
+    w: &QuantWeights,
+    x: &PlainActs<'_>,
+    r0: usize,
+    r1: usize,
+    out: &mut [f32],
+    max_rows: usize,
+    mut run: impl FnMut(usize, usize, usize, &mut dyn FnMut(&[[f32; TILE]])),
+) {
+    assert_eq!(w.layout, Layout::Rows16);
+    assert_eq!(
+        w.nb, x.nb,
+        "weights and activations disagree on blocks per row"
+    );
+    assert!(r0.is_multiple_of(TILE) && r0 <= r1 && r1 <= w.rows);
+    assert!(w.qs.len() >= w.rows.div_ceil(TILE) * w.nb * tile_record_bytes(w.kind));
+    let (n, nb) = (x.n, x.nb);
+    assert!(x.qs.len() >= n * nb * QK);
+    assert!(x.qd.len() >= n * nb && x.qsum.len() >= n * nb && x.isum.len() >= n * nb);
+    let nr = r1 - r0;
+    assert!(out.len() >= nr * n);
+    let chunks = n.div_ceil(max_rows);
+    let per = n.div_ceil(chunks.max(1));
+    for t in r0 / TILE..r1.div_ceil(TILE) {
+        let live = (r1 - t * TILE).min(TILE);
+        let mut i0 = 0;
+        while i0 < n {
+            let rr = (n - i0).min(per);
+            let mut put = |v: &[[f32; TILE]]| {
+                for (j, lanes) in v.iter().enumerate() {
+                    let o = (i0 + j) * nr + t * TILE - r0;
+                    out[o..o + live].copy_from_slice(&lanes[..live]);
+                }
+            };
+            run(t, i0, rr, &mut put);
+            i0 += rr;
+        }
+    }
+}
+
+/// Most activation rows one AVX2 pass over a tile half serves (16 vector
+/// registers: a float and a 16-bit accumulator per row, plus the steps).
+const AVX2_MAX_ROWS: usize = 4;
+
+/// Rows `r0..r1` of `w` (row tiles) against every activation row (AVX2),
+/// written activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
+pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
+    assert!(available());
+    drive_tiles(w, x, r0, r1, out, AVX2_MAX_ROWS, |t, i0, rr, put| {
+        // SAFETY: `available()` confirmed AVX2, FMA and F16C; `drive_tiles`
+        // checked that tile t and activation rows i0..i0 + rr exist.
+        unsafe {
+            match (kind_code(w.kind), rr) {
+                (Q4_0, 1) => put(&avx2_tile::<1, Q4_0>(w, x, t, i0)),
+                (Q4_0, 2) => put(&avx2_tile::<2, Q4_0>(w, x, t, i0)),
+                (Q4_0, 3) => put(&avx2_tile::<3, Q4_0>(w, x, t, i0)),
+                (Q4_0, _) => put(&avx2_tile::<4, Q4_0>(w, x, t, i0)),
+                (Q4_1, 1) => put(&avx2_tile::<1, Q4_1>(w, x, t, i0)),
+                (Q4_1, 2) => put(&avx2_tile::<2, Q4_1>(w, x, t, i0)),
+                (Q4_1, 3) => put(&avx2_tile::<3, Q4_1>(w, x, t, i0)),
+                (Q4_1, _) => put(&avx2_tile::<4, Q4_1>(w, x, t, i0)),
+                (_, 1) => put(&avx2_tile::<1, Q8_0>(w, x, t, i0)),
+                (_, 2) => put(&avx2_tile::<2, Q8_0>(w, x, t, i0)),
+                (_, 3) => put(&avx2_tile::<3, Q8_0>(w, x, t, i0)),
+                (_, _) => put(&avx2_tile::<4, Q8_0>(w, x, t, i0)),
+            }
+        }
+    });
+}
+
+/// The 16 rows of tile `t` against activation rows `i0..i0 + R`, as two
+/// halves of 8 rows (the 32-byte halves of every 64-byte step).
+///
+/// Per block and half: Q4 steps meet each activation row's 4 bytes
+/// broadcast in `vpmaddubsw` (pairs of products of a 4-bit and an 8-bit
+/// code, at most 2 * 15 * 127), summed over the block's 8 steps exactly in
+/// 16 bits (at most 30480), then widened once; Q8_0 codes are turned back
+/// to signed (stored + 128), their sign moved onto the activations so
+/// `vpmaddubsw` sees magnitudes, and each step widened. The chains start
+/// from the offset correction (Q4_0: 8 times the block's activation sum),
+/// then one scaled float accumulate (two for Q4_1) per activation row.
+/// Lane l of half h is row 16t + 8h + l; the operation sequence per
+/// (row, activation row) is the same for every R.
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; tile `t` and activation rows
+/// `i0..i0 + R` exist (as `drive_tiles` checks).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_tile<const R: usize, const K: u8>(
+    w: &QuantWeights,
+    x: &PlainActs<'_>,
+    t: usize,
+    i0: usize,
+) -> [[f32; TILE]; R] {
+    let nb = w.nb;
+    let rec = tile_record_bytes(w.kind);
+    let cb = TILE * w.kind.block_bytes();
+    let base = w.qs.as_ptr().wrapping_add(t * nb * rec);
+    let mask4 = _mm256_set1_epi8(0x0f);
+    let flip = _mm256_set1_epi8(-128);
+    let ones = _mm256_set1_epi16(1);
+    let mut o = [[0f32; TILE]; R];
+    for h in 0..2 {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let blk = base.wrapping_add(b * rec);
+            if h == 0 {
+                for off in (0..rec).step_by(64) {
+                    // A prefetch never faults, whatever the address.
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH16 + off) as *const i8);
+                }
+            }
+            let xb: [usize; R] = core::array::from_fn(|j| (i0 + j) * nb + b);
+            // 4 activation bytes of step s of row j, broadcast.
+            let xs = |j: usize, s: usize| {
+                // SAFETY: bytes 4s..4s + 4 of activation block xb[j].
+                let v = unsafe {
+                    (x.qs.as_ptr().add(xb[j] * QK + 4 * s) as *const i32).read_unaligned()
+                };
+                _mm256_set1_epi32(v)
+            };
+            let mut ip: [__m256i; R] = core::array::from_fn(|j| {
+                let s = x.isum[xb[j]];
+                match K {
+                    Q4_0 => _mm256_set1_epi32(-(s << 3)),
+                    _ => _mm256_setzero_si256(),
+                }
+            });
+            if K == Q8_0 {
+                for s in 0..8 {
+                    // SAFETY: half h of step s lies in the record's codes.
+                    let u =
+                        unsafe { _mm256_loadu_si256(blk.add(64 * s + 32 * h) as *const __m256i) };
+                    let q = _mm256_xor_si256(u, flip);
+                    let mag = _mm256_abs_epi8(q);
+                    for j in 0..R {
+                        let p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xs(j, s), q));
+                        ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            } else {
+                let mut p16 = [_mm256_setzero_si256(); R];
+                for u in 0..4 {
+                    // SAFETY: half h of packed steps 2u, 2u + 1 lies in the
+                    // record's codes.
+                    let raw =
+                        unsafe { _mm256_loadu_si256(blk.add(64 * u + 32 * h) as *const __m256i) };
+                    let we = _mm256_and_si256(raw, mask4);
+                    let wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
+                    for j in 0..R {
+                        let e = _mm256_maddubs_epi16(we, xs(j, 2 * u));
+                        let d = _mm256_maddubs_epi16(wo, xs(j, 2 * u + 1));
+                        p16[j] = _mm256_add_epi16(p16[j], _mm256_add_epi16(e, d));
+                    }
+                }
+                for j in 0..R {
+                    ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
+                }
+            }
+            // SAFETY: the record's 16 scales follow its codes; half h is
+            // 8 of them.
+            let dw =
+                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i)) };
+            let mw = if K == Q4_1 {
+                // SAFETY: Q4_1 records end with the 16 minimums.
+                unsafe {
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 32 + 16 * h) as *const __m128i))
+                }
+            } else {
+                _mm256_setzero_ps()
+            };
+            for j in 0..R {
+                let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.qd[xb[j]]));
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[j]), sc, acc[j]);
+                if K == Q4_1 {
+                    acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.qsum[xb[j]]), acc[j]);
+                }
+            }
+        }
+        for j in 0..R {
+            // SAFETY: 8 floats at lanes 8h..8h + 8 of `o[j]`.
+            unsafe { _mm256_storeu_ps(o[j].as_mut_ptr().add(8 * h), acc[j]) };
+        }
+    }
+    o
+}
+
+/// How far ahead (bytes) the row-tile kernels prefetch the tile stream.
+const PREFETCH16: usize = 8192;
+
 /// AVX-512 VNNI kernel on row tiles: one 512-bit `vpdpbusd` per 4-byte
 /// step of a block adds to 16 output rows at once; up to 8 activation rows
 /// per pass over a tile.
 pub mod vnni {
-    use super::super::kernels::{tile_record_bytes, Layout, PlainActs, TILE};
+    use super::super::kernels::{tile_record_bytes, PlainActs, TILE};
     use super::{QuantKind, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
     use std::arch::x86_64::*;
 
@@ -417,46 +615,18 @@ pub mod vnni {
     /// written activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
     pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(available());
-        assert_eq!(w.layout, Layout::Rows16);
-        assert_eq!(
-            w.nb, x.nb,
-            "weights and activations disagree on blocks per row"
-        );
-        assert!(r0.is_multiple_of(TILE) && r0 <= r1 && r1 <= w.rows);
-        let rec = tile_record_bytes(w.kind);
-        assert!(w.qs.len() >= w.rows.div_ceil(TILE) * w.nb * rec);
-        let nb = x.nb;
-        assert!(x.qs.len() >= x.n * nb * QK);
-        assert!(x.qd.len() >= x.n * nb && x.qsum.len() >= x.n * nb && x.isum.len() >= x.n * nb);
-        let nr = r1 - r0;
-        assert!(out.len() >= nr * x.n);
-        let n = x.n;
-        let chunks = n.div_ceil(MAX_ROWS);
-        let per = n.div_ceil(chunks.max(1));
-        // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI and F16C; the
-        // asserts above bound every tile record and activation block the
-        // kernel reads.
-        unsafe {
-            for t in r0 / TILE..r1.div_ceil(TILE) {
-                let live = (r1 - t * TILE).min(TILE);
-                let mut i0 = 0;
-                while i0 < n {
-                    let rr = (n - i0).min(per);
-                    let mut put = |v: &[[f32; TILE]]| {
-                        for (j, lanes) in v.iter().enumerate() {
-                            let o = (i0 + j) * nr + t * TILE - r0;
-                            out[o..o + live].copy_from_slice(&lanes[..live]);
-                        }
-                    };
-                    match w.kind {
-                        QuantKind::Q4_0 => go::<Q4_0>(w, x, t, i0, rr, &mut put),
-                        QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, &mut put),
-                        QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, &mut put),
-                    }
-                    i0 += rr;
+        super::drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
+            // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI and F16C;
+            // `drive_tiles` checked that tile t and activation rows
+            // i0..i0 + rr exist.
+            unsafe {
+                match w.kind {
+                    QuantKind::Q4_0 => go::<Q4_0>(w, x, t, i0, rr, put),
+                    QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, put),
+                    QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, put),
                 }
             }
-        }
+        });
     }
 
     /// Tile `t` against activation rows `i0..i0 + rr` (`1 <= rr <=
@@ -472,7 +642,7 @@ pub mod vnni {
         t: usize,
         i0: usize,
         rr: usize,
-        put: &mut impl FnMut(&[[f32; TILE]]),
+        put: &mut dyn FnMut(&[[f32; TILE]]),
     ) {
         // SAFETY: the caller's guarantee.
         unsafe {
@@ -613,7 +783,14 @@ pub mod vnni {
 pub mod attn {
     use std::arch::x86_64::*;
 
+    /// Whether these loops run here: AVX-512 where the VNNI path is on,
+    /// else AVX2 + FMA + F16C.
     pub fn available() -> bool {
+        super::available()
+    }
+
+    /// Whether the AVX-512 versions run (else the AVX2 ones).
+    fn wide() -> bool {
         super::vnni::available()
     }
 
@@ -631,6 +808,9 @@ pub mod attn {
         let hd = qs[0].len();
         assert!(qs.iter().all(|q| q.len() == hd));
         assert!(c + 64 <= stride && hd.saturating_sub(1) * stride + c + 64 <= kt.len());
+        if !wide() {
+            return scores64_avx2(qs, kt, stride, c, out);
+        }
         // SAFETY: AVX-512F is available; the asserts bound every load.
         unsafe {
             match qs.len() {
@@ -682,6 +862,9 @@ pub mod attn {
         let n = ps[0].len();
         assert!(ps.iter().all(|p| p.len() == n));
         assert!(c + 64 <= hd && n * hd <= v.len());
+        if !wide() {
+            return pv64_avx2(ps, v, hd, c, acc);
+        }
         // SAFETY: AVX-512F is available; the asserts bound every load.
         unsafe {
             match ps.len() {
@@ -734,8 +917,103 @@ pub mod attn {
     pub fn widen(src: &[half::f16], dst: &mut [f32]) {
         assert!(available());
         assert_eq!(src.len(), dst.len());
-        // SAFETY: AVX-512F is available; the loop bounds every access.
-        unsafe { widen_avx512(src, dst) }
+        if wide() {
+            // SAFETY: AVX-512F is available; the loop bounds every access.
+            unsafe { widen_avx512(src, dst) }
+        } else {
+            // SAFETY: F16C and AVX are available; the loop bounds every
+            // access.
+            unsafe { widen_f16c(src, dst) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            let s = &src[i..i + 8];
+            let d = &mut dst[i..i + 8];
+            // SAFETY: `s` is 8 f16 (16 bytes) and `d` 8 floats.
+            unsafe {
+                let h = _mm_loadu_si128(s.as_ptr() as *const __m128i);
+                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
+        }
+    }
+
+    /// `scores64` with 8-lane vectors: one query at a time, its 64 sums in
+    /// eight registers (same per-lane FMA chains, so the same bits).
+    pub fn scores64_avx2(
+        qs: &[&[f32]],
+        kt: &[f32],
+        stride: usize,
+        c: usize,
+        out: &mut [[[f32; 16]; 4]; 4],
+    ) {
+        assert!(available() && qs.len() <= 4);
+        for (q, o) in qs.iter().zip(out.iter_mut()) {
+            let hd = q.len();
+            assert!(c + 64 <= stride && hd.saturating_sub(1) * stride + c + 64 <= kt.len());
+            // SAFETY: AVX2 and FMA are available; the assert bounds every
+            // load.
+            unsafe { scores64_one_avx2(q, kt, stride, c, o) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn scores64_one_avx2(q: &[f32], kt: &[f32], stride: usize, c: usize, o: &mut [[f32; 16]; 4]) {
+        let mut a = [_mm256_setzero_ps(); 8];
+        for (d, &qd) in q.iter().enumerate() {
+            let row = &kt[d * stride + c..d * stride + c + 64];
+            let qv = _mm256_set1_ps(qd);
+            for (k, acc) in a.iter_mut().enumerate() {
+                // SAFETY: `row` holds 64 floats; lanes 8k..8k + 8 are inside.
+                let kv = unsafe { _mm256_loadu_ps(row.as_ptr().add(8 * k)) };
+                *acc = _mm256_fmadd_ps(qv, kv, *acc);
+            }
+        }
+        for (k, acc) in a.iter().enumerate() {
+            // SAFETY: lanes 8(k % 2).. of `o[k / 2]` are 8 floats.
+            unsafe { _mm256_storeu_ps(o[k / 2].as_mut_ptr().add(8 * (k % 2)), *acc) };
+        }
+    }
+
+    /// `pv64` with 8-lane vectors, one query at a time (same bits).
+    pub fn pv64_avx2(ps: &[&[f32]], v: &[f32], hd: usize, c: usize, acc: &mut [[[f32; 16]; 4]; 4]) {
+        assert!(available() && ps.len() <= 4);
+        for (p, a) in ps.iter().zip(acc.iter_mut()) {
+            assert!(c + 64 <= hd && p.len() * hd <= v.len());
+            // SAFETY: AVX2 and FMA are available; the assert bounds every
+            // load.
+            unsafe { pv64_one_avx2(p, v, hd, c, a) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn pv64_one_avx2(p: &[f32], v: &[f32], hd: usize, c: usize, o: &mut [[f32; 16]; 4]) {
+        let mut a = [_mm256_setzero_ps(); 8];
+        for (k, acc) in a.iter_mut().enumerate() {
+            // SAFETY: lanes 8(k % 2).. of `o[k / 2]` are 8 floats.
+            *acc = unsafe { _mm256_loadu_ps(o[k / 2].as_ptr().add(8 * (k % 2))) };
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            let row = &v[j * hd + c..j * hd + c + 64];
+            let pv = _mm256_set1_ps(pj);
+            for (k, acc) in a.iter_mut().enumerate() {
+                // SAFETY: `row` holds 64 floats; lanes 8k..8k + 8 are inside.
+                let x = unsafe { _mm256_loadu_ps(row.as_ptr().add(8 * k)) };
+                *acc = _mm256_fmadd_ps(pv, x, *acc);
+            }
+        }
+        for (k, acc) in a.iter().enumerate() {
+            // SAFETY: as above.
+            unsafe { _mm256_storeu_ps(o[k / 2].as_mut_ptr().add(8 * (k % 2)), *acc) };
+        }
     }
 
     #[target_feature(enable = "avx512f")]
