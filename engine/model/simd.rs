@@ -1,20 +1,22 @@
-//! x86-64 kernels, selected at run time: AVX2 on the group layout and
-//! AVX-512 VNNI on the row-tile layout (see `kernels`).
+//! x86-64 kernels on the row-tile layout (see `kernels`), selected at run
+//! time: AVX-512 VNNI and AVX2, the activation quantizer, and the attention
+//! inner loops.
 //!
-//! Both unpack weights once per step and apply them to a chunk of
-//! activation rows. Every activation row keeps its own accumulator and sees
-//! the same instruction sequence whatever the number of rows in the call,
-//! so results are batch-invariant, as in the portable path.
+//! Both matmul kernels unpack a tile's weights once per step and apply them
+//! to a chunk of activation rows. Every activation row keeps its own
+//! accumulator and sees the same operation sequence whatever the number of
+//! rows in the call, so results are batch-invariant; the sequence per lane
+//! is the portable kernel's, so all paths give the same bits.
 //!
 //! Offsets are removed exactly in integers: Q4_0 codes are kept as unsigned
-//! nibbles and corrected with `8 * sum(x)`; Q8_0 codes are made unsigned
-//! with +128 (VNNI) and corrected with `128 * sum(x)`, or kept signed with
-//! the sign folded into the activations (AVX2).
+//! nibbles and corrected with `8 * sum(x)`; Q8_0 codes are stored unsigned
+//! (+128) and corrected with `128 * sum(x)` (VNNI), or turned back to signed
+//! with the sign folded into the activations (AVX2).
 
 #![cfg(target_arch = "x86_64")]
 
 use super::kernels::{
-    tile_record_bytes, GroupedActs, Layout, PlainActs, QuantKind, QuantWeights, QK, TILE,
+    drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, QK, TILE,
 };
 use std::arch::x86_64::*;
 
@@ -29,81 +31,22 @@ pub fn available() -> bool {
     })
 }
 
-/// Quantize `n` rows of `nb` blocks to Q8 (exactly as
-/// `kernels::quantize_q8`: round half to even, f16-rounded scale and sum)
-/// into `(scales, d * sums, sums, codes)` in element order and, when `g` is
-/// given, also in the group layout.
-pub fn quantize_grouped(
+/// Quantize to Q8 blocks exactly as `kernels::quantize_q8` (round half to
+/// even, f16-rounded scale and sum): (scale, d * sum(q), sum(q)) per block
+/// and the codes, in element order.
+pub fn quantize_blocks(
     x: &[f32],
-    n: usize,
-    nb: usize,
     (qd, qsum, isum, qs): (&mut [f32], &mut [f32], &mut [i32], &mut [i8]),
-    g: Option<&mut GroupedActs>,
 ) {
     assert!(available());
-    assert!(x.len() >= n * nb * QK && qs.len() >= n * nb * QK);
-    assert!(qd.len() >= n * nb && qsum.len() >= n * nb && isum.len() >= n * nb);
-    let mut none = GroupedActs::default();
-    let (g, plan) = match g {
-        Some(g) => {
-            let plan = g.reset(n, nb);
-            (g, plan)
-        }
-        None => (&mut none, Vec::new()),
-    };
-    // SAFETY: `available()` confirmed AVX2, FMA and F16C on this CPU.
-    unsafe { quantize_grouped_avx2(x, n, nb, qd, qsum, isum, qs, g, &plan) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-fn quantize_grouped_avx2(
-    x: &[f32],
-    n: usize,
-    nb: usize,
-    qd: &mut [f32],
-    qsum: &mut [f32],
-    isum: &mut [i32],
-    qs: &mut [i8],
-    g: &mut GroupedActs,
-    plan: &[(usize, usize)],
-) {
-    if plan.is_empty() {
-        // Element order only.
-        for xb in 0..n * nb {
-            let (d, sm, total) =
-                quantize_block_avx2(&x[xb * QK..(xb + 1) * QK], &mut qs[xb * QK..(xb + 1) * QK]);
-            qd[xb] = d;
-            qsum[xb] = sm;
-            isum[xb] = total;
-        }
-        return;
-    }
-    let (nbp, ng) = (g.nbp, g.ngroups);
-    for row in 0..n {
-        for (gi, &(b0, gs)) in plan.iter().enumerate() {
-            let lanes = 16 / gs;
-            let base = (row * nbp + b0) * QK;
-            let meta = (row * ng + gi) * 16;
-            for b in 0..gs.min(nb.saturating_sub(b0)) {
-                let xb = row * nb + b0 + b;
-                let dst = &mut qs[xb * QK..(xb + 1) * QK];
-                let (d16, sm, total) = quantize_block_avx2(&x[xb * QK..(xb + 1) * QK], dst);
-                qd[xb] = d16;
-                qsum[xb] = sm;
-                isum[xb] = total;
-                for c in 0..8 {
-                    let (s, u) = (c / lanes, c % lanes);
-                    let l = b * lanes + u;
-                    let o = base + s * 64 + l * 4;
-                    let chunk = &dst[c * 4..c * 4 + 4];
-                    g.xs[o..o + 4].copy_from_slice(chunk);
-                    g.lsum[meta + l] += chunk.iter().map(|&v| v as i32).sum::<i32>();
-                }
-                g.dx[meta + b * lanes..meta + (b + 1) * lanes].fill(d16);
-                g.smin[meta + b * lanes] = sm;
-            }
-        }
+    let nb = x.len() / QK;
+    assert!(qs.len() >= nb * QK && qd.len() >= nb && qsum.len() >= nb && isum.len() >= nb);
+    for (b, xs) in x.chunks_exact(QK).enumerate() {
+        // SAFETY: `available()` confirmed AVX2, FMA and F16C on this CPU.
+        let (d, sm, total) = unsafe { quantize_block_avx2(xs, &mut qs[b * QK..(b + 1) * QK]) };
+        qd[b] = d;
+        qsum[b] = sm;
+        isum[b] = total;
     }
 }
 
@@ -159,275 +102,6 @@ fn kind_code(k: QuantKind) -> u8 {
         QuantKind::Q4_0 => Q4_0,
         QuantKind::Q4_1 => Q4_1,
         QuantKind::Q8_0 => Q8_0,
-    }
-}
-
-/// The checks every kernel entry makes before its unchecked loads: each
-/// slice covers the rows it will read.
-fn check(w: &QuantWeights, x: &GroupedActs, r1: usize, r0: usize, out: &[f32]) {
-    assert_eq!(
-        w.nbp, x.nbp,
-        "weights and activations disagree on blocks per row"
-    );
-    assert_eq!(w.plan.len(), x.ngroups);
-    assert!(w.qs.len() >= r1 * w.nbp * w.kind.block_bytes());
-    assert!(w.d.len() >= r1 * w.nbp);
-    if w.kind == QuantKind::Q4_1 {
-        assert!(w.m.len() >= r1 * w.nbp);
-    }
-    let meta = x.n * x.ngroups * 16;
-    assert!(x.xs.len() >= x.n * x.nbp * QK);
-    assert!(x.dx.len() >= meta && x.lsum.len() >= meta && x.smin.len() >= meta);
-    assert!(out.len() >= (r1 - r0) * x.n);
-}
-
-/// Rows `r0..r1` of `w` against every activation row (AVX2), written
-/// activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
-pub fn rows(w: &QuantWeights, x: &GroupedActs, r0: usize, r1: usize, out: &mut [f32]) {
-    assert!(available());
-    check(w, x, r1, r0, out);
-    // SAFETY: `available()` confirmed AVX2, FMA and F16C on this CPU.
-    unsafe {
-        match kind_code(w.kind) {
-            Q4_0 => avx2_rows::<Q4_0>(w, x, r0, r1, out),
-            Q4_1 => avx2_rows::<Q4_1>(w, x, r0, r1, out),
-            _ => avx2_rows::<Q8_0>(w, x, r0, r1, out),
-        }
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn avx2_rows<const K: u8>(
-    w: &QuantWeights,
-    x: &GroupedActs,
-    r0: usize,
-    r1: usize,
-    out: &mut [f32],
-) {
-    let n = x.n;
-    let mut i0 = 0;
-    while i0 < n {
-        let rr = (n - i0).min(4);
-        for r in r0..r1 {
-            let nr = r1 - r0;
-            let mut put = |v: &[f32]| {
-                for (j, &x) in v.iter().enumerate() {
-                    out[(i0 + j) * nr + (r - r0)] = x;
-                }
-            };
-            match rr {
-                1 => put(&avx2_row::<1, K>(w, x, r, i0)),
-                2 => put(&avx2_row::<2, K>(w, x, r, i0)),
-                3 => put(&avx2_row::<3, K>(w, x, r, i0)),
-                _ => put(&avx2_row::<4, K>(w, x, r, i0)),
-            }
-        }
-        i0 += rr;
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum256(v: __m256) -> f32 {
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps::<1>(v);
-    let s = _mm_add_ps(lo, hi);
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-    _mm_cvtss_f32(s)
-}
-
-/// 32 bytes from `s[off..]` (bounds-checked).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn ld256<T>(s: &[T], off: usize) -> __m256i {
-    let s = &s[off..off + 32 / size_of::<T>()];
-    // SAFETY: `s` now holds exactly 32 bytes.
-    unsafe { _mm256_loadu_si256(s.as_ptr() as *const __m256i) }
-}
-
-/// 8 floats from `s[off..]` (bounds-checked).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn ld256ps(s: &[f32], off: usize) -> __m256 {
-    let s = &s[off..off + 8];
-    // SAFETY: `s` now holds exactly 8 floats.
-    unsafe { _mm256_loadu_ps(s.as_ptr()) }
-}
-
-/// Weight row `r` against activation rows `i0..i0 + R` (AVX2).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn avx2_row<const R: usize, const K: u8>(
-    w: &QuantWeights,
-    x: &GroupedActs,
-    r: usize,
-    i0: usize,
-) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
-    for (gi, &(b0, g)) in w.plan.iter().enumerate() {
-        match g {
-            16 => avx2_group::<R, K, 8>(w, x, r, i0, gi, b0, &mut acc),
-            8 => avx2_group::<R, K, 4>(w, x, r, i0, gi, b0, &mut acc),
-            4 => avx2_group::<R, K, 2>(w, x, r, i0, gi, b0, &mut acc),
-            _ => avx2_group::<R, K, 1>(w, x, r, i0, gi, b0, &mut acc),
-        }
-    }
-    let mut o = [0f32; R];
-    for j in 0..R {
-        o[j] = hsum256(acc[j]);
-    }
-    o
-}
-
-/// One group of `2 * S` blocks, as two 8-lane halves.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-fn avx2_group<const R: usize, const K: u8, const S: usize>(
-    w: &QuantWeights,
-    x: &GroupedActs,
-    r: usize,
-    i0: usize,
-    gi: usize,
-    b0: usize,
-    acc: &mut [__m256; R],
-) {
-    let g = 2 * S;
-    let lanes = 16 / g;
-    let (nbp, bb) = (w.nbp, w.kind.block_bytes());
-    let wsl = &w.qs[(r * nbp + b0) * bb..(r * nbp + b0 + g) * bb];
-    let ds = &w.d[r * nbp + b0..r * nbp + b0 + g];
-    let ms = if K == Q4_1 {
-        &w.m[r * nbp + b0..r * nbp + b0 + g]
-    } else {
-        &[][..]
-    };
-    let mask = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    for h in 0..2 {
-        let mut wv = [_mm256_setzero_si256(); S];
-        if K == Q8_0 {
-            // Stored as q + 128; back to signed for the sign trick.
-            let flip = _mm256_set1_epi8(-128);
-            for s in 0..S {
-                wv[s] = _mm256_xor_si256(ld256(wsl, 64 * s + 32 * h), flip);
-            }
-        } else if S == 1 {
-            let raw = ld256(wsl, 0);
-            wv[0] = if h == 0 {
-                _mm256_and_si256(raw, mask)
-            } else {
-                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask)
-            };
-        } else {
-            for j in 0..S / 2 {
-                let raw = ld256(wsl, 64 * j + 32 * h);
-                wv[2 * j] = _mm256_and_si256(raw, mask);
-                wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-            }
-        }
-        // Per-lane scales of this half: lane t is zmm lane 8h + t.
-        let mut dl = [0u16; 8];
-        let mut ml = [0u16; 8];
-        for t in 0..8 {
-            dl[t] = ds[(8 * h + t) / lanes];
-            if K == Q4_1 {
-                ml[t] = ms[(8 * h + t) / lanes];
-            }
-        }
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128_arr(&dl));
-        let mw = _mm256_cvtph_ps(_mm_loadu_si128_arr(&ml));
-        let mut wabs = wv;
-        if K == Q8_0 {
-            for s in 0..S {
-                wabs[s] = _mm256_sign_epi8(wv[s], wv[s]);
-            }
-        }
-        for j in 0..R {
-            let row = i0 + j;
-            let xo = (row * nbp + b0) * QK;
-            let xsl = &x.xs[xo..xo + g * QK];
-            let mo = (row * x.ngroups + gi) * 16 + 8 * h;
-            let mut ip = _mm256_setzero_si256();
-            if K == Q8_0 {
-                for s in 0..S {
-                    let xv = ld256(xsl, 64 * s + 32 * h);
-                    let p = _mm256_maddubs_epi16(wabs[s], _mm256_sign_epi8(xv, wv[s]));
-                    ip = _mm256_add_epi32(ip, _mm256_madd_epi16(p, ones));
-                }
-            } else {
-                // 4-bit codes: each 16-bit pair sum is at most 2 * 15 * 127
-                // = 3810, so up to 8 steps add exactly in 16 bits (30480)
-                // before one widening multiply-add.
-                let mut p16 = _mm256_setzero_si256();
-                for s in 0..S {
-                    let xv = ld256(xsl, 64 * s + 32 * h);
-                    p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(wv[s], xv));
-                }
-                ip = _mm256_madd_epi16(p16, ones);
-            }
-            if K == Q4_0 {
-                ip = _mm256_sub_epi32(ip, _mm256_slli_epi32::<3>(ld256(&x.lsum, mo)));
-            }
-            let sc = _mm256_mul_ps(dw, ld256ps(&x.dx, mo));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip), sc, acc[j]);
-            if K == Q4_1 {
-                acc[j] = _mm256_fmadd_ps(mw, ld256ps(&x.smin, mo), acc[j]);
-            }
-        }
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2")]
-fn _mm_loadu_si128_arr(a: &[u16; 8]) -> __m128i {
-    // SAFETY: `a` is exactly 16 bytes.
-    unsafe { _mm_loadu_si128(a.as_ptr() as *const __m128i) }
-}
-
-/// The loop shared by the row-tile kernels: checks that `w` (row tiles)
-/// and `x` fit, then for every tile of rows `r0..r1` and every chunk of at
-/// most `max_rows` activation rows (balanced, tile-outer so a tile's records
-/// stay in L1 across chunks) calls `run(tile, i0, rows, put)`, whose
-/// kernel hands its `rows x 16` results to `put`.
-pub(crate) fn drive_tiles(
-    w: &QuantWeights,
-    x: &PlainActs<'_>,
-    r0: usize,
-    r1: usize,
-    out: &mut [f32],
-    max_rows: usize,
-    mut run: impl FnMut(usize, usize, usize, &mut dyn FnMut(&[[f32; TILE]])),
-) {
-    assert_eq!(w.layout, Layout::Rows16);
-    assert_eq!(
-        w.nb, x.nb,
-        "weights and activations disagree on blocks per row"
-    );
-    assert!(r0.is_multiple_of(TILE) && r0 <= r1 && r1 <= w.rows);
-    assert!(w.qs.len() >= w.rows.div_ceil(TILE) * w.nb * tile_record_bytes(w.kind));
-    let (n, nb) = (x.n, x.nb);
-    assert!(x.qs.len() >= n * nb * QK);
-    assert!(x.qd.len() >= n * nb && x.qsum.len() >= n * nb && x.isum.len() >= n * nb);
-    let nr = r1 - r0;
-    assert!(out.len() >= nr * n);
-    let chunks = n.div_ceil(max_rows);
-    let per = n.div_ceil(chunks.max(1));
-    for t in r0 / TILE..r1.div_ceil(TILE) {
-        let live = (r1 - t * TILE).min(TILE);
-        let mut i0 = 0;
-        while i0 < n {
-            let rr = (n - i0).min(per);
-            let mut put = |v: &[[f32; TILE]]| {
-                for (j, lanes) in v.iter().enumerate() {
-                    let o = (i0 + j) * nr + t * TILE - r0;
-                    out[o..o + live].copy_from_slice(&lanes[..live]);
-                }
-            };
-            run(t, i0, rr, &mut put);
-            i0 += rr;
-        }
     }
 }
 
@@ -587,7 +261,7 @@ const PREFETCH16: usize = 8192;
 /// per pass over a tile.
 pub mod vnni {
     use super::super::kernels::{tile_record_bytes, PlainActs, TILE};
-    use super::{QuantKind, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
+    use super::{drive_tiles, QuantKind, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -615,7 +289,7 @@ pub mod vnni {
     /// written activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
     pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(available());
-        super::drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
+        drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
             // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI and F16C;
             // `drive_tiles` checked that tile t and activation rows
             // i0..i0 + rr exist.
@@ -917,14 +591,8 @@ pub mod attn {
     pub fn widen(src: &[half::f16], dst: &mut [f32]) {
         assert!(available());
         assert_eq!(src.len(), dst.len());
-        if wide() {
-            // SAFETY: AVX-512F is available; the loop bounds every access.
-            unsafe { widen_avx512(src, dst) }
-        } else {
-            // SAFETY: F16C and AVX are available; the loop bounds every
-            // access.
-            unsafe { widen_f16c(src, dst) }
-        }
+        // SAFETY: F16C and AVX are available; the loop bounds every access.
+        unsafe { widen_f16c(src, dst) }
     }
 
     #[target_feature(enable = "avx2,f16c")]
@@ -1013,25 +681,6 @@ pub mod attn {
         for (k, acc) in a.iter().enumerate() {
             // SAFETY: as above.
             unsafe { _mm256_storeu_ps(o[k / 2].as_mut_ptr().add(8 * (k % 2)), *acc) };
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    fn widen_avx512(src: &[half::f16], dst: &mut [f32]) {
-        let n = src.len();
-        let mut i = 0;
-        while i + 16 <= n {
-            let s = &src[i..i + 16];
-            let d = &mut dst[i..i + 16];
-            // SAFETY: `s` is 16 f16 (32 bytes) and `d` 16 floats.
-            unsafe {
-                let h = _mm256_loadu_si256(s.as_ptr() as *const __m256i);
-                _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(h));
-            }
-            i += 16;
-        }
-        for j in i..n {
-            dst[j] = src[j].to_f32();
         }
     }
 }
