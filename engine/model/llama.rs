@@ -816,8 +816,16 @@ fn attend(
     let b1 = blocks.end.min(l.blocks_for(end_max));
     let b0 = blocks.start.min(b1);
     let span = (b1 - b0) * bs;
-    let mut scores = vec![0f32; nq * span];
-    let mut wide = Vec::new();
+    // Per-thread scratch, reused across tasks (every score read below is
+    // written first, so stale contents never matter).
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+            const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    let (mut scores, mut wide) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    if scores.len() < nq * span {
+        scores.resize(nq * span, 0.0);
+    }
     let qrow = |qi: usize| {
         let (t, h) = (ts.start + qi / group, qi % group);
         let o = (aq.row0 + t) * aq.dim + (kv_head * group + h) * hd;
@@ -886,12 +894,19 @@ fn attend(
         let first = b0 * bs;
         let n = end.saturating_sub(first);
         let sc = &mut scores[qi * span..qi * span + n];
-        for (j, v) in sc.iter_mut().enumerate() {
-            *v = if aq.visible(t, first + j) {
-                *v * scale
-            } else {
-                f32::NEG_INFINITY
-            };
+        if aq.tree.is_none() {
+            // A chain token sees every slot up to its own.
+            for v in sc.iter_mut() {
+                *v *= scale;
+            }
+        } else {
+            for (j, v) in sc.iter_mut().enumerate() {
+                *v = if aq.visible(t, first + j) {
+                    *v * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
         }
         let part = &mut out[qi * (hd + 2)..(qi + 1) * (hd + 2)];
         let (mx, sum) = kernels::exp_shifted(sc);
@@ -946,6 +961,7 @@ fn attend(
             }
         }
     }
+    SCRATCH.with(|s| *s.borrow_mut() = (scores, wide));
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
