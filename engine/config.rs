@@ -60,7 +60,7 @@ impl Default for EngineSection {
             kv_blocks: 0,
             default_proposer: "none".into(),
             adaptive_draft: true,
-            draft_cost: 0.15,
+            draft_cost: 0.10,
         }
     }
 }

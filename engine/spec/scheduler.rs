@@ -60,7 +60,7 @@ impl Default for SchedulerConfig {
             eos_token_ids: Vec::new(),
             max_waiting: 1024,
             adaptive_draft: true,
-            draft_cost: 0.15,
+            draft_cost: 0.10,
         }
     }
 }
