@@ -93,17 +93,10 @@ fn quantize_block_avx2(xs: &[f32], dst: &mut [i8]) -> (f32, f32, i32) {
     (d16, sm, total)
 }
 
+/// Const-generic stand-ins for `QuantKind` in the kernels.
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
-
-fn kind_code(k: QuantKind) -> u8 {
-    match k {
-        QuantKind::Q4_0 => Q4_0,
-        QuantKind::Q4_1 => Q4_1,
-        QuantKind::Q8_0 => Q8_0,
-    }
-}
 
 /// Most activation rows one AVX2 pass over a tile half serves (16 vector
 /// registers: a float and a 16-bit accumulator per row, plus the steps).
@@ -117,22 +110,39 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
         // SAFETY: `available()` confirmed AVX2, FMA and F16C; `drive_tiles`
         // checked that tile t and activation rows i0..i0 + rr exist.
         unsafe {
-            match (kind_code(w.kind), rr) {
-                (Q4_0, 1) => put(&avx2_tile::<1, Q4_0>(w, x, t, i0)),
-                (Q4_0, 2) => put(&avx2_tile::<2, Q4_0>(w, x, t, i0)),
-                (Q4_0, 3) => put(&avx2_tile::<3, Q4_0>(w, x, t, i0)),
-                (Q4_0, _) => put(&avx2_tile::<4, Q4_0>(w, x, t, i0)),
-                (Q4_1, 1) => put(&avx2_tile::<1, Q4_1>(w, x, t, i0)),
-                (Q4_1, 2) => put(&avx2_tile::<2, Q4_1>(w, x, t, i0)),
-                (Q4_1, 3) => put(&avx2_tile::<3, Q4_1>(w, x, t, i0)),
-                (Q4_1, _) => put(&avx2_tile::<4, Q4_1>(w, x, t, i0)),
-                (_, 1) => put(&avx2_tile::<1, Q8_0>(w, x, t, i0)),
-                (_, 2) => put(&avx2_tile::<2, Q8_0>(w, x, t, i0)),
-                (_, 3) => put(&avx2_tile::<3, Q8_0>(w, x, t, i0)),
-                (_, _) => put(&avx2_tile::<4, Q8_0>(w, x, t, i0)),
+            match w.kind {
+                QuantKind::Q4_0 => avx2_go::<Q4_0>(w, x, t, i0, rr, put),
+                QuantKind::Q4_1 => avx2_go::<Q4_1>(w, x, t, i0, rr, put),
+                QuantKind::Q8_0 => avx2_go::<Q8_0>(w, x, t, i0, rr, put),
             }
         }
     });
+}
+
+/// Tile `t` against activation rows `i0..i0 + rr` (`1 <= rr <=
+/// AVX2_MAX_ROWS`), handed to `put`.
+///
+/// # Safety
+/// As `avx2_tile`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_go<const K: u8>(
+    w: &QuantWeights,
+    x: &PlainActs<'_>,
+    t: usize,
+    i0: usize,
+    rr: usize,
+    put: &mut dyn FnMut(&[[f32; TILE]]),
+) {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        match rr {
+            1 => put(&avx2_tile::<1, K>(w, x, t, i0)),
+            2 => put(&avx2_tile::<2, K>(w, x, t, i0)),
+            3 => put(&avx2_tile::<3, K>(w, x, t, i0)),
+            _ => put(&avx2_tile::<4, K>(w, x, t, i0)),
+        }
+    }
 }
 
 /// The 16 rows of tile `t` against activation rows `i0..i0 + R`, as two
