@@ -97,7 +97,7 @@ pub fn bench_model(
             let t = Instant::now();
             model.forward_one(&mut c, &draft[..k], Logits::All)?;
             times[i].push(t.elapsed().as_secs_f64() * 1e3);
-            c.truncate(context);
+            c.truncate(context)?;
         }
     }
     let kv_bytes = c.num_blocks() * c.layout().block_bytes();

@@ -13,6 +13,8 @@ pub enum SpecdError {
     UnsupportedArchitecture(String),
     #[error("prompt plus generation needs {needed} positions but the context holds {limit}")]
     ContextOverflow { needed: usize, limit: usize },
+    #[error("KV cache holds {have} positions; cannot roll back to {want}")]
+    CacheRollback { have: usize, want: usize },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("invalid request: {0}")]

@@ -751,6 +751,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
             config: ec,
             drafter,
         });
+        let watched = engine.clone();
         let state = actix_web::web::Data::new(specd::server::AppState {
             engine,
             tokenizer: tok,
@@ -776,10 +777,45 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         for addr in server.addrs() {
             eprintln!("specd listening on http://{addr} (model {model_name})");
         }
-        server.run().await.context("server")?;
+        let running = server.run();
+        let failed = watchdog(watched, running.handle());
+        running.await.context("server")?;
+        if let Some(why) = failed.get() {
+            anyhow::bail!("the engine failed and cannot recover: {why}");
+        }
         eprintln!("specd: shut down cleanly");
         Ok(())
     })
+}
+
+/// Ping the engine every second; when it has failed (or stops answering
+/// three times in a row) stop the server, so the process exits non-zero
+/// and its supervisor restarts it. Returns where the failure is recorded.
+fn watchdog(
+    engine: EngineHandle,
+    server: actix_web::dev::ServerHandle,
+) -> Arc<std::sync::OnceLock<String>> {
+    let failed = Arc::new(std::sync::OnceLock::new());
+    let out = failed.clone();
+    actix_web::rt::spawn(async move {
+        let mut misses = 0;
+        loop {
+            actix_web::rt::time::sleep(std::time::Duration::from_secs(1)).await;
+            match engine.ping(std::time::Duration::from_secs(5)).await {
+                Ok(_) => misses = 0,
+                Err(why) => {
+                    misses += 1;
+                    if engine.health.failure().is_some() || misses >= 3 || why.contains("gone") {
+                        eprintln!("specd: engine failed: {why}; stopping");
+                        let _ = failed.set(why);
+                        server.stop(false).await;
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    out
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {

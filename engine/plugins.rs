@@ -553,6 +553,9 @@ impl Proposer for PluginProposer {
                 d.tokens.push(tok);
                 let base = slot * q_cap;
                 d.q.push(match self.caps.q_kind {
+                    // Nothing written: a one-hot q (allowed under greedy
+                    // decoding whatever the declared kind).
+                    abi::Q_SPARSE | abi::Q_FULL if q_len[slot] == 0 => DraftQ::OneHot,
                     abi::Q_SPARSE => {
                         let len = (q_len[slot] as usize).min(q_cap);
                         let mut pairs: Vec<(u32, f32)> = (0..len)

@@ -857,21 +857,35 @@ async fn speculation_stats(req: HttpRequest, st: State) -> Result<HttpResponse, 
     })))
 }
 
-async fn health() -> HttpResponse {
-    HttpResponse::Ok().json(json!({"status": "alive"}))
+/// How long `/health` and `/ready` wait for the engine to answer.
+const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Alive: the process serves HTTP and the engine answers. 503 once the
+/// engine has failed (the daemon then exits non-zero).
+async fn health(st: State) -> HttpResponse {
+    match st.engine.ping(PING_TIMEOUT).await {
+        Ok(_) => HttpResponse::Ok().json(json!({"status": "alive"})),
+        Err(why) => {
+            HttpResponse::ServiceUnavailable().json(json!({"status": "failed", "reason": why}))
+        }
+    }
 }
 
+/// Ready: loading finished and the engine answers right now.
 async fn ready(st: State) -> HttpResponse {
-    if st.ready.load(Ordering::Relaxed) {
-        let stats = st.engine.stats().await;
-        HttpResponse::Ok().json(json!({
+    if !st.ready.load(Ordering::Relaxed) {
+        return HttpResponse::ServiceUnavailable().json(json!({"status": "loading"}));
+    }
+    match st.engine.ping(PING_TIMEOUT).await {
+        Ok(stats) => HttpResponse::Ok().json(json!({
             "status": "ready",
             "model": st.model_name,
-            "waiting": stats.map(|s| s.waiting),
-            "running": stats.map(|s| s.running),
-        }))
-    } else {
-        HttpResponse::ServiceUnavailable().json(json!({"status": "loading"}))
+            "waiting": stats.waiting,
+            "running": stats.running,
+        })),
+        Err(why) => {
+            HttpResponse::ServiceUnavailable().json(json!({"status": "failed", "reason": why}))
+        }
     }
 }
 

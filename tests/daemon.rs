@@ -420,3 +420,236 @@ weight = 1.0
     let m = d.request("GET", "/metrics", None, &[]).body;
     assert!(m.contains("arm=\"A\""), "{m}");
 }
+
+/// A small seeded generator for the storm's choices.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Send `body` to `path` on a raw socket and hang up after reading at most
+/// `read` bytes of the answer (0: before the first byte), after `pause`.
+fn hang_up(addr: &str, path: &str, body: &str, read: usize, pause: Duration) {
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+    let _ = write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    std::thread::sleep(pause);
+    let mut got = 0;
+    let mut buf = [0u8; 256];
+    while got < read {
+        match s.read(&mut buf[..(read - got).min(256)]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    // Dropping the socket closes it: the server sees the client go away.
+}
+
+#[test]
+fn storm_of_disconnecting_clients_leaves_the_engine_serving_and_lossless() {
+    let d = Daemon::start(CONFIG, &[]);
+    let prompts = [
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "def fibonacci(n):",
+        "Explain what a hash map is in one sentence.",
+    ];
+    let chat = |p: &str, n: u64, prop: &str, stream: bool| {
+        json!({"messages": [{"role": "user", "content": p}], "max_tokens": n, "temperature": 0,
+               "stream": stream, "speculation": {"proposer": prop}})
+    };
+    // Plain greedy answers before the storm: the reference for every full
+    // read during it and for the probe after it.
+    let mut reference = std::collections::HashMap::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let n = 12 + 8 * i as u64;
+        let r = d.post("/v1/chat/completions", &chat(p, n, "none", false));
+        assert_eq!(r.status, 200, "{}", r.body);
+        reference.insert(
+            i,
+            r.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    let accepted_before = d.metric("specd_requests_accepted_total");
+    let ended_before = d.metric("specd_requests_total");
+    let malformed = [
+        "{\"messages\": [",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temperature\": \"hot\"}",
+        "{\"messages\": [{\"role\": \"wizard\", \"content\": \"x\"}]}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"speculation\": {\"proposer\": \"nope\"}}",
+        "{\"messages\": [], \"max_tokens\": 4}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": 100000}",
+    ];
+    let proposers = ["none", "ngram", "suffix"];
+    let t = Instant::now();
+    let clients = 16;
+    let per_client = 20;
+    let handles: Vec<_> = (0..clients)
+        .map(|c| {
+            let addr = d.addr.clone();
+            let reference = reference.clone();
+            std::thread::spawn(move || {
+                let mut rng = Lcg(0x5709 + c as u64 * 7919);
+                let (mut full, mut bad) = (0u32, 0u32);
+                for _ in 0..per_client {
+                    let roll = rng.below(100);
+                    let i = rng.below(4) as usize;
+                    let n = 12 + 8 * i as u64;
+                    let prop = proposers[rng.below(3) as usize];
+                    if roll < 15 {
+                        // Malformed requests, answered 4xx, never queued.
+                        let body = malformed[rng.below(malformed.len() as u64) as usize];
+                        let r =
+                            common::http(&addr, "POST", "/v1/chat/completions", Some(body), &[]);
+                        assert!(
+                            (400..500).contains(&r.status),
+                            "{body}: {} {}",
+                            r.status,
+                            r.body
+                        );
+                        bad += 1;
+                    } else if roll < 75 {
+                        // Hang up: before the first byte (often while the
+                        // step that admitted it waits for its KV grant), or
+                        // after 1 to 2000 bytes of the stream.
+                        let body = chat(prompts[i], 40 + rng.below(80), prop, true).to_string();
+                        let read = match rng.below(3) {
+                            0 => 0,
+                            _ => 1 + rng.below(2000) as usize,
+                        };
+                        let pause = Duration::from_millis(rng.below(30));
+                        hang_up(&addr, "/v1/chat/completions", &body, read, pause);
+                    } else {
+                        let body = chat(prompts[i], n, prop, true).to_string();
+                        let r =
+                            common::http(&addr, "POST", "/v1/chat/completions", Some(&body), &[]);
+                        assert_eq!(r.status, 200, "{}", r.body);
+                        assert!(r.body.ends_with("data: [DONE]\n\n"), "{}", r.body);
+                        let text: String = r
+                            .sse()
+                            .iter()
+                            .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap_or(""))
+                            .collect();
+                        assert_eq!(
+                            text, reference[&i],
+                            "greedy output under the storm ({prop})"
+                        );
+                        full += 1;
+                    }
+                }
+                (full, bad)
+            })
+        })
+        .collect();
+    let (mut full, mut bad) = (0, 0);
+    for h in handles {
+        let (f, b) = h.join().expect("a storm client failed");
+        full += f;
+        bad += b;
+    }
+    eprintln!(
+        "storm: {} requests ({full} read in full, {bad} malformed, the rest hung up) in {:.1} s",
+        clients * per_client,
+        t.elapsed().as_secs_f64()
+    );
+    // Everything the engine accepted ends exactly once, and the KV cache
+    // empties.
+    let t = Instant::now();
+    loop {
+        let accepted = d.metric("specd_requests_accepted_total") - accepted_before;
+        let ended = d.metric("specd_requests_total") - ended_before;
+        if accepted == ended && d.metric("specd_kv_used_blocks") == 0.0 {
+            assert!(accepted >= full as f64, "{accepted} < {full}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "requests accepted {accepted}, ended {ended}, KV blocks {}: {}",
+            d.metric("specd_kv_used_blocks"),
+            d.stderr.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        d.metric_where("specd_requests_total", "finish=\"error\""),
+        0.0,
+        "no request may fail: {}",
+        d.stderr.lock().unwrap()
+    );
+    assert_eq!(d.request("GET", "/health", None, &[]).status, 200);
+    assert_eq!(d.request("GET", "/ready", None, &[]).status, 200);
+    // The engine still answers, with the same greedy text as before.
+    for (i, p) in prompts.iter().enumerate() {
+        let n = 12 + 8 * i as u64;
+        let r = d.post("/v1/chat/completions", &chat(p, n, "suffix", false));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap(),
+            reference[&i]
+        );
+    }
+}
+
+#[test]
+fn an_engine_that_cannot_recover_fails_its_requests_answers_503_and_exits_nonzero() {
+    // The verify stage's thread dies on its third batch (fault injection).
+    let mut d = Daemon::start(CONFIG, &[("SPECD_FAILPOINT", "verify-thread-panic:3")]);
+    assert_eq!(d.request("GET", "/ready", None, &[]).status, 200);
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 32,
+                "temperature": 0, "stream": true}),
+    );
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body.contains("\"error\"") && r.body.contains("engine failed"),
+        "the request must end with an error event: {}",
+        r.body
+    );
+    // Until it exits, the daemon says it is not healthy.
+    let h = d.request("GET", "/health", None, &[]);
+    assert!(h.status == 503 || h.status == 0, "{} {}", h.status, h.body);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = d.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the daemon did not exit: {}",
+            d.stderr.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!status.success(), "exit status {status:?}");
+    assert!(
+        d.stderr
+            .lock()
+            .unwrap()
+            .contains("the verify stage is gone"),
+        "{}",
+        d.stderr.lock().unwrap()
+    );
+}

@@ -190,7 +190,7 @@ fn rollback_equals_fresh_forward_exactly() {
     let mut cache = model.new_cache();
     model.forward_one(&mut cache, &a, Logits::None).unwrap();
     model.forward_one(&mut cache, &b, Logits::All).unwrap();
-    cache.truncate(a.len());
+    cache.truncate(a.len()).unwrap();
     let rolled = model.forward_one(&mut cache, &c, Logits::All).unwrap();
     // forward(A + C) from scratch, in one chunk
     let mut fresh = model.new_cache();
@@ -208,7 +208,7 @@ fn rollback_equals_fresh_forward_exactly() {
     let long: Vec<u32> = (0..70).map(|i| (i * 7 % 90) as u32 + 3).collect();
     let mut c1 = model.new_cache();
     model.forward_one(&mut c1, &long, Logits::None).unwrap();
-    c1.truncate(60);
+    c1.truncate(60).unwrap();
     let r1 = model.forward_one(&mut c1, &c, Logits::All).unwrap();
     let mut c2 = model.new_cache();
     let l2: Vec<u32> = long[..60].iter().chain(&c).copied().collect();
@@ -419,7 +419,7 @@ fn long_context_split_attention_matches_reference_and_is_batch_invariant() {
         .forward_one(&mut long, &next, Logits::All)
         .unwrap()
         .logits;
-    long.truncate(prompt.len());
+    long.truncate(prompt.len()).unwrap();
     let mut short = model.new_cache();
     model
         .forward_one(&mut short, &[1, 2, 3], Logits::None)
@@ -444,7 +444,7 @@ fn long_context_split_attention_matches_reference_and_is_batch_invariant() {
         )
         .unwrap();
     assert_eq!(out[1].logits, alone, "batched differs from alone");
-    long.truncate(prompt.len());
+    long.truncate(prompt.len()).unwrap();
     let again = model
         .forward_one(&mut long, &next, Logits::All)
         .unwrap()
@@ -455,12 +455,12 @@ fn long_context_split_attention_matches_reference_and_is_batch_invariant() {
     // attention tasks walk their slot ranges in turn) equals decoding the
     // same tokens one at a time (one task per slot range, merged after).
     let run: Vec<u32> = (0..12u32).map(|i| (i * 13 + 5) % 96).collect();
-    long.truncate(prompt.len());
+    long.truncate(prompt.len()).unwrap();
     let verify = model
         .forward_one(&mut long, &run, Logits::All)
         .unwrap()
         .logits;
-    long.truncate(prompt.len());
+    long.truncate(prompt.len()).unwrap();
     let mut stepwise = Vec::new();
     for &t in &run {
         stepwise.extend(

@@ -515,3 +515,147 @@ fn shadow_proposers_are_scored_without_touching_live_traffic() {
         }
     }
 }
+
+#[test]
+fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
+    use specd::spec::pipeline::Step;
+    let (_d, model) = tiny_model(&TINY, 13);
+    let ps = prompts(TINY.vocab as u32);
+    let want = plain_no_eos(&model, &ps[0], 80);
+    let answers = vec![(ps[0].clone(), want.clone())];
+    let oracle = OracleProposer::new(answers, 0.0, 4, TINY.vocab as u32);
+    let mut e = engine(&model, None, vec![Box::new(oracle)], 4, None);
+    let keep = e
+        .add(
+            Request {
+                proposer: Some("oracle".into()),
+                ignore_eos: true,
+                ..Request::greedy(ps[0].clone(), 80)
+            },
+            None,
+        )
+        .unwrap();
+    // Decoding first, then abort it mid-step: every stage of the step must
+    // still find it, and its blocks go after the commit.
+    e.step().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let victim = e.add(Request::greedy(ps[3].clone(), 50), Some(tx)).unwrap();
+    for abort_at in 0..5 {
+        let drafter = &e.drafter;
+        let (mut step, grant_req) = Step::plan(
+            &mut e.scheduler,
+            |n| drafter.capabilities(n).map(|c| c.max_draft),
+            100 + abort_at,
+        );
+        // Round r aborts the victim (prefilling) before stage r; later
+        // rounds find it gone.
+        let abort = |e: &mut EngineCore, at: u64| {
+            if at == abort_at {
+                assert!(e.abort(victim) || abort_at > 0);
+            }
+        };
+        abort(&mut e, 0);
+        let grant = e.kv.handle_grant(grant_req);
+        abort(&mut e, 1);
+        let dreq = step.granted(&mut e.scheduler, grant);
+        abort(&mut e, 2);
+        let vreq = step.drafted(e.drafter.handle(dreq));
+        let vresp = e.verifier.handle(vreq);
+        abort(&mut e, 3);
+        let areq = step.verified(&mut e.scheduler, vresp);
+        let aresp = e.sampler.handle(areq);
+        abort(&mut e, 4);
+        let (lens, _) = step.commit(&mut e.scheduler, aresp);
+        e.kv.handle_commit(lens);
+        if abort_at == 0 {
+            assert!(e.scheduler.get(victim).is_none(), "applied at commit");
+        }
+    }
+    let mut aborted = false;
+    while let Ok(ev) = rx.try_recv() {
+        if let specd::spec::Event::Finished(c) = ev {
+            aborted = c.finish == FinishReason::Aborted;
+        }
+    }
+    assert!(aborted, "the victim ends with an aborted completion");
+    let done = e.run_to_completion().unwrap();
+    let all: Vec<_> = done.iter().filter(|c| c.id == keep).collect();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].tokens, want, "the survivor is still lossless");
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+    assert_eq!(e.verifier.num_caches(), 0);
+}
+
+#[test]
+fn actors_survive_aborts_at_every_moment_and_free_kv() {
+    let (_d, model) = tiny_model(&TINY, 14);
+    let ps = prompts(TINY.vocab as u32);
+    let n = 24;
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain(&model, p, n)).collect();
+    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    let model2 = model.clone();
+    actix_rt::System::new().block_on(async move {
+        let mut cfg = EngineConfig::for_model(&model2);
+        cfg.scheduler.max_running = 4;
+        let mut d = Drafter::new();
+        d.add(Box::new(OracleProposer::new(
+            answers,
+            0.3,
+            4,
+            TINY.vocab as u32,
+        )));
+        let h = specd::spec::actors::EngineHandle::start(specd::spec::actors::EngineParts {
+            model: model2,
+            tokenizer: None,
+            config: cfg,
+            drafter: d,
+        });
+        let mut kept = Vec::new();
+        let mut victims = Vec::new();
+        for round in 0..60u64 {
+            let p = &ps[(round % 4) as usize];
+            let req = Request {
+                proposer: Some("oracle".into()),
+                ..Request::greedy(p.clone(), n)
+            };
+            let (id, rx) = h.submit(req).await.unwrap();
+            if round % 3 == 0 {
+                kept.push(((round % 4) as usize, rx));
+            } else {
+                victims.push(id);
+                // Abort right away, after a yield, or a little later.
+                match round % 3 {
+                    1 => {
+                        h.abort(id).await;
+                    }
+                    _ => {
+                        tokio::time::sleep(std::time::Duration::from_micros(300 * (round % 7)))
+                            .await;
+                        h.abort(id).await;
+                    }
+                }
+            }
+        }
+        for (i, mut rx) in kept {
+            let mut toks = Vec::new();
+            loop {
+                match rx.recv().await {
+                    Some(specd::spec::Event::Tokens { ids, .. }) => toks.extend(ids),
+                    Some(specd::spec::Event::Finished(_)) => break,
+                    Some(specd::spec::Event::Error(e)) => panic!("{e}"),
+                    None => panic!("stream closed without a final event"),
+                }
+            }
+            assert_eq!(toks, want[i]);
+        }
+        for _ in 0..300 {
+            let st = h.stats().await.unwrap();
+            if st.running == 0 && st.waiting == 0 && h.kv_usage().await.unwrap().used_blocks == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(h.kv_usage().await.unwrap().used_blocks, 0);
+        assert!(h.ping(std::time::Duration::from_secs(5)).await.is_ok());
+    });
+}

@@ -175,11 +175,17 @@ impl KvCache {
         Ok(())
     }
 
-    /// Roll back to `len` positions (no-op if already shorter).
-    pub fn truncate(&mut self, len: usize) {
-        if len < self.len {
-            self.len = len;
+    /// Roll back to `len` positions (`len == len()` is a no-op). A length
+    /// past the end is an error: the caller's bookkeeping disagrees with
+    /// what the cache holds.
+    pub fn truncate(&mut self, len: usize) -> crate::error::Result<()> {
+        if len > self.len {
+            return Err(crate::error::SpecdError::CacheRollback {
+                have: self.len,
+                want: len,
+            });
         }
+        self.len = len;
         let keep = self.layout.blocks_for(self.len);
         while self.blocks.len() > keep {
             let b = self.blocks.pop();
@@ -187,6 +193,7 @@ impl KvCache {
                 self.spare = b;
             }
         }
+        Ok(())
     }
 
     /// Mark `n` more positions as written (after a forward filled them).
@@ -266,9 +273,12 @@ mod tests {
         c.reserve(3).unwrap();
         assert_eq!(c.num_blocks(), 2);
         c.advance(3);
-        c.truncate(4);
+        c.truncate(4).unwrap();
         assert_eq!((c.len(), c.num_blocks()), (4, 1));
-        c.truncate(0);
+        let err = c.truncate(5).unwrap_err();
+        assert!(err.to_string().contains("holds 4"), "{err}");
+        assert_eq!(c.len(), 4);
+        c.truncate(0).unwrap();
         assert_eq!((c.len(), c.num_blocks()), (0, 0));
     }
 

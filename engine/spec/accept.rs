@@ -13,6 +13,7 @@
 //! fixed order, so a seeded request reproduces.
 
 use super::proposer::{Draft, DraftQ};
+use crate::error::{Result, SpecdError};
 use crate::sampler::{self, Distribution, Rng, SamplingParams};
 
 /// How a rejection is resolved. Only `Correct` is lossless; the other
@@ -97,9 +98,16 @@ pub fn accept(
     params: &SamplingParams,
     rng: &mut Rng,
     residual: Residual,
-) -> Accepted {
+) -> Result<Accepted> {
     let k = draft.tokens.len();
-    debug_assert_eq!(rows.len(), (k + 1) * vocab);
+    if vocab == 0 || rows.len() != (k + 1) * vocab || draft.q.len() != k {
+        return Err(SpecdError::InvalidRequest(format!(
+            "acceptance: {} logits for {} drafts ({} q) over a vocabulary of {vocab}",
+            rows.len(),
+            k,
+            draft.q.len()
+        )));
+    }
     let greedy = params.is_greedy();
     // Penalties see the accepted drafts as context; without penalties the
     // history is never read, so it is not copied.
@@ -119,18 +127,18 @@ pub fn accept(
                 continue;
             }
             tokens.push(best);
-            return Accepted {
+            return Ok(Accepted {
                 accepted: i,
                 tokens,
-            };
+            });
         }
         let p = target(row, &ctx, &gen, params);
         if i == k {
             tokens.push(p.sample(rng));
-            return Accepted {
+            return Ok(Accepted {
                 accepted: k,
                 tokens,
-            };
+            });
         }
         let d = draft.tokens[i];
         let q = &draft.q[i];
@@ -158,12 +166,15 @@ pub fn accept(
             }
         };
         tokens.push(fix);
-        return Accepted {
+        return Ok(Accepted {
             accepted: i,
             tokens,
-        };
+        });
     }
-    unreachable!("loop returns at i == k")
+    // The loop returns at i == k at the latest.
+    Err(SpecdError::InvalidRequest(
+        "acceptance ended without a token".into(),
+    ))
 }
 
 #[cfg(test)]
@@ -196,7 +207,8 @@ mod tests {
             &SamplingParams::greedy(),
             &mut rng,
             Residual::Correct,
-        );
+        )
+        .unwrap();
         assert_eq!(
             a,
             Accepted {
@@ -217,7 +229,8 @@ mod tests {
             &SamplingParams::greedy(),
             &mut rng,
             Residual::Correct,
-        );
+        )
+        .unwrap();
         assert_eq!(
             a,
             Accepted {
@@ -252,7 +265,8 @@ mod tests {
                 &params,
                 &mut rng,
                 Residual::Correct,
-            );
+            )
+            .unwrap();
             if a.accepted == 1 {
                 accepted += 1;
             } else {

@@ -1,60 +1,105 @@
-//! Actix shells around the stage structs. Compute actors (draft, verify,
-//! sample) run on their own threads (`SyncArbiter`), so no forward ever
-//! blocks the async reactor; the scheduler and KV manager are async actors.
-//! Each stage gets one message per step, carrying the whole batch and the
-//! step's tracing span (which follows from every request's span).
+//! Actix shells around the stage structs: the actor driver of the step
+//! defined in `pipeline`. Compute actors (draft, verify, sample) run on their
+//! own threads (`SyncArbiter`), so no forward ever blocks the async reactor;
+//! the scheduler and KV manager are async actors. Each stage gets one
+//! message per step, carrying the whole batch and the step's tracing span
+//! (which follows from every request's span).
 //!
-//! Invariant: the actors hold no logic of their own beyond message plumbing;
-//! everything they do is a call into the structs that `EngineCore` tests.
+//! Invariants:
+//! - The actors hold no logic of their own beyond message plumbing: every
+//!   stage message is a `pipeline` request answered by the same `handle_*`
+//!   method `EngineCore` calls, and the scheduler advances the same `Step`.
+//! - One step is in flight at a time; aborts that arrive while it awaits a
+//!   stage are deferred by the scheduler until the step commits.
+//! - Supervision: a stage that fails for some sequences fails only those
+//!   (the handlers catch panics). A stage that is gone (its mailbox closed)
+//!   or a panic in the scheduler's own bookkeeping cannot be recovered from:
+//!   every live request ends with an error event, `EngineHealth` records the
+//!   failure (so `/health` and `/ready` answer 503) and the daemon exits
+//!   non-zero for its supervisor to restart it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use actix::prelude::*;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::accept::Accepted;
-use super::engine::{self, AcceptItem, SamplerCore, StepReport, Verifier, VerifyItem, VerifyOut};
+use super::engine::{self, SamplerCore, Verifier};
 use super::kv_manager::{KvManager, Pool, PoolUsage};
-use super::proposer::{Draft, Drafter, ProposeInput};
-use super::scheduler::{self, Grant, Scheduler, SchedulerConfig, Want, Work};
+use super::pipeline::{
+    panic_message, AcceptRequest, AcceptResponse, CommitLens, DraftRequest, DraftResponse,
+    GrantRequest, Step, VerifyRequest, VerifyResponse,
+};
+use super::proposer::Drafter;
+use super::scheduler::{Grant, Scheduler, SchedulerConfig};
 use super::{Event, Request, SeqId};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
-use crate::sampler::SamplingParams;
 use crate::tokenizer::Tokenizer;
+
+/// A pipeline request with the step's tracing span.
+pub struct Staged<R> {
+    pub req: R,
+    pub span: tracing::Span,
+}
+
+impl Message for Staged<DraftRequest> {
+    type Result = DraftResponse;
+}
+impl Message for Staged<VerifyRequest> {
+    type Result = VerifyResponse;
+}
+impl Message for Staged<AcceptRequest> {
+    type Result = AcceptResponse;
+}
+impl Message for GrantRequest {
+    type Result = Grant;
+}
+impl Message for CommitLens {
+    type Result = ();
+}
 
 // ------------------------------------------------------------ verify
 
 pub struct VerifyActor {
     verifier: Verifier,
+    /// Fault injection for supervision tests (see `failpoint`).
+    die_at: Option<u64>,
+    calls: u64,
 }
 
 impl Actor for VerifyActor {
     type Context = SyncContext<Self>;
 }
 
-#[derive(Message)]
-#[rtype(result = "Result<Vec<VerifyOut>>")]
-pub struct VerifyBatch {
-    /// Proposer label for this step's timing metrics.
-    pub label: String,
-    pub release: Vec<SeqId>,
-    pub items: Vec<VerifyItem>,
-    pub span: tracing::Span,
+impl Handler<Staged<VerifyRequest>> for VerifyActor {
+    type Result = MessageResult<Staged<VerifyRequest>>;
+    fn handle(&mut self, msg: Staged<VerifyRequest>, _: &mut Self::Context) -> Self::Result {
+        let _e = msg.span.enter();
+        self.calls += 1;
+        if self.die_at == Some(self.calls) {
+            // Outside every guard: the stage thread dies, as an escaped bug
+            // or a crashed thread would.
+            panic!(
+                "failpoint verify-thread-panic reached at call {}",
+                self.calls
+            );
+        }
+        MessageResult(self.verifier.handle(msg.req))
+    }
 }
 
-impl Handler<VerifyBatch> for VerifyActor {
-    type Result = Result<Vec<VerifyOut>>;
-    fn handle(&mut self, msg: VerifyBatch, _: &mut Self::Context) -> Self::Result {
-        let _e = msg.span.enter();
-        let t = std::time::Instant::now();
-        self.verifier.release(&msg.release);
-        let r = self.verifier.run(&msg.items);
-        metrics::histogram!("specd_verify_seconds", "proposer" => msg.label)
-            .record(t.elapsed().as_secs_f64());
-        r
-    }
+/// `SPECD_FAILPOINT=verify-thread-panic:N` makes the verify stage's thread
+/// die on its N-th batch, so tests can check that an unrecoverable engine
+/// fails its requests, answers 503 and exits non-zero. Unset in production.
+fn failpoint() -> Option<u64> {
+    std::env::var("SPECD_FAILPOINT")
+        .ok()?
+        .strip_prefix("verify-thread-panic:")?
+        .parse()
+        .ok()
 }
 
 // ------------------------------------------------------------ draft
@@ -67,65 +112,11 @@ impl Actor for DraftActor {
     type Context = SyncContext<Self>;
 }
 
-/// One sequence's owned draft input.
-#[derive(Debug, Clone)]
-pub struct DraftInput {
-    pub seq: SeqId,
-    pub tokens: Vec<u32>,
-    pub max_draft: usize,
-    pub params: SamplingParams,
-    pub hidden: Vec<(usize, Vec<f32>)>,
-}
-
-#[derive(Message)]
-#[rtype(result = "(Vec<Draft>, HashMap<SeqId, Vec<usize>>)")]
-pub struct DraftBatch {
-    /// Proposer label for this step's timing metrics.
-    pub label: String,
-    pub finish: Vec<SeqId>,
-    pub start: Vec<(SeqId, String, Vec<u32>)>,
-    pub observe: Vec<(SeqId, Vec<u32>)>,
-    pub inputs: Vec<DraftInput>,
-    pub span: tracing::Span,
-}
-
-impl Handler<DraftBatch> for DraftActor {
-    type Result = MessageResult<DraftBatch>;
-    fn handle(&mut self, msg: DraftBatch, _: &mut Self::Context) -> Self::Result {
+impl Handler<Staged<DraftRequest>> for DraftActor {
+    type Result = MessageResult<Staged<DraftRequest>>;
+    fn handle(&mut self, msg: Staged<DraftRequest>, _: &mut Self::Context) -> Self::Result {
         let _e = msg.span.enter();
-        let t = std::time::Instant::now();
-        // Observations from the last commit first (a finished sequence's
-        // last tokens arrive with its release), then starts, then releases
-        // (a sequence admitted and preempted in one step ends up finished).
-        for (id, toks) in &msg.observe {
-            self.drafter.observe(*id, toks);
-        }
-        for (id, name, tokens) in &msg.start {
-            self.drafter.start(*id, name, tokens);
-        }
-        for id in &msg.finish {
-            self.drafter.finish(*id);
-        }
-        let inputs: Vec<ProposeInput<'_>> = msg
-            .inputs
-            .iter()
-            .map(|i| ProposeInput {
-                seq: i.seq,
-                tokens: &i.tokens,
-                max_draft: i.max_draft,
-                params: &i.params,
-                hidden: &i.hidden,
-            })
-            .collect();
-        let drafts = self.drafter.propose(&inputs);
-        let hidden = msg
-            .inputs
-            .iter()
-            .map(|i| (i.seq, self.drafter.hidden_layers(i.seq).to_vec()))
-            .collect();
-        metrics::histogram!("specd_draft_seconds", "proposer" => msg.label)
-            .record(t.elapsed().as_secs_f64());
-        MessageResult((drafts, hidden))
+        MessageResult(self.drafter.handle(msg.req))
     }
 }
 
@@ -151,26 +142,11 @@ impl Actor for SamplerActor {
     type Context = SyncContext<Self>;
 }
 
-#[derive(Message)]
-#[rtype(result = "Vec<(SeqId, Accepted)>")]
-pub struct AcceptBatch {
-    /// Proposer label for this step's timing metrics.
-    pub label: String,
-    pub ended: Vec<SeqId>,
-    pub items: Vec<AcceptItem>,
-    pub span: tracing::Span,
-}
-
-impl Handler<AcceptBatch> for SamplerActor {
-    type Result = MessageResult<AcceptBatch>;
-    fn handle(&mut self, msg: AcceptBatch, _: &mut Self::Context) -> Self::Result {
+impl Handler<Staged<AcceptRequest>> for SamplerActor {
+    type Result = MessageResult<Staged<AcceptRequest>>;
+    fn handle(&mut self, msg: Staged<AcceptRequest>, _: &mut Self::Context) -> Self::Result {
         let _e = msg.span.enter();
-        let t = std::time::Instant::now();
-        self.core.end(&msg.ended);
-        let r = self.core.run(&msg.items);
-        metrics::histogram!("specd_sample_seconds", "proposer" => msg.label)
-            .record(t.elapsed().as_secs_f64());
-        MessageResult(r)
+        MessageResult(self.core.handle(msg.req))
     }
 }
 
@@ -184,45 +160,17 @@ impl Actor for KvManagerActor {
     type Context = Context<Self>;
 }
 
-/// Free `release`, then grant `wants` (evicting lower-priority holders).
-#[derive(Message)]
-#[rtype(result = "Grant")]
-pub struct GrantWants {
-    pub release: Vec<SeqId>,
-    pub wants: Vec<Want>,
-}
-
-impl Handler<GrantWants> for KvManagerActor {
-    type Result = MessageResult<GrantWants>;
-    fn handle(&mut self, msg: GrantWants, _: &mut Self::Context) -> Self::Result {
-        for id in &msg.release {
-            self.kv.free(*id);
-        }
-        MessageResult(scheduler::grant(&mut self.kv, &msg.wants))
+impl Handler<GrantRequest> for KvManagerActor {
+    type Result = MessageResult<GrantRequest>;
+    fn handle(&mut self, msg: GrantRequest, _: &mut Self::Context) -> Self::Result {
+        MessageResult(self.kv.handle_grant(msg))
     }
-}
-
-/// Committed lengths after a step; finished sequences are freed.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct CommitLens {
-    pub lens: Vec<(SeqId, usize)>,
-    pub free: Vec<SeqId>,
 }
 
 impl Handler<CommitLens> for KvManagerActor {
     type Result = ();
     fn handle(&mut self, msg: CommitLens, _: &mut Self::Context) {
-        for (id, len) in msg.lens {
-            self.kv.commit(id, Pool::Target, len);
-        }
-        for id in msg.free {
-            self.kv.free(id);
-        }
-        if let Some(u) = self.kv.usage(Pool::Target) {
-            metrics::gauge!("specd_kv_used_blocks").set(u.used_blocks as f64);
-            metrics::gauge!("specd_kv_capacity_blocks").set(u.capacity_blocks as f64);
-        }
+        self.kv.handle_commit(msg);
     }
 }
 
@@ -237,6 +185,28 @@ impl Handler<KvUsage> for KvManagerActor {
     }
 }
 
+// ------------------------------------------------------------ health
+
+/// Whether the engine can still serve; set once, when it cannot.
+#[derive(Debug, Default)]
+pub struct EngineHealth {
+    failure: OnceLock<String>,
+}
+
+impl EngineHealth {
+    /// Why the engine stopped serving, if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
+    }
+
+    fn fail(&self, why: &str) {
+        if self.failure.set(why.to_string()).is_ok() {
+            tracing::error!(reason = why, "engine failed; it cannot recover");
+            metrics::gauge!("specd_engine_failed").set(1.0);
+        }
+    }
+}
+
 // ------------------------------------------------------------ scheduler
 
 pub struct SchedulerActor {
@@ -247,10 +217,10 @@ pub struct SchedulerActor {
     draft: Addr<DraftActor>,
     verify: Addr<VerifyActor>,
     sampler: Addr<SamplerActor>,
-    stepping: bool,
+    /// The step in flight, between its stage messages.
+    step: Option<Step>,
     steps: u64,
-    spans: HashMap<SeqId, tracing::Span>,
-    pending_observe: Vec<(SeqId, Vec<u32>)>,
+    health: Arc<EngineHealth>,
 }
 
 impl Actor for SchedulerActor {
@@ -295,11 +265,13 @@ impl Handler<GetArmStats> for SchedulerActor {
 impl Handler<Submit> for SchedulerActor {
     type Result = Result<SeqId>;
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
+        if self.health.failure().is_some() {
+            return Err(SpecdError::EngineStopped);
+        }
         let caps = &self.caps;
         let id = self
             .scheduler
             .add(msg.req, Some(msg.sink), |n| caps.contains_key(n))?;
-        self.spans.insert(id, tracing::info_span!("request", id));
         self.kick(ctx);
         Ok(id)
     }
@@ -308,8 +280,8 @@ impl Handler<Submit> for SchedulerActor {
 impl Handler<Abort> for SchedulerActor {
     type Result = bool;
     fn handle(&mut self, msg: Abort, ctx: &mut Self::Context) -> bool {
+        // Deferred by the scheduler while a step is in flight.
         let ok = self.scheduler.abort(msg.0);
-        self.spans.remove(&msg.0);
         self.kick(ctx);
         ok
     }
@@ -326,166 +298,139 @@ impl Handler<GetStats> for SchedulerActor {
     }
 }
 
-fn fail_all(sched: &mut Scheduler, ids: &[SeqId], why: &str) {
-    for &id in ids {
-        sched.fail(id, why);
-    }
+/// Run a scheduler-side transition, turning a panic into an error.
+fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    catch_unwind(AssertUnwindSafe(f))
+        .map_err(|p| format!("scheduler {what} panicked: {}", panic_message(&*p)))
 }
 
 impl SchedulerActor {
-    fn step_span(&self, ids: &[SeqId]) -> tracing::Span {
-        let span = tracing::debug_span!("step", n = self.steps, seqs = ids.len());
-        for id in ids {
-            if let Some(s) = self.spans.get(id) {
-                span.follows_from(s);
+    /// The engine cannot go on: fail everything and record why.
+    fn fatal(&mut self, why: String) {
+        self.step = None;
+        self.health.fail(&why);
+        let msg = format!("engine failed: {why}");
+        let _ = catch_unwind(AssertUnwindSafe(|| self.scheduler.fail_all(&msg)));
+    }
+
+    /// A stage's reply, or the engine's end if the stage is gone.
+    fn reply<T>(
+        &mut self,
+        stage: &str,
+        r: std::result::Result<T, MailboxError>,
+    ) -> Option<(Step, T)> {
+        let step = self.step.take()?;
+        match r {
+            Ok(v) => Some((step, v)),
+            Err(e) => {
+                self.fatal(format!("the {stage} stage is gone ({e})"));
+                None
             }
         }
-        span
     }
 
     /// Start a step if there is work and none is running.
     fn kick(&mut self, ctx: &mut Context<Self>) {
-        if self.stepping || self.scheduler.is_idle() {
+        if self.step.is_some() || self.health.failure().is_some() || self.scheduler.is_idle() {
             return;
         }
-        self.stepping = true;
         self.steps += 1;
-        let caps = self.caps.clone();
-        let (items, wants) = self.scheduler.wants(|n| caps.get(n).copied());
-        // Finished and aborted sequences (and admissions) known before the
-        // grant: their blocks are freed first.
-        let early = self.scheduler.take_lifecycle();
-        let fut = self
-            .kv
-            .send(GrantWants {
-                release: early.released.clone(),
-                wants,
-            })
-            .into_actor(self)
-            .then(move |grant, act, _ctx| {
-                let grant = grant.unwrap_or_default();
-                let items = act.scheduler.apply_grant(items, &grant);
-                let lc = act.scheduler.take_lifecycle();
-                let mut release = early.released;
-                release.extend(lc.released.iter().copied());
-                let mut ended = early.ended;
-                ended.extend(lc.ended.iter().copied());
-                let mut starts = early.starts;
-                starts.extend(lc.starts);
-                let ids: Vec<SeqId> = items.iter().map(|i| i.seq).collect();
-                let span = act.step_span(&ids);
-                let label = engine::step_label(
-                    items
-                        .iter()
-                        .filter(|i| matches!(i.work, Work::Decode { .. }))
-                        .filter_map(|i| act.scheduler.get(i.seq))
-                        .map(|s| s.stats.proposer.as_str()),
-                );
-                let inputs: Vec<DraftInput> = engine::draft_inputs(&act.scheduler, &items)
-                    .into_iter()
-                    .map(|p| DraftInput {
-                        seq: p.seq,
-                        tokens: p.tokens.to_vec(),
-                        max_draft: p.max_draft,
-                        params: p.params.clone(),
-                        hidden: p.hidden.to_vec(),
-                    })
-                    .collect();
-                let msg = DraftBatch {
-                    finish: release.clone(),
-                    start: starts,
-                    observe: std::mem::take(&mut act.pending_observe),
-                    inputs,
-                    span: span.clone(),
-                    label: label.clone(),
-                };
-                act.draft
-                    .send(msg)
-                    .into_actor(act)
-                    .map(move |drafts, _act, _ctx| (drafts, items, release, ended, span, label))
-            })
-            .then(|(drafts, items, release, ended, span, label), act, _ctx| {
-                let (drafts, hidden) = drafts.unwrap_or_else(|_| {
-                    let n = items
-                        .iter()
-                        .filter(|i| matches!(i.work, Work::Decode { .. }))
-                        .count();
-                    (vec![Draft::default(); n], HashMap::new())
-                });
-                let vitems = engine::verify_items(&items, &drafts, |s| {
-                    hidden.get(&s).cloned().unwrap_or_default()
-                });
-                act.verify
-                    .send(VerifyBatch {
-                        release,
-                        items: vitems,
-                        span: span.clone(),
-                        label: label.clone(),
-                    })
-                    .into_actor(act)
-                    .map(move |outs, _act, _ctx| (outs, drafts, items, ended, span, label))
-            })
-            .then(|(outs, drafts, items, ended, span, label), act, _ctx| {
-                let ids: Vec<SeqId> = items.iter().map(|i| i.seq).collect();
-                let outs = match outs {
-                    Ok(Ok(o)) => o,
-                    Ok(Err(e)) => {
-                        fail_all(&mut act.scheduler, &ids, &e.to_string());
-                        Vec::new()
-                    }
-                    Err(e) => {
-                        fail_all(&mut act.scheduler, &ids, &e.to_string());
-                        Vec::new()
-                    }
-                };
-                let ok = !outs.is_empty() || items.is_empty();
-                let mut outs = outs;
-                let drafted = engine::drafted_lengths(&items, &drafts);
-                let aitems = if ok {
-                    engine::accept_items(&act.scheduler, &items, drafts, &mut outs)
-                } else {
-                    Vec::new()
-                };
-                act.sampler
-                    .send(AcceptBatch {
-                        ended,
-                        items: aitems,
-                        span,
-                        label,
-                    })
-                    .into_actor(act)
-                    .map(move |acc, _act, _ctx| (acc, outs, items, drafted, ok))
-            })
-            .map(|(acc, outs, items, drafted, ok), act, ctx| {
-                if ok {
-                    let accepted = acc.unwrap_or_default();
-                    let (prefilled, decoded) =
-                        engine::commit_inputs(&items, outs, accepted, &drafted);
-                    let report = StepReport {
-                        batch_tokens: 0,
-                        decode_seqs: decoded.len(),
-                        prefill_seqs: prefilled.len(),
-                        finished: Vec::new(),
-                    };
-                    let committed = act.scheduler.commit(&prefilled, decoded);
-                    let free: Vec<SeqId> = committed.finished.iter().map(|c| c.id).collect();
-                    for id in &free {
-                        act.spans.remove(id);
-                    }
-                    act.kv.do_send(CommitLens {
-                        lens: committed.lens,
-                        free,
-                    });
-                    act.pending_observe.extend(committed.observed);
-                    metrics::histogram!("specd_batch_sequences", "proposer" => "all")
-                        .record((report.decode_seqs + report.prefill_seqs) as f64);
-                    metrics::gauge!("specd_running_sequences")
-                        .set(act.scheduler.num_running() as f64);
-                }
-                act.stepping = false;
-                act.kick(ctx);
-            });
-        ctx.spawn(fut);
+        let (caps, n) = (&self.caps, self.steps);
+        let sched = &mut self.scheduler;
+        let planned = guarded("plan", || Step::plan(sched, |p| caps.get(p).copied(), n));
+        let (step, req) = match planned {
+            Ok(x) => x,
+            Err(why) => return self.fatal(why),
+        };
+        self.step = Some(step);
+        ctx.spawn(
+            self.kv
+                .send(req)
+                .into_actor(self)
+                .map(|r, act, ctx| act.on_granted(r, ctx)),
+        );
+    }
+
+    fn on_granted(&mut self, r: std::result::Result<Grant, MailboxError>, ctx: &mut Context<Self>) {
+        let Some((mut step, grant)) = self.reply("KV manager", r) else {
+            return;
+        };
+        let sched = &mut self.scheduler;
+        let req = match guarded("grant", || step.granted(sched, grant)) {
+            Ok(r) => r,
+            Err(why) => return self.fatal(why),
+        };
+        let span = step.span().clone();
+        self.step = Some(step);
+        ctx.spawn(
+            self.draft
+                .send(Staged { req, span })
+                .into_actor(self)
+                .map(|r, act, ctx| act.on_drafted(r, ctx)),
+        );
+    }
+
+    fn on_drafted(
+        &mut self,
+        r: std::result::Result<DraftResponse, MailboxError>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some((mut step, resp)) = self.reply("draft", r) else {
+            return;
+        };
+        let req = match guarded("draft result", || step.drafted(resp)) {
+            Ok(r) => r,
+            Err(why) => return self.fatal(why),
+        };
+        let span = step.span().clone();
+        self.step = Some(step);
+        ctx.spawn(
+            self.verify
+                .send(Staged { req, span })
+                .into_actor(self)
+                .map(|r, act, ctx| act.on_verified(r, ctx)),
+        );
+    }
+
+    fn on_verified(
+        &mut self,
+        r: std::result::Result<VerifyResponse, MailboxError>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some((mut step, resp)) = self.reply("verify", r) else {
+            return;
+        };
+        let sched = &mut self.scheduler;
+        let req = match guarded("verify result", || step.verified(sched, resp)) {
+            Ok(r) => r,
+            Err(why) => return self.fatal(why),
+        };
+        let span = step.span().clone();
+        self.step = Some(step);
+        ctx.spawn(
+            self.sampler
+                .send(Staged { req, span })
+                .into_actor(self)
+                .map(|r, act, ctx| act.on_accepted(r, ctx)),
+        );
+    }
+
+    fn on_accepted(
+        &mut self,
+        r: std::result::Result<AcceptResponse, MailboxError>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some((step, resp)) = self.reply("sample", r) else {
+            return;
+        };
+        let sched = &mut self.scheduler;
+        let lens = match guarded("commit", || step.commit(sched, resp)) {
+            Ok((lens, _report)) => lens,
+            Err(why) => return self.fatal(why),
+        };
+        // Ordered before the next step's grant (same sender, same mailbox).
+        self.kv.do_send(lens);
+        self.kick(ctx);
     }
 }
 
@@ -508,6 +453,7 @@ pub struct EngineHandle {
     pub scheduler: Addr<SchedulerActor>,
     pub kv: Addr<KvManagerActor>,
     pub draft: Addr<DraftActor>,
+    pub health: Arc<EngineHealth>,
 }
 
 impl EngineHandle {
@@ -517,7 +463,7 @@ impl EngineHandle {
             model,
             tokenizer,
             config,
-            drafter,
+            mut drafter,
         } = parts;
         let caps: HashMap<String, usize> = drafter
             .names()
@@ -525,21 +471,26 @@ impl EngineHandle {
             .filter_map(|n| drafter.capabilities(&n).map(|c| (n.clone(), c.max_draft)))
             .collect();
         let vocab = model.config.vocab_size;
-        let verifier = std::sync::Mutex::new(Some(Verifier::new(model)));
+        drafter.set_vocab(vocab);
+        // Each SyncArbiter factory runs once (one thread per stage).
+        let verifier = std::sync::Mutex::new(Some(Verifier::new(model.clone())));
+        let die_at = failpoint();
         let verify = SyncArbiter::start(1, move || VerifyActor {
             verifier: verifier
                 .lock()
-                .expect("once")
+                .unwrap_or_else(|e| e.into_inner())
                 .take()
-                .expect("one verify actor"),
+                .unwrap_or_else(|| Verifier::new(model.clone())),
+            die_at,
+            calls: 0,
         });
         let drafter = std::sync::Mutex::new(Some(drafter));
         let draft = SyncArbiter::start(1, move || DraftActor {
             drafter: drafter
                 .lock()
-                .expect("once")
+                .unwrap_or_else(|e| e.into_inner())
                 .take()
-                .expect("one draft actor"),
+                .unwrap_or_default(),
         });
         let sampler = SyncArbiter::start(1, move || SamplerActor {
             core: SamplerCore::new(vocab),
@@ -548,6 +499,7 @@ impl EngineHandle {
             kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
         }
         .start();
+        let health = Arc::new(EngineHealth::default());
         let scheduler = SchedulerActor {
             scheduler: Scheduler::new(config.scheduler, tokenizer),
             caps,
@@ -555,16 +507,16 @@ impl EngineHandle {
             draft: draft.clone(),
             verify,
             sampler,
-            stepping: false,
+            step: None,
             steps: 0,
-            spans: HashMap::new(),
-            pending_observe: Vec::new(),
+            health: health.clone(),
         }
         .start();
         Self {
             scheduler,
             kv,
             draft,
+            health,
         }
     }
 
@@ -592,6 +544,22 @@ impl EngineHandle {
 
     pub async fn stats(&self) -> Option<SchedulerStats> {
         self.scheduler.send(GetStats).await.ok()
+    }
+
+    /// Whether the engine answers within `timeout` and has not failed:
+    /// `Err` says why not.
+    pub async fn ping(&self, timeout: Duration) -> std::result::Result<SchedulerStats, String> {
+        if let Some(why) = self.health.failure() {
+            return Err(why.to_string());
+        }
+        match tokio::time::timeout(timeout, self.scheduler.send(GetStats)).await {
+            Ok(Ok(s)) => match self.health.failure() {
+                Some(why) => Err(why.to_string()),
+                None => Ok(s),
+            },
+            Ok(Err(e)) => Err(format!("the scheduler is gone ({e})")),
+            Err(_) => Err(format!("the scheduler did not answer within {timeout:?}")),
+        }
     }
 
     pub async fn kv_usage(&self) -> Option<PoolUsage> {

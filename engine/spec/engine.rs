@@ -1,23 +1,23 @@
-//! One engine step over the plain stage structs: draft -> verify -> accept ->
-//! commit. `EngineCore` runs it synchronously (tests, batch runs); the
-//! actors in `actors` run the same stage structs on their own threads.
+//! The verifier and sampler stage structs, the engine's sizing, and
+//! `EngineCore`: the synchronous driver of the step defined in `pipeline`.
 //!
 //! Invariants:
 //! - The verifier truncates each cache to the scheduler's `cache_len` before
 //!   a forward, so rejected positions are rolled back before anything can
-//!   read them.
+//!   read them; a cache shorter than the scheduler thinks is an error for
+//!   that sequence, never a silent mismatch.
 //! - Every stage sees one batched call per step.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::accept::{self, Accepted, Residual};
-use super::kv_manager::{KvManager, Pool};
-use super::proposer::{Draft, Drafter, ProposeInput};
-use super::scheduler::{self, DecodeResult, Grant, PlanItem, Scheduler, SchedulerConfig, Work};
+use super::kv_manager::KvManager;
+use super::pipeline::{Step, StepReport, VerifyResponse};
+use super::proposer::{Draft, Drafter};
+use super::scheduler::{Scheduler, SchedulerConfig};
 use super::{Completion, Event, Request, SeqId};
 use crate::error::Result;
 use crate::model::{KvCache, Logits, Model, SeqInput};
@@ -78,35 +78,54 @@ impl Verifier {
         self.caches.get(&id).map(|c| c.len())
     }
 
-    pub fn run(&mut self, items: &[VerifyItem]) -> Result<Vec<VerifyOut>> {
+    /// One forward over `items`. An item whose cache cannot be rolled back
+    /// to its `cache_len` (or that feeds no tokens) fails alone; a forward
+    /// error fails every item of the forward (and no cache has advanced).
+    pub fn run(&mut self, items: &[VerifyItem]) -> VerifyResponse {
+        let mut resp = VerifyResponse::default();
         let mut layers: Vec<usize> = items
             .iter()
             .flat_map(|i| i.hidden_layers.iter().copied())
             .collect();
         layers.sort_unstable();
         layers.dedup();
+        let mut seen = std::collections::HashSet::new();
+        let mut run: Vec<&VerifyItem> = Vec::with_capacity(items.len());
         for it in items {
+            if !seen.insert(it.seq) {
+                resp.failed.push((
+                    it.seq,
+                    format!("sequence {} planned twice in one step", it.seq),
+                ));
+                continue;
+            }
+            if it.tokens.is_empty() {
+                resp.failed
+                    .push((it.seq, format!("sequence {}: nothing to verify", it.seq)));
+                continue;
+            }
             let model = &self.model;
             let c = self
                 .caches
                 .entry(it.seq)
                 .or_insert_with(|| model.new_cache());
-            c.truncate(it.cache_len);
-            debug_assert_eq!(
-                c.len(),
-                it.cache_len,
-                "cache shorter than the scheduler thinks"
-            );
+            if let Err(e) = c.truncate(it.cache_len) {
+                resp.failed
+                    .push((it.seq, format!("sequence {}: {e}", it.seq)));
+                self.caches.remove(&it.seq);
+                continue;
+            }
+            run.push(it);
         }
         // Take the caches out so the forward can borrow them mutably at once.
-        let mut taken: Vec<(SeqId, KvCache)> = items
+        let mut taken: Vec<(SeqId, KvCache)> = run
             .iter()
-            .map(|it| (it.seq, self.caches.remove(&it.seq).expect("inserted above")))
+            .filter_map(|it| self.caches.remove(&it.seq).map(|c| (it.seq, c)))
             .collect();
         let result = {
             let mut inputs: Vec<SeqInput<'_>> = taken
                 .iter_mut()
-                .zip(items)
+                .zip(&run)
                 .map(|((_, c), it)| SeqInput {
                     cache: c,
                     tokens: &it.tokens,
@@ -119,21 +138,30 @@ impl Verifier {
         for (id, c) in taken {
             self.caches.insert(id, c);
         }
-        let outs = result?;
-        Ok(outs
-            .into_iter()
-            .zip(items)
-            .map(|(o, it)| VerifyOut {
-                seq: it.seq,
-                logits: o.logits,
-                rows: o.rows,
-                hidden: o
-                    .hidden
+        match result {
+            Ok(outs) => {
+                resp.outs = outs
                     .into_iter()
-                    .filter(|(l, _)| it.hidden_layers.contains(l))
-                    .collect(),
-            })
-            .collect())
+                    .zip(&run)
+                    .map(|(o, it)| VerifyOut {
+                        seq: it.seq,
+                        logits: o.logits,
+                        rows: o.rows,
+                        hidden: o
+                            .hidden
+                            .into_iter()
+                            .filter(|(l, _)| it.hidden_layers.contains(l))
+                            .collect(),
+                    })
+                    .collect();
+            }
+            Err(e) => {
+                let why = format!("forward failed: {e}");
+                resp.failed
+                    .extend(run.iter().map(|it| (it.seq, why.clone())));
+            }
+        }
+        resp
     }
 }
 
@@ -173,27 +201,22 @@ impl SamplerCore {
         }
     }
 
-    pub fn run(&mut self, items: &[AcceptItem]) -> Vec<(SeqId, Accepted)> {
-        items
-            .iter()
-            .map(|it| {
-                let rng = self
-                    .rngs
-                    .entry(it.seq)
-                    .or_insert_with(|| Rng::new(it.params.seed));
-                let a = accept::accept(
-                    &it.rows,
-                    self.vocab,
-                    &it.draft,
-                    &it.context,
-                    &it.context[it.prompt_len.min(it.context.len())..],
-                    &it.params,
-                    rng,
-                    self.residual,
-                );
-                (it.seq, a)
-            })
-            .collect()
+    /// Accept one item's drafts with its request's RNG.
+    pub fn accept_one(&mut self, it: &AcceptItem) -> Result<Accepted> {
+        let rng = self
+            .rngs
+            .entry(it.seq)
+            .or_insert_with(|| Rng::new(it.params.seed));
+        accept::accept(
+            &it.rows,
+            self.vocab,
+            &it.draft,
+            &it.context,
+            &it.context[it.prompt_len.min(it.context.len())..],
+            &it.params,
+            rng,
+            self.residual,
+        )
     }
 }
 
@@ -231,154 +254,6 @@ impl EngineConfig {
     }
 }
 
-/// What one step did.
-#[derive(Debug, Default)]
-pub struct StepReport {
-    pub batch_tokens: usize,
-    pub decode_seqs: usize,
-    pub prefill_seqs: usize,
-    pub finished: Vec<Completion>,
-}
-
-/// Proposer label for a step's timings.
-pub fn step_label<'a>(names: impl Iterator<Item = &'a str>) -> String {
-    let mut label: Option<&str> = None;
-    for n in names {
-        match label {
-            None => label = Some(n),
-            Some(l) if l != n => return "mixed".into(),
-            _ => {}
-        }
-    }
-    label.unwrap_or("none").to_string()
-}
-
-/// Draft inputs for the decode items of a plan.
-pub fn draft_inputs<'a>(sched: &'a Scheduler, items: &[PlanItem]) -> Vec<ProposeInput<'a>> {
-    items
-        .iter()
-        .filter_map(|it| match &it.work {
-            Work::Decode { max_draft, .. } => {
-                let v = sched.seq_view(it.seq)?;
-                Some(ProposeInput {
-                    seq: it.seq,
-                    tokens: v.tokens,
-                    max_draft: *max_draft,
-                    params: v.params,
-                    hidden: v.hidden,
-                })
-            }
-            Work::Prefill(_) => None,
-        })
-        .collect()
-}
-
-/// Verify items for a plan, with each decode item's drafts appended.
-/// Tokens drafted for each decoding item (drafts align with the decode
-/// items of the plan, in order).
-pub fn drafted_lengths(items: &[PlanItem], drafts: &[Draft]) -> HashMap<SeqId, usize> {
-    items
-        .iter()
-        .filter(|i| matches!(i.work, Work::Decode { .. }))
-        .zip(drafts)
-        .map(|(i, d)| (i.seq, d.tokens.len()))
-        .collect()
-}
-
-pub fn verify_items(
-    items: &[PlanItem],
-    drafts: &[Draft],
-    hidden: impl Fn(SeqId) -> Vec<usize>,
-) -> Vec<VerifyItem> {
-    let mut d = drafts.iter();
-    items
-        .iter()
-        .map(|it| match &it.work {
-            Work::Prefill(tokens) => VerifyItem {
-                seq: it.seq,
-                cache_len: it.cache_len,
-                tokens: tokens.clone(),
-                logits: Logits::None,
-                hidden_layers: Vec::new(),
-            },
-            Work::Decode { last, .. } => {
-                let draft = d.next().expect("one draft per decode item");
-                let mut tokens = Vec::with_capacity(1 + draft.tokens.len());
-                tokens.push(*last);
-                tokens.extend_from_slice(&draft.tokens);
-                VerifyItem {
-                    seq: it.seq,
-                    cache_len: it.cache_len,
-                    tokens,
-                    logits: Logits::All,
-                    hidden_layers: hidden(it.seq),
-                }
-            }
-        })
-        .collect()
-}
-
-/// Acceptance inputs from verify outputs (decode items only).
-pub fn accept_items(
-    sched: &Scheduler,
-    items: &[PlanItem],
-    drafts: Vec<Draft>,
-    outs: &mut [VerifyOut],
-) -> Vec<AcceptItem> {
-    let mut d = drafts.into_iter();
-    let mut v = Vec::new();
-    for (it, out) in items.iter().zip(outs.iter_mut()) {
-        if let Work::Decode { .. } = it.work {
-            let draft = d.next().expect("one draft per decode item");
-            let Some(view) = sched.seq_view(it.seq) else {
-                continue;
-            };
-            v.push(AcceptItem {
-                seq: it.seq,
-                rows: std::mem::take(&mut out.logits),
-                draft,
-                params: view.params.clone(),
-                // Only penalties read the history; skip the copy otherwise.
-                context: if view.params.has_penalties() {
-                    view.tokens.to_vec()
-                } else {
-                    Vec::new()
-                },
-                prompt_len: sched.prompt_len(it.seq),
-            });
-        }
-    }
-    v
-}
-
-/// Split verify outputs and acceptances into the scheduler's commit input.
-pub fn commit_inputs(
-    items: &[PlanItem],
-    outs: Vec<VerifyOut>,
-    accepted: Vec<(SeqId, Accepted)>,
-    drafted: &HashMap<SeqId, usize>,
-) -> (Vec<(SeqId, usize)>, Vec<DecodeResult>) {
-    let mut prefilled = Vec::new();
-    let mut acc: HashMap<SeqId, Accepted> = accepted.into_iter().collect();
-    let mut decoded = Vec::new();
-    for (it, out) in items.iter().zip(outs) {
-        match &it.work {
-            Work::Prefill(t) => prefilled.push((it.seq, t.len())),
-            Work::Decode { .. } => {
-                if let Some(a) = acc.remove(&it.seq) {
-                    decoded.push(DecodeResult {
-                        seq: it.seq,
-                        drafted: drafted.get(&it.seq).copied().unwrap_or(0),
-                        accepted: a,
-                        hidden: out.hidden,
-                    });
-                }
-            }
-        }
-    }
-    (prefilled, decoded)
-}
-
 /// The whole engine on one thread: every stage struct, stepped in order.
 #[derive(Debug)]
 pub struct EngineCore {
@@ -387,6 +262,7 @@ pub struct EngineCore {
     pub drafter: Drafter,
     pub verifier: Verifier,
     pub sampler: SamplerCore,
+    steps: u64,
 }
 
 impl EngineCore {
@@ -397,7 +273,10 @@ impl EngineCore {
         drafter: Drafter,
     ) -> Self {
         let vocab = model.config.vocab_size;
+        let mut drafter = drafter;
+        drafter.set_vocab(vocab);
         Self {
+            steps: 0,
             scheduler: Scheduler::new(config.scheduler, tokenizer),
             kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
             drafter,
@@ -415,120 +294,35 @@ impl EngineCore {
         self.scheduler.abort(id)
     }
 
-    /// Apply lifecycle changes (starts, then releases) to the stage structs.
-    fn apply_lifecycle(&mut self) {
-        let lc = self.scheduler.take_lifecycle();
-        for (id, name, tokens) in lc.starts {
-            self.drafter.start(id, &name, &tokens);
-        }
-        self.verifier.release(&lc.released);
-        for &id in &lc.released {
-            self.drafter.finish(id);
-            self.kv.free(id);
-        }
-        self.sampler.end(&lc.ended);
-    }
-
+    /// One step: the pipeline's stages called in order on this thread.
     pub fn step(&mut self) -> Result<StepReport> {
-        // Free what finished or was aborted since the last step first.
-        self.apply_lifecycle();
+        self.steps += 1;
         let drafter = &self.drafter;
-        let (items, wants) = self
-            .scheduler
-            .wants(|n| drafter.capabilities(n).map(|c| c.max_draft));
-        let g: Grant = scheduler::grant(&mut self.kv, &wants);
-        let items = self.scheduler.apply_grant(items, &g);
-        self.apply_lifecycle();
-        let mut report = StepReport::default();
-        if items.is_empty() {
-            return Ok(report);
-        }
-        let label = step_label(
-            items
-                .iter()
-                .filter(|i| matches!(i.work, Work::Decode { .. }))
-                .filter_map(|i| self.scheduler.get(i.seq))
-                .map(|s| s.stats.proposer.as_str()),
+        let (mut step, grant_req) = Step::plan(
+            &mut self.scheduler,
+            |n| drafter.capabilities(n).map(|c| c.max_draft),
+            self.steps,
         );
-        let t0 = Instant::now();
-        let inputs = draft_inputs(&self.scheduler, &items);
-        let drafts = self.drafter.propose(&inputs);
-        drop(inputs);
-        let t1 = Instant::now();
-        let drafted = drafted_lengths(&items, &drafts);
-        let drafter = &self.drafter;
-        let vitems = verify_items(&items, &drafts, |s| drafter.hidden_layers(s).to_vec());
-        report.batch_tokens = vitems.iter().map(|v| v.tokens.len()).sum();
-        let mut outs = match self.verifier.run(&vitems) {
-            Ok(o) => o,
-            Err(e) => {
-                for it in &items {
-                    self.scheduler.fail(it.seq, &e.to_string());
-                }
-                return Err(e);
-            }
-        };
-        let t2 = Instant::now();
-        let aitems = accept_items(&self.scheduler, &items, drafts, &mut outs);
-        report.decode_seqs = aitems.len();
-        report.prefill_seqs = items.len() - aitems.len();
-        let accepted = self.sampler.run(&aitems);
-        let t3 = Instant::now();
-        let (prefilled, decoded) = commit_inputs(&items, outs, accepted, &drafted);
-        let committed = self.scheduler.commit(&prefilled, decoded);
-        for &(id, len) in &committed.lens {
-            self.kv.commit(id, Pool::Target, len);
-        }
-        for (id, toks) in &committed.observed {
-            self.drafter.observe(*id, toks);
-        }
-        record_stage_metrics(
-            &label,
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-            &report,
-            &self.kv,
-            &self.scheduler,
-        );
-        report.finished = committed.finished;
+        let grant = self.kv.handle_grant(grant_req);
+        let draft_req = step.granted(&mut self.scheduler, grant);
+        let _span = step.span().clone().entered();
+        let draft_resp = self.drafter.handle(draft_req);
+        let verify_req = step.drafted(draft_resp);
+        let verify_resp = self.verifier.handle(verify_req);
+        let accept_req = step.verified(&mut self.scheduler, verify_resp);
+        let accept_resp = self.sampler.handle(accept_req);
+        let (lens, report) = step.commit(&mut self.scheduler, accept_resp);
+        self.kv.handle_commit(lens);
         Ok(report)
     }
 
-    /// Step until every queued request has finished.
+    /// Step until every queued request has finished and every stage has
+    /// heard about it.
     pub fn run_to_completion(&mut self) -> Result<Vec<Completion>> {
         let mut done = Vec::new();
         while !self.scheduler.is_idle() {
             done.extend(self.step()?.finished);
         }
-        // Release the last finished sequences' resources.
-        self.apply_lifecycle();
         Ok(done)
     }
-}
-
-pub fn record_stage_metrics(
-    label: &str,
-    draft: std::time::Duration,
-    verify: std::time::Duration,
-    sample: std::time::Duration,
-    report: &StepReport,
-    kv: &KvManager,
-    sched: &Scheduler,
-) {
-    let l = label.to_string();
-    metrics::histogram!("specd_draft_seconds", "proposer" => l.clone()).record(draft.as_secs_f64());
-    metrics::histogram!("specd_verify_seconds", "proposer" => l.clone())
-        .record(verify.as_secs_f64());
-    metrics::histogram!("specd_sample_seconds", "proposer" => l.clone())
-        .record(sample.as_secs_f64());
-    metrics::histogram!("specd_batch_sequences", "proposer" => l.clone())
-        .record((report.decode_seqs + report.prefill_seqs) as f64);
-    metrics::histogram!("specd_batch_tokens", "proposer" => l).record(report.batch_tokens as f64);
-    if let Some(u) = kv.usage(Pool::Target) {
-        metrics::gauge!("specd_kv_used_blocks").set(u.used_blocks as f64);
-        metrics::gauge!("specd_kv_capacity_blocks").set(u.capacity_blocks as f64);
-    }
-    metrics::gauge!("specd_running_sequences").set(sched.num_running() as f64);
-    metrics::gauge!("specd_queue_length").set(sched.num_waiting() as f64);
 }

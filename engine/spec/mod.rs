@@ -16,6 +16,7 @@ pub mod accept;
 pub mod actors;
 pub mod engine;
 pub mod kv_manager;
+pub mod pipeline;
 pub mod proposer;
 pub mod scheduler;
 

@@ -7,6 +7,13 @@
 //!   the scheduler's limit; a proposer that returns more is truncated.
 //! - A proposer sees only what its capabilities declare: token history
 //!   always, target hidden states only for the layers it asked for.
+//! - Every draft is validated before it reaches the verifier, for every
+//!   proposer (built-in, plugin or test): token ids inside the vocabulary,
+//!   one q per token of the declared kind, and each q a distribution
+//!   (finite, non-negative, summing to 1 within 1e-3) that gives its drafted
+//!   token positive mass. A draft that breaks a rule poisons its proposer
+//!   with a message naming the rule, so one bad proposer never fails the
+//!   batch's forward or biases sampling.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -147,6 +154,8 @@ pub struct Drafter {
     slots: HashMap<String, Slot>,
     seqs: HashMap<SeqId, String>,
     shadows: Vec<Shadow>,
+    /// The target's vocabulary size (drafted ids must fall below it).
+    vocab: Option<usize>,
 }
 
 impl std::fmt::Debug for Drafter {
@@ -155,6 +164,102 @@ impl std::fmt::Debug for Drafter {
             .field("proposers", &self.slots.keys().collect::<Vec<_>>())
             .finish()
     }
+}
+
+/// Tolerance on the total mass of a reported q.
+pub const Q_SUM_TOLERANCE: f64 = 1e-3;
+
+/// Check one draft against the rules every proposer must follow (see the
+/// module invariants); `Err` names the rule and the offending position.
+///
+/// Under greedy decoding every proposer may report a one-hot q (its draft is
+/// the argmax of whatever it computed); under sampling q must be of the
+/// declared kind.
+pub fn validate_draft(
+    d: &Draft,
+    kind: QKind,
+    vocab: Option<usize>,
+    greedy: bool,
+) -> Result<(), String> {
+    if d.q.len() != d.tokens.len() {
+        return Err(format!(
+            "{} drafted tokens but {} q entries",
+            d.tokens.len(),
+            d.q.len()
+        ));
+    }
+    let in_vocab = |t: u32| vocab.is_none_or(|v| (t as usize) < v);
+    for (j, (&tok, q)) in d.tokens.iter().zip(&d.q).enumerate() {
+        if !in_vocab(tok) {
+            return Err(format!(
+                "position {j}: token {tok} is outside the vocabulary of {}",
+                vocab.unwrap_or(0)
+            ));
+        }
+        let mass = |probs: &mut dyn Iterator<Item = f32>| -> Result<f64, String> {
+            let mut sum = 0f64;
+            for p in probs {
+                if !p.is_finite() || p < 0.0 {
+                    return Err(format!("position {j}: q has an entry {p}"));
+                }
+                sum += p as f64;
+            }
+            if (sum - 1.0).abs() > Q_SUM_TOLERANCE {
+                return Err(format!("position {j}: q sums to {sum:.6}, not 1"));
+            }
+            Ok(sum)
+        };
+        match (kind, q) {
+            (QKind::OneHot, DraftQ::OneHot) => {}
+            (_, DraftQ::OneHot) if greedy => {}
+            (QKind::Sparse, DraftQ::Sparse(dist)) => {
+                if dist.ids.len() != dist.probs.len() {
+                    return Err(format!(
+                        "position {j}: sparse q has mismatched ids and probs"
+                    ));
+                }
+                let mut seen = std::collections::HashSet::new();
+                for &id in &dist.ids {
+                    if !in_vocab(id) {
+                        return Err(format!(
+                            "position {j}: q names token {id}, outside the vocabulary"
+                        ));
+                    }
+                    if !seen.insert(id) {
+                        return Err(format!("position {j}: q lists token {id} twice"));
+                    }
+                }
+                mass(&mut dist.probs.iter().copied())?;
+            }
+            (QKind::Full, DraftQ::Full(v)) => {
+                if let Some(n) = vocab {
+                    if v.len() != n {
+                        return Err(format!(
+                            "position {j}: full q has {} entries for a vocabulary of {n}",
+                            v.len()
+                        ));
+                    }
+                }
+                mass(&mut v.iter().copied())?;
+            }
+            (declared, got) => {
+                let got = match got {
+                    DraftQ::OneHot => "one-hot",
+                    DraftQ::Sparse(_) => "sparse",
+                    DraftQ::Full(_) => "full",
+                };
+                return Err(format!(
+                    "position {j}: declared {declared:?} q but returned {got} q"
+                ));
+            }
+        }
+        if q.prob(tok, tok) <= 0.0 {
+            return Err(format!(
+                "position {j}: drafted token {tok} has q = 0 (each draft token must be drawn from the q reported)"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The failure message of a guarded call, if it failed.
@@ -188,7 +293,14 @@ impl Drafter {
             slots: HashMap::new(),
             seqs: HashMap::new(),
             shadows: Vec::new(),
+            vocab: None,
         }
+    }
+
+    /// The target's vocabulary size; drafts with ids at or above it are
+    /// refused (the engine sets this from its model).
+    pub fn set_vocab(&mut self, vocab: usize) {
+        self.vocab = Some(vocab);
     }
 
     /// Register a shadow proposer (scored, never verified).
@@ -332,11 +444,30 @@ impl Drafter {
                 .collect();
             match catch_unwind(AssertUnwindSafe(|| slot.proposer.propose(&batch))) {
                 Ok(Ok(drafts)) if drafts.len() == batch.len() => {
-                    for ((&i, mut d), b) in idx.iter().zip(drafts).zip(&batch) {
-                        let n = d.tokens.len().min(d.q.len()).min(b.max_draft);
+                    let mut checked = Vec::with_capacity(drafts.len());
+                    let mut bad = None;
+                    for (mut d, b) in drafts.into_iter().zip(&batch) {
+                        // Longer drafts than allowed are cut (documented);
+                        // everything else must hold exactly.
+                        let n = d.tokens.len().min(b.max_draft);
+                        if d.q.len() == d.tokens.len() {
+                            d.q.truncate(n);
+                        }
                         d.tokens.truncate(n);
-                        d.q.truncate(n);
-                        out[i] = d;
+                        let greedy = b.params.is_greedy();
+                        if let Err(why) = validate_draft(&d, slot.caps.q_kind, self.vocab, greedy) {
+                            bad = Some(format!("sequence {}: {why}", b.seq));
+                            break;
+                        }
+                        checked.push(d);
+                    }
+                    match bad {
+                        Some(why) => Self::poison(slot, &name, format!("invalid draft: {why}")),
+                        None => {
+                            for (&i, d) in idx.iter().zip(checked) {
+                                out[i] = d;
+                            }
+                        }
                     }
                 }
                 Ok(Ok(drafts)) => Self::poison(

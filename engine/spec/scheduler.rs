@@ -99,6 +99,8 @@ pub struct Sequence {
     /// Hidden states of the last verify's committed positions.
     pub hidden: Vec<(usize, Vec<f32>)>,
     finish: Option<FinishReason>,
+    /// The request's tracing span (each step's span follows from it).
+    pub span: tracing::Span,
 }
 
 impl Sequence {
@@ -107,7 +109,7 @@ impl Sequence {
     }
 
     fn prefill_target(&self) -> usize {
-        self.tokens.len() - 1
+        self.tokens.len().saturating_sub(1)
     }
 
     fn send(&self, ev: Event) {
@@ -176,8 +178,6 @@ pub struct DecodeResult {
 pub struct Committed {
     /// (seq, committed target cache length).
     pub lens: Vec<(SeqId, usize)>,
-    /// (seq, newly committed tokens) for the drafter.
-    pub observed: Vec<(SeqId, Vec<u32>)>,
     pub finished: Vec<Completion>,
 }
 
@@ -191,6 +191,11 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     next_id: SeqId,
     lifecycle: Lifecycle,
+    /// Tokens committed by the last step, for the drafter's next call.
+    pending_observe: Vec<(SeqId, Vec<u32>)>,
+    /// A step is between plan and commit: aborts wait in `deferred_aborts`.
+    in_step: bool,
+    deferred_aborts: Vec<SeqId>,
     /// Live totals per A/B arm.
     arms: std::collections::BTreeMap<String, super::ScoreCard>,
 }
@@ -205,6 +210,9 @@ impl Scheduler {
             running: Vec::new(),
             next_id: 1,
             lifecycle: Lifecycle::default(),
+            pending_observe: Vec::new(),
+            in_step: false,
+            deferred_aborts: Vec::new(),
             arms: Default::default(),
         }
     }
@@ -264,10 +272,13 @@ impl Scheduler {
             sink,
             hidden: Vec::new(),
             finish: None,
+            span: tracing::info_span!("request", id),
             req,
         };
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
+        // Every accepted request ends exactly once in specd_requests_total.
+        metrics::counter!("specd_requests_accepted_total").increment(1);
         metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
         Ok(id)
     }
@@ -289,8 +300,50 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Nothing to run and nothing left for the other stages to hear about.
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty() && self.lifecycle.released.is_empty()
+        self.waiting.is_empty()
+            && self.running.is_empty()
+            && self.lifecycle.released.is_empty()
+            && self.lifecycle.ended.is_empty()
+            && self.lifecycle.starts.is_empty()
+            && self.pending_observe.is_empty()
+            && self.deferred_aborts.is_empty()
+    }
+
+    /// A step starts: until `end_step`, aborts are deferred so that nothing
+    /// the step planned disappears under it.
+    pub fn begin_step(&mut self) {
+        self.in_step = true;
+    }
+
+    /// The step is committed (or abandoned): apply the aborts that arrived
+    /// meanwhile.
+    pub fn end_step(&mut self) {
+        self.in_step = false;
+        for id in std::mem::take(&mut self.deferred_aborts) {
+            self.abort(id);
+        }
+    }
+
+    /// Whether a step is between plan and commit.
+    pub fn in_step(&self) -> bool {
+        self.in_step
+    }
+
+    /// Fail every live request (the engine cannot go on).
+    pub fn fail_all(&mut self, why: &str) {
+        let mut ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            self.fail(id, why);
+        }
+        self.deferred_aborts.clear();
+    }
+
+    /// Tokens committed since the drafter last heard, taken for its next call.
+    pub fn take_observed(&mut self) -> Vec<(SeqId, Vec<u32>)> {
+        std::mem::take(&mut self.pending_observe)
     }
 
     /// Ids of every live (waiting or running) request.
@@ -299,13 +352,20 @@ impl Scheduler {
     }
 
     /// Abort a request: it finishes with `Aborted` and its resources are
-    /// released at the next step. Unknown or finished ids are ignored.
+    /// released at the next step. Unknown or finished ids are ignored. While
+    /// a step is in flight the abort waits for its commit (`end_step`).
     pub fn abort(&mut self, id: SeqId) -> bool {
         let Some(seq) = self.seqs.get_mut(&id) else {
             return false;
         };
         if matches!(seq.status, SeqStatus::Finished | SeqStatus::Aborted) {
             return false;
+        }
+        if self.in_step {
+            if !self.deferred_aborts.contains(&id) {
+                self.deferred_aborts.push(id);
+            }
+            return true;
         }
         seq.status = SeqStatus::Aborted;
         seq.finish = Some(FinishReason::Aborted);
@@ -338,7 +398,17 @@ impl Scheduler {
     }
 
     fn completion(&self, id: SeqId) -> Completion {
-        let s = &self.seqs[&id];
+        let Some(s) = self.seqs.get(&id) else {
+            return Completion {
+                id,
+                tokens: Vec::new(),
+                text: String::new(),
+                finish: FinishReason::Aborted,
+                prompt_tokens: 0,
+                stats: SpecStats::default(),
+                preemptions: 0,
+            };
+        };
         Completion {
             id,
             tokens: s.generated().to_vec(),
@@ -376,7 +446,9 @@ impl Scheduler {
             let Some(id) = self.waiting.pop_front() else {
                 break;
             };
-            let s = self.seqs.get_mut(&id).expect("waiting seq exists");
+            let Some(s) = self.seqs.get_mut(&id) else {
+                continue;
+            };
             s.status = SeqStatus::Prefill;
             s.cached = 0;
             // Every sequence starts in the drafter (plain ones too: shadow
@@ -390,17 +462,27 @@ impl Scheduler {
         let mut items = Vec::new();
         let mut wants = Vec::new();
         // Sequences whose prefill is done decode this step.
+        // A running id without a sequence would be a bookkeeping bug; such
+        // ids are dropped here rather than trusted.
+        let seqs = &self.seqs;
+        self.running.retain(|id| seqs.contains_key(id));
         for &id in &self.running {
-            let s = self.seqs.get_mut(&id).expect("running seq exists");
-            if s.status == SeqStatus::Prefill && s.cached >= s.prefill_target() {
-                s.status = SeqStatus::Decoding;
+            if let Some(s) = self.seqs.get_mut(&id) {
+                if s.status == SeqStatus::Prefill && s.cached >= s.prefill_target() {
+                    s.status = SeqStatus::Decoding;
+                }
             }
         }
         for &id in &self.running {
-            let s = &self.seqs[&id];
+            let Some(s) = self.seqs.get(&id) else {
+                continue;
+            };
             if s.status != SeqStatus::Decoding || budget == 0 {
                 continue;
             }
+            let Some(&last) = s.tokens.last() else {
+                continue;
+            };
             let pcap = s.proposer.as_deref().and_then(&cap);
             let mut k = self.max_draft_for(s, pcap).min(budget - 1);
             if self.config.adaptive_draft && k > 0 {
@@ -414,10 +496,7 @@ impl Scheduler {
             items.push(PlanItem {
                 seq: id,
                 cache_len: s.cached,
-                work: Work::Decode {
-                    last: *s.tokens.last().expect("non-empty"),
-                    max_draft: k,
-                },
+                work: Work::Decode { last, max_draft: k },
             });
             wants.push(Want {
                 seq: id,
@@ -425,7 +504,9 @@ impl Scheduler {
             });
         }
         for &id in &self.running {
-            let s = &self.seqs[&id];
+            let Some(s) = self.seqs.get(&id) else {
+                continue;
+            };
             if s.status != SeqStatus::Prefill || budget == 0 {
                 continue;
             }
@@ -470,7 +551,9 @@ impl Scheduler {
             self.running.retain(|&r| r != id);
             self.lifecycle.released.push(id);
             self.lifecycle.ended.push(id);
-            self.seqs.remove(&id);
+            if self.seqs.remove(&id).is_some() {
+                metrics::counter!("specd_requests_total", "finish" => "error").increment(1);
+            }
         }
         items
             .into_iter()
@@ -594,11 +677,12 @@ impl Scheduler {
                 .into_iter()
                 .map(|(l, h)| {
                     let width = h.len() / (r.drafted + 1).max(1);
-                    (l, h[..width * (r.accepted.accepted + 1)].to_vec())
+                    let n = (width * (r.accepted.accepted + 1)).min(h.len());
+                    (l, h[..n].to_vec())
                 })
                 .collect();
             // Proposers see every committed token, the last run included.
-            out.observed.push((s.id, new_ids));
+            self.pending_observe.push((s.id, new_ids));
             if s.finish.is_some() {
                 s.status = SeqStatus::Finished;
                 let id = s.id;

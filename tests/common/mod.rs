@@ -559,10 +559,16 @@ impl Daemon {
 
     /// Sum of a metric's samples (all label sets) in /metrics.
     pub fn metric(&self, name: &str) -> f64 {
+        self.metric_where(name, "")
+    }
+
+    /// Sum of a metric's samples whose line contains `needle` (e.g. a label).
+    pub fn metric_where(&self, name: &str, needle: &str) -> f64 {
         let m = self.request("GET", "/metrics", None, &[]).body;
         m.lines()
             .filter(|l| !l.starts_with('#'))
             .filter(|l| l.split(['{', ' ']).next() == Some(name))
+            .filter(|l| l.contains(needle))
             .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
             .sum()
     }

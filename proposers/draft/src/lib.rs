@@ -164,7 +164,7 @@ impl Proposer for DraftModel {
                 .take_while(|(a, b)| a == b)
                 .count()
                 .min(n - 1);
-            st.cache.truncate(common);
+            st.cache.truncate(common).map_err(|e| e.to_string())?;
             st.cached.truncate(common);
             feeds.push(s.tokens[common..].to_vec());
             st.cached.extend_from_slice(&s.tokens[common..]);

@@ -1,0 +1,523 @@
+//! One engine step, defined once: plan -> grant -> draft -> verify ->
+//! accept -> commit.
+//!
+//! A [`Step`] is the scheduler's side of the step: each of its transitions
+//! takes the previous stage's response and returns the next stage's request.
+//! The requests are the messages the actors exchange, and each stage struct
+//! answers its request with one `handle_*` method defined here. Both drivers
+//! execute exactly this sequence: `EngineCore::step` calls the handlers
+//! directly on one thread, the `SchedulerActor` sends the same requests to
+//! the stage actors, whose handlers call the same methods.
+//!
+//! Invariants:
+//! - Between `Step::plan` and `Step::commit` (or `Step::abandon`) the
+//!   scheduler defers aborts, so nothing a step planned disappears under it;
+//!   aborts are applied when the step ends.
+//! - Stage outputs are matched to plan items by sequence id, never by
+//!   position; a missing output fails (or skips) only its own sequence.
+//! - Nothing here panics on a state a client can cause: a stage that fails
+//!   for some sequences reports them in `failed`, and those requests end
+//!   with an error event while the others continue.
+//! - A stage handler catches panics of the work it runs (the model forward,
+//!   acceptance), so a bug there fails the affected sequences, not the
+//!   engine.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+
+use super::accept::Accepted;
+use super::engine::{AcceptItem, SamplerCore, Verifier, VerifyItem, VerifyOut};
+use super::kv_manager::{KvManager, Pool};
+use super::proposer::{Draft, Drafter, ProposeInput};
+use super::scheduler::{self, DecodeResult, Grant, PlanItem, Scheduler, Want, Work};
+use super::{Completion, SeqId};
+use crate::model::Logits;
+use crate::sampler::SamplingParams;
+
+// ------------------------------------------------------------ messages
+
+/// Stage 2 input: free `release`, then reserve `wants` (highest priority
+/// first), evicting lower-priority holders when blocks run out.
+#[derive(Debug, Clone, Default)]
+pub struct GrantRequest {
+    pub release: Vec<SeqId>,
+    pub wants: Vec<Want>,
+}
+
+/// One sequence's owned draft input.
+#[derive(Debug, Clone)]
+pub struct DraftInput {
+    pub seq: SeqId,
+    pub tokens: Vec<u32>,
+    pub max_draft: usize,
+    pub params: SamplingParams,
+    pub hidden: Vec<(usize, Vec<f32>)>,
+}
+
+/// Stage 3 input: lifecycle news for the proposers, then the batch to draft.
+#[derive(Debug, Clone, Default)]
+pub struct DraftRequest {
+    /// Proposer label for this step's timing metrics.
+    pub label: String,
+    /// Tokens committed by the previous step (a finished sequence's last
+    /// tokens arrive with its release).
+    pub observe: Vec<(SeqId, Vec<u32>)>,
+    pub start: Vec<(SeqId, String, Vec<u32>)>,
+    pub finish: Vec<SeqId>,
+    pub inputs: Vec<DraftInput>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DraftResponse {
+    pub drafts: Vec<(SeqId, Draft)>,
+    /// Hidden-state layers each drafted sequence's proposer wants back.
+    pub hidden_layers: Vec<(SeqId, Vec<usize>)>,
+}
+
+/// Stage 4 input: drop the caches of `release`, then one forward.
+#[derive(Debug, Clone, Default)]
+pub struct VerifyRequest {
+    pub label: String,
+    pub release: Vec<SeqId>,
+    pub items: Vec<VerifyItem>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct VerifyResponse {
+    pub outs: Vec<VerifyOut>,
+    /// Sequences the verifier could not run, and why.
+    pub failed: Vec<(SeqId, String)>,
+}
+
+/// Stage 5 input: forget the RNGs of `ended`, then accept every item.
+#[derive(Debug, Clone, Default)]
+pub struct AcceptRequest {
+    pub label: String,
+    pub ended: Vec<SeqId>,
+    pub items: Vec<AcceptItem>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct AcceptResponse {
+    pub accepted: Vec<(SeqId, Accepted)>,
+    pub failed: Vec<(SeqId, String)>,
+}
+
+/// Stage 6 output for the KV manager: committed lengths (rollback of
+/// rejected positions) and sequences that finished.
+#[derive(Debug, Clone, Default)]
+pub struct CommitLens {
+    pub lens: Vec<(SeqId, usize)>,
+    pub free: Vec<SeqId>,
+}
+
+/// What one step did.
+#[derive(Debug, Default)]
+pub struct StepReport {
+    pub batch_tokens: usize,
+    pub decode_seqs: usize,
+    pub prefill_seqs: usize,
+    pub finished: Vec<Completion>,
+}
+
+// ------------------------------------------------------------ the step
+
+/// The scheduler's side of one step in flight.
+#[derive(Debug)]
+pub struct Step {
+    pub n: u64,
+    items: Vec<PlanItem>,
+    /// Released before this step (finished, aborted, failed) or by its
+    /// grant (preempted, too big): their caches and proposer state go.
+    release: Vec<SeqId>,
+    ended: Vec<SeqId>,
+    /// Sequences to start in the drafter (admitted by this plan).
+    starts: Vec<(SeqId, String, Vec<u32>)>,
+    label: String,
+    span: tracing::Span,
+    drafts: HashMap<SeqId, Draft>,
+    outs: HashMap<SeqId, VerifyOut>,
+    report: StepReport,
+}
+
+/// Proposer label for a step's timings.
+pub fn step_label<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    let mut label: Option<&str> = None;
+    for n in names {
+        match label {
+            None => label = Some(n),
+            Some(l) if l != n => return "mixed".into(),
+            _ => {}
+        }
+    }
+    label.unwrap_or("none").to_string()
+}
+
+impl Step {
+    /// Stage 1 (scheduler): admit, plan the batch and ask for its KV.
+    /// `cap(name)` is a proposer's max draft. Aborts are deferred from here
+    /// until the step ends.
+    pub fn plan(
+        sched: &mut Scheduler,
+        cap: impl Fn(&str) -> Option<usize>,
+        n: u64,
+    ) -> (Step, GrantRequest) {
+        sched.begin_step();
+        let (items, wants) = sched.wants(cap);
+        // Finished, aborted or failed sequences (and this plan's
+        // admissions) known before the grant: their blocks are freed first.
+        let early = sched.take_lifecycle();
+        let step = Step {
+            n,
+            items,
+            release: early.released.clone(),
+            ended: early.ended,
+            starts: early.starts,
+            label: String::new(),
+            span: tracing::Span::none(),
+            drafts: HashMap::new(),
+            outs: HashMap::new(),
+            report: StepReport::default(),
+        };
+        (
+            step,
+            GrantRequest {
+                release: early.released,
+                wants,
+            },
+        )
+    }
+
+    /// Stage 2 result (KV manager): keep what was granted, then ask the
+    /// drafter for drafts.
+    pub fn granted(&mut self, sched: &mut Scheduler, grant: Grant) -> DraftRequest {
+        self.items = sched.apply_grant(std::mem::take(&mut self.items), &grant);
+        let lc = sched.take_lifecycle();
+        self.release.extend(lc.released.iter().copied());
+        self.ended.extend(lc.ended.iter().copied());
+        let span = tracing::debug_span!("step", n = self.n, seqs = self.items.len());
+        for it in &self.items {
+            if let Some(s) = sched.get(it.seq) {
+                span.follows_from(&s.span);
+            }
+        }
+        self.span = span;
+        self.label = step_label(
+            self.items
+                .iter()
+                .filter(|i| matches!(i.work, Work::Decode { .. }))
+                .filter_map(|i| sched.get(i.seq))
+                .map(|s| s.stats.proposer.as_str()),
+        );
+        let inputs = self
+            .items
+            .iter()
+            .filter_map(|it| match &it.work {
+                Work::Decode { max_draft, .. } => {
+                    let v = sched.seq_view(it.seq)?;
+                    Some(DraftInput {
+                        seq: it.seq,
+                        tokens: v.tokens.to_vec(),
+                        max_draft: *max_draft,
+                        params: v.params.clone(),
+                        hidden: v.hidden.to_vec(),
+                    })
+                }
+                Work::Prefill(_) => None,
+            })
+            .collect();
+        let mut start = std::mem::take(&mut self.starts);
+        start.extend(lc.starts);
+        DraftRequest {
+            label: self.label.clone(),
+            observe: sched.take_observed(),
+            start,
+            finish: self.release.clone(),
+            inputs,
+        }
+    }
+
+    /// The step's tracing span (follows from every request's span).
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// Stage 3 result (drafter): the verify batch, each decode item's drafts
+    /// appended to its last token.
+    pub fn drafted(&mut self, resp: DraftResponse) -> VerifyRequest {
+        self.drafts = resp.drafts.into_iter().collect();
+        let hidden: HashMap<SeqId, Vec<usize>> = resp.hidden_layers.into_iter().collect();
+        let items: Vec<VerifyItem> = self
+            .items
+            .iter()
+            .map(|it| match &it.work {
+                Work::Prefill(tokens) => VerifyItem {
+                    seq: it.seq,
+                    cache_len: it.cache_len,
+                    tokens: tokens.clone(),
+                    logits: Logits::None,
+                    hidden_layers: Vec::new(),
+                },
+                Work::Decode { last, .. } => {
+                    let draft = self.drafts.entry(it.seq).or_default();
+                    let mut tokens = Vec::with_capacity(1 + draft.tokens.len());
+                    tokens.push(*last);
+                    tokens.extend_from_slice(&draft.tokens);
+                    VerifyItem {
+                        seq: it.seq,
+                        cache_len: it.cache_len,
+                        tokens,
+                        logits: Logits::All,
+                        hidden_layers: hidden.get(&it.seq).cloned().unwrap_or_default(),
+                    }
+                }
+            })
+            .collect();
+        self.report.batch_tokens = items.iter().map(|v| v.tokens.len()).sum();
+        VerifyRequest {
+            label: self.label.clone(),
+            release: self.release.clone(),
+            items,
+        }
+    }
+
+    /// Stage 4 result (verifier): fail what could not be verified, then ask
+    /// the sampler to accept each decode item's drafts.
+    pub fn verified(&mut self, sched: &mut Scheduler, resp: VerifyResponse) -> AcceptRequest {
+        for (id, why) in &resp.failed {
+            sched.fail(*id, why);
+        }
+        self.outs = resp.outs.into_iter().map(|o| (o.seq, o)).collect();
+        let mut items = Vec::new();
+        for it in &self.items {
+            if !matches!(it.work, Work::Decode { .. }) {
+                continue;
+            }
+            let (Some(out), Some(view)) = (self.outs.get_mut(&it.seq), sched.seq_view(it.seq))
+            else {
+                continue;
+            };
+            items.push(AcceptItem {
+                seq: it.seq,
+                rows: std::mem::take(&mut out.logits),
+                draft: self.drafts.remove(&it.seq).unwrap_or_default(),
+                params: view.params.clone(),
+                // Only penalties read the history; skip the copy otherwise.
+                context: if view.params.has_penalties() {
+                    view.tokens.to_vec()
+                } else {
+                    Vec::new()
+                },
+                prompt_len: sched.prompt_len(it.seq),
+            });
+        }
+        AcceptRequest {
+            label: self.label.clone(),
+            ended: std::mem::take(&mut self.ended),
+            items,
+        }
+    }
+
+    /// Stage 5 result (sampler) and stage 6 (commit): tokens are committed
+    /// one at a time, the deferred aborts applied, and the KV manager told
+    /// the committed lengths.
+    pub fn commit(
+        mut self,
+        sched: &mut Scheduler,
+        resp: AcceptResponse,
+    ) -> (CommitLens, StepReport) {
+        for (id, why) in &resp.failed {
+            sched.fail(*id, why);
+        }
+        let mut accepted: HashMap<SeqId, Accepted> = resp.accepted.into_iter().collect();
+        let mut prefilled = Vec::new();
+        let mut decoded = Vec::new();
+        for it in &self.items {
+            match &it.work {
+                Work::Prefill(t) => {
+                    // A prefill whose forward failed was failed above.
+                    if self.outs.contains_key(&it.seq) {
+                        prefilled.push((it.seq, t.len()));
+                    }
+                }
+                Work::Decode { .. } => {
+                    let (Some(a), Some(out)) =
+                        (accepted.remove(&it.seq), self.outs.remove(&it.seq))
+                    else {
+                        continue;
+                    };
+                    decoded.push(DecodeResult {
+                        seq: it.seq,
+                        drafted: out.rows.saturating_sub(1),
+                        accepted: a,
+                        hidden: out.hidden,
+                    });
+                }
+            }
+        }
+        self.report.decode_seqs = decoded.len();
+        self.report.prefill_seqs = prefilled.len();
+        let committed = sched.commit(&prefilled, decoded);
+        sched.end_step();
+        let free: Vec<SeqId> = committed.finished.iter().map(|c| c.id).collect();
+        self.report.finished = committed.finished;
+        metrics::histogram!("specd_batch_sequences", "proposer" => self.label.clone())
+            .record((self.report.decode_seqs + self.report.prefill_seqs) as f64);
+        metrics::histogram!("specd_batch_tokens", "proposer" => self.label)
+            .record(self.report.batch_tokens as f64);
+        metrics::gauge!("specd_running_sequences").set(sched.num_running() as f64);
+        metrics::gauge!("specd_queue_length").set(sched.num_waiting() as f64);
+        (
+            CommitLens {
+                lens: committed.lens,
+                free,
+            },
+            self.report,
+        )
+    }
+
+    /// The step cannot complete (a stage is gone): its sequences fail and
+    /// the deferred aborts apply.
+    pub fn abandon(self, sched: &mut Scheduler, why: &str) {
+        for it in &self.items {
+            sched.fail(it.seq, why);
+        }
+        sched.end_step();
+    }
+}
+
+// ------------------------------------------------------------ stage handlers
+
+impl KvManager {
+    /// Stage 2: free, then grant.
+    pub fn handle_grant(&mut self, req: GrantRequest) -> Grant {
+        for id in &req.release {
+            self.free(*id);
+        }
+        scheduler::grant(self, &req.wants)
+    }
+
+    /// After commit: lower each sequence to its committed length and free
+    /// the finished ones.
+    pub fn handle_commit(&mut self, msg: CommitLens) {
+        for (id, len) in msg.lens {
+            self.commit(id, Pool::Target, len);
+        }
+        for id in msg.free {
+            self.free(id);
+        }
+        if let Some(u) = self.usage(Pool::Target) {
+            metrics::gauge!("specd_kv_used_blocks").set(u.used_blocks as f64);
+            metrics::gauge!("specd_kv_capacity_blocks").set(u.capacity_blocks as f64);
+        }
+    }
+}
+
+/// The message of a caught panic.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".into()
+    }
+}
+
+impl Drafter {
+    /// Stage 3: observations, starts and releases first (in that order: a
+    /// sequence admitted and preempted in one step ends up finished), then
+    /// one propose call per proposer.
+    pub fn handle(&mut self, req: DraftRequest) -> DraftResponse {
+        let t = Instant::now();
+        for (id, toks) in &req.observe {
+            self.observe(*id, toks);
+        }
+        for (id, name, tokens) in &req.start {
+            self.start(*id, name, tokens);
+        }
+        for id in &req.finish {
+            self.finish(*id);
+        }
+        let inputs: Vec<ProposeInput<'_>> = req
+            .inputs
+            .iter()
+            .map(|i| ProposeInput {
+                seq: i.seq,
+                tokens: &i.tokens,
+                max_draft: i.max_draft,
+                params: &i.params,
+                hidden: &i.hidden,
+            })
+            .collect();
+        // `propose` isolates each proposer; this guard only catches a bug of
+        // the drafter itself, which then drafts nothing this step.
+        let drafts = match catch_unwind(AssertUnwindSafe(|| self.propose(&inputs))) {
+            Ok(d) => d,
+            Err(p) => {
+                tracing::error!(reason = %panic_message(&*p), "drafter panicked; this step decodes plainly");
+                vec![Draft::default(); inputs.len()]
+            }
+        };
+        let resp = DraftResponse {
+            hidden_layers: req
+                .inputs
+                .iter()
+                .map(|i| (i.seq, self.hidden_layers(i.seq).to_vec()))
+                .collect(),
+            drafts: req.inputs.iter().map(|i| i.seq).zip(drafts).collect(),
+        };
+        metrics::histogram!("specd_draft_seconds", "proposer" => req.label)
+            .record(t.elapsed().as_secs_f64());
+        resp
+    }
+}
+
+impl Verifier {
+    /// Stage 4: release, then one forward over every item; a forward that
+    /// fails or panics fails its items (their caches are dropped).
+    pub fn handle(&mut self, req: VerifyRequest) -> VerifyResponse {
+        let t = Instant::now();
+        self.release(&req.release);
+        let resp = match catch_unwind(AssertUnwindSafe(|| self.run(&req.items))) {
+            Ok(r) => r,
+            Err(p) => {
+                let why = format!("verify panicked: {}", panic_message(&*p));
+                tracing::error!("{why}");
+                let ids: Vec<SeqId> = req.items.iter().map(|i| i.seq).collect();
+                self.release(&ids);
+                VerifyResponse {
+                    outs: Vec::new(),
+                    failed: ids.into_iter().map(|id| (id, why.clone())).collect(),
+                }
+            }
+        };
+        metrics::histogram!("specd_verify_seconds", "proposer" => req.label)
+            .record(t.elapsed().as_secs_f64());
+        resp
+    }
+}
+
+impl SamplerCore {
+    /// Stage 5: forget ended sequences, then accept each item on its own
+    /// (a failure or panic fails that sequence only).
+    pub fn handle(&mut self, req: AcceptRequest) -> AcceptResponse {
+        let t = Instant::now();
+        self.end(&req.ended);
+        let mut resp = AcceptResponse::default();
+        for it in &req.items {
+            match catch_unwind(AssertUnwindSafe(|| self.accept_one(it))) {
+                Ok(Ok(a)) => resp.accepted.push((it.seq, a)),
+                Ok(Err(e)) => resp.failed.push((it.seq, e.to_string())),
+                Err(p) => resp.failed.push((
+                    it.seq,
+                    format!("acceptance panicked: {}", panic_message(&*p)),
+                )),
+            }
+        }
+        metrics::histogram!("specd_sample_seconds", "proposer" => req.label)
+            .record(t.elapsed().as_secs_f64());
+        resp
+    }
+}
