@@ -198,27 +198,54 @@ struct HostCtx {
     tokenizer: Option<Arc<Tokenizer>>,
 }
 
-unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: abi::Str) {
-    // SAFETY: `ctx` is the `HostCtx` this instance was created with, alive
-    // until the instance is destroyed; `msg` is valid for the call.
-    let (ctx, msg) = unsafe { (&*(ctx as *const HostCtx), abi_string(msg)) };
-    match level {
-        0 => tracing::error!(proposer = %ctx.proposer, "{msg}"),
-        1 => tracing::warn!(proposer = %ctx.proposer, "{msg}"),
-        2 => tracing::info!(proposer = %ctx.proposer, "{msg}"),
-        _ => tracing::debug!(proposer = %ctx.proposer, "{msg}"),
+/// Run a host callback body, turning a panic into `default`: a panic must
+/// never unwind into plugin code across `extern "C"`.
+fn callback<T>(name: &str, default: T, f: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(p) => {
+            tracing::error!(
+                callback = name,
+                reason = %crate::spec::pipeline::panic_message(&*p),
+                "host callback panicked; the plugin gets an error result"
+            );
+            default
+        }
     }
 }
 
+unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: abi::Str) {
+    callback("log", (), || {
+        if ctx.is_null() {
+            return;
+        }
+        // SAFETY: `ctx` is the `HostCtx` this instance was created with,
+        // alive until the instance is destroyed; `msg` is valid for the call.
+        let (ctx, msg) = unsafe { (&*(ctx as *const HostCtx), abi_string(msg)) };
+        match level {
+            0 => tracing::error!(proposer = %ctx.proposer, "{msg}"),
+            1 => tracing::warn!(proposer = %ctx.proposer, "{msg}"),
+            2 => tracing::info!(proposer = %ctx.proposer, "{msg}"),
+            _ => tracing::debug!(proposer = %ctx.proposer, "{msg}"),
+        }
+    })
+}
+
 unsafe extern "C" fn host_counter(ctx: *mut c_void, name: abi::Str, value: u64) {
-    // SAFETY: as in `host_log`.
-    let (ctx, name) = unsafe { (&*(ctx as *const HostCtx), abi_string(name)) };
-    let clean: String = name
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .collect();
-    metrics::counter!(format!("specd_plugin_{clean}_total"), "proposer" => ctx.proposer.clone())
-        .increment(value);
+    callback("counter_add", (), || {
+        if ctx.is_null() {
+            return;
+        }
+        // SAFETY: as in `host_log`.
+        let (ctx, name) = unsafe { (&*(ctx as *const HostCtx), abi_string(name)) };
+        let clean: String = name
+            .chars()
+            .take(64)
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        metrics::counter!(format!("specd_plugin_{clean}_total"), "proposer" => ctx.proposer.clone())
+            .increment(value);
+    })
 }
 
 unsafe extern "C" fn host_embed(
@@ -228,29 +255,37 @@ unsafe extern "C" fn host_embed(
     out: *mut f32,
     cap: usize,
 ) -> usize {
-    // SAFETY: as in `host_log`; the plugin passes `n` tokens and `cap` floats.
-    let ctx = unsafe { &*(ctx as *const HostCtx) };
-    let Some(m) = &ctx.model else { return 0 };
-    let h = m.config.hidden;
-    if tokens.is_null() || out.is_null() || cap < n * h {
-        return 0;
-    }
-    // SAFETY: sizes checked above against what the plugin declared.
-    let (toks, out) = unsafe {
-        (
-            std::slice::from_raw_parts(tokens, n),
-            std::slice::from_raw_parts_mut(out, cap),
-        )
-    };
-    for (i, &t) in toks.iter().enumerate() {
-        if t as usize >= m.config.vocab_size {
+    callback("embed", 0, || {
+        if ctx.is_null() || tokens.is_null() || out.is_null() {
             return 0;
         }
-        m.weights
-            .embed
-            .dequantize_row(t as usize, &mut out[i * h..(i + 1) * h]);
-    }
-    n * h
+        // SAFETY: as in `host_log`.
+        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(m) = &ctx.model else { return 0 };
+        let h = m.config.hidden;
+        // Checked before any pointer is read: `n * h` may overflow.
+        match n.checked_mul(h) {
+            Some(need) if need <= cap => {}
+            _ => return 0,
+        }
+        // SAFETY: the plugin passes `n` tokens and `cap` writable floats;
+        // `n * h <= cap` was checked above without overflow.
+        let (toks, out) = unsafe {
+            (
+                std::slice::from_raw_parts(tokens, n),
+                std::slice::from_raw_parts_mut(out, cap),
+            )
+        };
+        if toks.iter().any(|&t| t as usize >= m.config.vocab_size) {
+            return 0;
+        }
+        for (i, &t) in toks.iter().enumerate() {
+            m.weights
+                .embed
+                .dequantize_row(t as usize, &mut out[i * h..(i + 1) * h]);
+        }
+        n * h
+    })
 }
 
 unsafe extern "C" fn host_lm_head(
@@ -260,23 +295,35 @@ unsafe extern "C" fn host_lm_head(
     out: *mut f32,
     cap: usize,
 ) -> usize {
-    // SAFETY: as in `host_log`.
-    let ctx = unsafe { &*(ctx as *const HostCtx) };
-    let Some(m) = &ctx.model else { return 0 };
-    let (h, v) = (m.config.hidden, m.config.vocab_size);
-    if hidden.is_null() || out.is_null() || cap < rows * v {
-        return 0;
-    }
-    // SAFETY: the plugin passes `rows * hidden` floats and `cap` writable floats.
-    let (hs, out) = unsafe {
-        (
-            std::slice::from_raw_parts(hidden, rows * h),
-            std::slice::from_raw_parts_mut(out, cap),
-        )
-    };
-    let logits = m.lm_head(hs, rows);
-    out[..logits.len()].copy_from_slice(&logits);
-    logits.len()
+    callback("lm_head", 0, || {
+        if ctx.is_null() || hidden.is_null() || out.is_null() {
+            return 0;
+        }
+        // SAFETY: as in `host_log`.
+        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(m) = &ctx.model else { return 0 };
+        let (h, v) = (m.config.hidden, m.config.vocab_size);
+        let (Some(need), Some(input)) = (rows.checked_mul(v), rows.checked_mul(h)) else {
+            return 0;
+        };
+        if need > cap {
+            return 0;
+        }
+        // SAFETY: the plugin passes `rows * hidden` floats and `cap`
+        // writable floats; both products were checked without overflow.
+        let (hs, out) = unsafe {
+            (
+                std::slice::from_raw_parts(hidden, input),
+                std::slice::from_raw_parts_mut(out, cap),
+            )
+        };
+        let logits = m.lm_head(hs, rows);
+        if logits.len() > out.len() {
+            return 0;
+        }
+        out[..logits.len()].copy_from_slice(&logits);
+        logits.len()
+    })
 }
 
 unsafe extern "C" fn host_token_text(
@@ -285,17 +332,22 @@ unsafe extern "C" fn host_token_text(
     out: *mut u8,
     cap: usize,
 ) -> usize {
-    // SAFETY: as in `host_log`.
-    let ctx = unsafe { &*(ctx as *const HostCtx) };
-    let Some(text) = ctx.tokenizer.as_ref().and_then(|t| t.id_to_token(token)) else {
-        return 0;
-    };
-    if out.is_null() || text.len() > cap {
-        return 0;
-    }
-    // SAFETY: `cap` writable bytes, and `text.len() <= cap`.
-    unsafe { std::ptr::copy_nonoverlapping(text.as_ptr(), out, text.len()) };
-    text.len()
+    callback("token_text", 0, || {
+        if ctx.is_null() {
+            return 0;
+        }
+        // SAFETY: as in `host_log`.
+        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(text) = ctx.tokenizer.as_ref().and_then(|t| t.id_to_token(token)) else {
+            return 0;
+        };
+        if out.is_null() || text.len() > cap {
+            return 0;
+        }
+        // SAFETY: `cap` writable bytes, and `text.len() <= cap`.
+        unsafe { std::ptr::copy_nonoverlapping(text.as_ptr(), out, text.len()) };
+        text.len()
+    })
 }
 
 /// A plugin instance as an engine `Proposer`.
@@ -409,6 +461,13 @@ impl PluginProposer {
 
     pub fn library(&self) -> &PluginLibrary {
         &self.lib
+    }
+
+    /// The callback table this instance was given (for tests of the host's
+    /// side of the ABI).
+    #[doc(hidden)]
+    pub fn host_api(&self) -> &abi::HostApi {
+        &self._host
     }
 
     fn error(&self, what: &str, status: abi::Status) -> String {

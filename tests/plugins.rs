@@ -324,3 +324,59 @@ fn ngram_and_suffix_keep_the_sampled_distribution() {
         );
     }
 }
+
+#[test]
+fn host_callbacks_refuse_overflowing_sizes_instead_of_touching_memory() {
+    let (_d, model) = tiny();
+    let dirs = plugins::plugin_dirs(&[]);
+    let lib = plugins::load_library(&plugins::find_plugin("ngram", &dirs).unwrap()).unwrap();
+    let p = plugins::PluginProposer::create(
+        "ngram",
+        lib,
+        &toml::Table::new(),
+        Some(model.clone()),
+        None,
+    )
+    .unwrap();
+    let api = *p.host_api();
+    let (h, v) = (model.config.hidden, model.config.vocab_size);
+    let tokens = [1u32, 2, 3];
+    let mut out = vec![0f32; 3 * h];
+    // SAFETY: the callbacks are called as a plugin would, with live buffers
+    // whose true sizes are passed as capacities; the lengths are the lies
+    // under test, which the host must refuse before reading anything.
+    unsafe {
+        let n = (api.embed)(api.ctx, tokens.as_ptr(), 3, out.as_mut_ptr(), out.len());
+        assert_eq!(n, 3 * h, "a valid call works");
+        let n = (api.embed)(
+            api.ctx,
+            tokens.as_ptr(),
+            usize::MAX / 2,
+            out.as_mut_ptr(),
+            out.len(),
+        );
+        assert_eq!(n, 0, "n * hidden overflows");
+        let bad = [v as u32];
+        let n = (api.embed)(api.ctx, bad.as_ptr(), 1, out.as_mut_ptr(), out.len());
+        assert_eq!(n, 0, "token outside the vocabulary");
+        let mut logits = vec![0f32; v];
+        let n = (api.lm_head)(api.ctx, out.as_ptr(), 1, logits.as_mut_ptr(), logits.len());
+        assert_eq!(n, v);
+        let n = (api.lm_head)(
+            api.ctx,
+            out.as_ptr(),
+            usize::MAX / 3,
+            logits.as_mut_ptr(),
+            usize::MAX,
+        );
+        assert_eq!(n, 0, "rows * vocab overflows");
+        let n = (api.embed)(
+            std::ptr::null_mut(),
+            tokens.as_ptr(),
+            3,
+            out.as_mut_ptr(),
+            out.len(),
+        );
+        assert_eq!(n, 0, "no context");
+    }
+}

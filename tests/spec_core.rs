@@ -659,3 +659,127 @@ fn actors_survive_aborts_at_every_moment_and_free_kv() {
         assert!(h.ping(std::time::Duration::from_secs(5)).await.is_ok());
     });
 }
+
+/// Breaks one rule of the draft contract on every propose call.
+struct BadProposer {
+    kind: specd::spec::proposer::QKind,
+    fault: &'static str,
+    vocab: usize,
+}
+
+impl Proposer for BadProposer {
+    fn name(&self) -> &str {
+        "bad"
+    }
+    fn capabilities(&self) -> specd::spec::proposer::Capabilities {
+        specd::spec::proposer::Capabilities {
+            q_kind: self.kind,
+            max_draft: 3,
+            ..Default::default()
+        }
+    }
+    fn start(&mut self, _: u64, _: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
+    fn propose(
+        &mut self,
+        batch: &[specd::spec::proposer::ProposeInput<'_>],
+    ) -> Result<Vec<specd::spec::proposer::Draft>, String> {
+        use specd::sampler::Distribution;
+        use specd::spec::proposer::{Draft, DraftQ};
+        let v = self.vocab;
+        let uniform = vec![1.0 / v as f32; v];
+        Ok(batch
+            .iter()
+            .map(|_| {
+                let (tokens, q) = match self.fault {
+                    "id out of range" => (vec![v as u32 + 3], vec![DraftQ::OneHot]),
+                    "sparse declared, full returned" => {
+                        (vec![1], vec![DraftQ::Full(uniform.clone())])
+                    }
+                    "NaN" => {
+                        let mut q = uniform.clone();
+                        q[2] = f32::NAN;
+                        (vec![1], vec![DraftQ::Full(q)])
+                    }
+                    "q(draft) = 0" => {
+                        let mut q = vec![0.0; v];
+                        q[2] = 1.0;
+                        (vec![1], vec![DraftQ::Full(q)])
+                    }
+                    "sum != 1" => (vec![1], vec![DraftQ::Full(vec![0.5 / v as f32; v])]),
+                    "negative" => (
+                        vec![1],
+                        vec![DraftQ::Sparse(Distribution {
+                            ids: vec![1, 2],
+                            probs: vec![1.5, -0.5],
+                        })],
+                    ),
+                    "missing q" => (vec![1, 2], vec![DraftQ::OneHot]),
+                    other => panic!("unknown fault {other}"),
+                };
+                Draft { tokens, q }
+            })
+            .collect())
+    }
+    fn observe(&mut self, _: u64, _: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
+    fn finish(&mut self, _: u64) {}
+}
+
+#[test]
+fn invalid_drafts_poison_their_proposer_before_they_reach_the_verifier() {
+    use specd::spec::proposer::QKind;
+    let (_d, model) = tiny_model(&TINY, 15);
+    let v = TINY.vocab;
+    let prompt = prompts(v as u32)[1].clone();
+    let params = SamplingParams {
+        temperature: 1.0,
+        seed: 42,
+        ..Default::default()
+    };
+    let sampled = |p: &str| Request {
+        params: params.clone(),
+        proposer: Some(p.into()),
+        ignore_eos: true,
+        ..Request::greedy(prompt.clone(), 12)
+    };
+    let mut e = engine(&model, None, vec![], 1, None);
+    let reference = run_all(&mut e, vec![sampled("none")])[0].tokens.clone();
+    let cases = [
+        (QKind::OneHot, "id out of range", "outside the vocabulary"),
+        (
+            QKind::Sparse,
+            "sparse declared, full returned",
+            "declared Sparse q but returned full q",
+        ),
+        (QKind::Full, "NaN", "q has an entry NaN"),
+        (QKind::Full, "q(draft) = 0", "has q = 0"),
+        (QKind::Full, "sum != 1", "sums to 0.5"),
+        (QKind::Sparse, "negative", "q has an entry -0.5"),
+        (
+            QKind::OneHot,
+            "missing q",
+            "2 drafted tokens but 1 q entries",
+        ),
+    ];
+    for (kind, fault, needle) in cases {
+        let bad = BadProposer {
+            kind,
+            fault,
+            vocab: v,
+        };
+        let mut e = engine(&model, None, vec![Box::new(bad)], 1, None);
+        let done = run_all(&mut e, vec![sampled("bad")]);
+        let why = e
+            .drafter
+            .poisoned("bad")
+            .unwrap_or_else(|| panic!("{fault}: not poisoned"));
+        assert!(why.contains(needle), "{fault}: {why}");
+        assert_eq!(done[0].stats.accepted, 0, "{fault}");
+        // Refused before verification: the request decoded exactly as a
+        // plain one with the same seed.
+        assert_eq!(done[0].tokens, reference, "{fault}");
+    }
+}

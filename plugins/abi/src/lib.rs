@@ -11,6 +11,21 @@
 //!   allocated on one side is freed on the other.
 //! - Every call returns a [`Status`]; after a non-OK status the host may ask
 //!   `last_error` for a message. Panics never cross: the SDK catches them.
+//!
+//! The draft contract (what keeps sampling lossless): **each draft token
+//! must be drawn from the q the plugin reports for its position** (under
+//! greedy decoding, temperature 0 or top_k 1: the argmax of whatever the
+//! plugin computed, reported as one-hot). The host accepts token x with
+//! probability min(1, p(x)/q(x)) and resamples rejections from
+//! norm(max(p - q, 0)), which reproduces the target distribution p exactly
+//! only if x really was drawn from that q. How q is computed (with or
+//! without the request's temperature, top-k, top-p) is the plugin's
+//! choice; a q that is close to p is accepted more often. The host checks
+//! every reported q: token ids inside the vocabulary, the declared kind
+//! (one-hot is always allowed under greedy decoding), entries finite and
+//! non-negative, a total of 1 within 1e-3, and q(draft token) > 0. A plugin
+//! that breaks a rule is poisoned: its sequences decode without
+//! speculation, and the log names the rule.
 
 #![no_std]
 
@@ -58,7 +73,9 @@ impl Str {
     }
 }
 
-/// How the plugin describes q.
+/// How the plugin describes q. One-hot: q = delta(draft token), for
+/// deterministic proposers. Sparse: up to `sparse_k` (id, probability)
+/// pairs that sum to 1. Full: a probability per vocabulary entry.
 pub const Q_ONE_HOT: u32 = 0;
 pub const Q_SPARSE: u32 = 1;
 pub const Q_FULL: u32 = 2;
@@ -93,7 +110,10 @@ pub struct SeqInput {
     pub n_tokens: usize,
     /// At most this many drafts for this sequence.
     pub max_draft: u32,
-    /// The request's sampling transforms (q must use the same).
+    /// The request's sampling transforms. Greedy when `temperature <= 0`
+    /// or `top_k == 1`. Each draft token must be drawn from the q reported
+    /// for it (see the crate docs); using these transforms for q is the
+    /// usual way to keep q close to the target's p.
     pub temperature: f32,
     pub top_k: u32,
     pub top_p: f32,

@@ -16,6 +16,12 @@ pub use specd_plugin_abi as abi;
 use abi::{Capabilities, HostApi, Str};
 
 /// Draft distribution at one position.
+///
+/// The contract: the drafted token must be drawn from this q (under greedy
+/// decoding, the argmax, reported as `OneHot`). The host checks that q is
+/// of the declared kind, a distribution (finite, non-negative, total 1
+/// within 1e-3) and gives the drafted token positive mass; a proposer that
+/// breaks this is poisoned (its sequences decode without speculation).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Q {
     OneHot,
@@ -295,6 +301,7 @@ pub trait Proposer: Sized + 'static {
     fn capabilities(&self) -> Caps;
     fn start(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String>;
     /// One draft per input, in order; at most `max_draft` tokens each.
+    /// Every drafted token must be drawn from the [`Q`] reported for it.
     fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String>;
     fn observe(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String>;
     fn finish(&mut self, seq: u64);
