@@ -2,7 +2,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use specd::sampler::{self, Rng, SamplingParams};
-use specd::spec::accept::{accept, Residual};
+use specd::spec::accept::{accept, Acceptance};
 use specd::spec::proposer::{Draft, DraftQ};
 use std::hint::black_box;
 
@@ -41,7 +41,7 @@ fn bench(c: &mut Criterion) {
                 &ctx[256..],
                 &greedy,
                 &mut rng,
-                Residual::Correct,
+                Acceptance::Exact,
             )
         })
     });
@@ -56,7 +56,7 @@ fn bench(c: &mut Criterion) {
                 &ctx[256..],
                 &sampled,
                 &mut rng,
-                Residual::Correct,
+                Acceptance::Exact,
             )
         })
     });

@@ -10,7 +10,7 @@ use specd::config::Config;
 use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::sampler::SamplingParams;
-use specd::spec::accept::Residual;
+use specd::spec::accept::Acceptance;
 use specd::spec::engine::{EngineConfig, EngineCore};
 use specd::spec::{Completion, Request};
 use specd::tokenizer::Tokenizer;
@@ -110,9 +110,9 @@ fn sampling_with_a_draft_model_is_lossless() {
     let prompt = [3u32, 7, 1, 9];
     let exact = common::exact_first_two(&model, &prompt, &params);
     let n = 8000;
-    let sample = |residual: Residual| {
+    let sample = |acceptance: Acceptance| {
         let mut e = engine(&model, tok.clone(), &cfg, 64);
-        e.sampler.residual = residual;
+        e.sampler.acceptance = acceptance;
         let reqs = (0..n)
             .map(|i| Request {
                 params: SamplingParams {
@@ -139,14 +139,14 @@ fn sampling_with_a_draft_model_is_lossless() {
         );
         counts
     };
-    let (stat, df) = common::chi_square(&sample(Residual::Correct), &exact);
+    let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
     let crit = common::chi2_crit_999(df);
     eprintln!("draft model, T=1: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
     assert!(
         stat < crit,
         "sampled distribution differs from the target: {stat} > {crit}"
     );
-    let (bad, bdf) = common::chi_square(&sample(Residual::SampleFromP), &exact);
+    let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
     eprintln!("draft model, residual from p: chi2 {bad:.1} (df {bdf})");
     assert!(
         bad > 2.0 * common::chi2_crit_999(bdf),

@@ -261,7 +261,7 @@ fn plugin_options_are_checked_with_the_key_named() {
 #[test]
 fn ngram_and_suffix_keep_the_sampled_distribution() {
     use specd::sampler::SamplingParams;
-    use specd::spec::accept::Residual;
+    use specd::spec::accept::Acceptance;
     let spec = common::TinySpec { vocab: 12, ..TINY };
     let dir = TempDir::new("plugins-stat");
     let path = dir.0.join("tiny.gguf");
@@ -276,14 +276,14 @@ fn ngram_and_suffix_keep_the_sampled_distribution() {
     let exact = common::exact_first_two(&model, &prompt, &params);
     let cfg = Config::builtin();
     for proposer in ["ngram", "suffix"] {
-        let sample = |residual: Residual| {
+        let sample = |acceptance: Acceptance| {
             let drafter = cfg.build_drafter(&model, None).unwrap();
             let mut ec = EngineConfig::for_model(&model);
             ec.scheduler.max_running = 64;
             ec.scheduler.max_waiting = usize::MAX;
             ec.scheduler.adaptive_draft = false;
             let mut e = EngineCore::new(model.clone(), None, ec, drafter);
-            e.sampler.residual = residual;
+            e.sampler.acceptance = acceptance;
             for i in 0..20_000u64 {
                 e.add(
                     Request {
@@ -309,14 +309,14 @@ fn ngram_and_suffix_keep_the_sampled_distribution() {
             }
             counts
         };
-        let (stat, df) = common::chi_square(&sample(Residual::Correct), &exact);
+        let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
         let crit = common::chi2_crit_999(df);
         eprintln!("{proposer}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
         assert!(
             stat < crit,
             "{proposer}: sampled distribution differs: {stat} > {crit}"
         );
-        let (bad, bdf) = common::chi_square(&sample(Residual::SampleFromP), &exact);
+        let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
         eprintln!("{proposer}: residual from p: chi2 {bad:.1} (df {bdf})");
         assert!(
             bad > common::chi2_crit_999(bdf),

@@ -11,7 +11,7 @@ use common::{OracleProposer, PanickyProposer, RandomProposer, TempDir, TinySpec,
 use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::sampler::{FinishReason, SamplingParams};
-use specd::spec::accept::Residual;
+use specd::spec::accept::Acceptance;
 use specd::spec::engine::{EngineConfig, EngineCore};
 use specd::spec::kv_manager::Pool;
 use specd::spec::proposer::{Drafter, Proposer};
@@ -154,7 +154,7 @@ fn sampled_pairs(
     prompt: &[u32],
     params: &SamplingParams,
     n: usize,
-    residual: Residual,
+    acceptance: Acceptance,
 ) -> Vec<u64> {
     let v = model.config.vocab_size;
     let mut e = engine(
@@ -164,7 +164,7 @@ fn sampled_pairs(
         64,
         None,
     );
-    e.sampler.residual = residual;
+    e.sampler.acceptance = acceptance;
     let reqs = (0..n)
         .map(|i| Request {
             params: SamplingParams {
@@ -191,12 +191,19 @@ fn sampled_pairs(
 }
 
 fn check_sampling_lossless(params: SamplingParams) {
+    check_sampling_lossless_against(params, Acceptance::ResidualFromP);
+}
+
+/// The chi-square test of the first two sampled tokens against the exact
+/// distribution, then the same test on a deliberately lossy `control`,
+/// which it must reject.
+fn check_sampling_lossless_against(params: SamplingParams, control: Acceptance) {
     let spec = TinySpec { vocab: 12, ..TINY };
     let (_d, model) = tiny_model(&spec, 8);
     let prompt = [3u32, 7, 1, 9];
     let exact = common::exact_first_two(&model, &prompt, &params);
     let n = 12000;
-    let good = sampled_pairs(&model, &prompt, &params, n, Residual::Correct);
+    let good = sampled_pairs(&model, &prompt, &params, n, Acceptance::Exact);
     let (stat, df) = common::chi_square(&good, &exact);
     let crit = common::chi2_crit_999(df);
     eprintln!("{params:?}: correct residual chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
@@ -204,11 +211,11 @@ fn check_sampling_lossless(params: SamplingParams) {
         stat < crit,
         "sampled distribution differs from the target: chi2 {stat} > {crit}"
     );
-    // The same test rejects a sampler that resamples from p on rejection.
-    let bad = sampled_pairs(&model, &prompt, &params, n, Residual::SampleFromP);
+    // The same test rejects the lossy control.
+    let bad = sampled_pairs(&model, &prompt, &params, n, control);
     let (bstat, bdf) = common::chi_square(&bad, &exact);
     eprintln!(
-        "{params:?}: residual-from-p chi2 {bstat:.1} (df {bdf}, 0.1% critical {:.1})",
+        "{params:?}: {control:?} chi2 {bstat:.1} (df {bdf}, 0.1% critical {:.1})",
         common::chi2_crit_999(bdf)
     );
     assert!(
@@ -233,6 +240,36 @@ fn sampling_is_lossless_with_top_k_and_top_p() {
         top_p: 0.9,
         ..Default::default()
     });
+}
+
+#[test]
+fn sampling_is_lossless_with_penalties() {
+    // Penalties must see the drafts accepted earlier in the same step; the
+    // control forgets them.
+    check_sampling_lossless_against(
+        SamplingParams {
+            temperature: 1.0,
+            repetition_penalty: 1.3,
+            presence_penalty: 0.8,
+            frequency_penalty: 0.6,
+            ..Default::default()
+        },
+        Acceptance::StalePenalties,
+    );
+}
+
+#[test]
+fn sampling_is_lossless_with_min_p() {
+    // p must be filtered exactly as plain sampling filters it; the control
+    // accepts against the unfiltered softmax.
+    check_sampling_lossless_against(
+        SamplingParams {
+            temperature: 1.0,
+            min_p: 0.15,
+            ..Default::default()
+        },
+        Acceptance::UnfilteredTarget,
+    );
 }
 
 #[test]

@@ -16,15 +16,20 @@ use super::proposer::{Draft, DraftQ};
 use crate::error::{Result, SpecdError};
 use crate::sampler::{self, Distribution, Rng, SamplingParams};
 
-/// How a rejection is resolved. Only `Correct` is lossless; the other
-/// variant exists so the statistical tests can show they detect the bug.
+/// How acceptance runs. Only `Exact` is lossless; the other variants are
+/// deliberate bugs that exist so the statistical tests can show they detect
+/// each one (a test that cannot fail proves nothing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Residual {
+pub enum Acceptance {
     #[default]
-    Correct,
-    /// Deliberately lossy (resample from p): used only to show that the
-    /// statistical tests catch a broken residual.
-    SampleFromP,
+    Exact,
+    /// Lossy: a rejection resamples from p instead of norm(max(p - q, 0)).
+    ResidualFromP,
+    /// Lossy: penalties at later draft positions ignore the drafts accepted
+    /// earlier in the same step.
+    StalePenalties,
+    /// Lossy: p is the temperature softmax without top-k, top-p or min-p.
+    UnfilteredTarget,
 }
 
 /// The result of verifying one sequence's draft.
@@ -36,7 +41,7 @@ pub struct Accepted {
     pub tokens: Vec<u32>,
 }
 
-/// Residual mass below this is treated as zero (p and q agree); the
+/// Acceptance mass below this is treated as zero (p and q agree); the
 /// correction then comes from p itself.
 const RESIDUAL_EPS: f64 = 1e-9;
 
@@ -97,7 +102,7 @@ pub fn accept(
     generated: &[u32],
     params: &SamplingParams,
     rng: &mut Rng,
-    residual: Residual,
+    acceptance: Acceptance,
 ) -> Result<Accepted> {
     let k = draft.tokens.len();
     if vocab == 0 || rows.len() != (k + 1) * vocab || draft.q.len() != k {
@@ -132,7 +137,17 @@ pub fn accept(
                 tokens,
             });
         }
-        let p = target(row, &ctx, &gen, params);
+        let p = if acceptance == Acceptance::UnfilteredTarget {
+            let raw = SamplingParams {
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                ..params.clone()
+            };
+            target(row, &ctx, &gen, &raw)
+        } else {
+            target(row, &ctx, &gen, params)
+        };
         if i == k {
             tokens.push(p.sample(rng));
             return Ok(Accepted {
@@ -151,7 +166,7 @@ pub fn accept(
         };
         if accepted {
             tokens.push(d);
-            if penalised {
+            if penalised && acceptance != Acceptance::StalePenalties {
                 ctx.push(d);
                 gen.push(d);
             }
@@ -160,9 +175,9 @@ pub fn accept(
         let fix = if greedy {
             p.ids[0]
         } else {
-            match residual {
-                Residual::Correct => sample_residual(&p, q, d, rng),
-                Residual::SampleFromP => p.sample(rng),
+            match acceptance {
+                Acceptance::ResidualFromP => p.sample(rng),
+                _ => sample_residual(&p, q, d, rng),
             }
         };
         tokens.push(fix);
@@ -206,7 +221,7 @@ mod tests {
             &[],
             &SamplingParams::greedy(),
             &mut rng,
-            Residual::Correct,
+            Acceptance::Exact,
         )
         .unwrap();
         assert_eq!(
@@ -228,7 +243,7 @@ mod tests {
             &[],
             &SamplingParams::greedy(),
             &mut rng,
-            Residual::Correct,
+            Acceptance::Exact,
         )
         .unwrap();
         assert_eq!(
@@ -264,7 +279,7 @@ mod tests {
                 &[],
                 &params,
                 &mut rng,
-                Residual::Correct,
+                Acceptance::Exact,
             )
             .unwrap();
             if a.accepted == 1 {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::accept::{self, Accepted, Residual};
+use super::accept::{self, Acceptance, Accepted};
 use super::kv_manager::KvManager;
 use super::pipeline::{Step, StepReport, VerifyResponse};
 use super::proposer::{Draft, Drafter};
@@ -183,7 +183,7 @@ pub struct AcceptItem {
 pub struct SamplerCore {
     vocab: usize,
     rngs: HashMap<SeqId, Rng>,
-    pub residual: Residual,
+    pub acceptance: Acceptance,
 }
 
 impl SamplerCore {
@@ -191,7 +191,7 @@ impl SamplerCore {
         Self {
             vocab,
             rngs: HashMap::new(),
-            residual: Residual::Correct,
+            acceptance: Acceptance::Exact,
         }
     }
 
@@ -215,7 +215,7 @@ impl SamplerCore {
             &it.context[it.prompt_len.min(it.context.len())..],
             &it.params,
             rng,
-            self.residual,
+            self.acceptance,
         )
     }
 }

@@ -677,10 +677,13 @@ pub fn exact_first_two(
 ) -> Vec<f64> {
     let v = model.config.vocab_size;
     let mut c = model.new_cache();
-    let l1 = model
+    let mut l1 = model
         .forward_one(&mut c, prompt, specd::model::Logits::Last)
         .unwrap()
         .logits;
+    // Penalties (a no-op without them): the first token sees the prompt,
+    // the second the prompt and the first.
+    specd::sampler::apply_penalties(&mut l1, prompt, &[], params);
     let p1 = specd::sampler::distribution(&l1, params).dense(v);
     let mut joint = vec![0f64; v * v];
     for t1 in 0..v {
@@ -688,10 +691,12 @@ pub fn exact_first_two(
             continue;
         }
         let mut c2 = c.clone();
-        let l2 = model
+        let mut l2 = model
             .forward_one(&mut c2, &[t1 as u32], specd::model::Logits::Last)
             .unwrap()
             .logits;
+        let ctx: Vec<u32> = prompt.iter().copied().chain([t1 as u32]).collect();
+        specd::sampler::apply_penalties(&mut l2, &ctx, &[t1 as u32], params);
         let p2 = specd::sampler::distribution(&l2, params).dense(v);
         for t2 in 0..v {
             joint[t1 * v + t2] = p1[t1] as f64 * p2[t2] as f64;
