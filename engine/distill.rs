@@ -1,9 +1,11 @@
 //! `specd distill draft`: train a small Llama draft for a target by
 //! self-distillation on CPU (candle autograd).
 //!
-//! 1. The target generates text from a prompt set (Spec-Bench first turns
-//!    and HumanEval prompts when available, else a built-in list); the token
-//!    streams are cached in `<out>/data.json`.
+//! 1. The target generates text from training prompts that are disjoint
+//!    from every evaluation set the project ships (`prompts`: generated
+//!    instructions and code stubs, none sharing an 8-gram of words with
+//!    Spec-Bench or HumanEval); the token streams are cached in
+//!    `<out>/data.json`.
 //! 2. A small Llama with the target's tokenizer and tied embeddings
 //!    (initialised from the target's, projected to the draft width) learns
 //!    next-token cross-entropy on those streams with AdamW.
@@ -77,33 +79,18 @@ fn cerr(e: candle_core::Error) -> SpecdError {
     SpecdError::InvalidRequest(format!("distill: {e}"))
 }
 
-/// Prompts to generate training text from.
+/// Prompts to generate training text from: generated instructions and
+/// code stubs that share no 8-gram of words with any evaluation set the
+/// project ships (see `prompts`). Returns (text, chat) pairs.
 pub fn prompt_set(limit: usize) -> Vec<(String, bool)> {
-    let mut v: Vec<(String, bool)> = Vec::new();
-    if let Ok(sb) = crate::ab::load_spec_bench(Path::new(crate::ab::SPEC_BENCH)) {
-        v.extend(sb.into_iter().map(|p| (p.text, true)));
-    }
-    if let Ok(he) = crate::ab::load_humaneval(None) {
-        v.extend(he.into_iter().map(|p| (p.text, false)));
-    }
-    if v.is_empty() {
-        for t in [
-            "Explain how a hash map works.",
-            "Write a Python function that reverses a linked list.",
-            "Summarize the causes of the French Revolution.",
-            "What is the difference between TCP and UDP?",
-        ] {
-            v.push((t.to_string(), true));
-        }
-    }
-    // Interleave chat and code prompts deterministically.
-    let mut rng = Rng::new(7);
-    for i in (1..v.len()).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        v.swap(i, j);
-    }
-    v.truncate(limit.max(1));
-    v
+    let eval = crate::ab::evaluation_texts();
+    let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
+    let (prompts, dropped) = crate::prompts::training_prompts(limit.max(1), 7, &index);
+    eprintln!(
+        "specd distill: {} training prompts (generated instructions and code stubs); {dropped} candidates dropped for sharing an 8-gram with Spec-Bench or HumanEval",
+        prompts.len()
+    );
+    prompts.into_iter().map(|p| (p.text, p.chat)).collect()
 }
 
 #[derive(Debug, Clone)]

