@@ -66,8 +66,8 @@ impl<'a> KvSlice<'a> {
             KvSlice::F16(s) => {
                 buf.resize(s.len(), 0.0);
                 #[cfg(target_arch = "x86_64")]
-                if super::simd::attn::available() {
-                    super::simd::attn::widen(s, buf);
+                if super::kernels::simd::attn::available() {
+                    super::kernels::simd::attn::widen(s, buf);
                     return buf;
                 }
                 s.convert_to_f32_slice(buf);

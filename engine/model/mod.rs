@@ -8,11 +8,11 @@
 //! - Logits of a position are bit-identical however many positions or
 //!   sequences share the forward (see `kernels`).
 
+mod attention;
 pub mod kernels;
 pub mod kv;
 pub mod llama;
 pub mod load;
-mod simd;
 
 pub use kernels::{QMatrix, WeightFormat};
 pub use kv::{KvCache, KvDtype, KvLayout};

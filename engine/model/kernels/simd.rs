@@ -15,9 +15,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::kernels::{
-    drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, QK, TILE,
-};
+use super::layout::{drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, QK, TILE};
 use std::arch::x86_64::*;
 
 /// Whether this CPU has AVX2, FMA and F16C (checked once).
@@ -270,7 +268,7 @@ const PREFETCH16: usize = 8192;
 /// step of a block adds to 16 output rows at once; up to 8 activation rows
 /// per pass over a tile.
 pub mod vnni {
-    use super::super::kernels::{tile_record_bytes, PlainActs, TILE};
+    use super::super::layout::{tile_record_bytes, PlainActs, TILE};
     use super::{drive_tiles, QuantKind, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
     use std::arch::x86_64::*;
 

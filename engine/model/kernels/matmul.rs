@@ -1,0 +1,296 @@
+//! Matrix products on the row-tile layout: the kernel path chosen at run
+//! time, the portable quantized kernel, and the rayon split of weight rows
+//! into tasks (`matmul_many`, `matmul_swiglu`).
+//!
+//! Invariant (batch invariance): every output element is computed from one
+//! activation row and one weight row by an operation sequence that does not
+//! depend on how many rows share the call; every path runs the same
+//! sequence per lane, so the portable, AVX2 and VNNI paths agree bit for
+//! bit.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::activations::Activations;
+use super::elementwise::silu_mul;
+use super::layout::{
+    drive_tiles, tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightData,
+    WeightFormat, QK, TILE,
+};
+
+/// Which implementation of the quantized block dot products runs. Chosen
+/// once per process (`best`); tests drive each one explicitly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KernelPath {
+    #[default]
+    Portable,
+    /// AVX2 + FMA + F16C: a tile as two 8-row halves, `vpmaddubsw`.
+    Avx2,
+    /// AVX-512 VNNI on the row-tile layout: 16 rows per vector, one
+    /// `vpdpbusd` per 4-byte step of a block.
+    Vnni,
+}
+
+impl KernelPath {
+    /// The fastest path this CPU supports (`SPECD_NO_SIMD` / `SPECD_NO_AVX512`
+    /// turn the SIMD paths off).
+    pub fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::simd::vnni::available() {
+                return Self::Vnni;
+            }
+            if super::simd::available() {
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
+    }
+
+    /// Every path usable on this CPU.
+    pub fn supported() -> Vec<Self> {
+        let mut v = vec![Self::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::simd::available() {
+                v.push(Self::Avx2);
+            }
+            if super::simd::vnni::available() {
+                v.push(Self::Vnni);
+            }
+        }
+        v
+    }
+}
+
+#[inline]
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent lanes, folded in a fixed order: vectorizes well and
+    // gives the same result whatever the caller's batch shape.
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s = x.mul_add(*y, s);
+    }
+    s
+}
+
+/// Most activation rows one portable pass over a tile serves.
+const PORTABLE_MAX_ROWS: usize = 4;
+
+/// Portable quantized rows on row tiles, written so the compiler
+/// vectorizes them for any target: per block the 8 steps are unpacked once
+/// to unsigned codes and met by every activation row in 16 integer lanes
+/// (one per output row), starting from the offset correction; then per lane
+/// `acc = fma(float(sum), d_w * d_x, acc)` (and `fma(m_w, s_x, acc)` for
+/// Q4_1): the SIMD paths' sequence, so all paths agree bit for bit.
+pub(crate) fn quant_rows_portable(
+    q: &QuantWeights,
+    x: &PlainActs<'_>,
+    r0: usize,
+    r1: usize,
+    out: &mut [f32],
+) {
+    let (nb, kind) = (q.nb, q.kind);
+    let rec = tile_record_bytes(kind);
+    let cb = TILE * kind.block_bytes();
+    let offset: i32 = match kind {
+        QuantKind::Q4_0 => 8,
+        QuantKind::Q4_1 => 0,
+        QuantKind::Q8_0 => 128,
+    };
+    let f16_at = |b: &[u8], i: usize| f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32();
+    drive_tiles(q, x, r0, r1, out, PORTABLE_MAX_ROWS, |t, i0, rr, put| {
+        let mut acc = [[0f32; TILE]; PORTABLE_MAX_ROWS];
+        let mut codes = [[0u8; 64]; 8];
+        for b in 0..nb {
+            let o = (t * nb + b) * rec;
+            let r = &q.qs[o..o + rec];
+            if kind == QuantKind::Q8_0 {
+                for (s, step) in codes.iter_mut().enumerate() {
+                    step.copy_from_slice(&r[64 * s..64 * s + 64]);
+                }
+            } else {
+                for t in 0..4 {
+                    let (lo, hi) = codes[2 * t..2 * t + 2].split_at_mut(1);
+                    for (i, &v) in r[64 * t..64 * t + 64].iter().enumerate() {
+                        lo[0][i] = v & 15;
+                        hi[0][i] = v >> 4;
+                    }
+                }
+            }
+            let dw: [f32; TILE] = core::array::from_fn(|l| f16_at(r, cb + 2 * l));
+            let mw: [f32; TILE] = core::array::from_fn(|l| {
+                if kind == QuantKind::Q4_1 {
+                    f16_at(r, cb + 2 * TILE + 2 * l)
+                } else {
+                    0.0
+                }
+            });
+            for (j, acc) in acc.iter_mut().enumerate().take(rr) {
+                let xb = (i0 + j) * nb + b;
+                let xs = &x.qs[xb * QK..(xb + 1) * QK];
+                let mut ip = [-offset * x.isum[xb]; TILE];
+                for (s, step) in codes.iter().enumerate() {
+                    let xq: &[i8; 4] = xs[4 * s..4 * s + 4].try_into().expect("4 bytes");
+                    for l in 0..TILE {
+                        let w: &[u8; 4] = step[4 * l..4 * l + 4].try_into().expect("4 bytes");
+                        ip[l] += (w[0] as i32 * xq[0] as i32 + w[1] as i32 * xq[1] as i32)
+                            + (w[2] as i32 * xq[2] as i32 + w[3] as i32 * xq[3] as i32);
+                    }
+                }
+                for l in 0..TILE {
+                    acc[l] = (ip[l] as f32).mul_add(dw[l] * x.qd[xb], acc[l]);
+                    if kind == QuantKind::Q4_1 {
+                        acc[l] = mw[l].mul_add(x.qsum[xb], acc[l]);
+                    }
+                }
+            }
+        }
+        put(&acc[..rr]);
+    });
+}
+
+/// Compute rows `r0..r1` of `w` against every activation row; result is
+/// laid out activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
+pub(crate) fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, out: &mut [f32]) {
+    let n = a.rows;
+    let k = a.cols;
+    match &w.data {
+        WeightData::F32(v) => {
+            for r in r0..r1 {
+                let wr = &v[r * k..(r + 1) * k];
+                for i in 0..n {
+                    out[i * (r1 - r0) + (r - r0)] = dot_f32(wr, &a.f32[i * k..(i + 1) * k]);
+                }
+            }
+        }
+        WeightData::Quant(q) if a.quantized => match a.path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Vnni => super::simd::vnni::rows16(q, &a.plain(), r0, r1, out),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => super::simd::rows16(q, &a.plain(), r0, r1, out),
+            _ => quant_rows_portable(q, &a.plain(), r0, r1, out),
+        },
+        WeightData::Quant(_) => {
+            // Quantized weights against unquantized activations (only
+            // reachable if a caller skipped quantization): dequantize.
+            let mut row = vec![0f32; k];
+            for r in r0..r1 {
+                w.dequantize_row(r, &mut row);
+                for i in 0..n {
+                    out[i * (r1 - r0) + (r - r0)] = dot_f32(&row, &a.f32[i * k..(i + 1) * k]);
+                }
+            }
+        }
+    }
+}
+
+/// Rows of weights per parallel task.
+const ROWS_PER_TASK: usize = 64;
+
+/// Row ranges of `ROWS_PER_TASK` weight rows over `m` rows, and for each
+/// range its segment of every one of the `n` output rows of `out` (row-major
+/// `n x m`), split so parallel tasks can write them directly.
+#[allow(clippy::type_complexity)]
+pub(crate) fn task_segments(
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+) -> (Vec<(usize, usize)>, Vec<Vec<&mut [f32]>>) {
+    let bounds: Vec<(usize, usize)> = (0..m)
+        .step_by(ROWS_PER_TASK)
+        .map(|r| (r, (r + ROWS_PER_TASK).min(m)))
+        .collect();
+    let mut segs: Vec<Vec<&mut [f32]>> = bounds.iter().map(|_| Vec::with_capacity(n)).collect();
+    for row in out.chunks_mut(m) {
+        let mut rest = row;
+        for (ti, &(r0, r1)) in bounds.iter().enumerate() {
+            let (seg, tail) = rest.split_at_mut(r1 - r0);
+            segs[ti].push(seg);
+            rest = tail;
+        }
+    }
+    (bounds, segs)
+}
+
+/// A parallel task: weight `wi`, its rows `r0..r1`, and the `n` output
+/// segments (one per activation row) those rows fill.
+type Job<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
+
+/// `outs[j] = a @ ws[j]^T` for several weights sharing one input, in one
+/// parallel pass. Each `outs[j]` is `a.rows x ws[j].rows`, row-major. Every
+/// task writes its own disjoint segments of the outputs directly (no
+/// full-size staging copy).
+pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>]) {
+    assert_eq!(ws.len(), outs.len());
+    let n = a.rows;
+    let mut jobs: Vec<Job<'_>> = Vec::new();
+    for (wi, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        assert_eq!(w.cols, a.cols, "matmul inner dimension mismatch");
+        out.clear();
+        out.resize(n * w.rows, 0.0);
+        if w.rows == 0 {
+            continue;
+        }
+        let (bounds, segs) = task_segments(out, w.rows, n);
+        for (&(r0, r1), s) in bounds.iter().zip(segs) {
+            jobs.push((wi, r0, r1, s));
+        }
+    }
+    jobs.into_par_iter().for_each(|(wi, r0, r1, mut segs)| {
+        let nr = r1 - r0;
+        let mut buf = vec![0f32; nr * n];
+        matmul_rows(a, ws[wi], r0, r1, &mut buf);
+        for (i, seg) in segs.iter_mut().enumerate() {
+            seg.copy_from_slice(&buf[i * nr..(i + 1) * nr]);
+        }
+    });
+}
+
+/// SwiGLU feed-forward input: `out = silu(a @ gate^T) * (a @ up^T)`, one
+/// task per row range computing both projections and combining them, so
+/// there is no separate pass (or buffer) for the up projection. Each
+/// element is the same arithmetic as `matmul_many` followed by `silu_mul`.
+pub fn matmul_swiglu(a: &Activations, gate: &QMatrix, up: &QMatrix, out: &mut Vec<f32>) {
+    assert_eq!(gate.cols, a.cols, "matmul inner dimension mismatch");
+    assert_eq!(
+        (gate.rows, gate.cols),
+        (up.rows, up.cols),
+        "gate and up shapes differ"
+    );
+    let (n, m) = (a.rows, gate.rows);
+    out.clear();
+    out.resize(n * m, 0.0);
+    if m == 0 {
+        return;
+    }
+    let (bounds, segs) = task_segments(out, m, n);
+    bounds
+        .into_par_iter()
+        .zip(segs)
+        .for_each(|((r0, r1), mut segs)| {
+            let nr = r1 - r0;
+            let mut g = vec![0f32; nr * n];
+            let mut u = vec![0f32; nr * n];
+            matmul_rows(a, gate, r0, r1, &mut g);
+            matmul_rows(a, up, r0, r1, &mut u);
+            silu_mul(&mut g, &u);
+            for (i, seg) in segs.iter_mut().enumerate() {
+                seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);
+            }
+        });
+}
+
+/// Whether matmuls against `w` want quantized activations.
+pub fn wants_q8(w: &QMatrix) -> bool {
+    w.format() != WeightFormat::F32
+}

@@ -1,0 +1,33 @@
+//! CPU numeric kernels for the model runner.
+//!
+//! Invariant (batch invariance): every output element is a function of one
+//! activation row and one weight row only, computed in an order that does not
+//! depend on how many rows share the call. A position's logits are therefore
+//! bit-identical whether it is computed alone or with other positions or
+//! sequences; greedy speculation relies on this for exact losslessness.
+//!
+//! Quantized weights (Q4_0, Q4_1, Q8_0) multiply activations quantized to
+//! 8-bit blocks of 32 (as ggml does): the integer part of each block dot
+//! product is exact, and per-block scales are accumulated in block order.
+
+//!
+//! Rooms: `layout` (the row-tile weight layout, the activation view, the
+//! shared tile loop), `activations` (activation quantization), `matmul`
+//! (kernel paths and the rayon split), `elementwise` (norms, exp, SiLU),
+//! `simd` (the x86-64 paths, which depend on `layout` only).
+
+mod activations;
+mod elementwise;
+mod layout;
+mod matmul;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod simd;
+#[cfg(test)]
+mod tests;
+
+pub use activations::{quantize_q8, Activations};
+pub use elementwise::{exp_f32, exp_shifted, fold16, rms_norm, silu_mul};
+pub use layout::{
+    tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightFormat, QK, TILE,
+};
+pub use matmul::{matmul_many, matmul_swiglu, wants_q8, KernelPath};

@@ -1,0 +1,347 @@
+//! Kernel results for every path and format against f64 references built
+//! from the raw ggml blocks, bit-identity across paths, batch invariance.
+
+use half::f16;
+
+use super::activations::*;
+use super::elementwise::*;
+use super::layout::*;
+use super::matmul::*;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// Quantize with candle (ggml's own block code), returning the raw
+/// blocks too, so references never read our repacked layout.
+fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> (QMatrix, Vec<u8>) {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let t = candle_core::Tensor::from_slice(w, (rows, cols), &candle_core::Device::Cpu).unwrap();
+    let dt = match format {
+        WeightFormat::Q4_0 => GgmlDType::Q4_0,
+        WeightFormat::Q4_1 => GgmlDType::Q4_1,
+        WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::F32 => return (QMatrix::from_f32(rows, cols, w.to_vec()), Vec::new()),
+    };
+    let raw = QTensor::quantize(&t, dt).unwrap().data().unwrap().to_vec();
+    let m = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+    (m, raw)
+}
+
+/// Block `gb` of raw ggml data: (scale, minimum, signed codes).
+fn ggml_block(format: WeightFormat, raw: &[u8], gb: usize) -> (f64, f64, [i32; QK]) {
+    let f = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f64();
+    let mut c = [0i32; QK];
+    match format {
+        WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+            let size = if format == WeightFormat::Q4_0 { 18 } else { 20 };
+            let b = &raw[gb * size..(gb + 1) * size];
+            let off = if format == WeightFormat::Q4_0 { 8 } else { 0 };
+            for j in 0..16 {
+                c[j] = (b[size - 16 + j] & 15) as i32 - off;
+                c[j + 16] = (b[size - 16 + j] >> 4) as i32 - off;
+            }
+            let m = if format == WeightFormat::Q4_1 {
+                f(b, 2)
+            } else {
+                0.0
+            };
+            (f(b, 0), m, c)
+        }
+        WeightFormat::Q8_0 => {
+            let b = &raw[gb * 34..(gb + 1) * 34];
+            for j in 0..QK {
+                c[j] = b[2 + j] as i8 as i32;
+            }
+            (f(b, 0), 0.0, c)
+        }
+        WeightFormat::F32 => unreachable!(),
+    }
+}
+
+/// Scalar reference in f64 from the ggml definitions (raw blocks, not our
+/// layout): weights times Q8-quantized activations; for Q4_1 the block
+/// minimum multiplies the activation block's stored sum (d * sum(q), kept
+/// as f16 like ggml).
+fn reference(
+    x: &[f32],
+    n: usize,
+    format: WeightFormat,
+    w: &[f32],
+    raw: &[u8],
+    rows: usize,
+) -> Vec<f32> {
+    let k = x.len() / n;
+    let nb = k / QK;
+    let (mut d, mut s, mut q) = (vec![0.0; n * nb], vec![0.0; n * nb], vec![0i8; n * k]);
+    if format != WeightFormat::F32 {
+        quantize_q8(x, (&mut d, &mut s, &mut vec![0; n * nb], &mut q));
+    }
+    let mut out = vec![0f32; n * rows];
+    for r in 0..rows {
+        for i in 0..n {
+            let mut acc = 0f64;
+            if format == WeightFormat::F32 {
+                for j in 0..k {
+                    acc += w[r * k + j] as f64 * x[i * k + j] as f64;
+                }
+            } else {
+                for b in 0..nb {
+                    let (wd, wm, c) = ggml_block(format, raw, r * nb + b);
+                    let xb = i * nb + b;
+                    let sumi: i64 = (0..QK).map(|e| c[e] as i64 * q[xb * QK + e] as i64).sum();
+                    acc += sumi as f64 * wd * d[xb] as f64 + wm * s[xb] as f64;
+                }
+            }
+            out[i * rows + r] = acc as f32;
+        }
+    }
+    out
+}
+
+const FORMATS: [WeightFormat; 4] = [
+    WeightFormat::F32,
+    WeightFormat::Q4_0,
+    WeightFormat::Q4_1,
+    WeightFormat::Q8_0,
+];
+
+#[test]
+fn row_tile_layout_is_a_bijection() {
+    for kind in [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0] {
+        let code_bytes = TILE * kind.block_bytes();
+        let mut seen = vec![0u8; code_bytes * 2];
+        for l in 0..TILE {
+            for e in 0..QK {
+                let (i, hi) = tile_code_at(kind, l, e);
+                assert!(i < code_bytes, "{kind:?} l={l} e={e}");
+                // The byte lies in lane l of its 64-byte step.
+                assert_eq!((i % 64) / 4, l);
+                seen[2 * i + usize::from(hi)] += 1;
+            }
+        }
+        let want = if kind == QuantKind::Q8_0 {
+            [1, 0]
+        } else {
+            [1, 1]
+        };
+        for pair in seen.chunks_exact(2) {
+            assert_eq!(pair, want, "{kind:?}");
+        }
+    }
+    assert_eq!(tile_record_bytes(QuantKind::Q4_1), 16 * 16 + 64);
+    assert_eq!(tile_record_bytes(QuantKind::Q8_0), 16 * 32 + 32);
+}
+
+#[test]
+fn repacked_rows_dequantize_exactly_like_ggml() {
+    let mut seed = 3u64;
+    for format in FORMATS[1..].iter().copied() {
+        for &(rows, cols) in &[(3usize, 96usize), (2, 576), (2, 800), (1, 1536), (19, 64)] {
+            let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+            let (qm, raw) = pack(format, &w, rows, cols);
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                qm.dequantize_row(r, &mut row);
+                for b in 0..cols / QK {
+                    let (d, m, c) = ggml_block(format, &raw, r * cols / QK + b);
+                    for e in 0..QK {
+                        let want = (c[e] as f32) * d as f32 + m as f32;
+                        assert_eq!(
+                            row[b * QK + e],
+                            want,
+                            "{format:?} {rows}x{cols} r={r} b={b} e={e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_scalar_reference_every_format_path_and_shape() {
+    let mut seed = 7u64;
+    // Shape classes: 1 to 50 blocks per row (odd and even); SmolLM2's
+    // 576 and 1536; 1 to 17 activation rows (one to five row chunks);
+    // row counts that end in a partial 16-row tile, within one task and
+    // across tasks of 64. Every path must also give the portable path's
+    // bits.
+    let shapes = [
+        (70usize, 64usize, 1usize),
+        (33, 96, 3),
+        (130, 128, 8),
+        (9, 256, 2),
+        (65, 576, 5),
+        (17, 800, 13),
+        (8, 1536, 17),
+        (5, 32, 4),
+        (16, 1600, 9),
+    ];
+    for format in FORMATS {
+        for &(rows, cols, n) in &shapes {
+            let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 3.0).collect();
+            let (qm, raw) = pack(format, &w, rows, cols);
+            let want = reference(&x, n, format, &w, &raw, rows);
+            let mut first: Option<Vec<f32>> = None;
+            for path in KernelPath::supported() {
+                let mut a = Activations::new(path);
+                a.prepare(&x, n, cols, wants_q8(&qm));
+                let mut out = Vec::new();
+                matmul_many(&a, &[&qm], &mut [&mut out]);
+                for (g, r) in out.iter().zip(&want) {
+                    assert!(
+                        (g - r).abs() <= 2e-5 * (1.0 + r.abs()) * (cols as f32).sqrt(),
+                        "{path:?} {format:?} {rows}x{cols} n={n}: {g} vs {r}"
+                    );
+                }
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert!(
+                        f.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{path:?} {format:?} {rows}x{cols} n={n}: bits differ from portable"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_quantizer_matches_the_reference_bit_for_bit() {
+    let mut seed = 9u64;
+    for path in KernelPath::supported() {
+        for &(n, cols) in &[(1usize, 64usize), (3, 96), (5, 576), (2, 800), (4, 1536)] {
+            let mut x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 4.0).collect();
+            x[7] = 0.0;
+            x[n * cols - 32..].fill(0.0); // an all-zero block (scale 0)
+            let nb = n * cols / QK;
+            let (mut d, mut sm, mut q) = (vec![0.0; nb], vec![0.0; nb], vec![0i8; n * cols]);
+            let mut si = vec![0i32; nb];
+            quantize_q8(&x, (&mut d, &mut sm, &mut si, &mut q));
+            let mut a = Activations::new(path);
+            a.prepare(&x, n, cols, true);
+            assert_eq!(
+                (a.qd.clone(), a.qsum.clone(), a.isum.clone(), a.qs.clone()),
+                (d, sm, si, q),
+                "{path:?} {n}x{cols}"
+            );
+        }
+    }
+}
+
+#[test]
+fn exp_f32_is_within_a_few_ulp_of_libm() {
+    let mut worst = 0f64;
+    let mut x = -87.0f32;
+    while x < 88.0 {
+        let (got, want) = (exp_f32(x) as f64, (x as f64).exp());
+        worst = worst.max(((got - want) / want).abs());
+        x += 0.0137;
+    }
+    assert!(worst < 4.0 * f32::EPSILON as f64, "relative error {worst}");
+    assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+    assert_eq!(exp_f32(-100.0), 0.0);
+    assert_eq!(exp_f32(0.0), 1.0);
+    assert_eq!(exp_f32(100.0), f32::INFINITY);
+}
+
+#[test]
+fn exp_shifted_normalizes_to_softmax_and_zeroes_masked_entries() {
+    let mut seed = 4u64;
+    for len in [1usize, 5, 16, 17, 300] {
+        let mut x: Vec<f32> = (0..len).map(|_| lcg(&mut seed) * 20.0).collect();
+        if len > 2 {
+            x[1] = f32::NEG_INFINITY;
+        }
+        let want: Vec<f64> = {
+            let m = x.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+            let e: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp()).collect();
+            let s: f64 = e.iter().sum();
+            e.iter().map(|v| v / s).collect()
+        };
+        let (_, sum) = exp_shifted(&mut x);
+        x.iter_mut().for_each(|v| *v /= sum);
+        for (g, w) in x.iter().zip(&want) {
+            assert!((*g as f64 - w).abs() < 1e-6, "{g} vs {w}");
+        }
+        if len > 2 {
+            assert_eq!(x[1], 0.0);
+        }
+    }
+}
+
+#[test]
+fn fused_swiglu_equals_matmul_then_silu() {
+    let mut seed = 21u64;
+    let (rows, cols, n) = (150usize, 96usize, 5usize);
+    for path in KernelPath::supported() {
+        for format in FORMATS {
+            let wg: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+            let wu: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+            let (g, _) = pack(format, &wg, rows, cols);
+            let (u, _) = pack(format, &wu, rows, cols);
+            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
+            let mut a = Activations::new(path);
+            a.prepare(&x, n, cols, wants_q8(&g));
+            let (mut go, mut uo, mut fused) = (Vec::new(), Vec::new(), Vec::new());
+            matmul_many(&a, &[&g, &u], &mut [&mut go, &mut uo]);
+            silu_mul(&mut go, &uo);
+            matmul_swiglu(&a, &g, &u, &mut fused);
+            assert_eq!(fused, go, "{path:?} {format:?}");
+        }
+    }
+}
+
+#[test]
+fn q8_0_requantization_is_close_to_f32() {
+    let mut seed = 5u64;
+    let w: Vec<f32> = (0..64 * 96).map(|_| lcg(&mut seed)).collect();
+    let f = QMatrix::from_f32(64, 96, w.clone());
+    let q = f.to_q8_0().unwrap();
+    assert_eq!(q.format(), WeightFormat::Q8_0);
+    let mut row = vec![0f32; 96];
+    for r in 0..64 {
+        q.dequantize_row(r, &mut row);
+        for (a, b) in row.iter().zip(&w[r * 96..(r + 1) * 96]) {
+            assert!((a - b).abs() <= 1.0 / 127.0 + 1e-3, "{a} vs {b}");
+        }
+    }
+    assert!(QMatrix::from_f32(2, 33, vec![0.0; 66]).to_q8_0().is_none());
+}
+
+#[test]
+fn matmul_is_batch_invariant() {
+    let mut seed = 11u64;
+    for &(rows, cols) in &[(100usize, 128usize), (40, 576), (24, 96)] {
+        for path in KernelPath::supported() {
+            for format in FORMATS {
+                let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+                let (qm, _) = pack(format, &w, rows, cols);
+                let total = 20;
+                let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed)).collect();
+                let mut a = Activations::new(path);
+                a.prepare(&x, total, cols, wants_q8(&qm));
+                let mut all = Vec::new();
+                matmul_many(&a, &[&qm], &mut [&mut all]);
+                for n in [1usize, 2, 5, 7, 12, 13] {
+                    for start in [0usize, 3, total - n] {
+                        let mut b = Activations::new(path);
+                        b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(&qm));
+                        let mut part = Vec::new();
+                        matmul_many(&b, &[&qm], &mut [&mut part]);
+                        assert_eq!(
+                            part[..],
+                            all[start * rows..(start + n) * rows],
+                            "{path:?} {format:?} {rows}x{cols} n={n} start={start}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
