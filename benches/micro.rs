@@ -2,8 +2,8 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use specd::sampler::{self, Rng, SamplingParams};
-use specd::spec::accept::{accept, Acceptance};
-use specd::spec::proposer::{Draft, DraftQ};
+use specd::speculative::accept::{accept, Acceptance};
+use specd::speculative::proposer::{Draft, DraftQ};
 use std::hint::black_box;
 
 const VOCAB: usize = 49152;

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use specd::model::load_model;
-use specd::spec::engine::{EngineConfig, EngineCore};
-use specd::spec::proposer::Drafter;
-use specd::spec::Request;
+use specd::speculative::drafter::Drafter;
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::Request;
 use specd::tokenizer::Tokenizer;
 
 fn main() {
@@ -44,7 +44,7 @@ fn main() {
         if let Some(p) = proposer {
             d.add(Box::new(p));
         }
-        let mut e = EngineCore::new(model.clone(), None, cfg, d);
+        let mut e = SyncDriver::new(model.clone(), None, cfg, d);
         let t = Instant::now();
         for p in &prompts {
             e.add(

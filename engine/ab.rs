@@ -22,8 +22,8 @@ use crate::config::Config;
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::{Rng, SamplingParams};
-use crate::spec::engine::{EngineConfig, EngineCore};
-use crate::spec::{Event, Request};
+use crate::speculative::driver::{EngineConfig, SyncDriver};
+use crate::speculative::{Event, Request};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 /// Default Spec-Bench location, relative to the project root.
@@ -426,7 +426,7 @@ pub fn greedy_mismatches(records: &[Record], plain: &str) -> Vec<Mismatch> {
 
 /// Run one request alone on `engine`, timing its tokens.
 fn run_one(
-    engine: &mut EngineCore,
+    engine: &mut SyncDriver,
     req: Request,
     max_batch_tokens: usize,
 ) -> Result<(Record, Vec<u32>)> {
@@ -513,12 +513,12 @@ pub fn run(
     // tree learns every output); each repeat gets fresh instances, or a
     // later repeat would draft from the identical greedy output of an
     // earlier one.
-    let fresh_engine = || -> Result<EngineCore> {
+    let fresh_engine = || -> Result<SyncDriver> {
         let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
         let mut ec = EngineConfig::for_model(&model);
         cfg.apply_engine(&mut ec.scheduler);
         ec.scheduler.max_running = 1;
-        Ok(EngineCore::new(
+        Ok(SyncDriver::new(
             model.clone(),
             Some(tok.clone()),
             ec,

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::plugins::{self, PluginProposer};
-use crate::spec::proposer::Drafter;
+use crate::speculative::drafter::Drafter;
 use crate::tokenizer::Tokenizer;
 
 /// The built-in default configuration (`configs/default.toml`).
@@ -345,7 +345,7 @@ impl Config {
     }
 
     /// Apply the `[engine]` settings to a scheduler config.
-    pub fn apply_engine(&self, s: &mut crate::spec::scheduler::SchedulerConfig) {
+    pub fn apply_engine(&self, s: &mut crate::speculative::scheduler::SchedulerConfig) {
         s.max_batch_tokens = self.engine.max_batch_tokens;
         s.max_running = self.engine.max_running;
         s.max_draft = self.engine.max_draft;

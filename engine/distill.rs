@@ -26,9 +26,9 @@ use candle_nn::{Optimizer, VarBuilder, VarMap};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::{Rng, SamplingParams};
-use crate::spec::engine::{EngineConfig, EngineCore};
-use crate::spec::proposer::Drafter;
-use crate::spec::Request;
+use crate::speculative::drafter::Drafter;
+use crate::speculative::driver::{EngineConfig, SyncDriver};
+use crate::speculative::Request;
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -123,7 +123,7 @@ pub fn training_data(
     let mut ec = EngineConfig::for_model(model);
     ec.scheduler.max_running = 8;
     ec.scheduler.max_waiting = usize::MAX;
-    let mut engine = EngineCore::new(model.clone(), Some(tok.clone()), ec, Drafter::new());
+    let mut engine = SyncDriver::new(model.clone(), Some(tok.clone()), ec, Drafter::new());
     let n_prompts = cfg.gen_tokens / (cfg.gen_max_tokens / 2).max(1) + 8;
     let prompts: Vec<Prompt> = if cfg.prompt_ids.is_empty() {
         prompt_set(n_prompts)

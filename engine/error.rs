@@ -43,3 +43,14 @@ impl SpecdError {
         }
     }
 }
+
+/// The message of a caught panic (`catch_unwind`'s payload).
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".into()
+    }
+}

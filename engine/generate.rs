@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Result, SpecdError};
 use crate::model::{Logits, Model};
 use crate::sampler::{self, FinishReason, Rng, StopBuffer};
-use crate::spec::Request;
+use crate::speculative::Request;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 #[derive(Debug, Clone)]

@@ -14,7 +14,7 @@ pub mod plugins;
 pub mod prompts;
 pub mod sampler;
 pub mod server;
-pub mod spec;
+pub mod speculative;
 pub mod tokenizer;
 
 pub use error::{Result, SpecdError};

@@ -13,10 +13,10 @@ use specd::config::Config;
 use specd::generate::generate;
 use specd::model::{self, Model};
 use specd::sampler::SamplingParams;
-use specd::spec::actors::{EngineHandle, EngineParts};
-use specd::spec::engine::EngineConfig;
-use specd::spec::proposer::Drafter;
-use specd::spec::{Completion, Event, Request};
+use specd::speculative::actors::{EngineHandle, EngineParts};
+use specd::speculative::drafter::Drafter;
+use specd::speculative::driver::EngineConfig;
+use specd::speculative::{Completion, Event, Request};
 use specd::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Parser)]
@@ -540,7 +540,7 @@ fn run_batch(
         println!();
     }
     let mut total_tokens = 0usize;
-    let mut agg = specd::spec::SpecStats::default();
+    let mut agg = specd::speculative::SpecStats::default();
     for (row, o) in rows.iter().zip(&outcomes) {
         let c = &o.completion;
         total_tokens += c.tokens.len();

@@ -23,8 +23,8 @@ use specd_plugin_abi as abi;
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::Distribution;
-use crate::spec::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
-use crate::spec::SeqId;
+use crate::speculative::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
+use crate::speculative::SeqId;
 use crate::tokenizer::Tokenizer;
 
 /// A validated, loaded plugin library.
@@ -206,7 +206,7 @@ fn callback<T>(name: &str, default: T, f: impl FnOnce() -> T) -> T {
         Err(p) => {
             tracing::error!(
                 callback = name,
-                reason = %crate::spec::pipeline::panic_message(&*p),
+                reason = %crate::error::panic_message(&*p),
                 "host callback panicked; the plugin gets an error result"
             );
             default

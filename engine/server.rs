@@ -24,8 +24,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::config::Config;
 use crate::error::SpecdError;
 use crate::sampler::{FinishReason, SamplingParams};
-use crate::spec::actors::{Abort, EngineHandle};
-use crate::spec::{Completion, Event, Request, SeqId};
+use crate::speculative::actors::{Abort, EngineHandle};
+use crate::speculative::{Completion, Event, Request, SeqId};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 /// An OpenAI-style error response.

@@ -5,7 +5,7 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TINY};
 use specd::model::load_model;
-use specd::spec::Request;
+use specd::speculative::Request;
 use specd::SpecdError;
 
 #[test]

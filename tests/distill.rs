@@ -11,8 +11,8 @@ use specd::config::Config;
 use specd::distill::{distill, DistillConfig, State};
 use specd::generate::generate;
 use specd::model::load_model;
-use specd::spec::engine::{EngineConfig, EngineCore};
-use specd::spec::Request;
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::Request;
 use specd::tokenizer::Tokenizer;
 
 #[test]
@@ -80,7 +80,7 @@ fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
     let drafter = pc.build_drafter(&model, Some(tok.clone())).unwrap();
     let mut ec = EngineConfig::for_model(&model);
     ec.scheduler.adaptive_draft = false;
-    let mut e = EngineCore::new(model.clone(), Some(tok), ec, drafter);
+    let mut e = SyncDriver::new(model.clone(), Some(tok), ec, drafter);
     let prompt = vec![5u32, 9, 13];
     e.add(
         Request {

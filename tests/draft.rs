@@ -10,9 +10,9 @@ use specd::config::Config;
 use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::sampler::SamplingParams;
-use specd::spec::accept::Acceptance;
-use specd::spec::engine::{EngineConfig, EngineCore};
-use specd::spec::{Completion, Request};
+use specd::speculative::accept::Acceptance;
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
 fn draft_config(model: &std::path::Path, max_draft: usize) -> Config {
@@ -26,17 +26,17 @@ fn draft_config(model: &std::path::Path, max_draft: usize) -> Config {
     .unwrap()
 }
 
-fn engine(model: &Arc<Model>, tok: Arc<Tokenizer>, cfg: &Config, max_running: usize) -> EngineCore {
+fn engine(model: &Arc<Model>, tok: Arc<Tokenizer>, cfg: &Config, max_running: usize) -> SyncDriver {
     let drafter = cfg.build_drafter(model, Some(tok.clone())).unwrap();
     let mut ec = EngineConfig::for_model(model);
     ec.scheduler.max_running = max_running;
     ec.scheduler.max_draft = 8;
     ec.scheduler.max_waiting = usize::MAX;
     ec.scheduler.adaptive_draft = false;
-    EngineCore::new(model.clone(), Some(tok), ec, drafter)
+    SyncDriver::new(model.clone(), Some(tok), ec, drafter)
 }
 
-fn run(e: &mut EngineCore, reqs: Vec<Request>) -> Vec<Completion> {
+fn run(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
     let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
     let mut done = e.run_to_completion().unwrap();
     done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());

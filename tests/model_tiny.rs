@@ -6,7 +6,7 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use common::{max_abs_diff, TempDir, TINY};
-use specd::model::{load_model, KvDtype, Logits, Model, SeqInput, TreeMask};
+use specd::model::{load_model, ForwardInput, KvDtype, Logits, Model, TreeMask};
 
 const PROMPT: [u32; 7] = [5, 17, 42, 3, 88, 9, 61];
 const NEXT: [u32; 3] = [12, 77, 30];
@@ -235,13 +235,13 @@ fn batched_forward_equals_each_sequence_alone() {
     model
         .forward(
             &mut [
-                SeqInput {
+                ForwardInput {
                     cache: &mut c1,
                     tokens: &s1,
                     logits: Logits::Last,
                     tree: None,
                 },
-                SeqInput {
+                ForwardInput {
                     cache: &mut c2,
                     tokens: &s2,
                     logits: Logits::Last,
@@ -254,13 +254,13 @@ fn batched_forward_equals_each_sequence_alone() {
     let out = model
         .forward(
             &mut [
-                SeqInput {
+                ForwardInput {
                     cache: &mut c1,
                     tokens: &[11, 12],
                     logits: Logits::All,
                     tree: None,
                 },
-                SeqInput {
+                ForwardInput {
                     cache: &mut c2,
                     tokens: &[13, 14, 15],
                     logits: Logits::All,
@@ -288,7 +288,7 @@ fn tree_mask_branches_equal_their_linear_paths() {
     model.forward_one(&mut c, &ctx, Logits::None).unwrap();
     let out = model
         .forward(
-            &mut [SeqInput {
+            &mut [ForwardInput {
                 cache: &mut c,
                 tokens: &[20, 21, 31, 22],
                 logits: Logits::All,
@@ -314,7 +314,7 @@ fn tree_mask_branches_equal_their_linear_paths() {
     let chain = TreeMask::chain(3);
     let o = model
         .forward(
-            &mut [SeqInput {
+            &mut [ForwardInput {
                 cache: &mut c,
                 tokens: &[20, 21, 22],
                 logits: Logits::All,
@@ -333,7 +333,7 @@ fn hidden_states_of_requested_layers() {
     let layers = model.config.layers;
     let out = model
         .forward(
-            &mut [SeqInput {
+            &mut [ForwardInput {
                 cache: &mut c,
                 tokens: &[3, 4, 5],
                 logits: Logits::Last,
@@ -356,7 +356,7 @@ fn hidden_states_of_requested_layers() {
     assert!((approx - out[0].logits[0]).abs() < 0.05 * (1.0 + approx.abs()));
     let err = model
         .forward(
-            &mut [SeqInput {
+            &mut [ForwardInput {
                 cache: &mut c,
                 tokens: &[3],
                 logits: Logits::Last,
@@ -427,13 +427,13 @@ fn long_context_split_attention_matches_reference_and_is_batch_invariant() {
     let out = model
         .forward(
             &mut [
-                SeqInput {
+                ForwardInput {
                     cache: &mut short,
                     tokens: &[4, 5],
                     logits: Logits::All,
                     tree: None,
                 },
-                SeqInput {
+                ForwardInput {
                     cache: &mut long,
                     tokens: &next,
                     logits: Logits::All,

@@ -13,8 +13,8 @@ use specd::config::Config;
 use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::plugins;
-use specd::spec::engine::{EngineConfig, EngineCore};
-use specd::spec::{Completion, Request};
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
 /// The cargo target dir these tests run from (`<target>/release/deps/<test>`).
@@ -73,12 +73,12 @@ fn run(
     prompts: &[Vec<u32>],
     n: usize,
     tok: Option<Arc<Tokenizer>>,
-) -> (EngineCore, Vec<Completion>) {
+) -> (SyncDriver, Vec<Completion>) {
     let drafter = cfg.build_drafter(model, tok.clone()).unwrap();
     let mut ec = EngineConfig::for_model(model);
     ec.scheduler.max_running = 4;
     ec.scheduler.max_draft = 8;
-    let mut e = EngineCore::new(model.clone(), tok, ec, drafter);
+    let mut e = SyncDriver::new(model.clone(), tok, ec, drafter);
     let ids: Vec<u64> = prompts
         .iter()
         .map(|p| {
@@ -261,7 +261,7 @@ fn plugin_options_are_checked_with_the_key_named() {
 #[test]
 fn ngram_and_suffix_keep_the_sampled_distribution() {
     use specd::sampler::SamplingParams;
-    use specd::spec::accept::Acceptance;
+    use specd::speculative::accept::Acceptance;
     let spec = common::TinySpec { vocab: 12, ..TINY };
     let dir = TempDir::new("plugins-stat");
     let path = dir.0.join("tiny.gguf");
@@ -282,7 +282,7 @@ fn ngram_and_suffix_keep_the_sampled_distribution() {
             ec.scheduler.max_running = 64;
             ec.scheduler.max_waiting = usize::MAX;
             ec.scheduler.adaptive_draft = false;
-            let mut e = EngineCore::new(model.clone(), None, ec, drafter);
+            let mut e = SyncDriver::new(model.clone(), None, ec, drafter);
             e.sampler.acceptance = acceptance;
             for i in 0..20_000u64 {
                 e.add(

@@ -198,14 +198,14 @@ fn stop_string_ends_generation_and_is_not_emitted() {
     let base = specd::generate::generate(
         &model,
         Some(&tok),
-        &specd::spec::Request::greedy(prompt.clone(), 24),
+        &specd::speculative::Request::greedy(prompt.clone(), 24),
         |_| {},
     )
     .unwrap();
     // Stop on a string that the greedy output contains, spanning tokens.
     let needle: String = base.text.trim_start().chars().skip(3).take(6).collect();
     assert!(base.text.contains(&needle));
-    let mut req = specd::spec::Request::greedy(prompt, 24);
+    let mut req = specd::speculative::Request::greedy(prompt, 24);
     req.stop = vec![needle.clone()];
     let mut streamed = String::new();
     let out =

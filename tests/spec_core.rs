@@ -11,11 +11,12 @@ use common::{OracleProposer, PanickyProposer, RandomProposer, TempDir, TinySpec,
 use specd::generate::generate;
 use specd::model::{load_model, Model};
 use specd::sampler::{FinishReason, SamplingParams};
-use specd::spec::accept::Acceptance;
-use specd::spec::engine::{EngineConfig, EngineCore};
-use specd::spec::kv_manager::Pool;
-use specd::spec::proposer::{Drafter, Proposer};
-use specd::spec::{Completion, Request};
+use specd::speculative::accept::Acceptance;
+use specd::speculative::drafter::Drafter;
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::kv_manager::Pool;
+use specd::speculative::proposer::Proposer;
+use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
 fn tiny_model(spec: &TinySpec, seed: u64) -> (TempDir, Arc<Model>) {
@@ -32,7 +33,7 @@ fn engine(
     proposers: Vec<Box<dyn Proposer>>,
     max_running: usize,
     kv_blocks: Option<usize>,
-) -> EngineCore {
+) -> SyncDriver {
     let mut cfg = EngineConfig::for_model(model);
     cfg.scheduler.max_running = max_running;
     cfg.scheduler.max_draft = 8;
@@ -46,7 +47,7 @@ fn engine(
     for p in proposers {
         d.add(p);
     }
-    EngineCore::new(model.clone(), tok, cfg, d)
+    SyncDriver::new(model.clone(), tok, cfg, d)
 }
 
 fn plain(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
@@ -61,7 +62,7 @@ fn plain_no_eos(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     generate(model, None, &r, |_| {}).unwrap().tokens
 }
 
-fn run_all(e: &mut EngineCore, reqs: Vec<Request>) -> Vec<Completion> {
+fn run_all(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
     let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
     let mut done = e.run_to_completion().unwrap();
     done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
@@ -316,7 +317,7 @@ fn stop_string_inside_an_accepted_run() {
     // Streamed text equals the final text, and the stop string never streamed.
     let mut streamed = String::new();
     while let Ok(ev) = rx.try_recv() {
-        if let specd::spec::Event::Tokens { text, .. } = ev {
+        if let specd::speculative::Event::Tokens { text, .. } = ev {
             streamed += &text;
         }
     }
@@ -453,12 +454,14 @@ fn actors_run_concurrent_requests_losslessly_and_free_kv() {
             4,
             TINY.vocab as u32,
         )));
-        let h = specd::spec::actors::EngineHandle::start(specd::spec::actors::EngineParts {
-            model: model2,
-            tokenizer: None,
-            config: cfg,
-            drafter: d,
-        });
+        let h = specd::speculative::actors::EngineHandle::start(
+            specd::speculative::actors::EngineParts {
+                model: model2,
+                tokenizer: None,
+                config: cfg,
+                drafter: d,
+            },
+        );
         let mut rxs = Vec::new();
         for p in &ps {
             let req = Request {
@@ -474,12 +477,12 @@ fn actors_run_concurrent_requests_losslessly_and_free_kv() {
             let mut toks = Vec::new();
             loop {
                 match rx.recv().await.unwrap() {
-                    specd::spec::Event::Tokens { ids, .. } => toks.extend(ids),
-                    specd::spec::Event::Finished(c) => {
+                    specd::speculative::Event::Tokens { ids, .. } => toks.extend(ids),
+                    specd::speculative::Event::Finished(c) => {
                         assert_eq!(c.tokens, toks);
                         break;
                     }
-                    specd::spec::Event::Error(e) => panic!("{e}"),
+                    specd::speculative::Event::Error(e) => panic!("{e}"),
                 }
             }
             outs.push(toks);
@@ -489,7 +492,7 @@ fn actors_run_concurrent_requests_losslessly_and_free_kv() {
         assert!(h.abort(victim).await);
         loop {
             match vrx.recv().await {
-                Some(specd::spec::Event::Finished(c)) => {
+                Some(specd::speculative::Event::Finished(c)) => {
                     assert_eq!(c.finish, FinishReason::Aborted);
                     break;
                 }
@@ -555,7 +558,7 @@ fn shadow_proposers_are_scored_without_touching_live_traffic() {
 
 #[test]
 fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
-    use specd::spec::pipeline::Step;
+    use specd::speculative::pipeline::Step;
     let (_d, model) = tiny_model(&TINY, 13);
     let ps = prompts(TINY.vocab as u32);
     let want = plain_no_eos(&model, &ps[0], 80);
@@ -586,7 +589,7 @@ fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
         );
         // Round r aborts the victim (prefilling) before stage r; later
         // rounds find it gone.
-        let abort = |e: &mut EngineCore, at: u64| {
+        let abort = |e: &mut SyncDriver, at: u64| {
             if at == abort_at {
                 assert!(e.abort(victim) || abort_at > 0);
             }
@@ -610,7 +613,7 @@ fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
     }
     let mut aborted = false;
     while let Ok(ev) = rx.try_recv() {
-        if let specd::spec::Event::Finished(c) = ev {
+        if let specd::speculative::Event::Finished(c) = ev {
             aborted = c.finish == FinishReason::Aborted;
         }
     }
@@ -641,12 +644,14 @@ fn actors_survive_aborts_at_every_moment_and_free_kv() {
             4,
             TINY.vocab as u32,
         )));
-        let h = specd::spec::actors::EngineHandle::start(specd::spec::actors::EngineParts {
-            model: model2,
-            tokenizer: None,
-            config: cfg,
-            drafter: d,
-        });
+        let h = specd::speculative::actors::EngineHandle::start(
+            specd::speculative::actors::EngineParts {
+                model: model2,
+                tokenizer: None,
+                config: cfg,
+                drafter: d,
+            },
+        );
         let mut kept = Vec::new();
         let mut victims = Vec::new();
         for round in 0..60u64 {
@@ -677,9 +682,9 @@ fn actors_survive_aborts_at_every_moment_and_free_kv() {
             let mut toks = Vec::new();
             loop {
                 match rx.recv().await {
-                    Some(specd::spec::Event::Tokens { ids, .. }) => toks.extend(ids),
-                    Some(specd::spec::Event::Finished(_)) => break,
-                    Some(specd::spec::Event::Error(e)) => panic!("{e}"),
+                    Some(specd::speculative::Event::Tokens { ids, .. }) => toks.extend(ids),
+                    Some(specd::speculative::Event::Finished(_)) => break,
+                    Some(specd::speculative::Event::Error(e)) => panic!("{e}"),
                     None => panic!("stream closed without a final event"),
                 }
             }
@@ -699,7 +704,7 @@ fn actors_survive_aborts_at_every_moment_and_free_kv() {
 
 /// Breaks one rule of the draft contract on every propose call.
 struct BadProposer {
-    kind: specd::spec::proposer::QKind,
+    kind: specd::speculative::proposer::QKind,
     fault: &'static str,
     vocab: usize,
 }
@@ -708,8 +713,8 @@ impl Proposer for BadProposer {
     fn name(&self) -> &str {
         "bad"
     }
-    fn capabilities(&self) -> specd::spec::proposer::Capabilities {
-        specd::spec::proposer::Capabilities {
+    fn capabilities(&self) -> specd::speculative::proposer::Capabilities {
+        specd::speculative::proposer::Capabilities {
             q_kind: self.kind,
             max_draft: 3,
             ..Default::default()
@@ -720,10 +725,10 @@ impl Proposer for BadProposer {
     }
     fn propose(
         &mut self,
-        batch: &[specd::spec::proposer::ProposeInput<'_>],
-    ) -> Result<Vec<specd::spec::proposer::Draft>, String> {
+        batch: &[specd::speculative::proposer::ProposeInput<'_>],
+    ) -> Result<Vec<specd::speculative::proposer::Draft>, String> {
         use specd::sampler::Distribution;
-        use specd::spec::proposer::{Draft, DraftQ};
+        use specd::speculative::proposer::{Draft, DraftQ};
         let v = self.vocab;
         let uniform = vec![1.0 / v as f32; v];
         Ok(batch
@@ -767,7 +772,7 @@ impl Proposer for BadProposer {
 
 #[test]
 fn invalid_drafts_poison_their_proposer_before_they_reach_the_verifier() {
-    use specd::spec::proposer::QKind;
+    use specd::speculative::proposer::QKind;
     let (_d, model) = tiny_model(&TINY, 15);
     let v = TINY.vocab;
     let prompt = prompts(v as u32)[1].clone();

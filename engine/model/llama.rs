@@ -47,7 +47,7 @@ pub enum Logits {
 
 /// One sequence's part of a batched forward.
 #[derive(Debug)]
-pub struct SeqInput<'a> {
+pub struct ForwardInput<'a> {
     pub cache: &'a mut KvCache,
     pub tokens: &'a [u32],
     pub logits: Logits,
@@ -55,7 +55,7 @@ pub struct SeqInput<'a> {
 }
 
 #[derive(Debug, Clone, Default)]
-pub struct SeqOutput {
+pub struct ForwardOutput {
     /// `rows x vocab`, row-major: one row for `Last`, one per token for `All`.
     pub logits: Vec<f32>,
     pub rows: usize,
@@ -65,7 +65,7 @@ pub struct SeqOutput {
     pub hidden: Vec<(usize, Vec<f32>)>,
 }
 
-impl SeqOutput {
+impl ForwardOutput {
     pub fn row(&self, r: usize) -> &[f32] {
         let v = self.logits.len() / self.rows.max(1);
         &self.logits[r * v..(r + 1) * v]
@@ -208,9 +208,9 @@ impl Model {
         cache: &mut KvCache,
         tokens: &[u32],
         logits: Logits,
-    ) -> Result<SeqOutput> {
+    ) -> Result<ForwardOutput> {
         let mut out = self.forward(
-            &mut [SeqInput {
+            &mut [ForwardInput {
                 cache,
                 tokens,
                 logits,
@@ -224,18 +224,18 @@ impl Model {
     /// Batched forward. Appends every sequence's tokens to its cache.
     pub fn forward(
         &self,
-        seqs: &mut [SeqInput<'_>],
+        seqs: &mut [ForwardInput<'_>],
         hidden_layers: &[usize],
-    ) -> Result<Vec<SeqOutput>> {
+    ) -> Result<Vec<ForwardOutput>> {
         self.pool
             .install(|| self.forward_inner(seqs, hidden_layers))
     }
 
     fn forward_inner(
         &self,
-        seqs: &mut [SeqInput<'_>],
+        seqs: &mut [ForwardInput<'_>],
         hidden_layers: &[usize],
-    ) -> Result<Vec<SeqOutput>> {
+    ) -> Result<Vec<ForwardOutput>> {
         let c = &self.config;
         let (hd, nh, nkv, dim) = (c.head_dim, c.heads, c.kv_heads, c.hidden);
         let kv_dim = nkv * hd;
@@ -289,7 +289,8 @@ impl Model {
             start += n;
         }
         let total = start;
-        let mut outputs: Vec<SeqOutput> = (0..seqs.len()).map(|_| SeqOutput::default()).collect();
+        let mut outputs: Vec<ForwardOutput> =
+            (0..seqs.len()).map(|_| ForwardOutput::default()).collect();
         if total == 0 {
             return Ok(outputs);
         }

@@ -16,7 +16,7 @@ pub mod load;
 
 pub use kernels::{QMatrix, WeightFormat};
 pub use kv::{KvCache, KvDtype, KvLayout};
-pub use llama::{Logits, Model, SeqInput, SeqOutput, TreeMask};
+pub use llama::{ForwardInput, ForwardOutput, Logits, Model, TreeMask};
 pub use load::load_model;
 
 /// Which rotary embedding pairing the checkpoint's Q/K weights expect.

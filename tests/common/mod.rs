@@ -294,8 +294,8 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 // ------------------------------------------------------------ test proposers
 
 use specd::sampler::Rng;
-use specd::spec::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
-use specd::spec::SeqId;
+use specd::speculative::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
+use specd::speculative::SeqId;
 
 /// Replays a known continuation of each prompt, replacing each drafted token
 /// with a wrong one with probability `error_rate`.

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use specd::model::{KvCache, Logits, Model, SeqInput};
+use specd::model::{ForwardInput, KvCache, Logits, Model};
 use specd::sampler::{self, Rng, SamplingParams};
 use specd::tokenizer::Tokenizer;
 use specd_plugin_sdk::{abi, Caps, Draft, Host, Options, Proposer, SeqView, Q};
@@ -186,9 +186,9 @@ impl Proposer for DraftModel {
                 break;
             }
             let out = {
-                let mut inputs: Vec<SeqInput<'_>> = caches
+                let mut inputs: Vec<ForwardInput<'_>> = caches
                     .iter_mut()
-                    .map(|(j, c)| SeqInput {
+                    .map(|(j, c)| ForwardInput {
                         cache: c,
                         tokens: &feeds[*j],
                         logits: Logits::Last,

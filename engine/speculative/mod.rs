@@ -14,10 +14,13 @@
 
 pub mod accept;
 pub mod actors;
-pub mod engine;
+pub mod drafter;
+pub mod driver;
 pub mod kv_manager;
 pub mod pipeline;
+pub mod policy;
 pub mod proposer;
+pub mod runner;
 pub mod scheduler;
 
 use serde::{Deserialize, Serialize};

@@ -12,7 +12,10 @@
 //! Invariant: the only randomness is the request's own `Rng`, consumed in a
 //! fixed order, so a seeded request reproduces.
 
+use std::collections::HashMap;
+
 use super::proposer::{Draft, DraftQ};
+use super::SeqId;
 use crate::error::{Result, SpecdError};
 use crate::sampler::{self, Distribution, Rng, SamplingParams};
 
@@ -190,6 +193,62 @@ pub fn accept(
     Err(SpecdError::InvalidRequest(
         "acceptance ended without a token".into(),
     ))
+}
+
+/// One sequence's acceptance input.
+#[derive(Debug, Clone)]
+pub struct AcceptItem {
+    pub seq: SeqId,
+    /// `(draft.len() + 1) x vocab` logits.
+    pub rows: Vec<f32>,
+    pub draft: Draft,
+    pub params: SamplingParams,
+    /// Committed tokens (prompt and output) for penalties.
+    pub context: Vec<u32>,
+    pub prompt_len: usize,
+}
+
+/// The sample stage's struct: turns logits into accepted tokens with the
+/// rules above; owns each request's RNG.
+#[derive(Debug)]
+pub struct Acceptor {
+    vocab: usize,
+    rngs: HashMap<SeqId, Rng>,
+    pub acceptance: Acceptance,
+}
+
+impl Acceptor {
+    pub fn new(vocab: usize) -> Self {
+        Self {
+            vocab,
+            rngs: HashMap::new(),
+            acceptance: Acceptance::Exact,
+        }
+    }
+
+    pub fn end(&mut self, ids: &[SeqId]) {
+        for id in ids {
+            self.rngs.remove(id);
+        }
+    }
+
+    /// Accept one item's drafts with its request's RNG.
+    pub fn accept_one(&mut self, it: &AcceptItem) -> Result<Accepted> {
+        let rng = self
+            .rngs
+            .entry(it.seq)
+            .or_insert_with(|| Rng::new(it.params.seed));
+        accept(
+            &it.rows,
+            self.vocab,
+            &it.draft,
+            &it.context,
+            &it.context[it.prompt_len.min(it.context.len())..],
+            &it.params,
+            rng,
+            self.acceptance,
+        )
+    }
 }
 
 #[cfg(test)]

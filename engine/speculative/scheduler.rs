@@ -21,6 +21,8 @@ use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::accept::Accepted;
+use super::kv_manager::Grant;
+use super::policy::choose_draft_len;
 use super::{Completion, Event, Request, SeqId, SpecStats};
 use crate::error::{Result, SpecdError};
 use crate::sampler::{FinishReason, SamplingParams, StopBuffer};
@@ -121,7 +123,7 @@ impl Sequence {
 
 /// Borrowed view of a sequence for the draft and accept stages.
 #[derive(Debug, Clone, Copy)]
-pub struct SeqView<'a> {
+pub struct SeqContext<'a> {
     pub tokens: &'a [u32],
     pub params: &'a SamplingParams,
     pub hidden: &'a [(usize, Vec<f32>)],
@@ -568,8 +570,8 @@ impl Scheduler {
 
     /// Committed tokens, params and hidden states the drafter and sampler
     /// need for `id`.
-    pub fn seq_view(&self, id: SeqId) -> Option<SeqView<'_>> {
-        self.seqs.get(&id).map(|s| SeqView {
+    pub fn seq_context(&self, id: SeqId) -> Option<SeqContext<'_>> {
+        self.seqs.get(&id).map(|s| SeqContext {
             tokens: &s.tokens,
             params: &s.req.params,
             hidden: &s.hidden,
@@ -709,77 +711,6 @@ impl Scheduler {
     }
 }
 
-/// The draft length in `0..=cap` that maximises expected tokens per unit of
-/// verify cost, for a per-draft acceptance rate `alpha` (assumed
-/// independent per position): E(k) = (1 - alpha^(k+1)) / (1 - alpha)
-/// tokens for a cost of 1 + `cost` * k. Returns 0 (plain decoding) when no
-/// draft length pays for itself.
-pub fn choose_draft_len(alpha: f64, cap: usize, cost: f64) -> usize {
-    let a = alpha.clamp(0.0, 0.999);
-    let mut best = (0usize, 1.0f64);
-    for k in 1..=cap {
-        let expected = (1.0 - a.powi(k as i32 + 1)) / (1.0 - a);
-        let value = expected / (1.0 + cost * k as f64);
-        if value > best.1 + 1e-9 {
-            best = (k, value);
-        }
-    }
-    best.0
-}
-
-/// The KV manager's answer to a step's wants.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Grant {
-    pub granted: Vec<SeqId>,
-    /// Evicted to make room; recompute later.
-    pub preempted: Vec<SeqId>,
-    /// Did not fit this step; keep their blocks and wait.
-    pub deferred: Vec<SeqId>,
-    /// Cannot fit even with the cache to themselves.
-    pub too_big: Vec<SeqId>,
-}
-
-/// Grant `wants` (highest priority first) from `kv`, evicting the lowest
-/// priority holders when blocks run out.
-pub fn grant(kv: &mut super::kv_manager::KvManager, wants: &[Want]) -> Grant {
-    use super::kv_manager::Pool;
-    let mut g = Grant::default();
-    let capacity = kv
-        .usage(Pool::Target)
-        .map(|u| u.capacity_blocks)
-        .unwrap_or(0);
-    // Lower-priority wants not yet granted: eviction candidates, last first.
-    let mut evictable: Vec<SeqId> = wants.iter().map(|w| w.seq).collect();
-    for w in wants {
-        if g.preempted.contains(&w.seq) {
-            continue;
-        }
-        evictable.retain(|&s| s != w.seq);
-        if kv.blocks_for(Pool::Target, w.len) > capacity {
-            kv.free(w.seq);
-            g.too_big.push(w.seq);
-            continue;
-        }
-        loop {
-            if kv.reserve(w.seq, &[(Pool::Target, w.len)]).is_ok() {
-                g.granted.push(w.seq);
-                break;
-            }
-            match evictable.pop() {
-                Some(victim) => {
-                    kv.free(victim);
-                    g.preempted.push(victim);
-                }
-                None => {
-                    g.deferred.push(w.seq);
-                    break;
-                }
-            }
-        }
-    }
-    g
-}
-
 fn record_step_metrics(proposer: &str, arm: &str, drafted: usize, accepted: usize) {
     let (p, a) = (proposer.to_string(), arm.to_string());
     metrics::counter!("specd_verify_steps_total", "proposer" => p.clone(), "arm" => a.clone())
@@ -793,24 +724,5 @@ fn record_step_metrics(proposer: &str, arm: &str, drafted: usize, accepted: usiz
     for i in 0..accepted {
         metrics::counter!("specd_accepted_tokens_by_position_total", "proposer" => p.clone(), "arm" => a.clone(), "position" => i.to_string())
             .increment(1);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn draft_length_follows_acceptance_and_cost() {
-        // Drafts that are rarely accepted do not pay for their verify cost.
-        assert_eq!(choose_draft_len(0.1, 8, 0.25), 0);
-        // Good acceptance with cheap verification drafts long.
-        assert_eq!(choose_draft_len(0.9, 8, 0.1), 8);
-        // In between, a middle length wins.
-        let k = choose_draft_len(0.7, 8, 0.3);
-        assert!((1..8).contains(&k), "{k}");
-        // Free verification: always the cap (for any positive acceptance).
-        assert_eq!(choose_draft_len(0.3, 5, 0.0), 5);
-        assert_eq!(choose_draft_len(0.9, 0, 0.1), 0);
     }
 }

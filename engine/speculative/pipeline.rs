@@ -5,7 +5,7 @@
 //! takes the previous stage's response and returns the next stage's request.
 //! The requests are the messages the actors exchange, and each stage struct
 //! answers its request with one `handle_*` method defined here. Both drivers
-//! execute exactly this sequence: `EngineCore::step` calls the handlers
+//! execute exactly this sequence: `SyncDriver::step` calls the handlers
 //! directly on one thread, the `SchedulerActor` sends the same requests to
 //! the stage actors, whose handlers call the same methods.
 //!
@@ -27,11 +27,15 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
 use super::accept::Accepted;
-use super::engine::{AcceptItem, SamplerCore, Verifier, VerifyItem, VerifyOut};
-use super::kv_manager::{KvManager, Pool};
-use super::proposer::{Draft, Drafter, ProposeInput};
-use super::scheduler::{self, DecodeResult, Grant, PlanItem, Scheduler, Want, Work};
+use super::accept::{AcceptItem, Acceptor};
+use super::runner::{TargetRunner, VerifyItem, VerifyOut};
+
+use super::drafter::Drafter;
+use super::kv_manager::{self, Grant, KvManager, Pool};
+use super::proposer::{Draft, ProposeInput};
+use super::scheduler::{DecodeResult, PlanItem, Scheduler, Want, Work};
 use super::{Completion, SeqId};
+use crate::error::panic_message;
 use crate::model::Logits;
 use crate::sampler::SamplingParams;
 
@@ -215,7 +219,7 @@ impl Step {
             .iter()
             .filter_map(|it| match &it.work {
                 Work::Decode { max_draft, .. } => {
-                    let v = sched.seq_view(it.seq)?;
+                    let v = sched.seq_context(it.seq)?;
                     Some(DraftInput {
                         seq: it.seq,
                         tokens: v.tokens.to_vec(),
@@ -294,7 +298,7 @@ impl Step {
             if !matches!(it.work, Work::Decode { .. }) {
                 continue;
             }
-            let (Some(out), Some(view)) = (self.outs.get_mut(&it.seq), sched.seq_view(it.seq))
+            let (Some(out), Some(view)) = (self.outs.get_mut(&it.seq), sched.seq_context(it.seq))
             else {
                 continue;
             };
@@ -395,7 +399,7 @@ impl KvManager {
         for id in &req.release {
             self.free(*id);
         }
-        scheduler::grant(self, &req.wants)
+        kv_manager::grant(self, &req.wants)
     }
 
     /// After commit: lower each sequence to its committed length and free
@@ -411,17 +415,6 @@ impl KvManager {
             metrics::gauge!("specd_kv_used_blocks").set(u.used_blocks as f64);
             metrics::gauge!("specd_kv_capacity_blocks").set(u.capacity_blocks as f64);
         }
-    }
-}
-
-/// The message of a caught panic.
-pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic".into()
     }
 }
 
@@ -474,7 +467,7 @@ impl Drafter {
     }
 }
 
-impl Verifier {
+impl TargetRunner {
     /// Stage 4: release, then one forward over every item; a forward that
     /// fails or panics fails its items (their caches are dropped).
     pub fn handle(&mut self, req: VerifyRequest) -> VerifyResponse {
@@ -499,7 +492,7 @@ impl Verifier {
     }
 }
 
-impl SamplerCore {
+impl Acceptor {
     /// Stage 5: forget ended sequences, then accept each item on its own
     /// (a failure or panic fails that sequence only).
     pub fn handle(&mut self, req: AcceptRequest) -> AcceptResponse {

@@ -8,7 +8,7 @@
 //! Invariants:
 //! - The actors hold no logic of their own beyond message plumbing: every
 //!   stage message is a `pipeline` request answered by the same `handle_*`
-//!   method `EngineCore` calls, and the scheduler advances the same `Step`.
+//!   method `SyncDriver` calls, and the scheduler advances the same `Step`.
 //! - One step is in flight at a time; aborts that arrive while it awaits a
 //!   stage are deferred by the scheduler until the step commits.
 //! - Supervision: a stage that fails for some sequences fails only those
@@ -26,16 +26,19 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::engine::{self, SamplerCore, Verifier};
+use super::accept::Acceptor;
+use super::drafter::Drafter;
+use super::driver::EngineConfig;
+use super::kv_manager::Grant;
 use super::kv_manager::{KvManager, Pool, PoolUsage};
 use super::pipeline::{
-    panic_message, AcceptRequest, AcceptResponse, CommitLens, DraftRequest, DraftResponse,
-    GrantRequest, Step, VerifyRequest, VerifyResponse,
+    AcceptRequest, AcceptResponse, CommitLens, DraftRequest, DraftResponse, GrantRequest, Step,
+    VerifyRequest, VerifyResponse,
 };
-use super::proposer::Drafter;
-use super::scheduler::{Grant, Scheduler, SchedulerConfig};
+use super::runner::TargetRunner;
+use super::scheduler::{Scheduler, SchedulerConfig};
 use super::{Event, Request, SeqId};
-use crate::error::{Result, SpecdError};
+use crate::error::{panic_message, Result, SpecdError};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -64,7 +67,7 @@ impl Message for CommitLens {
 // ------------------------------------------------------------ verify
 
 pub struct VerifyActor {
-    verifier: Verifier,
+    verifier: TargetRunner,
     /// Fault injection for supervision tests (see `failpoint`).
     die_at: Option<u64>,
     calls: u64,
@@ -135,7 +138,7 @@ impl Handler<GetShadowStats> for DraftActor {
 // ------------------------------------------------------------ sample
 
 pub struct SamplerActor {
-    core: SamplerCore,
+    core: Acceptor,
 }
 
 impl Actor for SamplerActor {
@@ -440,7 +443,7 @@ impl SchedulerActor {
 pub struct EngineParts {
     pub model: Arc<Model>,
     pub tokenizer: Option<Arc<Tokenizer>>,
-    pub config: engine::EngineConfig,
+    pub config: EngineConfig,
     pub drafter: Drafter,
 }
 
@@ -473,14 +476,14 @@ impl EngineHandle {
         let vocab = model.config.vocab_size;
         drafter.set_vocab(vocab);
         // Each SyncArbiter factory runs once (one thread per stage).
-        let verifier = std::sync::Mutex::new(Some(Verifier::new(model.clone())));
+        let verifier = std::sync::Mutex::new(Some(TargetRunner::new(model.clone())));
         let die_at = failpoint();
         let verify = SyncArbiter::start(1, move || VerifyActor {
             verifier: verifier
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .take()
-                .unwrap_or_else(|| Verifier::new(model.clone())),
+                .unwrap_or_else(|| TargetRunner::new(model.clone())),
             die_at,
             calls: 0,
         });
@@ -493,7 +496,7 @@ impl EngineHandle {
                 .unwrap_or_default(),
         });
         let sampler = SyncArbiter::start(1, move || SamplerActor {
-            core: SamplerCore::new(vocab),
+            core: Acceptor::new(vocab),
         });
         let kv = KvManagerActor {
             kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
@@ -569,5 +572,5 @@ impl EngineHandle {
 
 /// Scheduler settings shared by callers that build an engine.
 pub fn scheduler_config_for(model: &Model) -> SchedulerConfig {
-    engine::EngineConfig::for_model(model).scheduler
+    EngineConfig::for_model(model).scheduler
 }

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use super::scheduler::Want;
 use super::SeqId;
 
 /// Which cache a reservation is for.
@@ -182,6 +183,58 @@ impl KvManager {
             .map(|p| p.lens.len())
             .unwrap_or(0)
     }
+}
+
+/// The KV manager's answer to a step's wants.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Grant {
+    pub granted: Vec<SeqId>,
+    /// Evicted to make room; recompute later.
+    pub preempted: Vec<SeqId>,
+    /// Did not fit this step; keep their blocks and wait.
+    pub deferred: Vec<SeqId>,
+    /// Cannot fit even with the cache to themselves.
+    pub too_big: Vec<SeqId>,
+}
+
+/// Grant `wants` (highest priority first) from `kv`, evicting the lowest
+/// priority holders when blocks run out.
+pub fn grant(kv: &mut KvManager, wants: &[Want]) -> Grant {
+    let mut g = Grant::default();
+    let capacity = kv
+        .usage(Pool::Target)
+        .map(|u| u.capacity_blocks)
+        .unwrap_or(0);
+    // Lower-priority wants not yet granted: eviction candidates, last first.
+    let mut evictable: Vec<SeqId> = wants.iter().map(|w| w.seq).collect();
+    for w in wants {
+        if g.preempted.contains(&w.seq) {
+            continue;
+        }
+        evictable.retain(|&s| s != w.seq);
+        if kv.blocks_for(Pool::Target, w.len) > capacity {
+            kv.free(w.seq);
+            g.too_big.push(w.seq);
+            continue;
+        }
+        loop {
+            if kv.reserve(w.seq, &[(Pool::Target, w.len)]).is_ok() {
+                g.granted.push(w.seq);
+                break;
+            }
+            match evictable.pop() {
+                Some(victim) => {
+                    kv.free(victim);
+                    g.preempted.push(victim);
+                }
+                None => {
+                    g.deferred.push(w.seq);
+                    break;
+                }
+            }
+        }
+    }
+    g
 }
 
 #[cfg(test)]
