@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use specd_plugin_sdk::{Caps, Draft, Host, Options, Proposer, SeqView};
+use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
 #[derive(Default)]
 struct Counts {
@@ -43,7 +43,7 @@ pub struct Bigram {
     host: Host,
 }
 
-impl Proposer for Bigram {
+impl Plugin for Bigram {
     const NAME: &'static str = "example-bigram";
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
@@ -75,7 +75,7 @@ impl Proposer for Bigram {
         Ok(())
     }
 
-    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String> {
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
         if self.panic_on_propose {
             panic!("example plugin asked to panic in propose");
         }
@@ -96,7 +96,7 @@ impl Proposer for Bigram {
                     None => break,
                 }
             }
-            out.push(Draft::one_hot(draft));
+            out.push(Proposal::one_hot(draft));
         }
         self.host
             .counter("example_bigram_proposals", out.len() as u64);

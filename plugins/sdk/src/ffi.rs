@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::abi::{
     self, Capabilities, Descriptor, DraftOut, HostApi, Instance, SeqInput, Status, Str, VTable,
 };
-use crate::{Draft, Host, Options, Proposer, SeqView, Q};
+use crate::{Host, Options, Plugin, Proposal, SeqView, Q};
 
 struct Inst<T> {
     proposer: T,
@@ -25,7 +25,7 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Run `f` on the instance, turning errors and panics into a status.
-fn guard<T: Proposer>(inst: Instance, f: impl FnOnce(&mut T) -> Result<(), String>) -> Status {
+fn guard<T: Plugin>(inst: Instance, f: impl FnOnce(&mut T) -> Result<(), String>) -> Status {
     if inst.is_null() {
         return abi::STATUS_ERROR;
     }
@@ -69,7 +69,7 @@ unsafe fn slice<'a, T>(p: *const T, n: usize) -> &'a [T] {
 
 /// # Safety
 /// Called by the host through the vtable with valid pointers.
-pub unsafe extern "C" fn create<T: Proposer>(
+pub unsafe extern "C" fn create<T: Plugin>(
     config: Str,
     host: *const HostApi,
     out: *mut Instance,
@@ -116,7 +116,7 @@ pub unsafe extern "C" fn create<T: Proposer>(
 
 /// # Safety
 /// `inst` must come from `create::<T>` and not be used afterwards.
-pub unsafe extern "C" fn destroy<T: Proposer>(inst: Instance) {
+pub unsafe extern "C" fn destroy<T: Plugin>(inst: Instance) {
     if !inst.is_null() {
         let _ = catch_unwind(AssertUnwindSafe(|| {
             // SAFETY: see the function contract.
@@ -127,10 +127,7 @@ pub unsafe extern "C" fn destroy<T: Proposer>(inst: Instance) {
 
 /// # Safety
 /// Valid instance and output pointer.
-pub unsafe extern "C" fn capabilities<T: Proposer>(
-    inst: Instance,
-    out: *mut Capabilities,
-) -> Status {
+pub unsafe extern "C" fn capabilities<T: Plugin>(inst: Instance, out: *mut Capabilities) -> Status {
     guard::<T>(inst, |p| {
         if out.is_null() {
             return Err("null output".into());
@@ -143,7 +140,7 @@ pub unsafe extern "C" fn capabilities<T: Proposer>(
 
 /// # Safety
 /// Valid instance; `tokens` points to `n` tokens.
-pub unsafe extern "C" fn start<T: Proposer>(
+pub unsafe extern "C" fn start<T: Plugin>(
     inst: Instance,
     seq: u64,
     tokens: *const u32,
@@ -156,7 +153,7 @@ pub unsafe extern "C" fn start<T: Proposer>(
 
 /// # Safety
 /// Valid instance; `tokens` points to `n` tokens.
-pub unsafe extern "C" fn observe<T: Proposer>(
+pub unsafe extern "C" fn observe<T: Plugin>(
     inst: Instance,
     seq: u64,
     tokens: *const u32,
@@ -169,7 +166,7 @@ pub unsafe extern "C" fn observe<T: Proposer>(
 
 /// # Safety
 /// Valid instance.
-pub unsafe extern "C" fn finish<T: Proposer>(inst: Instance, seq: u64) -> Status {
+pub unsafe extern "C" fn finish<T: Plugin>(inst: Instance, seq: u64) -> Status {
     guard::<T>(inst, |p| {
         p.finish(seq);
         Ok(())
@@ -178,11 +175,7 @@ pub unsafe extern "C" fn finish<T: Proposer>(inst: Instance, seq: u64) -> Status
 
 /// # Safety
 /// Valid instance; `buf` has `cap` writable bytes.
-pub unsafe extern "C" fn last_error<T: Proposer>(
-    inst: Instance,
-    buf: *mut u8,
-    cap: usize,
-) -> usize {
+pub unsafe extern "C" fn last_error<T: Plugin>(inst: Instance, buf: *mut u8, cap: usize) -> usize {
     if inst.is_null() {
         return 0;
     }
@@ -199,7 +192,7 @@ pub unsafe extern "C" fn last_error<T: Proposer>(
 /// # Safety
 /// Valid instance; `seqs` points to `n_seqs` inputs whose buffers are valid;
 /// `out` is a host-allocated output sized as its fields say.
-pub unsafe extern "C" fn propose<T: Proposer>(
+pub unsafe extern "C" fn propose<T: Plugin>(
     inst: Instance,
     seqs: *const SeqInput,
     n_seqs: usize,
@@ -250,7 +243,7 @@ pub unsafe extern "C" fn propose<T: Proposer>(
     })
 }
 
-fn write_draft(out: &mut DraftOut, i: usize, d: &Draft, max_draft: usize) {
+fn write_draft(out: &mut DraftOut, i: usize, d: &Proposal, max_draft: usize) {
     let cap = out.draft_cap as usize;
     let qcap = out.q_cap as usize;
     let n = d.tokens.len().min(max_draft).min(cap);
@@ -301,7 +294,7 @@ fn write_draft(out: &mut DraftOut, i: usize, d: &Draft, max_draft: usize) {
 }
 
 /// The descriptor for `T`.
-pub fn descriptor<T: Proposer>() -> Descriptor {
+pub fn descriptor<T: Plugin>() -> Descriptor {
     let build_id: &'static str = Box::leak(
         format!(
             "{}-{}-abi{}.{}",

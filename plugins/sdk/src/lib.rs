@@ -1,13 +1,13 @@
 //! Write a specd proposer plugin in safe Rust.
 //!
-//! Implement [`Proposer`] and call [`export_proposer!`]; build the crate as a
+//! Implement [`Plugin`] and call [`export_proposer!`]; build the crate as a
 //! `cdylib`. The macro generates the C ABI entry point and vtable; every
 //! exported function catches panics and reports them as a status with a
 //! message, so a panic never crosses into the host.
 //!
 //! ```ignore
 //! struct Mine;
-//! impl specd_plugin_sdk::Proposer for Mine { /* ... */ }
+//! impl specd_plugin_sdk::Plugin for Mine { /* ... */ }
 //! specd_plugin_sdk::export_proposer!(Mine);
 //! ```
 
@@ -31,9 +31,10 @@ pub enum Q {
     Full(Vec<f32>),
 }
 
-/// One sequence's draft.
+/// One sequence's draft, as a plugin returns it (the host validates it and
+/// turns it into its own `Draft`).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Draft {
+pub struct Proposal {
     pub tokens: Vec<u32>,
     /// One per token (may be empty for one-hot proposers).
     pub q: Vec<Q>,
@@ -41,7 +42,7 @@ pub struct Draft {
     pub parents: Option<Vec<i32>>,
 }
 
-impl Draft {
+impl Proposal {
     pub fn one_hot(tokens: Vec<u32>) -> Self {
         Self {
             tokens,
@@ -291,7 +292,7 @@ impl Options {
 }
 
 /// A proposer plugin.
-pub trait Proposer: Sized + 'static {
+pub trait Plugin: Sized + 'static {
     /// The plugin's name (what configs refer to).
     const NAME: &'static str;
     const VERSION: &'static str;
@@ -302,7 +303,7 @@ pub trait Proposer: Sized + 'static {
     fn start(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String>;
     /// One draft per input, in order; at most `max_draft` tokens each.
     /// Every drafted token must be drawn from the [`Q`] reported for it.
-    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String>;
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String>;
     fn observe(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String>;
     fn finish(&mut self, seq: u64);
 }
@@ -310,7 +311,7 @@ pub trait Proposer: Sized + 'static {
 #[doc(hidden)]
 pub mod ffi;
 
-/// Export `$ty` (a [`Proposer`]) as this cdylib's plugin.
+/// Export `$ty` (a [`Plugin`]) as this cdylib's plugin.
 #[macro_export]
 macro_rules! export_proposer {
     ($ty:ty) => {

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use specd::model::{ForwardInput, KvCache, Logits, Model};
 use specd::sampler::{self, Rng, SamplingParams};
 use specd::tokenizer::Tokenizer;
-use specd_plugin_sdk::{abi, Caps, Draft, Host, Options, Proposer, SeqView, Q};
+use specd_plugin_sdk::{abi, Caps, Host, Options, Plugin, Proposal, SeqView, Q};
 
 struct SeqState {
     cache: KvCache,
@@ -84,7 +84,7 @@ fn params_of(s: &SeqView<'_>) -> SamplingParams {
     }
 }
 
-impl Proposer for DraftModel {
+impl Plugin for DraftModel {
     const NAME: &'static str = "draft";
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
@@ -138,8 +138,8 @@ impl Proposer for DraftModel {
         Ok(())
     }
 
-    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String> {
-        let mut drafts: Vec<Draft> = vec![Draft::default(); batch.len()];
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
+        let mut drafts: Vec<Proposal> = vec![Proposal::default(); batch.len()];
         let want: Vec<usize> = batch
             .iter()
             .map(|s| s.max_draft.min(self.max_draft))

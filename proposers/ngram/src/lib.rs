@@ -7,7 +7,7 @@
 
 use std::collections::HashSet;
 
-use specd_plugin_sdk::{Caps, Draft, Host, Options, Proposer, SeqView};
+use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
 /// Up to `k` tokens that followed the most recent earlier occurrence of the
 /// longest matching suffix n-gram of `tokens`.
@@ -39,7 +39,7 @@ pub struct Ngram {
     host: Host,
 }
 
-impl Proposer for Ngram {
+impl Plugin for Ngram {
     const NAME: &'static str = "ngram";
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
@@ -75,11 +75,11 @@ impl Proposer for Ngram {
         Ok(())
     }
 
-    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String> {
-        let drafts: Vec<Draft> = batch
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
+        let drafts: Vec<Proposal> = batch
             .iter()
             .map(|s| {
-                Draft::one_hot(lookup(
+                Proposal::one_hot(lookup(
                     s.tokens,
                     self.min_n,
                     self.max_n,

@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use specd_plugin_sdk::{Caps, Draft, Host, Options, Proposer, SeqView};
+use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
 const ROOT: u32 = 0;
 
@@ -297,7 +297,7 @@ impl Suffix {
     }
 }
 
-impl Proposer for Suffix {
+impl Plugin for Suffix {
     const NAME: &'static str = "suffix";
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
@@ -355,10 +355,10 @@ impl Proposer for Suffix {
         Ok(())
     }
 
-    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Draft>, String> {
-        let drafts: Vec<Draft> = batch
+    fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
+        let drafts: Vec<Proposal> = batch
             .iter()
-            .map(|s| Draft::one_hot(self.draft(s.seq, s.tokens, s.max_draft)))
+            .map(|s| Proposal::one_hot(self.draft(s.seq, s.tokens, s.max_draft)))
             .collect();
         let hits = drafts.iter().filter(|d| !d.tokens.is_empty()).count();
         self.host.counter("suffix_matches", hits as u64);
