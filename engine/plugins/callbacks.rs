@@ -1,0 +1,173 @@
+//! The callbacks the host offers every plugin instance (`abi::HostApi`).
+//!
+//! Invariant: every callback catches panics (a panic never unwinds into
+//! plugin code) and checks its sizes with overflow-checked arithmetic
+//! before it reads a pointer.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use specd_plugin_abi as abi;
+
+use super::library::abi_string;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// What the host offers plugins through `HostApi`.
+pub(super) struct HostCtx {
+    pub proposer: String,
+    pub model: Option<Arc<Model>>,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+/// Run a host callback body, turning a panic into `default`: a panic must
+/// never unwind into plugin code across `extern "C"`.
+fn callback<T>(name: &str, default: T, f: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(p) => {
+            tracing::error!(
+                callback = name,
+                reason = %crate::error::panic_message(&*p),
+                "host callback panicked; the plugin gets an error result"
+            );
+            default
+        }
+    }
+}
+
+pub(super) unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: abi::Str) {
+    callback("log", (), || {
+        if ctx.is_null() {
+            return;
+        }
+        // SAFETY: `ctx` is the `HostCtx` this instance was created with,
+        // alive until the instance is destroyed; `msg` is valid for the call.
+        let (ctx, msg) = unsafe { (&*(ctx as *const HostCtx), abi_string(msg)) };
+        match level {
+            0 => tracing::error!(proposer = %ctx.proposer, "{msg}"),
+            1 => tracing::warn!(proposer = %ctx.proposer, "{msg}"),
+            2 => tracing::info!(proposer = %ctx.proposer, "{msg}"),
+            _ => tracing::debug!(proposer = %ctx.proposer, "{msg}"),
+        }
+    })
+}
+
+pub(super) unsafe extern "C" fn host_counter(ctx: *mut c_void, name: abi::Str, value: u64) {
+    callback("counter_add", (), || {
+        if ctx.is_null() {
+            return;
+        }
+        // SAFETY: as in `host_log`.
+        let (ctx, name) = unsafe { (&*(ctx as *const HostCtx), abi_string(name)) };
+        let clean: String = name
+            .chars()
+            .take(64)
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        metrics::counter!(format!("specd_plugin_{clean}_total"), "proposer" => ctx.proposer.clone())
+            .increment(value);
+    })
+}
+
+pub(super) unsafe extern "C" fn host_embed(
+    ctx: *mut c_void,
+    tokens: *const u32,
+    n: usize,
+    out: *mut f32,
+    cap: usize,
+) -> usize {
+    callback("embed", 0, || {
+        if ctx.is_null() || tokens.is_null() || out.is_null() {
+            return 0;
+        }
+        // SAFETY: as in `host_log`.
+        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(m) = &ctx.model else { return 0 };
+        let h = m.config.hidden;
+        // Checked before any pointer is read: `n * h` may overflow.
+        match n.checked_mul(h) {
+            Some(need) if need <= cap => {}
+            _ => return 0,
+        }
+        // SAFETY: the plugin passes `n` tokens and `cap` writable floats;
+        // `n * h <= cap` was checked above without overflow.
+        let (toks, out) = unsafe {
+            (
+                std::slice::from_raw_parts(tokens, n),
+                std::slice::from_raw_parts_mut(out, cap),
+            )
+        };
+        if toks.iter().any(|&t| t as usize >= m.config.vocab_size) {
+            return 0;
+        }
+        for (i, &t) in toks.iter().enumerate() {
+            m.weights
+                .embed
+                .dequantize_row(t as usize, &mut out[i * h..(i + 1) * h]);
+        }
+        n * h
+    })
+}
+
+pub(super) unsafe extern "C" fn host_lm_head(
+    ctx: *mut c_void,
+    hidden: *const f32,
+    rows: usize,
+    out: *mut f32,
+    cap: usize,
+) -> usize {
+    callback("lm_head", 0, || {
+        if ctx.is_null() || hidden.is_null() || out.is_null() {
+            return 0;
+        }
+        // SAFETY: as in `host_log`.
+        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(m) = &ctx.model else { return 0 };
+        let (h, v) = (m.config.hidden, m.config.vocab_size);
+        let (Some(need), Some(input)) = (rows.checked_mul(v), rows.checked_mul(h)) else {
+            return 0;
+        };
+        if need > cap {
+            return 0;
+        }
+        // SAFETY: the plugin passes `rows * hidden` floats and `cap`
+        // writable floats; both products were checked without overflow.
+        let (hs, out) = unsafe {
+            (
+                std::slice::from_raw_parts(hidden, input),
+                std::slice::from_raw_parts_mut(out, cap),
+            )
+        };
+        let logits = m.lm_head(hs, rows);
+        if logits.len() > out.len() {
+            return 0;
+        }
+        out[..logits.len()].copy_from_slice(&logits);
+        logits.len()
+    })
+}
+
+pub(super) unsafe extern "C" fn host_token_text(
+    ctx: *mut c_void,
+    token: u32,
+    out: *mut u8,
+    cap: usize,
+) -> usize {
+    callback("token_text", 0, || {
+        if ctx.is_null() {
+            return 0;
+        }
+        // SAFETY: as in `host_log`.
+        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(text) = ctx.tokenizer.as_ref().and_then(|t| t.id_to_token(token)) else {
+            return 0;
+        };
+        if out.is_null() || text.len() > cap {
+            return 0;
+        }
+        // SAFETY: `cap` writable bytes, and `text.len() <= cap`.
+        unsafe { std::ptr::copy_nonoverlapping(text.as_ptr(), out, text.len()) };
+        text.len()
+    })
+}

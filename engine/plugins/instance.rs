@@ -1,0 +1,323 @@
+//! A plugin instance adapted to the engine's `Proposer` trait.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use specd_plugin_abi as abi;
+
+use super::callbacks::{
+    host_counter, host_embed, host_lm_head, host_log, host_token_text, HostCtx,
+};
+use super::library::PluginLibrary;
+use crate::error::{Result, SpecdError};
+use crate::model::Model;
+use crate::sampler::Distribution;
+use crate::speculative::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
+use crate::speculative::SeqId;
+use crate::tokenizer::Tokenizer;
+
+/// A plugin instance as an engine `Proposer`.
+pub struct PluginProposer {
+    name: String,
+    lib: Arc<PluginLibrary>,
+    inst: abi::Instance,
+    caps: abi::Capabilities,
+    vocab: usize,
+    // Boxed so the pointers handed to the plugin stay put.
+    _host: Box<abi::HostApi>,
+    _ctx: Box<HostCtx>,
+}
+
+// SAFETY: the instance is only ever driven from one thread at a time (the
+// DraftActor owns it); plugins are required to tolerate moving between
+// threads, as the ABI documents, and the host context is read-only.
+unsafe impl Send for PluginProposer {}
+
+impl std::fmt::Debug for PluginProposer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PluginProposer")
+            .field("name", &self.name)
+            .field("plugin", &self.lib.name)
+            .finish()
+    }
+}
+
+impl PluginProposer {
+    /// Create an instance of `lib` registered as `name`, with `options` (a
+    /// TOML table) and access to the target `model`.
+    pub fn create(
+        name: &str,
+        lib: Arc<PluginLibrary>,
+        options: &toml::Table,
+        model: Option<Arc<Model>>,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Result<Self> {
+        let vocab = model.as_ref().map(|m| m.config.vocab_size).unwrap_or(0);
+        let hidden = model.as_ref().map(|m| m.config.hidden).unwrap_or(0);
+        let ctx = Box::new(HostCtx {
+            proposer: name.to_string(),
+            model,
+            tokenizer,
+        });
+        let host = Box::new(abi::HostApi {
+            struct_size: std::mem::size_of::<abi::HostApi>() as u32,
+            ctx: &*ctx as *const HostCtx as *mut c_void,
+            log: host_log,
+            counter_add: host_counter,
+            vocab_size: vocab as u32,
+            hidden_size: hidden as u32,
+            embed: host_embed,
+            lm_head: host_lm_head,
+            token_text: host_token_text,
+        });
+        let text = toml::to_string(options)
+            .map_err(|e| SpecdError::Plugin(format!("proposer '{name}': options: {e}")))?;
+        let mut inst: abi::Instance = std::ptr::null_mut();
+        let mut err = vec![0u8; 4096];
+        let mut written = 0usize;
+        // SAFETY: vtable from a validated descriptor; every pointer is live
+        // for the call and `err` has the capacity passed.
+        let status = unsafe {
+            (lib.vtable.create)(
+                abi::Str {
+                    ptr: text.as_ptr(),
+                    len: text.len(),
+                },
+                &*host,
+                &mut inst,
+                err.as_mut_ptr(),
+                err.len(),
+                &mut written,
+            )
+        };
+        if status != abi::STATUS_OK || inst.is_null() {
+            let msg = String::from_utf8_lossy(&err[..written.min(err.len())]).into_owned();
+            return Err(SpecdError::Plugin(format!(
+                "proposer '{name}' ({}): {msg}",
+                lib.path.display()
+            )));
+        }
+        let mut caps = lib.caps;
+        // SAFETY: valid instance and a writable struct.
+        if unsafe { (lib.vtable.capabilities)(inst, &mut caps) } != abi::STATUS_OK {
+            caps = lib.caps;
+        }
+        let mut p = Self {
+            name: name.to_string(),
+            lib,
+            inst,
+            caps,
+            vocab,
+            _host: host,
+            _ctx: ctx,
+        };
+        if p.caps.tree != 0 {
+            return Err(SpecdError::Plugin(format!(
+                "proposer '{name}': tree drafts are not verified by this host yet"
+            )));
+        }
+        if p.caps.q_kind == abi::Q_FULL && p.vocab == 0 {
+            return Err(SpecdError::Plugin(format!(
+                "proposer '{name}': full q needs the target model"
+            )));
+        }
+        p.name = name.to_string();
+        Ok(p)
+    }
+
+    pub fn library(&self) -> &PluginLibrary {
+        &self.lib
+    }
+
+    /// The callback table this instance was given (for tests of the host's
+    /// side of the ABI).
+    #[doc(hidden)]
+    pub fn host_api(&self) -> &abi::HostApi {
+        &self._host
+    }
+
+    fn error(&self, what: &str, status: abi::Status) -> String {
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: valid instance; `buf` has the capacity passed.
+        let n = unsafe { (self.lib.vtable.last_error)(self.inst, buf.as_mut_ptr(), buf.len()) };
+        let msg = String::from_utf8_lossy(&buf[..n.min(buf.len())]).into_owned();
+        let kind = if status == abi::STATUS_PANIC {
+            "panicked"
+        } else {
+            "failed"
+        };
+        format!("plugin {} {what} {kind}: {msg}", self.lib.name)
+    }
+}
+
+impl Drop for PluginProposer {
+    fn drop(&mut self) {
+        // SAFETY: the instance came from this library's `create` and is not
+        // used after this call.
+        unsafe { (self.lib.vtable.destroy)(self.inst) };
+    }
+}
+
+impl Proposer for PluginProposer {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let c = &self.caps;
+        Capabilities {
+            hidden_layers: c.hidden_layers[..(c.n_hidden_layers as usize).min(8)]
+                .iter()
+                .map(|&l| l as usize)
+                .collect(),
+            q_kind: match c.q_kind {
+                abi::Q_SPARSE => QKind::Sparse,
+                abi::Q_FULL => QKind::Full,
+                _ => QKind::OneHot,
+            },
+            max_draft: c.max_draft as usize,
+            tree: c.tree != 0,
+        }
+    }
+
+    fn start(&mut self, seq: SeqId, prompt: &[u32]) -> std::result::Result<(), String> {
+        // SAFETY: valid instance; the token buffer is live for the call.
+        let s = unsafe { (self.lib.vtable.start)(self.inst, seq, prompt.as_ptr(), prompt.len()) };
+        if s == abi::STATUS_OK {
+            Ok(())
+        } else {
+            Err(self.error("start", s))
+        }
+    }
+
+    fn propose(&mut self, batch: &[ProposeInput<'_>]) -> std::result::Result<Vec<Draft>, String> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let draft_cap = batch.iter().map(|b| b.max_draft).max().unwrap_or(0).max(1);
+        let q_cap = match self.caps.q_kind {
+            abi::Q_SPARSE => self.caps.sparse_k.max(1) as usize,
+            abi::Q_FULL => self.vocab,
+            _ => 0,
+        };
+        let hidden: Vec<Vec<f32>> = batch
+            .iter()
+            .map(|b| {
+                b.hidden
+                    .iter()
+                    .flat_map(|(_, h)| h.iter().copied())
+                    .collect()
+            })
+            .collect();
+        let width = self
+            ._ctx
+            .model
+            .as_ref()
+            .map(|m| m.config.hidden)
+            .unwrap_or(0);
+        let inputs: Vec<abi::SeqInput> = batch
+            .iter()
+            .zip(&hidden)
+            .map(|(b, h)| {
+                let rows = match (b.hidden.first(), width) {
+                    (Some((_, first)), w) if w > 0 => first.len() / w,
+                    _ => 0,
+                };
+                abi::SeqInput {
+                    seq: b.seq,
+                    tokens: b.tokens.as_ptr(),
+                    n_tokens: b.tokens.len(),
+                    max_draft: b.max_draft as u32,
+                    temperature: b.params.temperature,
+                    top_k: b.params.top_k as u32,
+                    top_p: b.params.top_p,
+                    min_p: b.params.min_p,
+                    seed: b.params.seed,
+                    hidden: h.as_ptr(),
+                    n_hidden_rows: rows as u32,
+                    hidden_width: width as u32,
+                }
+            })
+            .collect();
+        let n = batch.len();
+        let mut tokens = vec![0u32; n * draft_cap];
+        let mut n_drafted = vec![0u32; n];
+        let mut q_ids = vec![0u32; n * draft_cap * q_cap];
+        let mut q_probs = vec![0f32; n * draft_cap * q_cap];
+        let mut q_len = vec![0u32; n * draft_cap];
+        let mut parents = vec![-1i32; n * draft_cap];
+        let mut out = abi::DraftOut {
+            draft_cap: draft_cap as u32,
+            q_cap: q_cap as u32,
+            tokens: tokens.as_mut_ptr(),
+            n_drafted: n_drafted.as_mut_ptr(),
+            q_ids: q_ids.as_mut_ptr(),
+            q_probs: q_probs.as_mut_ptr(),
+            q_len: q_len.as_mut_ptr(),
+            parents: parents.as_mut_ptr(),
+        };
+        // SAFETY: valid instance; every buffer is live and sized exactly as
+        // `out` describes; inputs point into `batch` and `hidden`, both live.
+        let s = unsafe { (self.lib.vtable.propose)(self.inst, inputs.as_ptr(), n, &mut out) };
+        if s != abi::STATUS_OK {
+            return Err(self.error("propose", s));
+        }
+        let mut drafts = Vec::with_capacity(n);
+        for (i, b) in batch.iter().enumerate() {
+            let k = (n_drafted[i] as usize).min(b.max_draft).min(draft_cap);
+            let mut d = Draft::default();
+            for j in 0..k {
+                let slot = i * draft_cap + j;
+                let tok = tokens[slot];
+                if self.vocab > 0 && tok as usize >= self.vocab {
+                    return Err(format!(
+                        "plugin {} drafted token {tok} outside the vocabulary",
+                        self.lib.name
+                    ));
+                }
+                d.tokens.push(tok);
+                let base = slot * q_cap;
+                d.q.push(match self.caps.q_kind {
+                    // Nothing written: a one-hot q (allowed under greedy
+                    // decoding whatever the declared kind).
+                    abi::Q_SPARSE | abi::Q_FULL if q_len[slot] == 0 => DraftQ::OneHot,
+                    abi::Q_SPARSE => {
+                        let len = (q_len[slot] as usize).min(q_cap);
+                        let mut pairs: Vec<(u32, f32)> = (0..len)
+                            .map(|e| (q_ids[base + e], q_probs[base + e]))
+                            .collect();
+                        pairs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                        DraftQ::Sparse(Distribution {
+                            ids: pairs.iter().map(|p| p.0).collect(),
+                            probs: pairs.iter().map(|p| p.1).collect(),
+                        })
+                    }
+                    abi::Q_FULL => DraftQ::Full(q_probs[base..base + q_cap].to_vec()),
+                    _ => DraftQ::OneHot,
+                });
+            }
+            drafts.push(d);
+        }
+        Ok(drafts)
+    }
+
+    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> std::result::Result<(), String> {
+        // SAFETY: valid instance; the token buffer is live for the call.
+        let s = unsafe {
+            (self.lib.vtable.observe)(self.inst, seq, committed.as_ptr(), committed.len())
+        };
+        if s == abi::STATUS_OK {
+            Ok(())
+        } else {
+            Err(self.error("observe", s))
+        }
+    }
+
+    fn finish(&mut self, seq: SeqId) {
+        // SAFETY: valid instance.
+        let s = unsafe { (self.lib.vtable.finish)(self.inst, seq) };
+        if s != abi::STATUS_OK {
+            tracing::warn!(proposer = %self.name, "{}", self.error("finish", s));
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! Loading and validating a plugin library.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use specd_plugin_abi as abi;
+
+use crate::error::{Result, SpecdError};
+
+/// A validated, loaded plugin library.
+#[derive(Debug)]
+pub struct PluginLibrary {
+    pub path: PathBuf,
+    pub name: String,
+    pub version: String,
+    pub build_id: String,
+    pub abi_minor: u32,
+    pub(super) caps: abi::Capabilities,
+    pub(super) vtable: abi::VTable,
+}
+
+fn plugin_err(path: &Path, why: impl std::fmt::Display) -> SpecdError {
+    SpecdError::Plugin(format!("{}: {why}", path.display()))
+}
+
+/// # Safety
+/// `s` must point to `len` bytes valid for the life of the library.
+pub(super) unsafe fn abi_string(s: abi::Str) -> String {
+    if s.ptr.is_null() || s.len == 0 {
+        return String::new();
+    }
+    // SAFETY: guaranteed by the caller (descriptor strings are static).
+    let bytes = unsafe { std::slice::from_raw_parts(s.ptr, s.len) };
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn registry() -> &'static Mutex<HashMap<PathBuf, Arc<PluginLibrary>>> {
+    static LIBS: OnceLock<Mutex<HashMap<PathBuf, Arc<PluginLibrary>>>> = OnceLock::new();
+    LIBS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Load and validate the plugin library at `path` (once per process).
+pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
+    let canon = path
+        .canonicalize()
+        .map_err(|e| plugin_err(path, format!("cannot open: {e}")))?;
+    let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(l) = reg.get(&canon) {
+        return Ok(l.clone());
+    }
+    // SAFETY: loading a library runs its initialisers. We only load files
+    // the operator configured as specd plugins; that trust is the contract
+    // of a plugin system. Errors (not a library, wrong architecture) come
+    // back as `Err` without running anything.
+    let lib = unsafe { libloading::Library::new(&canon) }
+        .map_err(|e| plugin_err(path, format!("not a loadable library: {e}")))?;
+    // SAFETY: the symbol is looked up by name; its type is fixed by the ABI.
+    let entry: libloading::Symbol<'_, abi::EntryFn> = unsafe { lib.get(abi::ENTRY_SYMBOL) }.map_err(|_| {
+        plugin_err(
+            path,
+            "missing entry symbol `specd_proposer_entry`: not a specd proposer plugin (build it with specd-plugin-sdk's export_proposer!)",
+        )
+    })?;
+    // SAFETY: calling the plugin's entry function, which the ABI defines as
+    // returning a pointer to a static descriptor (or null).
+    let desc_ptr = unsafe { entry() };
+    if desc_ptr.is_null() {
+        return Err(plugin_err(path, "entry symbol returned no descriptor"));
+    }
+    // Read the versions first: their offsets never change.
+    // SAFETY: every descriptor starts with abi_major, abi_minor, struct_size.
+    let (major, minor, size) = unsafe {
+        let p = desc_ptr as *const u32;
+        (
+            p.read_unaligned(),
+            p.add(1).read_unaligned(),
+            p.add(2).read_unaligned(),
+        )
+    };
+    if major != abi::ABI_MAJOR {
+        return Err(plugin_err(
+            path,
+            format!(
+                "ABI mismatch: plugin built for ABI {major}.{minor}, this host speaks ABI {}.{}",
+                abi::ABI_MAJOR,
+                abi::ABI_MINOR
+            ),
+        ));
+    }
+    let known = std::mem::size_of::<abi::Descriptor>();
+    if (size as usize) < known {
+        return Err(plugin_err(
+            path,
+            format!("descriptor of {size} bytes is smaller than ABI {major}.0's {known}"),
+        ));
+    }
+    // SAFETY: the plugin declares at least `known` readable bytes (checked
+    // above); we copy exactly our struct's size, ignoring appended fields.
+    let desc: abi::Descriptor = unsafe { std::ptr::read_unaligned(desc_ptr) };
+    // SAFETY: descriptor strings are static in the library, never unloaded.
+    let (name, version, build_id) = unsafe {
+        (
+            abi_string(desc.name),
+            abi_string(desc.version),
+            abi_string(desc.build_id),
+        )
+    };
+    if name.is_empty() {
+        return Err(plugin_err(path, "descriptor has an empty name"));
+    }
+    let loaded = Arc::new(PluginLibrary {
+        path: canon.clone(),
+        name,
+        version,
+        build_id,
+        abi_minor: minor,
+        caps: desc.caps,
+        vtable: desc.vtable,
+    });
+    // Never unload: instances and their callbacks may outlive any owner.
+    std::mem::forget(lib);
+    reg.insert(canon, loaded.clone());
+    tracing::info!(plugin = %loaded.name, version = %loaded.version, build = %loaded.build_id, path = %path.display(), "loaded proposer plugin");
+    Ok(loaded)
+}
