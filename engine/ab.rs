@@ -16,14 +16,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::config::Config;
+use crate::config::{AbSection, ArmConfig, Config};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::{Rng, SamplingParams};
-use crate::speculative::driver::{EngineConfig, SyncDriver};
-use crate::speculative::{Event, Request};
+use crate::speculative::driver::SyncDriver;
+use crate::speculative::{Event, Request, SpecStats};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 /// Default Spec-Bench location, relative to the project root.
@@ -32,58 +32,6 @@ pub const SPEC_BENCH_PATH: &str = "benches/data/spec_bench/question.jsonl";
 pub const HUMANEVAL_PATH: &str = "benches/data/humaneval/prompts.jsonl";
 const SPEC_BENCH_JSONL: &str = include_str!("../benches/data/spec_bench/question.jsonl");
 const HUMANEVAL_JSONL: &str = include_str!("../benches/data/humaneval/prompts.jsonl");
-
-fn default_dataset() -> String {
-    "spec_bench".into()
-}
-fn one() -> usize {
-    1
-}
-fn default_max_tokens() -> usize {
-    128
-}
-fn default_out() -> PathBuf {
-    PathBuf::from("ab-results")
-}
-fn default_bootstrap() -> usize {
-    1000
-}
-
-/// One arm: plain decoding (`proposer = "none"`) or a named proposer.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct ArmConfig {
-    pub name: String,
-    pub proposer: String,
-    pub max_draft: Option<usize>,
-}
-
-/// The `[ab]` section of a config.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct AbSection {
-    /// `spec_bench`, `humaneval`, or `jsonl` (with `path`).
-    #[serde(default = "default_dataset")]
-    pub dataset: String,
-    pub path: Option<PathBuf>,
-    /// 0: every prompt.
-    #[serde(default)]
-    pub limit_per_category: usize,
-    #[serde(default = "one")]
-    pub repeats: usize,
-    #[serde(default = "default_max_tokens")]
-    pub max_tokens: usize,
-    /// Apply the chat template (default: yes, except for HumanEval).
-    pub chat: Option<bool>,
-    #[serde(default = "default_out")]
-    pub out_dir: PathBuf,
-    #[serde(default)]
-    pub sampling: SamplingParams,
-    #[serde(default = "default_bootstrap")]
-    pub bootstrap: usize,
-    #[serde(default)]
-    pub arm: Vec<ArmConfig>,
-}
 
 /// One prompt of a dataset.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -234,6 +182,23 @@ pub struct Record {
     pub accepted_by_pos: Vec<u64>,
 }
 
+impl Record {
+    /// The request's drafting counts.
+    pub fn spec(&self) -> SpecStats {
+        SpecStats {
+            arm: self.arm.clone(),
+            requests: 1,
+            tokens: self.tokens as u64,
+            verify_steps: self.verify_steps,
+            drafted: self.drafted,
+            accepted: self.accepted,
+            drafted_by_pos: self.drafted_by_pos.clone(),
+            accepted_by_pos: self.accepted_by_pos.clone(),
+            ..Default::default()
+        }
+    }
+}
+
 /// Per-arm figures (over all prompts or one category).
 #[derive(Debug, Clone, Serialize)]
 pub struct ArmSummary {
@@ -337,21 +302,10 @@ pub fn summarize(
                 .collect();
             boots.sort_by(f64::total_cmp);
             let ci = (percentile(&boots, 0.025), percentile(&boots, 0.975));
-            let steps: u64 = rs.iter().map(|r| r.verify_steps).sum();
-            let acc: u64 = rs.iter().map(|r| r.accepted).sum();
-            let drafted: u64 = rs.iter().map(|r| r.drafted).sum();
-            let maxpos = rs.iter().map(|r| r.drafted_by_pos.len()).max().unwrap_or(0);
-            let by_pos = (0..maxpos)
-                .map(|i| {
-                    let d: u64 = rs.iter().filter_map(|r| r.drafted_by_pos.get(i)).sum();
-                    let a: u64 = rs.iter().filter_map(|r| r.accepted_by_pos.get(i)).sum();
-                    if d == 0 {
-                        0.0
-                    } else {
-                        a as f64 / d as f64
-                    }
-                })
-                .collect();
+            let mut spec = SpecStats::default();
+            for r in &rs {
+                spec.add(&r.spec());
+            }
             let ttft: Vec<f64> = rs.iter().map(|r| r.ttft_s * 1e3).collect();
             let tpot: Vec<f64> = rs
                 .iter()
@@ -370,17 +324,9 @@ pub fn summarize(
                 },
                 speedup,
                 speedup_ci95: ci,
-                mean_accepted_length: if steps > 0 {
-                    (acc + steps) as f64 / steps as f64
-                } else {
-                    0.0
-                },
-                acceptance_rate: if drafted > 0 {
-                    acc as f64 / drafted as f64
-                } else {
-                    0.0
-                },
-                acceptance_by_position: by_pos,
+                mean_accepted_length: spec.mean_accepted_len(),
+                acceptance_rate: spec.acceptance_rate(),
+                acceptance_by_position: spec.acceptance_by_position(),
                 ttft_p50_ms: percentile(&ttft, 0.5),
                 ttft_p95_ms: percentile(&ttft, 0.95),
                 tpot_p50_ms: percentile(&tpot, 0.5),
@@ -515,8 +461,7 @@ pub fn run(
     // earlier one.
     let fresh_engine = || -> Result<SyncDriver> {
         let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
-        let mut ec = EngineConfig::for_model(&model);
-        cfg.apply_engine(&mut ec.scheduler);
+        let mut ec = cfg.engine_config(&model);
         ec.scheduler.max_running = 1;
         Ok(SyncDriver::new(
             model.clone(),

@@ -16,6 +16,7 @@ use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::plugins::{self, PluginProposer};
 use crate::speculative::drafter::Drafter;
+use crate::speculative::driver::EngineConfig;
 use crate::tokenizer::Tokenizer;
 
 /// The built-in default configuration (`configs/default.toml`).
@@ -143,6 +144,58 @@ pub struct Route {
     pub proposer: String,
 }
 
+fn default_dataset() -> String {
+    "spec_bench".into()
+}
+fn one() -> usize {
+    1
+}
+fn default_max_tokens() -> usize {
+    128
+}
+fn default_out() -> PathBuf {
+    PathBuf::from("ab-results")
+}
+fn default_bootstrap() -> usize {
+    1000
+}
+
+/// One arm: plain decoding (`proposer = "none"`) or a named proposer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ArmConfig {
+    pub name: String,
+    pub proposer: String,
+    pub max_draft: Option<usize>,
+}
+
+/// The `[ab]` section of a config.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AbSection {
+    /// `spec_bench`, `humaneval`, or `jsonl` (with `path`).
+    #[serde(default = "default_dataset")]
+    pub dataset: String,
+    pub path: Option<PathBuf>,
+    /// 0: every prompt.
+    #[serde(default)]
+    pub limit_per_category: usize,
+    #[serde(default = "one")]
+    pub repeats: usize,
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: usize,
+    /// Apply the chat template (default: yes, except for HumanEval).
+    pub chat: Option<bool>,
+    #[serde(default = "default_out")]
+    pub out_dir: PathBuf,
+    #[serde(default)]
+    pub sampling: crate::sampler::SamplingParams,
+    #[serde(default = "default_bootstrap")]
+    pub bootstrap: usize,
+    #[serde(default)]
+    pub arm: Vec<ArmConfig>,
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -161,7 +214,7 @@ pub struct Config {
     pub route: Vec<Route>,
     /// `specd ab` settings.
     #[serde(default)]
-    pub ab: Option<crate::ab::AbSection>,
+    pub ab: Option<AbSection>,
     /// Where this config came from (for error messages and relative paths).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -342,6 +395,59 @@ impl Config {
             }
         }
         Ok(d)
+    }
+
+    /// The target model's path: `[model] path` resolved against the config
+    /// file, or the embedded default (fetched on first use). A path the
+    /// user named must exist.
+    pub fn model_path(&self) -> Result<PathBuf> {
+        match &self.model.path {
+            Some(p) => {
+                let path = self.resolve(p);
+                if path.exists() {
+                    Ok(path)
+                } else {
+                    Err(SpecdError::ModelNotFound(path))
+                }
+            }
+            None => crate::fetch::ensure_default_model(),
+        }
+    }
+
+    /// Load the target model with `[model] threads` (default: available
+    /// cores) and `kv_dtype`.
+    pub fn load_target(&self) -> Result<(PathBuf, Model)> {
+        let path = self.model_path()?;
+        let threads = self
+            .model
+            .threads
+            .unwrap_or_else(crate::model::llama::default_threads);
+        let mut model = crate::model::load_model(&path, threads)?;
+        if let Some(d) = self.model.kv_dtype {
+            model.set_kv_dtype(d);
+        }
+        Ok((path, model))
+    }
+
+    /// The engine's sizing for `model`: `[engine]` (KV blocks for
+    /// `max_running` contexts of 4096 tokens when `kv_blocks = 0`) and the
+    /// waiting-queue limit from `[server] max_queue`. The one place an
+    /// `EngineConfig` is derived from a config.
+    pub fn engine_config(&self, model: &Model) -> EngineConfig {
+        let mut ec = EngineConfig::for_model(model);
+        self.apply_engine(&mut ec.scheduler);
+        ec.scheduler.max_waiting = self.server.max_queue;
+        ec.kv_blocks = self.kv_blocks(model, ec.scheduler.max_running);
+        ec
+    }
+
+    /// KV blocks for `running` sequences: `[engine] kv_blocks`, or room for
+    /// `running` contexts of 4096 tokens (capped at the model's).
+    pub fn kv_blocks(&self, model: &Model, running: usize) -> usize {
+        match self.engine.kv_blocks {
+            0 => EngineConfig::kv_blocks_for(model, running, 4096),
+            n => n,
+        }
     }
 
     /// Apply the `[engine]` settings to a scheduler config.

@@ -546,7 +546,7 @@ fn shadow_proposers_are_scored_without_touching_live_traffic() {
         assert_eq!(name, "oracle");
         assert_eq!(s.requests, 4);
         assert_eq!(s.tokens, 4 * n as u64);
-        assert!(s.steps > 0 && s.drafted > 0);
+        assert!(s.verify_steps > 0 && s.drafted > 0);
         match check {
             // Every draft matches what was emitted, except drafts running
             // past the end of the output.

@@ -125,7 +125,7 @@ impl Handler<Staged<DraftRequest>> for DraftActor {
 
 /// Shadow proposers' scores.
 #[derive(Message)]
-#[rtype(result = "Vec<(String, super::ScoreCard)>")]
+#[rtype(result = "Vec<(String, super::SpecStats)>")]
 pub struct GetShadowStats;
 
 impl Handler<GetShadowStats> for DraftActor {
@@ -255,7 +255,7 @@ pub struct GetStats;
 
 /// Live totals per A/B arm.
 #[derive(Message)]
-#[rtype(result = "std::collections::BTreeMap<String, super::ScoreCard>")]
+#[rtype(result = "std::collections::BTreeMap<String, super::SpecStats>")]
 pub struct GetArmStats;
 
 impl Handler<GetArmStats> for SchedulerActor {
@@ -448,7 +448,7 @@ pub struct EngineParts {
 }
 
 /// Scores by arm or proposer name.
-pub type ScoreMap = std::collections::BTreeMap<String, super::ScoreCard>;
+pub type ScoreMap = std::collections::BTreeMap<String, super::SpecStats>;
 
 /// A cheap, cloneable handle to a running engine.
 #[derive(Clone)]

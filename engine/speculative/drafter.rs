@@ -38,7 +38,7 @@ struct Shadow {
     log: HashMap<SeqId, Vec<u32>>,
     /// Unsettled drafts: (offset into `log`, tokens).
     pending: HashMap<SeqId, Vec<(usize, Vec<u32>)>>,
-    score: super::ScoreCard,
+    score: super::SpecStats,
 }
 
 impl Shadow {
@@ -127,7 +127,7 @@ impl Drafter {
     }
 
     /// Scores of the shadow proposers.
-    pub fn shadow_stats(&self) -> Vec<(String, super::ScoreCard)> {
+    pub fn shadow_stats(&self) -> Vec<(String, super::SpecStats)> {
         self.shadows
             .iter()
             .map(|s| (s.name.clone(), s.score.clone()))

@@ -84,13 +84,19 @@ impl Request {
     }
 }
 
-/// Speculation statistics of one request.
+/// Drafting outcomes: one request's (in its `Completion`), or totals over
+/// many (a live A/B arm, a shadow proposer).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SpecStats {
     pub proposer: String,
     /// A/B arm (the proposer's name unless a traffic split chose an arm).
     pub arm: String,
-    /// Target forwards that verified drafts (decode steps).
+    /// Requests counted (finished ones, for totals).
+    pub requests: u64,
+    /// Tokens committed.
+    pub tokens: u64,
+    /// Target forwards that verified drafts (decode steps), or shadow
+    /// proposals scored.
     pub verify_steps: u64,
     pub drafted: u64,
     pub accepted: u64,
@@ -100,43 +106,19 @@ pub struct SpecStats {
     pub drafted_by_pos: Vec<u64>,
 }
 
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
 impl SpecStats {
-    /// Tokens emitted per verify step, bonus/correction included (Spec-Bench
-    /// convention: plain decoding is 1.00).
-    pub fn mean_accepted_len(&self) -> f64 {
-        if self.verify_steps == 0 {
-            return 0.0;
-        }
-        (self.accepted + self.verify_steps) as f64 / self.verify_steps as f64
-    }
-
-    pub fn acceptance_rate(&self) -> f64 {
-        if self.drafted == 0 {
-            0.0
-        } else {
-            self.accepted as f64 / self.drafted as f64
-        }
-    }
-}
-
-/// Running totals of drafting outcomes, for a live arm or a shadow
-/// proposer.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ScoreCard {
-    pub requests: u64,
-    pub tokens: u64,
-    pub steps: u64,
-    pub drafted: u64,
-    pub accepted: u64,
-    pub drafted_by_pos: Vec<u64>,
-    pub accepted_by_pos: Vec<u64>,
-}
-
-impl ScoreCard {
     /// One verify step (or shadow proposal) that drafted `drafted` tokens,
     /// of which the first `accepted` were (or would have been) accepted.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
-        self.steps += 1;
+        self.verify_steps += 1;
         self.drafted += drafted as u64;
         self.accepted += accepted as u64;
         if self.drafted_by_pos.len() < drafted {
@@ -151,23 +133,57 @@ impl ScoreCard {
         }
     }
 
+    /// Add another set of counts (same proposer or not) to these.
+    pub fn add(&mut self, o: &SpecStats) {
+        self.requests += o.requests;
+        self.tokens += o.tokens;
+        self.verify_steps += o.verify_steps;
+        self.drafted += o.drafted;
+        self.accepted += o.accepted;
+        for (mine, theirs) in [
+            (&mut self.drafted_by_pos, &o.drafted_by_pos),
+            (&mut self.accepted_by_pos, &o.accepted_by_pos),
+        ] {
+            if mine.len() < theirs.len() {
+                mine.resize(theirs.len(), 0);
+            }
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                *m += t;
+            }
+        }
+    }
+
+    /// Tokens emitted per verify step, bonus/correction included (Spec-Bench
+    /// convention: plain decoding is 1.00). The one definition of the
+    /// figure: reports, metrics and the API all call this.
+    pub fn mean_accepted_len(&self) -> f64 {
+        ratio(self.accepted + self.verify_steps, self.verify_steps)
+    }
+
+    pub fn acceptance_rate(&self) -> f64 {
+        ratio(self.accepted, self.drafted)
+    }
+
+    /// Acceptance rate at each draft position.
+    pub fn acceptance_by_position(&self) -> Vec<f64> {
+        self.drafted_by_pos
+            .iter()
+            .zip(&self.accepted_by_pos)
+            .map(|(&d, &a)| ratio(a, d))
+            .collect()
+    }
+
     /// Derived figures for reports and the stats endpoint.
     pub fn summary(&self) -> serde_json::Value {
-        let rate = |a: u64, d: u64| if d == 0 { 0.0 } else { a as f64 / d as f64 };
         serde_json::json!({
             "requests": self.requests,
             "tokens": self.tokens,
-            "steps": self.steps,
+            "steps": self.verify_steps,
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
-            "acceptance_rate": rate(self.accepted, self.drafted),
-            "mean_accepted_length": if self.steps == 0 { 0.0 } else { (self.accepted + self.steps) as f64 / self.steps as f64 },
-            "acceptance_by_position": self
-                .drafted_by_pos
-                .iter()
-                .zip(&self.accepted_by_pos)
-                .map(|(&d, &a)| rate(a, d))
-                .collect::<Vec<_>>(),
+            "acceptance_rate": self.acceptance_rate(),
+            "mean_accepted_length": self.mean_accepted_len(),
+            "acceptance_by_position": self.acceptance_by_position(),
         })
     }
 }

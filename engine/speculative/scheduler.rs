@@ -199,7 +199,7 @@ pub struct Scheduler {
     in_step: bool,
     deferred_aborts: Vec<SeqId>,
     /// Live totals per A/B arm.
-    arms: std::collections::BTreeMap<String, super::ScoreCard>,
+    arms: std::collections::BTreeMap<String, super::SpecStats>,
 }
 
 impl Scheduler {
@@ -286,7 +286,7 @@ impl Scheduler {
     }
 
     /// Live totals per A/B arm.
-    pub fn arm_stats(&self) -> &std::collections::BTreeMap<String, super::ScoreCard> {
+    pub fn arm_stats(&self) -> &std::collections::BTreeMap<String, super::SpecStats> {
         &self.arms
     }
 
@@ -417,7 +417,10 @@ impl Scheduler {
             text: s.text.clone(),
             finish: s.finish.unwrap_or(FinishReason::Length),
             prompt_tokens: s.prompt_len,
-            stats: s.stats.clone(),
+            stats: SpecStats {
+                requests: 1,
+                ..s.stats.clone()
+            },
             preemptions: s.preemptions,
         }
     }
@@ -600,25 +603,13 @@ impl Scheduler {
                 continue;
             };
             let st = &mut s.stats;
-            st.verify_steps += 1;
-            st.drafted += r.drafted as u64;
-            st.accepted += r.accepted.accepted as u64;
+            st.record(r.drafted, r.accepted.accepted);
             if r.drafted > 0 {
                 let rate = r.accepted.accepted as f64 / r.drafted as f64;
                 s.acceptance_ema = 0.7 * s.acceptance_ema + 0.3 * rate;
                 s.steps_without_draft = 0;
             } else {
                 s.steps_without_draft += 1;
-            }
-            if st.drafted_by_pos.len() < r.drafted {
-                st.drafted_by_pos.resize(r.drafted, 0);
-                st.accepted_by_pos.resize(r.drafted, 0);
-            }
-            for i in 0..r.drafted {
-                st.drafted_by_pos[i] += 1;
-                if i < r.accepted.accepted {
-                    st.accepted_by_pos[i] += 1;
-                }
             }
             record_step_metrics(&st.proposer, &st.arm, r.drafted, r.accepted.accepted);
             let card = self.arms.entry(st.arm.clone()).or_default();
@@ -660,6 +651,7 @@ impl Scheduler {
             s.text.push_str(&new_text);
             metrics::counter!("specd_generated_tokens_total", "proposer" => s.stats.proposer.clone(), "arm" => s.stats.arm.clone())
                 .increment(new_ids.len() as u64);
+            s.stats.tokens += new_ids.len() as u64;
             if let Some(card) = self.arms.get_mut(&s.stats.arm) {
                 card.tokens += new_ids.len() as u64;
                 if s.finish.is_some() {

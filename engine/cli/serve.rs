@@ -1,0 +1,195 @@
+//! `specd serve`: the OpenAI-compatible daemon, and its watchdog.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use specd::speculative::actors::{EngineHandle, EngineParts};
+use specd::tokenizer::Tokenizer;
+
+use super::load_config;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// TOML config (default: the built-in configs/default.toml).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Validate the config (and find its plugins), print the resolved
+    /// configuration, and exit.
+    #[arg(long)]
+    pub check_config: bool,
+    /// Override [server] host / port (port 0: any free port).
+    #[arg(long)]
+    pub host: Option<String>,
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Override [model] path.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let mut cfg = load_config(&a.config)?;
+    if let Some(h) = a.host {
+        cfg.server.host = h;
+    }
+    if let Some(p) = a.port {
+        cfg.server.port = p;
+    }
+    if let Some(m) = a.model {
+        cfg.model.path = Some(std::path::absolute(m)?);
+    }
+    if let Some(t) = a.threads {
+        cfg.model.threads = Some(t);
+    }
+    if a.check_config {
+        let dirs = cfg.plugin_dirs();
+        for p in &cfg.proposer {
+            let path = match &p.path {
+                Some(path) => cfg.resolve(path),
+                None => specd::plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)?,
+            };
+            let lib = specd::plugins::load_library(&path)
+                .with_context(|| format!("proposer `{}`", p.name))?;
+            println!(
+                "# proposer `{}`: plugin {} {} ({}) at {}",
+                p.name,
+                lib.name,
+                lib.version,
+                lib.build_id,
+                path.display()
+            );
+        }
+        // Only the embedded default may be "not fetched yet": a path the
+        // user named must exist.
+        let model_path = match &cfg.model.path {
+            Some(_) => cfg.model_path().context("[model] path")?,
+            None => specd::fetch::default_model_path(),
+        };
+        println!(
+            "# model: {}{}",
+            model_path.display(),
+            if model_path.exists() {
+                ""
+            } else {
+                " (not fetched yet)"
+            }
+        );
+        println!("# config: {}", describe(&cfg));
+        print!("{}", toml::to_string_pretty(&cfg)?);
+        return Ok(());
+    }
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let (model_path, model) = cfg
+        .load_target()
+        .with_context(|| format!("loading the model of {}", describe(&cfg)))?;
+    let model = Arc::new(model);
+    let tok = Arc::new(Tokenizer::for_model(&model_path)?);
+    let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
+    let proposers = drafter.names();
+    let ec = cfg.engine_config(&model);
+    let model_name = cfg.model.name.clone().unwrap_or_else(|| {
+        model_path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("model")
+            .to_string()
+    });
+    let api_key = std::env::var("SPECD_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty())
+        .or_else(|| Some(cfg.server.api_key.clone()).filter(|k| !k.is_empty()));
+    let (host, port, grace, body_limit) = (
+        cfg.server.host.clone(),
+        cfg.server.port,
+        cfg.server.shutdown_grace_secs,
+        cfg.server.max_body_bytes,
+    );
+    let max_seq_len = model.config.max_seq_len;
+    actix_web::rt::System::new().block_on(async move {
+        let engine = EngineHandle::start(EngineParts {
+            model,
+            tokenizer: Some(tok.clone()),
+            config: ec,
+            drafter,
+        });
+        let watched = engine.clone();
+        let state = actix_web::web::Data::new(specd::server::AppState {
+            engine,
+            tokenizer: tok,
+            model_name: model_name.clone(),
+            config: cfg,
+            max_seq_len,
+            api_key,
+            metrics: Some(metrics),
+            ready: std::sync::atomic::AtomicBool::new(true),
+            proposers,
+            split_rng: std::sync::Mutex::new(specd::sampler::Rng::new(0x5eed)),
+        });
+        let server = actix_web::HttpServer::new(move || {
+            actix_web::App::new()
+                .app_data(state.clone())
+                .configure(|c| specd::server::routes(c, body_limit))
+                .default_service(specd::server::default_service())
+        })
+        .workers(2)
+        .shutdown_timeout(grace)
+        .bind((host.as_str(), port))
+        .with_context(|| format!("binding {host}:{port}"))?;
+        for addr in server.addrs() {
+            eprintln!("specd listening on http://{addr} (model {model_name})");
+        }
+        let running = server.run();
+        let failed = watchdog(watched, running.handle());
+        running.await.context("server")?;
+        if let Some(why) = failed.get() {
+            anyhow::bail!("the engine failed and cannot recover: {why}");
+        }
+        eprintln!("specd: shut down cleanly");
+        Ok(())
+    })
+}
+
+/// Ping the engine every second; when it has failed (or stops answering
+/// three times in a row) stop the server, so the process exits non-zero
+/// and its supervisor restarts it. Returns where the failure is recorded.
+fn watchdog(
+    engine: EngineHandle,
+    server: actix_web::dev::ServerHandle,
+) -> Arc<std::sync::OnceLock<String>> {
+    let failed = Arc::new(std::sync::OnceLock::new());
+    let out = failed.clone();
+    actix_web::rt::spawn(async move {
+        let mut misses = 0;
+        loop {
+            actix_web::rt::time::sleep(std::time::Duration::from_secs(1)).await;
+            match engine.ping(std::time::Duration::from_secs(5)).await {
+                Ok(_) => misses = 0,
+                Err(why) => {
+                    misses += 1;
+                    if engine.health.failure().is_some() || misses >= 3 || why.contains("gone") {
+                        eprintln!("specd: engine failed: {why}; stopping");
+                        let _ = failed.set(why);
+                        server.stop(false).await;
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Where a config came from, for messages.
+fn describe(cfg: &specd::config::Config) -> String {
+    cfg.source
+        .as_ref()
+        .map(|s| s.display().to_string())
+        .unwrap_or_else(|| "the built-in default config".into())
+}
