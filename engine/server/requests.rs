@@ -1,0 +1,558 @@
+//! Request bodies: serde types for `/v1/completions` and
+//! `/v1/chat/completions`, and their validation into an engine `Request`.
+//!
+//! Invariants:
+//! - Every error names its field (`param`), with a message that says what
+//!   the field must be and what it got; paths come from
+//!   `serde_path_to_error` (`messages[0].role`, `speculation.max_draft`).
+//! - Unknown top-level fields are accepted (clients send extras); inside
+//!   our own `speculation` object they are refused.
+//! - Nothing reaches the engine unvalidated: sampling parameters, stop
+//!   strings, the context limit and the proposer are all checked here.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actix_web::http::StatusCode;
+use actix_web::web::Bytes;
+use serde::de::{self, Deserializer, Unexpected, Visitor};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::errors::ApiError;
+use super::AppState;
+use crate::error::SpecdError;
+use crate::sampler::SamplingParams;
+use crate::speculative::Request;
+use crate::tokenizer::ChatMessage;
+
+// ------------------------------------------------------------ field types
+
+/// Defines a newtype whose deserializer says, on a wrong value, what the
+/// field must be (`$expect`): `visit_*` methods it does not list refuse the
+/// value with serde's `invalid_type`.
+macro_rules! field_type {
+    ($name:ident, $t:ty, $expect:literal, { $($visit:item)* }) => {
+        #[derive(Debug, Clone, Copy)]
+        pub struct $name(pub $t);
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl<'de> Visitor<'de> for V {
+                    type Value = $name;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str($expect)
+                    }
+                    $($visit)*
+                }
+                d.deserialize_any(V)
+            }
+        }
+    };
+}
+
+field_type!(Num, f64, "a finite number", {
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Num, E> {
+        if v.is_finite() {
+            Ok(Num(v))
+        } else {
+            Err(E::invalid_value(Unexpected::Float(v), &self))
+        }
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Num, E> {
+        Ok(Num(v as f64))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Num, E> {
+        Ok(Num(v as f64))
+    }
+});
+
+field_type!(UInt, u64, "a non-negative integer", {
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<UInt, E> {
+        Ok(UInt(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<UInt, E> {
+        u64::try_from(v)
+            .map(UInt)
+            .map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+    }
+});
+
+field_type!(TopK, usize, "a non-negative integer or -1", {
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<TopK, E> {
+        Ok(TopK(v as usize))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<TopK, E> {
+        match v {
+            -1 => Ok(TopK(0)),
+            v if v >= 0 => Ok(TopK(v as usize)),
+            v => Err(E::invalid_value(Unexpected::Signed(v), &self)),
+        }
+    }
+});
+
+field_type!(Flag, bool, "a boolean", {
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Flag, E> {
+        Ok(Flag(v))
+    }
+});
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a string or a list of strings")]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `prompt` on `/v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a string")]
+pub enum Prompt {
+    Text(String),
+    Batch(Vec<Value>),
+}
+
+/// Our extension: the proposer and draft cap for this request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Speculation {
+    pub proposer: Option<String>,
+    pub max_draft: Option<UInt>,
+}
+
+/// The fields both endpoints share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub n: Option<UInt>,
+    pub best_of: Option<UInt>,
+    pub logprobs: Option<Value>,
+    pub echo: Option<Flag>,
+    pub stream: Option<Flag>,
+    pub max_tokens: Option<UInt>,
+    pub max_completion_tokens: Option<UInt>,
+    pub temperature: Option<Num>,
+    pub top_p: Option<Num>,
+    pub top_k: Option<TopK>,
+    pub min_p: Option<Num>,
+    pub presence_penalty: Option<Num>,
+    pub frequency_penalty: Option<Num>,
+    pub repetition_penalty: Option<Num>,
+    pub seed: Option<UInt>,
+    pub stop: Option<Stop>,
+    pub ignore_eos: Option<Flag>,
+    pub speculation: Option<Speculation>,
+}
+
+/// `/v1/completions`' own fields.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionBody {
+    pub prompt: Prompt,
+}
+
+/// `/v1/chat/completions`' own fields.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatBody {
+    pub messages: Vec<Message>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Content,
+}
+
+/// Message content: a string, or text parts (`{"type": "text", "text": ...}`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a string or a list of text parts")]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    pub text: String,
+}
+
+// ------------------------------------------------------------ parsing
+
+pub(super) fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The value at a `serde_path_to_error` path (`a.b[2].c`), if present.
+fn lookup<'a>(root: &'a Value, path: &str) -> Option<&'a Value> {
+    let mut v = root;
+    if path == "." || path.is_empty() {
+        return Some(v);
+    }
+    for part in path.split('.') {
+        let (key, idx) = match part.find('[') {
+            Some(i) => (&part[..i], Some(&part[i..])),
+            None => (part, None),
+        };
+        if !key.is_empty() {
+            v = v.get(key)?;
+        }
+        if let Some(idx) = idx {
+            for n in idx.split(['[', ']']).filter(|s| !s.is_empty()) {
+                v = v.get(n.parse::<usize>().ok()?)?;
+            }
+        }
+    }
+    Some(v)
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path == "." || path.is_empty() {
+        field.to_string()
+    } else if path == field || path.ends_with(&format!(".{field}")) {
+        // serde_path_to_error already entered the key.
+        path.to_string()
+    } else {
+        format!("{path}.{field}")
+    }
+}
+
+/// Deserialize `T` from `body`, turning the first error into a 400 that
+/// names the field, what it must be and what it got.
+pub fn from_body<T: serde::de::DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize::<_, T>(body).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.inner().to_string();
+        let quoted = |rest: &str| rest.split('`').next().unwrap_or("").to_string();
+        if let Some(rest) = msg.strip_prefix("missing field `") {
+            let param = join(&path, &quoted(rest));
+            return ApiError::bad_field(&param, format!("missing required field `{param}`"));
+        }
+        if let Some(rest) = msg.strip_prefix("unknown field `") {
+            let param = join(&path, &quoted(rest));
+            return ApiError::bad_field(&param, format!("unknown field `{param}`"));
+        }
+        let expected = msg.rsplit("expected ").next().unwrap_or(&msg);
+        let got = lookup(body, &path).map(type_name).unwrap_or("nothing");
+        let detail = match lookup(body, &path) {
+            Some(Value::Number(n)) => format!("{got} ({n})"),
+            _ => got.to_string(),
+        };
+        ApiError::bad_field(&path, format!("`{path}` must be {expected}, got {detail}"))
+    })
+}
+
+/// Parse a body as a JSON object.
+pub fn body_object(body: &Bytes) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_field("", format!("request body is not valid JSON: {e}")))?;
+    match v {
+        Value::Object(_) => Ok(v),
+        other => Err(ApiError::bad_field(
+            "",
+            format!(
+                "request body must be a JSON object, got {}",
+                type_name(&other)
+            ),
+        )),
+    }
+}
+
+/// The prompt text of a completions body (one string; a list of one string
+/// is accepted as that string).
+pub fn completion_prompt(b: CompletionBody) -> Result<String, ApiError> {
+    match b.prompt {
+        Prompt::Text(s) => Ok(s),
+        Prompt::Batch(v) if v.len() == 1 => match &v[0] {
+            Value::String(s) => Ok(s.clone()),
+            other => Err(ApiError::bad_field(
+                "prompt",
+                format!("`prompt[0]` must be a string, got {}", type_name(other)),
+            )),
+        },
+        Prompt::Batch(_) => Err(ApiError::bad_field(
+            "prompt",
+            "batched prompts are not supported; send one string",
+        )),
+    }
+}
+
+/// Chat messages for the template, each role checked.
+pub fn chat_messages(b: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
+    if b.messages.is_empty() {
+        return Err(ApiError::bad_field(
+            "messages",
+            "`messages` must not be empty",
+        ));
+    }
+    b.messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let field = format!("messages[{i}].role");
+            let role = match m.role.as_str() {
+                "system" | "user" | "assistant" => m.role,
+                "developer" => "system".into(),
+                other => {
+                    return Err(ApiError::bad_field(
+                        &field,
+                        format!("`{field}` = `{other}` is not supported (system, user, assistant, developer)"),
+                    ))
+                }
+            };
+            let content = match m.content {
+                Content::Text(s) => s,
+                Content::Parts(p) => p.into_iter().map(|p| p.text).collect(),
+            };
+            Ok(ChatMessage { role, content })
+        })
+        .collect()
+}
+
+/// What both endpoints share once validated.
+pub struct Parsed {
+    pub req: Request,
+    pub stream: bool,
+}
+
+fn rand_seed() -> u64 {
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    (t as u64) ^ 0x9E37_79B9_7F4A_7C15
+}
+
+/// Validate the fields both endpoints share into an engine request for
+/// `prompt`.
+pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, ApiError> {
+    if let Some(m) = &c.model {
+        if *m != st.model_name {
+            return Err(ApiError {
+                code: Some("model_not_found"),
+                param: Some("model".into()),
+                ..ApiError::status(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    format!(
+                        "model `{m}` does not exist; this server serves `{}`",
+                        st.model_name
+                    ),
+                )
+            });
+        }
+    }
+    if c.n.is_some_and(|n| n.0 != 1) {
+        return Err(ApiError::bad_field("n", "only n = 1 is supported"));
+    }
+    if c.best_of.is_some_and(|n| n.0 != 1) {
+        return Err(ApiError::bad_field(
+            "best_of",
+            "only best_of = 1 is supported",
+        ));
+    }
+    match &c.logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(_) => {
+            return Err(ApiError::bad_field(
+                "logprobs",
+                "logprobs are not supported by this server",
+            ))
+        }
+    }
+    if c.echo.is_some_and(|e| e.0) {
+        return Err(ApiError::bad_field("echo", "echo is not supported"));
+    }
+    let room = st.max_seq_len.saturating_sub(prompt.len());
+    let max_tokens = match c.max_tokens.or(c.max_completion_tokens) {
+        Some(UInt(0)) => {
+            return Err(ApiError::bad_field(
+                "max_tokens",
+                "`max_tokens` must be at least 1",
+            ))
+        }
+        Some(UInt(m)) => m as usize,
+        None => room.min(256),
+    };
+    if prompt.len() + max_tokens > st.max_seq_len {
+        return Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::bad_field(
+                "max_tokens",
+                format!(
+                    "prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the context of {} tokens",
+                    prompt.len(),
+                    st.max_seq_len
+                ),
+            )
+        });
+    }
+    let d = SamplingParams::default();
+    let f = |x: Option<Num>, default: f32| x.map(|n| n.0 as f32).unwrap_or(default);
+    let params = SamplingParams {
+        temperature: f(c.temperature, 1.0),
+        top_p: f(c.top_p, d.top_p),
+        top_k: c.top_k.map(|k| k.0).unwrap_or(0),
+        min_p: f(c.min_p, d.min_p),
+        presence_penalty: f(c.presence_penalty, 0.0),
+        frequency_penalty: f(c.frequency_penalty, 0.0),
+        repetition_penalty: f(c.repetition_penalty, 1.0),
+        seed: c.seed.map(|s| s.0).unwrap_or_else(rand_seed),
+    };
+    params.validate().map_err(|e| {
+        let msg = match e {
+            SpecdError::InvalidRequest(m) => m,
+            other => other.to_string(),
+        };
+        let field = msg.split(':').next().unwrap_or("").trim().to_string();
+        ApiError::bad_field(&field, msg)
+    })?;
+    let stop = match c.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) if v.len() > 16 => {
+            return Err(ApiError::bad_field("stop", "at most 16 stop strings"))
+        }
+        Some(Stop::Many(v)) => v,
+    };
+    let spec = c.speculation.unwrap_or_default();
+    let mut proposer = None;
+    if let Some(p) = spec.proposer {
+        if !st.config.server.allow_request_proposer {
+            return Err(ApiError::bad_field(
+                "speculation.proposer",
+                "this server does not allow choosing the proposer per request",
+            ));
+        }
+        if p != "none" && !st.proposers.contains(&p) {
+            return Err(ApiError::bad_field(
+                "speculation.proposer",
+                format!(
+                    "unknown proposer `{p}` (available: none, {})",
+                    st.proposers.join(", ")
+                ),
+            ));
+        }
+        proposer = Some(p);
+    }
+    // Precedence: the request's own choice, then a weighted traffic split,
+    // then the model's route (or the engine default).
+    let (proposer, arm) = match proposer {
+        Some(p) => (p, None),
+        None => match pick_split(st) {
+            Some(sp) => (sp.proposer.clone(), Some(sp.name.clone())),
+            None => (st.config.route(&st.model_name).to_string(), None),
+        },
+    };
+    Ok(Parsed {
+        req: Request {
+            prompt,
+            params,
+            max_tokens,
+            stop,
+            ignore_eos: c.ignore_eos.is_some_and(|f| f.0),
+            proposer: Some(proposer),
+            max_draft: spec.max_draft.map(|m| m.0 as usize),
+            arm,
+        },
+        stream: c.stream.is_some_and(|s| s.0),
+    })
+}
+
+/// A weighted random traffic-split arm, if splits are configured.
+fn pick_split(st: &AppState) -> Option<&crate::config::Split> {
+    let splits = &st.config.server.split;
+    let total: f64 = splits.iter().map(|s| s.weight).sum();
+    if splits.is_empty() || total <= 0.0 {
+        return None;
+    }
+    let u = st
+        .split_rng
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .next_f64()
+        * total;
+    let mut cum = 0.0;
+    for s in splits {
+        cum += s.weight;
+        if u < cum {
+            return Some(s);
+        }
+    }
+    splits.last()
+}
+
+/// Tokenize a prompt, checking it fits the context.
+pub fn encode(st: &AppState, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
+    let ids = st.tokenizer.encode(text, special).map_err(ApiError::from)?;
+    if ids.is_empty() {
+        return Err(ApiError::bad_field("prompt", "prompt is empty"));
+    }
+    if ids.len() >= st.max_seq_len {
+        return Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::bad_field(
+                "prompt",
+                format!(
+                    "prompt has {} tokens; the context holds {}",
+                    ids.len(),
+                    st.max_seq_len
+                ),
+            )
+        });
+    }
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err<T: serde::de::DeserializeOwned + std::fmt::Debug>(v: Value) -> ApiError {
+        from_body::<T>(&v).unwrap_err()
+    }
+
+    #[test]
+    fn errors_name_the_field_what_it_must_be_and_what_it_got() {
+        let e = err::<Common>(serde_json::json!({"temperature": "hot"}));
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        assert_eq!(
+            e.message,
+            "`temperature` must be a finite number, got a string"
+        );
+        let e = err::<Common>(serde_json::json!({"max_tokens": -3}));
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(
+            e.message
+                .contains("non-negative integer, got a number (-3)"),
+            "{}",
+            e.message
+        );
+        let e = err::<Common>(serde_json::json!({"stop": 7}));
+        assert_eq!(
+            e.message,
+            "`stop` must be a string or a list of strings, got a number (7)"
+        );
+        let e = err::<Common>(serde_json::json!({"speculation": {"depth": 2}}));
+        assert_eq!(e.param.as_deref(), Some("speculation.depth"));
+        let e = err::<Common>(serde_json::json!({"speculation": {"max_draft": "x"}}));
+        assert_eq!(e.param.as_deref(), Some("speculation.max_draft"));
+        let e = err::<CompletionBody>(serde_json::json!({"max_tokens": 4}));
+        assert_eq!(e.message, "missing required field `prompt`");
+        let e = err::<ChatBody>(serde_json::json!({"messages": [{"role": "user", "content": 5}]}));
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+        assert!(
+            e.message.contains("a string or a list of text parts"),
+            "{}",
+            e.message
+        );
+        // Extra top-level fields are accepted.
+        assert!(from_body::<Common>(&serde_json::json!({"user": "x", "top_k": -1})).is_ok());
+    }
+}

@@ -1,0 +1,228 @@
+//! The endpoint handlers.
+
+use std::sync::atomic::Ordering;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actix_web::http::StatusCode;
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse};
+use serde_json::{json, Map, Value};
+
+use super::errors::ApiError;
+use super::requests::{self, ChatBody, Common, CompletionBody, Parsed};
+use super::sse::{AbortGuard, Kind, Shape, SseStream};
+use super::AppState;
+use crate::error::SpecdError;
+use crate::speculative::Event;
+
+type State = web::Data<AppState>;
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiError> {
+    let Some(key) = &st.api_key else {
+        return Ok(());
+    };
+    let got = req
+        .headers()
+        .get("authorization")
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.strip_prefix("Bearer "));
+    if got == Some(key.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError {
+            code: Some("invalid_api_key"),
+            ..ApiError::status(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                "missing or invalid API key",
+            )
+        })
+    }
+}
+
+async fn run_request(st: &State, parsed: Parsed, kind: Kind) -> Result<HttpResponse, ApiError> {
+    let (id, mut rx) = st.engine.submit(parsed.req).await.map_err(ApiError::from)?;
+    let shape = Shape {
+        kind,
+        id: format!(
+            "{}-{id}",
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            }
+        ),
+        created: now(),
+        model: st.model_name.clone(),
+    };
+    let mut guard = AbortGuard {
+        engine: st.engine.clone(),
+        id,
+        armed: true,
+    };
+    if parsed.stream {
+        let s = SseStream {
+            rx,
+            shape,
+            guard,
+            first: true,
+            done: false,
+        };
+        return Ok(HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header(("Cache-Control", "no-cache"))
+            .streaming(s));
+    }
+    loop {
+        match rx.recv().await {
+            Some(Event::Tokens { .. }) => {}
+            Some(Event::Finished(c)) => {
+                guard.armed = false;
+                return Ok(HttpResponse::Ok().json(shape.full(&c)));
+            }
+            Some(Event::Error(e)) => {
+                guard.armed = false;
+                return Err(ApiError::status(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    e,
+                ));
+            }
+            None => {
+                guard.armed = false;
+                return Err(ApiError::from(SpecdError::EngineStopped));
+            }
+        }
+    }
+}
+
+async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
+    check_auth(&req, &st)?;
+    let body = requests::body_object(&body)?;
+    let prompt = requests::completion_prompt(requests::from_body::<CompletionBody>(&body)?)?;
+    let common: Common = requests::from_body(&body)?;
+    let ids = requests::encode(&st, &prompt, true)?;
+    let parsed = requests::validate(common, &st, ids)?;
+    run_request(&st, parsed, Kind::Completion).await
+}
+
+async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
+    check_auth(&req, &st)?;
+    let body = requests::body_object(&body)?;
+    let messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?)?;
+    let common: Common = requests::from_body(&body)?;
+    let text = st
+        .tokenizer
+        .apply_chat_template(&messages, true)
+        .map_err(ApiError::from)?;
+    let ids = requests::encode(&st, &text, false)?;
+    let parsed = requests::validate(common, &st, ids)?;
+    run_request(&st, parsed, Kind::Chat).await
+}
+
+async fn models(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {
+    check_auth(&req, &st)?;
+    Ok(HttpResponse::Ok().json(json!({
+        "object": "list",
+        "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "specd", "max_model_len": st.max_seq_len}],
+    })))
+}
+
+async fn speculation_stats(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {
+    check_auth(&req, &st)?;
+    let (arms, shadows) = st
+        .engine
+        .spec_stats()
+        .await
+        .ok_or_else(|| ApiError::from(SpecdError::EngineStopped))?;
+    let arms: Map<String, Value> = arms.iter().map(|(k, v)| (k.clone(), v.summary())).collect();
+    let shadows: Map<String, Value> = shadows
+        .iter()
+        .map(|(k, v)| (k.clone(), v.summary()))
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "arms": arms,
+        "shadows": shadows,
+        "splits": st.config.server.split,
+    })))
+}
+
+/// How long `/health` and `/ready` wait for the engine to answer.
+const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Alive: the process serves HTTP and the engine answers. 503 once the
+/// engine has failed (the daemon then exits non-zero).
+async fn health(st: State) -> HttpResponse {
+    match st.engine.ping(PING_TIMEOUT).await {
+        Ok(_) => HttpResponse::Ok().json(json!({"status": "alive"})),
+        Err(why) => {
+            HttpResponse::ServiceUnavailable().json(json!({"status": "failed", "reason": why}))
+        }
+    }
+}
+
+/// Ready: loading finished and the engine answers right now.
+async fn ready(st: State) -> HttpResponse {
+    if !st.ready.load(Ordering::Relaxed) {
+        return HttpResponse::ServiceUnavailable().json(json!({"status": "loading"}));
+    }
+    match st.engine.ping(PING_TIMEOUT).await {
+        Ok(stats) => HttpResponse::Ok().json(json!({
+            "status": "ready",
+            "model": st.model_name,
+            "waiting": stats.waiting,
+            "running": stats.running,
+        })),
+        Err(why) => {
+            HttpResponse::ServiceUnavailable().json(json!({"status": "failed", "reason": why}))
+        }
+    }
+}
+
+async fn metrics_text(st: State) -> HttpResponse {
+    if let Some(u) = st.engine.kv_usage().await {
+        metrics::gauge!("specd_kv_used_blocks").set(u.used_blocks as f64);
+    }
+    match &st.metrics {
+        Some(h) => HttpResponse::Ok()
+            .content_type("text/plain; version=0.0.4")
+            .body(h.render()),
+        None => HttpResponse::NotFound().finish(),
+    }
+}
+
+async fn not_found() -> Result<HttpResponse, ApiError> {
+    Err(ApiError {
+        code: Some("not_found"),
+        ..ApiError::status(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "no such endpoint",
+        )
+    })
+}
+
+/// Register every route on an actix-web service config.
+pub fn routes(cfg: &mut web::ServiceConfig, body_limit: usize) {
+    let json_err = |limit: usize| web::PayloadConfig::new(limit);
+    cfg.app_data(json_err(body_limit))
+        .route("/v1/completions", web::post().to(completions))
+        .route("/v1/chat/completions", web::post().to(chat))
+        .route("/v1/models", web::get().to(models))
+        .route("/v1/speculation/stats", web::get().to(speculation_stats))
+        .route("/health", web::get().to(health))
+        .route("/ready", web::get().to(ready))
+        .route("/metrics", web::get().to(metrics_text));
+}
+
+/// Default handler for unknown paths.
+pub fn default_service() -> actix_web::Route {
+    web::route().to(not_found)
+}
