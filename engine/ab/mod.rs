@@ -1,0 +1,116 @@
+//! `specd ab`: A/B runs of proposer strategies on the same prompts.
+//!
+//! Invariants:
+//! - Every arm sees the same prompts, sampling parameters and repeats; the
+//!   arm order rotates prompt by prompt, so machine drift spreads evenly.
+//! - Requests run one at a time, so each latency is the arm's own.
+//! - Each repeat starts from fresh proposer instances: state a proposer
+//!   learns across requests (the suffix tree) never carries the identical
+//!   output of an earlier repeat into a later one.
+//! - Greedy arms are compared token for token with the plain arm; any
+//!   mismatch is a losslessness failure reported with the prompt id.
+//!
+//! Rooms: `datasets` (loaders), `run` (the run loop), `stats` (summaries
+//! and the losslessness check), `report` (JSON, Markdown, HTML).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::sampler::SamplingParams;
+use crate::speculative::SpecStats;
+
+mod datasets;
+mod report;
+mod run;
+mod stats;
+
+pub use datasets::{
+    evaluation_texts, limit_per_category, load_humaneval, load_jsonl, load_spec_bench, Prompt,
+    HUMANEVAL_PATH, SPEC_BENCH_PATH,
+};
+pub use report::{html, markdown, write_outputs};
+pub use run::run;
+pub use stats::{greedy_mismatches, summarize};
+
+/// One request's measurements.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    pub prompt_id: String,
+    pub category: String,
+    pub arm: String,
+    pub repeat: usize,
+    pub prompt_tokens: usize,
+    pub tokens: usize,
+    #[serde(skip)]
+    pub token_ids: Vec<u32>,
+    pub wall_s: f64,
+    pub ttft_s: f64,
+    pub tpot_s: f64,
+    pub verify_steps: u64,
+    pub target_forwards: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    pub drafted_by_pos: Vec<u64>,
+    pub accepted_by_pos: Vec<u64>,
+}
+
+impl Record {
+    /// The request's drafting counts.
+    pub fn spec(&self) -> SpecStats {
+        SpecStats {
+            arm: self.arm.clone(),
+            requests: 1,
+            tokens: self.tokens as u64,
+            verify_steps: self.verify_steps,
+            drafted: self.drafted,
+            accepted: self.accepted,
+            drafted_by_pos: self.drafted_by_pos.clone(),
+            accepted_by_pos: self.accepted_by_pos.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// Per-arm figures (over all prompts or one category).
+#[derive(Debug, Clone, Serialize)]
+pub struct ArmSummary {
+    pub arm: String,
+    pub requests: usize,
+    pub tokens: usize,
+    pub tok_per_s: f64,
+    pub speedup: f64,
+    pub speedup_ci95: (f64, f64),
+    pub mean_accepted_length: f64,
+    pub acceptance_rate: f64,
+    pub acceptance_by_position: Vec<f64>,
+    pub ttft_p50_ms: f64,
+    pub ttft_p95_ms: f64,
+    pub tpot_p50_ms: f64,
+    pub tpot_p95_ms: f64,
+    pub forwards_per_token: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Mismatch {
+    pub prompt_id: String,
+    pub arm: String,
+    pub repeat: usize,
+    /// First differing output position.
+    pub position: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AbReport {
+    pub dataset: String,
+    pub prompts: usize,
+    pub prompts_per_category: BTreeMap<String, usize>,
+    pub repeats: usize,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub threads: usize,
+    pub overall: Vec<ArmSummary>,
+    pub by_category: BTreeMap<String, Vec<ArmSummary>>,
+    pub mismatches: Vec<Mismatch>,
+    pub records: Vec<Record>,
+}

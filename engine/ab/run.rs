@@ -1,0 +1,218 @@
+//! The run loop: one request at a time on a `SyncDriver`, arm order
+//! rotated per prompt, fresh proposers for every repeat.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::stats::{greedy_mismatches, summarize};
+use super::{AbReport, Prompt, Record};
+use crate::config::{AbSection, ArmConfig, Config};
+use crate::error::{Result, SpecdError};
+use crate::model::Model;
+use crate::sampler::SamplingParams;
+use crate::speculative::driver::SyncDriver;
+use crate::speculative::{Event, Request};
+use crate::tokenizer::{ChatMessage, Tokenizer};
+
+/// Run one request alone on `engine`, timing its tokens.
+fn run_one(
+    engine: &mut SyncDriver,
+    req: Request,
+    max_batch_tokens: usize,
+) -> Result<(Record, Vec<u32>)> {
+    let prompt_tokens = req.prompt.len();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let t0 = Instant::now();
+    engine.add(req, Some(tx))?;
+    let mut first: Option<f64> = None;
+    let mut last = 0.0;
+    let mut completion = None;
+    while completion.is_none() {
+        engine.step()?;
+        let now = t0.elapsed().as_secs_f64();
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                Event::Tokens { ids, .. } if !ids.is_empty() => {
+                    first.get_or_insert(now);
+                    last = now;
+                }
+                Event::Tokens { .. } => {}
+                Event::Finished(c) => completion = Some(c),
+                Event::Error(e) => return Err(SpecdError::InvalidRequest(e)),
+            }
+        }
+    }
+    let c = completion.expect("loop ends with a completion");
+    let wall = t0.elapsed().as_secs_f64();
+    let n = c.tokens.len();
+    let ttft = first.unwrap_or(wall);
+    let prefill = (prompt_tokens.saturating_sub(1)).div_ceil(max_batch_tokens.max(1)) as u64;
+    Ok((
+        Record {
+            prompt_id: String::new(),
+            category: String::new(),
+            arm: String::new(),
+            repeat: 0,
+            prompt_tokens,
+            tokens: n,
+            token_ids: Vec::new(),
+            wall_s: wall,
+            ttft_s: ttft,
+            tpot_s: if n > 1 {
+                (last - ttft) / (n - 1) as f64
+            } else {
+                0.0
+            },
+            verify_steps: c.stats.verify_steps,
+            target_forwards: prefill + c.stats.verify_steps,
+            drafted: c.stats.drafted,
+            accepted: c.stats.accepted,
+            drafted_by_pos: c.stats.drafted_by_pos.clone(),
+            accepted_by_pos: c.stats.accepted_by_pos.clone(),
+        },
+        c.tokens,
+    ))
+}
+
+/// Run the A/B described by `cfg.ab` over `prompts`.
+pub fn run(
+    cfg: &Config,
+    ab: &AbSection,
+    model: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    prompts: &[Prompt],
+    chat: bool,
+) -> Result<AbReport> {
+    ab.sampling.validate()?;
+    let mut arms = ab.arm.clone();
+    let plain = match arms.iter().find(|a| a.proposer == "none") {
+        Some(a) => a.name.clone(),
+        None => {
+            arms.insert(
+                0,
+                ArmConfig {
+                    name: "plain".into(),
+                    proposer: "none".into(),
+                    max_draft: None,
+                },
+            );
+            "plain".into()
+        }
+    };
+    // Proposers keep state across requests (the suffix proposer's global
+    // tree learns every output); each repeat gets fresh instances, or a
+    // later repeat would draft from the identical greedy output of an
+    // earlier one.
+    let fresh_engine = || -> Result<SyncDriver> {
+        let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
+        let mut ec = cfg.engine_config(&model);
+        ec.scheduler.max_running = 1;
+        Ok(SyncDriver::new(
+            model.clone(),
+            Some(tok.clone()),
+            ec,
+            drafter,
+        ))
+    };
+    let mut engine = fresh_engine()?;
+    let drafter = &engine.drafter;
+    for a in &arms {
+        if a.proposer != "none" && !drafter.has(&a.proposer) {
+            return Err(SpecdError::InvalidRequest(format!(
+                "arm `{}`: unknown proposer `{}`",
+                a.name, a.proposer
+            )));
+        }
+    }
+    let max_batch_tokens = engine.scheduler.config.max_batch_tokens;
+    let encoded: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            if chat {
+                let t = tok.apply_chat_template(&[ChatMessage::user(p.text.clone())], true)?;
+                tok.encode(&t, false)
+            } else {
+                tok.encode(&p.text, true)
+            }
+        })
+        .collect::<Result<_>>()?;
+    let total = (prompts.len() * ab.repeats * arms.len()) as u64;
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} requests  {elapsed} elapsed, ~{eta} left  {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut records = Vec::new();
+    let greedy = ab.sampling.is_greedy();
+    for rep in 0..ab.repeats {
+        if rep > 0 {
+            engine = fresh_engine()?;
+        }
+        for (i, (p, ids)) in prompts.iter().zip(&encoded).enumerate() {
+            let n = arms.len();
+            for k in 0..n {
+                // Rotate the arm order prompt by prompt (and repeat by repeat).
+                let arm = &arms[(i + rep + k) % n];
+                let room = model.config.max_seq_len.saturating_sub(ids.len());
+                let req = Request {
+                    prompt: ids.clone(),
+                    params: SamplingParams {
+                        seed: ab.sampling.seed.wrapping_add(i as u64 * 7919 + rep as u64),
+                        ..ab.sampling.clone()
+                    },
+                    max_tokens: ab.max_tokens.min(room),
+                    stop: Vec::new(),
+                    ignore_eos: false,
+                    proposer: Some(arm.proposer.clone()),
+                    max_draft: arm.max_draft,
+                    arm: Some(arm.name.clone()),
+                };
+                let (mut r, toks) = run_one(&mut engine, req, max_batch_tokens)?;
+                r.prompt_id = p.id.clone();
+                r.category = p.category.clone();
+                r.arm = arm.name.clone();
+                r.repeat = rep;
+                r.token_ids = toks;
+                bar.set_message(format!("{} {}", arm.name, p.id));
+                bar.inc(1);
+                records.push(r);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let names: Vec<String> = arms.iter().map(|a| a.name.clone()).collect();
+    let all: Vec<&Record> = records.iter().collect();
+    let overall = summarize(&all, &names, &plain, ab.bootstrap, 1);
+    let mut cats: BTreeMap<String, usize> = BTreeMap::new();
+    for p in prompts {
+        *cats.entry(p.category.clone()).or_default() += 1;
+    }
+    let by_category = cats
+        .keys()
+        .map(|c| {
+            let rs: Vec<&Record> = records.iter().filter(|r| &r.category == c).collect();
+            (c.clone(), summarize(&rs, &names, &plain, ab.bootstrap, 2))
+        })
+        .collect();
+    let mismatches = if greedy {
+        greedy_mismatches(&records, &plain)
+    } else {
+        Vec::new()
+    };
+    Ok(AbReport {
+        dataset: ab.dataset.clone(),
+        prompts: prompts.len(),
+        prompts_per_category: cats,
+        repeats: ab.repeats,
+        max_tokens: ab.max_tokens,
+        sampling: ab.sampling.clone(),
+        threads: model.threads(),
+        overall,
+        by_category,
+        mismatches,
+        records,
+    })
+}

@@ -1,0 +1,203 @@
+//! Summaries of an A/B run: throughput speedup against plain decoding with
+//! a paired bootstrap interval, acceptance (from `SpecStats`), latency
+//! percentiles, and the greedy token-for-token comparison.
+
+use std::collections::BTreeMap;
+
+use super::{ArmSummary, Mismatch, Record};
+use crate::sampler::Rng;
+use crate::speculative::SpecStats;
+
+fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let idx = ((s.len() - 1) as f64 * q).round() as usize;
+    s[idx]
+}
+
+/// Summaries of `records` per arm, speedup against `plain`.
+pub fn summarize(
+    records: &[&Record],
+    arms: &[String],
+    plain: &str,
+    bootstrap: usize,
+    seed: u64,
+) -> Vec<ArmSummary> {
+    let by_arm =
+        |a: &str| -> Vec<&Record> { records.iter().copied().filter(|r| r.arm == a).collect() };
+    let base = by_arm(plain);
+    let key = |r: &Record| (r.prompt_id.clone(), r.repeat);
+    let base_map: BTreeMap<_, &Record> = base.iter().map(|r| (key(r), *r)).collect();
+    arms.iter()
+        .map(|arm| {
+            let rs = by_arm(arm);
+            let tokens: usize = rs.iter().map(|r| r.tokens).sum();
+            let time: f64 = rs.iter().map(|r| r.wall_s).sum();
+            // Paired (arm, plain) per prompt and repeat.
+            let pairs: Vec<(&Record, &Record)> = rs
+                .iter()
+                .filter_map(|r| base_map.get(&key(r)).map(|b| (*r, *b)))
+                .collect();
+            let ratio = |ps: &[(&Record, &Record)]| -> f64 {
+                let (at, aw, bt, bw) = ps.iter().fold((0.0, 0.0, 0.0, 0.0), |acc, (a, b)| {
+                    (
+                        acc.0 + a.tokens as f64,
+                        acc.1 + a.wall_s,
+                        acc.2 + b.tokens as f64,
+                        acc.3 + b.wall_s,
+                    )
+                });
+                if aw > 0.0 && bt > 0.0 {
+                    (at / aw) / (bt / bw)
+                } else {
+                    0.0
+                }
+            };
+            let speedup = ratio(&pairs);
+            let mut rng = Rng::new(seed);
+            let mut boots: Vec<f64> = (0..if pairs.is_empty() { 0 } else { bootstrap })
+                .map(|_| {
+                    let sample: Vec<(&Record, &Record)> = (0..pairs.len())
+                        .map(|_| pairs[(rng.next_u64() % pairs.len() as u64) as usize])
+                        .collect();
+                    ratio(&sample)
+                })
+                .collect();
+            boots.sort_by(f64::total_cmp);
+            let ci = (percentile(&boots, 0.025), percentile(&boots, 0.975));
+            let mut spec = SpecStats::default();
+            for r in &rs {
+                spec.add(&r.spec());
+            }
+            let ttft: Vec<f64> = rs.iter().map(|r| r.ttft_s * 1e3).collect();
+            let tpot: Vec<f64> = rs
+                .iter()
+                .filter(|r| r.tokens > 1)
+                .map(|r| r.tpot_s * 1e3)
+                .collect();
+            let fwd: u64 = rs.iter().map(|r| r.target_forwards).sum();
+            ArmSummary {
+                arm: arm.clone(),
+                requests: rs.len(),
+                tokens,
+                tok_per_s: if time > 0.0 {
+                    tokens as f64 / time
+                } else {
+                    0.0
+                },
+                speedup,
+                speedup_ci95: ci,
+                mean_accepted_length: spec.mean_accepted_len(),
+                acceptance_rate: spec.acceptance_rate(),
+                acceptance_by_position: spec.acceptance_by_position(),
+                ttft_p50_ms: percentile(&ttft, 0.5),
+                ttft_p95_ms: percentile(&ttft, 0.95),
+                tpot_p50_ms: percentile(&tpot, 0.5),
+                tpot_p95_ms: percentile(&tpot, 0.95),
+                forwards_per_token: if tokens > 0 {
+                    fwd as f64 / tokens as f64
+                } else {
+                    0.0
+                },
+            }
+        })
+        .collect()
+}
+
+/// Token-for-token comparison of every greedy arm with `plain`.
+pub fn greedy_mismatches(records: &[Record], plain: &str) -> Vec<Mismatch> {
+    let base: BTreeMap<(String, usize), &Record> = records
+        .iter()
+        .filter(|r| r.arm == plain)
+        .map(|r| ((r.prompt_id.clone(), r.repeat), r))
+        .collect();
+    let mut out = Vec::new();
+    for r in records.iter().filter(|r| r.arm != plain) {
+        if let Some(b) = base.get(&(r.prompt_id.clone(), r.repeat)) {
+            if r.token_ids != b.token_ids {
+                let position = r
+                    .token_ids
+                    .iter()
+                    .zip(&b.token_ids)
+                    .position(|(x, y)| x != y)
+                    .unwrap_or(r.token_ids.len().min(b.token_ids.len()));
+                out.push(Mismatch {
+                    prompt_id: r.prompt_id.clone(),
+                    arm: r.arm.clone(),
+                    repeat: r.repeat,
+                    position,
+                });
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, arm: &str, tokens: Vec<u32>, wall: f64) -> Record {
+        Record {
+            prompt_id: id.into(),
+            category: "c".into(),
+            arm: arm.into(),
+            repeat: 0,
+            prompt_tokens: 5,
+            tokens: tokens.len(),
+            token_ids: tokens,
+            wall_s: wall,
+            ttft_s: 0.1,
+            tpot_s: 0.01,
+            verify_steps: 4,
+            target_forwards: 5,
+            drafted: 8,
+            accepted: 4,
+            drafted_by_pos: vec![4, 4],
+            accepted_by_pos: vec![3, 1],
+        }
+    }
+
+    #[test]
+    fn mismatches_name_prompt_arm_and_position() {
+        let rs = vec![
+            rec("p1", "plain", vec![1, 2, 3], 1.0),
+            rec("p1", "ngram", vec![1, 2, 3], 0.5),
+            rec("p2", "plain", vec![4, 5, 6], 1.0),
+            rec("p2", "ngram", vec![4, 9, 6], 0.5),
+        ];
+        let m = greedy_mismatches(&rs, "plain");
+        assert_eq!(m.len(), 1);
+        assert_eq!(
+            (m[0].prompt_id.as_str(), m[0].arm.as_str(), m[0].position),
+            ("p2", "ngram", 1)
+        );
+    }
+
+    #[test]
+    fn speedup_is_a_throughput_ratio_with_a_bootstrap_interval() {
+        let mut rs = Vec::new();
+        for i in 0..20 {
+            let id = format!("p{i}");
+            rs.push(rec(&id, "plain", vec![1; 10], 1.0));
+            rs.push(rec(
+                &id,
+                "fast",
+                vec![1; 10],
+                if i % 2 == 0 { 0.4 } else { 0.6 },
+            ));
+        }
+        let refs: Vec<&Record> = rs.iter().collect();
+        let s = summarize(&refs, &["plain".into(), "fast".into()], "plain", 500, 1);
+        assert!((s[0].speedup - 1.0).abs() < 1e-9);
+        assert!((s[1].speedup - 2.0).abs() < 1e-9, "{}", s[1].speedup);
+        assert!(
+            s[1].speedup_ci95.0 <= 2.0 && s[1].speedup_ci95.1 >= 2.0 && s[1].speedup_ci95.0 > 1.6
+        );
+        assert!((s[1].mean_accepted_length - 2.0).abs() < 1e-9);
+        assert_eq!(s[1].acceptance_by_position, vec![0.75, 0.25]);
+    }
+}
