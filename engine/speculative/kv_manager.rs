@@ -12,7 +12,6 @@
 
 use std::collections::HashMap;
 
-use super::scheduler::Want;
 use super::SeqId;
 
 /// Which cache a reservation is for.
@@ -183,6 +182,13 @@ impl KvManager {
             .map(|p| p.lens.len())
             .unwrap_or(0)
     }
+}
+
+/// Reservation a plan item needs: tokens in the target cache after the step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Want {
+    pub seq: SeqId,
+    pub len: usize,
 }
 
 /// The KV manager's answer to a step's wants.

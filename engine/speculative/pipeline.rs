@@ -28,12 +28,13 @@ use std::time::Instant;
 
 use super::accept::Accepted;
 use super::accept::{AcceptItem, Acceptor};
+pub use super::runner::VerifyResponse;
 use super::runner::{TargetRunner, VerifyItem, VerifyOut};
 
 use super::drafter::Drafter;
-use super::kv_manager::{self, Grant, KvManager, Pool};
+use super::kv_manager::{self, Grant, KvManager, Pool, Want};
 use super::proposer::{Draft, ProposeInput};
-use super::scheduler::{DecodeResult, PlanItem, Scheduler, Want, Work};
+use super::scheduler::{DecodeResult, PlanItem, Scheduler, Work};
 use super::{Completion, SeqId};
 use crate::error::panic_message;
 use crate::model::Logits;
@@ -85,13 +86,6 @@ pub struct VerifyRequest {
     pub label: String,
     pub release: Vec<SeqId>,
     pub items: Vec<VerifyItem>,
-}
-
-#[derive(Debug, Clone, Default)]
-pub struct VerifyResponse {
-    pub outs: Vec<VerifyOut>,
-    /// Sequences the verifier could not run, and why.
-    pub failed: Vec<(SeqId, String)>,
 }
 
 /// Stage 5 input: forget the RNGs of `ended`, then accept every item.

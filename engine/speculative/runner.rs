@@ -12,7 +12,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::pipeline::VerifyResponse;
 use super::SeqId;
 use crate::model::{ForwardInput, KvCache, Logits, Model};
 
@@ -33,6 +32,14 @@ pub struct VerifyOut {
     pub logits: Vec<f32>,
     pub rows: usize,
     pub hidden: Vec<(usize, Vec<f32>)>,
+}
+
+/// Stage 4 output: one result per verified item, or why it failed.
+#[derive(Debug, Clone, Default)]
+pub struct VerifyResponse {
+    pub outs: Vec<VerifyOut>,
+    /// Sequences the verifier could not run, and why.
+    pub failed: Vec<(SeqId, String)>,
 }
 
 /// The verify stage's struct: owns the target model's per-sequence caches

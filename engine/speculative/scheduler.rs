@@ -21,7 +21,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::accept::Accepted;
-use super::kv_manager::Grant;
+use super::kv_manager::{Grant, Want};
 use super::policy::choose_draft_len;
 use super::{Completion, Event, Request, SeqId, SpecStats};
 use crate::error::{Result, SpecdError};
@@ -144,13 +144,6 @@ pub struct PlanItem {
     /// Cache length before this step (the verifier truncates to it).
     pub cache_len: usize,
     pub work: Work,
-}
-
-/// Reservation a plan item needs: tokens in the target cache after the step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Want {
-    pub seq: SeqId,
-    pub len: usize,
 }
 
 /// Bookkeeping the other stages need at the start of a step.

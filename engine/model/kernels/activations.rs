@@ -5,7 +5,7 @@
 use half::f16;
 
 use super::layout::{PlainActs, QK};
-use super::matmul::KernelPath;
+use super::path::KernelPath;
 
 /// Activation rows prepared for one or more matmuls sharing the same input.
 #[derive(Debug, Default)]

@@ -13,13 +13,14 @@
 //!
 //! Rooms: `layout` (the row-tile weight layout, the activation view, the
 //! shared tile loop), `activations` (activation quantization), `matmul`
-//! (kernel paths and the rayon split), `elementwise` (norms, exp, SiLU),
+//! (the portable kernel and the rayon split), `path` (which path runs), `elementwise` (norms, exp, SiLU),
 //! `simd` (the x86-64 paths, which depend on `layout` only).
 
 mod activations;
 mod elementwise;
 mod layout;
 mod matmul;
+mod path;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
 #[cfg(test)]
@@ -30,4 +31,5 @@ pub use elementwise::{exp_f32, exp_shifted, fold16, rms_norm, silu_mul};
 pub use layout::{
     tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightFormat, QK, TILE,
 };
-pub use matmul::{matmul_many, matmul_swiglu, wants_q8, KernelPath};
+pub use matmul::{matmul_many, matmul_swiglu, wants_q8};
+pub use path::KernelPath;

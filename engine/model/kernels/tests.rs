@@ -7,6 +7,7 @@ use super::activations::*;
 use super::elementwise::*;
 use super::layout::*;
 use super::matmul::*;
+use super::path::*;
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed
