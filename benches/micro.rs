@@ -28,6 +28,7 @@ fn bench(c: &mut Criterion) {
             .map(|i| sampler::argmax(&rows[i * VOCAB..(i + 1) * VOCAB]))
             .collect(),
         q: vec![DraftQ::OneHot; 4],
+        parents: None,
     };
     let ctx: Vec<u32> = (0..512).collect();
     c.bench_function("accept_greedy_k4", |b| {

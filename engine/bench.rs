@@ -18,6 +18,9 @@ pub struct ModelBench {
     pub context: usize,
     /// (k, median ms per forward of k tokens, ratio to k = 1)
     pub verify: Vec<(usize, f64, f64)>,
+    /// (nodes, median ms per forward of a tree of that many drafted nodes
+    /// plus its root, ratio to k = 1), verified with the tree mask.
+    pub tree_verify: Vec<(usize, f64, f64)>,
     /// Bytes of weights as held in memory (repacked).
     pub weight_bytes: usize,
     /// Bytes of the one KV cache at `context` (+ the largest k).
@@ -58,6 +61,7 @@ pub fn bench_model(
     decode: usize,
     context: usize,
     ks: &[usize],
+    trees: &[usize],
     reps: usize,
 ) -> Result<ModelBench> {
     let vocab = model.config.vocab_size;
@@ -90,13 +94,42 @@ pub fn bench_model(
     for chunk in tokens(context, vocab, 3).chunks(512) {
         model.forward_one(&mut c, chunk, Logits::None)?;
     }
-    let draft = tokens(*ks.iter().max().unwrap_or(&1), vocab, 4);
+    let most = ks
+        .iter()
+        .chain(trees.iter().map(|n| n + 1).collect::<Vec<_>>().iter())
+        .copied()
+        .max()
+        .unwrap_or(1);
+    let draft = tokens(most, vocab, 4);
+    // Trees: a ternary heap (node i's parent is (i - 1) / 3), the bushy
+    // shape of top-k expansion, rooted at the last committed token.
+    let masks: Vec<crate::model::TreeMask> = trees
+        .iter()
+        .map(|&n| crate::model::TreeMask {
+            parents: (0..=n).map(|i| i.checked_sub(1).map(|j| j / 3)).collect(),
+        })
+        .collect();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
+    let mut tree_times: Vec<Vec<f64>> = vec![Vec::new(); trees.len()];
     for _ in 0..reps {
         for (i, &k) in ks.iter().enumerate() {
             let t = Instant::now();
             model.forward_one(&mut c, &draft[..k], Logits::All)?;
             times[i].push(t.elapsed().as_secs_f64() * 1e3);
+            c.truncate(context)?;
+        }
+        for (i, mask) in masks.iter().enumerate() {
+            let t = Instant::now();
+            model.forward(
+                &mut [crate::model::ForwardInput {
+                    cache: &mut c,
+                    tokens: &draft[..mask.parents.len()],
+                    logits: Logits::All,
+                    tree: Some(mask),
+                }],
+                &[],
+            )?;
+            tree_times[i].push(t.elapsed().as_secs_f64() * 1e3);
             c.truncate(context)?;
         }
     }
@@ -112,6 +145,11 @@ pub fn bench_model(
         .zip(&med)
         .map(|(&k, &m)| (k, m, m / base))
         .collect();
+    let tree_verify = trees
+        .iter()
+        .zip(tree_times.into_iter().map(median))
+        .map(|(&n, m)| (n, m, m / base))
+        .collect();
     Ok(ModelBench {
         threads: model.threads(),
         kernel: format!("{:?}", model.kernel_path()),
@@ -121,6 +159,7 @@ pub fn bench_model(
         decode_tok_s,
         context,
         verify,
+        tree_verify,
         weight_bytes: model.weight_bytes(),
         kv_bytes,
         peak_rss_bytes: peak_rss_bytes(),

@@ -4,7 +4,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
@@ -17,38 +16,7 @@ use specd::speculative::driver::{EngineConfig, SyncDriver};
 use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
-/// The cargo target dir these tests run from (`<target>/release/deps/<test>`).
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// Build an out-of-tree workspace (offline, into a separate target dir so it
-/// never contends with the outer cargo) and return its release dir.
-fn build_out_of_tree(manifest_dir: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(manifest_dir);
-    let target = target_dir().join("out-of-tree");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .args(["build", "--release", "--offline", "--quiet"])
-        .current_dir(&dir)
-        .env("CARGO_TARGET_DIR", &target)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "building {}: {}",
-        dir.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    target.join("release")
-}
+use common::build_out_of_tree;
 
 fn lib_file(dir: &Path, stem: &str) -> PathBuf {
     dir.join(format!(
@@ -161,7 +129,7 @@ fn out_of_tree_example_loads_by_path_and_is_lossless() {
     assert!(e.drafter.poisoned("bigram").is_none());
     let l = plugins::load_library(&lib).unwrap();
     assert_eq!(l.name, "example-bigram");
-    assert!(l.build_id.contains("abi1."), "{}", l.build_id);
+    assert!(l.build_id.contains("abi2."), "{}", l.build_id);
 }
 
 #[test]
@@ -200,7 +168,16 @@ fn broken_libraries_give_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("ABI mismatch") && e.contains("999.0") && e.contains("ABI 1."),
+        e.contains("ABI mismatch") && e.contains("999.0") && e.contains("ABI 2."),
+        "{e}"
+    );
+    // A plugin built for ABI 1 (before trees and size-prefixed structs) is
+    // refused, naming both versions, before anything of it is called.
+    let e = plugins::load_library(&lib_file(&release, "specd_fixture_abi1"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("plugin built for ABI 1.0, this host speaks ABI 2.0"),
         "{e}"
     );
     let e = plugins::load_library(&lib_file(&release, "specd_fixture_no_entry"))
@@ -339,6 +316,7 @@ fn host_callbacks_refuse_overflowing_sizes_instead_of_touching_memory() {
     )
     .unwrap();
     let api = *p.host_api();
+    let (embed, lm_head) = (api.embed.unwrap(), api.lm_head.unwrap());
     let (h, v) = (model.config.hidden, model.config.vocab_size);
     let tokens = [1u32, 2, 3];
     let mut out = vec![0f32; 3 * h];
@@ -346,9 +324,9 @@ fn host_callbacks_refuse_overflowing_sizes_instead_of_touching_memory() {
     // whose true sizes are passed as capacities; the lengths are the lies
     // under test, which the host must refuse before reading anything.
     unsafe {
-        let n = (api.embed)(api.ctx, tokens.as_ptr(), 3, out.as_mut_ptr(), out.len());
+        let n = embed(api.ctx, tokens.as_ptr(), 3, out.as_mut_ptr(), out.len());
         assert_eq!(n, 3 * h, "a valid call works");
-        let n = (api.embed)(
+        let n = embed(
             api.ctx,
             tokens.as_ptr(),
             usize::MAX / 2,
@@ -357,12 +335,12 @@ fn host_callbacks_refuse_overflowing_sizes_instead_of_touching_memory() {
         );
         assert_eq!(n, 0, "n * hidden overflows");
         let bad = [v as u32];
-        let n = (api.embed)(api.ctx, bad.as_ptr(), 1, out.as_mut_ptr(), out.len());
+        let n = embed(api.ctx, bad.as_ptr(), 1, out.as_mut_ptr(), out.len());
         assert_eq!(n, 0, "token outside the vocabulary");
         let mut logits = vec![0f32; v];
-        let n = (api.lm_head)(api.ctx, out.as_ptr(), 1, logits.as_mut_ptr(), logits.len());
+        let n = lm_head(api.ctx, out.as_ptr(), 1, logits.as_mut_ptr(), logits.len());
         assert_eq!(n, v);
-        let n = (api.lm_head)(
+        let n = lm_head(
             api.ctx,
             out.as_ptr(),
             usize::MAX / 3,
@@ -370,7 +348,7 @@ fn host_callbacks_refuse_overflowing_sizes_instead_of_touching_memory() {
             usize::MAX,
         );
         assert_eq!(n, 0, "rows * vocab overflows");
-        let n = (api.embed)(
+        let n = embed(
             std::ptr::null_mut(),
             tokens.as_ptr(),
             3,
@@ -379,4 +357,95 @@ fn host_callbacks_refuse_overflowing_sizes_instead_of_touching_memory() {
         );
         assert_eq!(n, 0, "no context");
     }
+}
+
+#[test]
+fn out_of_tree_example_drafts_trees_through_the_abi_losslessly() {
+    use specd::sampler::SamplingParams;
+    use specd::speculative::accept::Acceptance;
+    let release = build_out_of_tree("plugins/example");
+    let lib = lib_file(&release, "specd_example_proposer");
+    let cfg = Config::parse(
+        &format!(
+            "[[proposer]]\nname = \"bigram-tree\"\npath = \"{}\"\nmax_draft = 9\n[proposer.options]\ntree = true\nwidth = 3\n",
+            lib.display()
+        ),
+        None,
+    )
+    .unwrap();
+    // Greedy: identical to plain decoding, batched.
+    let (_d, model) = tiny();
+    let prompts = vec![vec![5u32, 6, 7, 5, 6, 7, 5, 6], vec![9, 10, 11, 12, 9, 10]];
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| plain(&model, p, 30)).collect();
+    let (e, done) = run(&model, &cfg, "bigram-tree", &prompts, 30, None);
+    assert!(
+        e.drafter.poisoned("bigram-tree").is_none(),
+        "{:?}",
+        e.drafter.poisoned("bigram-tree")
+    );
+    for (c, w) in done.iter().zip(&want) {
+        assert_eq!(&c.tokens, w);
+        assert!(c.stats.drafted > 0 && c.stats.accepted > 0, "{:?}", c.stats);
+    }
+    // Sampling: trees whose siblings are drawn without replacement from a
+    // full q that only the first child carries across the ABI.
+    let spec = common::TinySpec { vocab: 12, ..TINY };
+    let dir = TempDir::new("plugins-tree-stat");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &spec, 8, GgmlDType::Q4_1, "llama");
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let prompt = [3u32, 7, 1, 9, 3, 7, 1, 9, 3, 7];
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = common::exact_first_two(&model, &prompt, &params);
+    let sample = |acceptance: Acceptance| {
+        let drafter = cfg.build_drafter(&model, None).unwrap();
+        let mut ec = EngineConfig::for_model(&model);
+        ec.scheduler.max_running = 64;
+        ec.scheduler.max_waiting = usize::MAX;
+        ec.scheduler.adaptive_draft = false;
+        let mut e = SyncDriver::new(model.clone(), None, ec, drafter);
+        e.sampler.acceptance = acceptance;
+        for i in 0..12_000u64 {
+            e.add(
+                Request {
+                    params: SamplingParams {
+                        seed: 91_000 + i,
+                        ..params.clone()
+                    },
+                    proposer: Some("bigram-tree".into()),
+                    ignore_eos: true,
+                    ..Request::greedy(prompt.to_vec(), 3)
+                },
+                None,
+            )
+            .unwrap();
+        }
+        let done = e.run_to_completion().unwrap();
+        assert!(
+            e.drafter.poisoned("bigram-tree").is_none(),
+            "{:?}",
+            e.drafter.poisoned("bigram-tree")
+        );
+        let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+        assert!(accepted > 6_000, "the trees are accepted: {accepted}");
+        let v = spec.vocab;
+        let mut counts = vec![0u64; v * v];
+        for c in &done {
+            counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+        }
+        counts
+    };
+    let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
+    let crit = common::chi2_crit_999(df);
+    eprintln!("example trees: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
+    assert!(stat < crit, "sampled distribution differs: {stat} > {crit}");
+    let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
+    eprintln!("example trees, residual from p: chi2 {bad:.1} (df {bdf})");
+    assert!(
+        bad > 1.5 * common::chi2_crit_999(bdf),
+        "a lossy residual went unnoticed: {bad}"
+    );
 }

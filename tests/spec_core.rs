@@ -584,7 +584,7 @@ fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
         let drafter = &e.drafter;
         let (mut step, grant_req) = Step::plan(
             &mut e.scheduler,
-            |n| drafter.capabilities(n).map(|c| c.max_draft),
+            |n| drafter.capabilities(n),
             100 + abort_at,
         );
         // Round r aborts the victim (prefilling) before stage r; later
@@ -737,19 +737,19 @@ impl Proposer for BadProposer {
                 let (tokens, q) = match self.fault {
                     "id out of range" => (vec![v as u32 + 3], vec![DraftQ::OneHot]),
                     "sparse declared, full returned" => {
-                        (vec![1], vec![DraftQ::Full(uniform.clone())])
+                        (vec![1], vec![DraftQ::Full(uniform.clone().into())])
                     }
                     "NaN" => {
                         let mut q = uniform.clone();
                         q[2] = f32::NAN;
-                        (vec![1], vec![DraftQ::Full(q)])
+                        (vec![1], vec![DraftQ::Full(q.into())])
                     }
                     "q(draft) = 0" => {
                         let mut q = vec![0.0; v];
                         q[2] = 1.0;
-                        (vec![1], vec![DraftQ::Full(q)])
+                        (vec![1], vec![DraftQ::Full(q.into())])
                     }
-                    "sum != 1" => (vec![1], vec![DraftQ::Full(vec![0.5 / v as f32; v])]),
+                    "sum != 1" => (vec![1], vec![DraftQ::Full(vec![0.5 / v as f32; v].into())]),
                     "negative" => (
                         vec![1],
                         vec![DraftQ::Sparse(Distribution {
@@ -760,7 +760,11 @@ impl Proposer for BadProposer {
                     "missing q" => (vec![1, 2], vec![DraftQ::OneHot]),
                     other => panic!("unknown fault {other}"),
                 };
-                Draft { tokens, q }
+                Draft {
+                    tokens,
+                    q,
+                    parents: None,
+                }
             })
             .collect())
     }

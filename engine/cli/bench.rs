@@ -17,6 +17,9 @@ pub struct BenchArgs {
     pub context: usize,
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,5,6,8")]
     pub ks: Vec<usize>,
+    /// Tree sizes (drafted nodes) whose verify cost is measured too.
+    #[arg(long, value_delimiter = ',', default_value = "8,16,32,64")]
+    pub trees: Vec<usize>,
     #[arg(long, default_value_t = 15)]
     pub reps: usize,
     /// Print JSON instead of a table.
@@ -26,7 +29,9 @@ pub struct BenchArgs {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     let (path, model) = a.model.load()?;
-    let b = specd::bench::bench_model(&model, a.prefill, a.decode, a.context, &a.ks, a.reps)?;
+    let b = specd::bench::bench_model(
+        &model, a.prefill, a.decode, a.context, &a.ks, &a.trees, a.reps,
+    )?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&b)?);
         return Ok(());
@@ -52,6 +57,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     println!("  {:>3}  {:>9}  {:>6}", "k", "ms", "x k=1");
     for (k, ms, r) in &b.verify {
         println!("  {k:>3}  {ms:>9.2}  {r:>6.2}");
+    }
+    if !b.tree_verify.is_empty() {
+        println!("tree verify cost (nodes + root, ternary tree, tree mask):");
+        println!("  {:>5}  {:>9}  {:>6}", "nodes", "ms", "x k=1");
+        for (n, ms, r) in &b.tree_verify {
+            println!("  {n:>5}  {ms:>9.2}  {r:>6.2}");
+        }
     }
     let mb = |b: usize| b as f64 / (1024.0 * 1024.0);
     println!(

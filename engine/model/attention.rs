@@ -46,6 +46,23 @@ impl TreeMask {
         d
     }
 
+    /// Each new token's chain of ancestors among the new tokens, the first
+    /// one hanging off the context first, the token itself last.
+    pub(super) fn ancestors(&self) -> Vec<Vec<usize>> {
+        (0..self.parents.len())
+            .map(|i| {
+                let mut a = vec![i];
+                let mut cur = self.parents[i];
+                while let Some(c) = cur {
+                    a.push(c);
+                    cur = self.parents[c];
+                }
+                a.reverse();
+                a
+            })
+            .collect()
+    }
+
     /// `allowed[i][j]`: new token i may attend to new token j.
     pub(super) fn allowed(&self) -> Vec<Vec<bool>> {
         let n = self.parents.len();
@@ -82,6 +99,9 @@ pub(super) struct SeqRows {
     pub n: usize,
     pub base: usize,
     pub allowed: Option<Vec<Vec<bool>>>,
+    /// Tree forwards: each new token's ancestors (new-token indices, the
+    /// root first, the token itself last).
+    pub ancestors: Option<Vec<Vec<usize>>>,
 }
 
 /// Shapes and the softmax scale of a forward's attention.
@@ -111,6 +131,21 @@ impl AttentionPlan {
         // partial softmax sums are merged in order afterwards.
         let mut tasks = Vec::new();
         for (si, m) in metas.iter().enumerate() {
+            let nblocks = caches[si].layout().blocks_for(m.base + m.n);
+            if m.ancestors.is_some() {
+                // Tree tokens: each task covers whole rows (every range),
+                // computed in the layout plain decoding would use
+                // (`attend_tree`).
+                for g in 0..nkv {
+                    let mut t0 = 0;
+                    while t0 < m.n {
+                        let t1 = (t0 + ATTN_TOKENS_PER_TASK).min(m.n);
+                        tasks.push((si, g, t0, t1, 0, nblocks.max(1)));
+                        t0 = t1;
+                    }
+                }
+                continue;
+            }
             // A decode or verify forward keeps all its tokens in one task
             // (the cache is read once) and spreads over the slot ranges.
             let per_task = if m.n <= ATTN_VERIFY_TOKENS {
@@ -120,7 +155,6 @@ impl AttentionPlan {
             };
             let chunks = m.n.div_ceil(per_task.max(1)).max(1);
             let per = m.n.div_ceil(chunks).max(1);
-            let nblocks = caches[si].layout().blocks_for(m.base + m.n);
             // Ranges become separate tasks only when the tokens give few
             // (decode, verify); a prefill chunk's tasks walk their ranges in
             // turn and merge them the same way, so the bits are the same.
@@ -187,6 +221,10 @@ impl AttentionPlan {
                         tree: m.allowed.as_deref(),
                     };
                     let mut out = Vec::new();
+                    if let Some(anc) = &m.ancestors {
+                        attend_tree(caches[si], li, g, &aq, anc, t0..t1, scale, &mut out);
+                        return out;
+                    }
                     if c1 - c0 <= ATTN_BLOCKS_PER_RANGE {
                         attend(caches[si], li, g, &aq, t0..t1, c0..c1, scale, &mut out);
                         return out;
@@ -573,6 +611,195 @@ fn attend(
         }
     }
     SCRATCH.with(|s| *s.borrow_mut() = (scores, wide));
+}
+
+/// Scores of query `q` against slots `0..lim` of one cache block (`kt`,
+/// transposed keys, `bs` slots): the same head-dim-ordered FMA chains as
+/// `attend`'s key pass, so every score has the same bits.
+fn block_scores(q: &[f32], kt: &[f32], bs: usize, lim: usize, sc: &mut [f32]) {
+    let mut acc = [[[0f32; 16]; 4]; MAXQ];
+    let mut c = 0;
+    while c < lim {
+        if c + 64 <= bs {
+            scores64(&[q], kt, bs, c, &mut acc);
+            for (k, a) in acc[0].iter().enumerate() {
+                sc[c + 16 * k..c + 16 * (k + 1)].copy_from_slice(a);
+            }
+            c += 64;
+        } else {
+            while c < bs {
+                if c + 16 <= bs {
+                    sc[c..c + 16].copy_from_slice(&scores16(q, kt, bs, c));
+                    c += 16;
+                } else {
+                    for s in c..bs {
+                        let mut a = 0f32;
+                        for (d, &qd) in q.iter().enumerate() {
+                            a = qd.mul_add(kt[d * bs + s], a);
+                        }
+                        sc[s] = a;
+                    }
+                    c = bs;
+                }
+            }
+        }
+    }
+}
+
+/// `o += sum_j p[j] * v[j]` over rows `j` in order (`v`: rows of `hd`),
+/// exactly as `attend`'s value pass accumulates one query.
+fn value_sum(p: &[f32], v: &[f32], hd: usize, o: &mut [f32]) {
+    let mut acc = [[[0f32; 16]; 4]; MAXQ];
+    let mut c = 0;
+    while c < hd {
+        if c + 64 <= hd {
+            for (k, a) in acc[0].iter_mut().enumerate() {
+                a.copy_from_slice(&o[c + 16 * k..c + 16 * (k + 1)]);
+            }
+            pv64(&[p], v, hd, c, &mut acc);
+            for (k, a) in acc[0].iter().enumerate() {
+                o[c + 16 * k..c + 16 * (k + 1)].copy_from_slice(a);
+            }
+            c += 64;
+        } else {
+            for (j, &pj) in p.iter().enumerate() {
+                for d in c..hd {
+                    o[d] = pj.mul_add(v[j * hd + d], o[d]);
+                }
+            }
+            c = hd;
+        }
+    }
+}
+
+/// Attention of tree tokens `ts` (ancestors `anc`), each computed exactly
+/// as plain decoding computes it: over the committed context and its
+/// ancestors at consecutive slots from `base` (where plain decoding puts
+/// them), with the same 128-slot ranges, the same lane sums and the same
+/// merge order. Ranges below the one holding `base` are read in place;
+/// from that range on, a token's scores and values are gathered into that
+/// virtual layout. `out` holds `(0, 1, o)` per query: already merged, as a
+/// whole-row task hands its result to the plan's merge.
+#[allow(clippy::too_many_arguments)]
+fn attend_tree(
+    cache: &KvCache,
+    layer: usize,
+    kv_head: usize,
+    aq: &AttnQuery<'_>,
+    anc: &[Vec<usize>],
+    ts: std::ops::Range<usize>,
+    scale: f32,
+    out: &mut Vec<f32>,
+) {
+    let l = cache.layout();
+    let (hd, bs, group) = (l.head_dim, l.block_size, aq.group);
+    let range = ATTN_BLOCKS_PER_RANGE * bs;
+    let base = aq.base;
+    let tail = base / range * range;
+    // Ranges wholly below `tail` are context for every token.
+    let parts: Vec<Vec<f32>> = (0..tail / bs)
+        .step_by(ATTN_BLOCKS_PER_RANGE)
+        .map(|b| {
+            let mut p = Vec::new();
+            attend(
+                cache,
+                layer,
+                kv_head,
+                aq,
+                ts.clone(),
+                b..b + ATTN_BLOCKS_PER_RANGE,
+                scale,
+                &mut p,
+            );
+            p
+        })
+        .collect();
+    // Physical blocks from `tail` up to the last slot these tokens see.
+    let (tb0, tb1) = (tail / bs, l.blocks_for(base + ts.end));
+    let mut kbufs: Vec<Vec<f32>> = Vec::with_capacity(tb1 - tb0);
+    let mut vbufs: Vec<Vec<f32>> = Vec::with_capacity(tb1 - tb0);
+    for b in tb0..tb1 {
+        let mut w = Vec::new();
+        kbufs.push(cache.keys_t(layer, kv_head, b).widen(&mut w).to_vec());
+        let mut w = Vec::new();
+        vbufs.push(cache.values(layer, kv_head, b).widen(&mut w).to_vec());
+    }
+    let nq = ts.len() * group;
+    out.clear();
+    out.resize(nq * (hd + 2), 0.0);
+    let mut phys = vec![0f32; (tb1 - tb0) * bs];
+    let mut virt: Vec<f32> = Vec::new();
+    let mut gathered: Vec<f32> = Vec::new();
+    for qi in 0..nq {
+        let t = ts.start + qi / group;
+        let h = qi % group;
+        let o0 = (aq.row0 + t) * aq.dim + (kv_head * group + h) * hd;
+        let q = &aq.q[o0..o0 + hd];
+        // Physical scores of every slot from `tail` to this token's own.
+        let last = base + t + 1;
+        for (k, b) in (tb0..tb1).enumerate() {
+            let lim = last.saturating_sub(b * bs).min(bs);
+            if lim > 0 {
+                block_scores(q, &kbufs[k], bs, lim, &mut phys[k * bs..(k + 1) * bs]);
+            }
+        }
+        // The virtual layout: context slots as they are, then the
+        // ancestors (root first) at base, base + 1, ...
+        let a = &anc[t];
+        let vend = base + a.len();
+        virt.clear();
+        virt.extend_from_slice(&phys[..base - tail]);
+        virt.extend(a.iter().map(|&i| phys[base + i - tail]));
+        let mut ranges: Vec<Vec<f32>> = Vec::new();
+        let mut r0 = tail;
+        while r0 < vend {
+            let r1 = (r0 + range).min(vend);
+            let sc = &mut virt[r0 - tail..r1 - tail];
+            for v in sc.iter_mut() {
+                *v *= scale;
+            }
+            let (mx, sum) = kernels::exp_shifted(sc);
+            let mut part = vec![0f32; hd + 2];
+            part[0] = mx;
+            part[1] = sum;
+            // Context slots of this range, block by block, in place.
+            let ctx_end = r1.min(base);
+            let mut s = r0;
+            while s < ctx_end {
+                let b = s / bs;
+                let e = ctx_end.min((b + 1) * bs);
+                let vb = &vbufs[b - tb0][(s - b * bs) * hd..];
+                value_sum(&sc[s - r0..e - r0], vb, hd, &mut part[2..]);
+                s = e;
+            }
+            // Ancestor slots of this range, gathered in depth order.
+            if r1 > base {
+                let k0 = r0.max(base) - base;
+                let k1 = r1 - base;
+                gathered.clear();
+                for &i in &a[k0..k1] {
+                    let slot = base + i;
+                    let b = slot / bs;
+                    let row = (slot - b * bs) * hd;
+                    gathered.extend_from_slice(&vbufs[b - tb0][row..row + hd]);
+                }
+                let p0 = r0.max(base) - r0;
+                value_sum(&sc[p0..p0 + (k1 - k0)], &gathered, hd, &mut part[2..]);
+            }
+            ranges.push(part);
+            r0 = r1;
+        }
+        let dst = &mut out[qi * (hd + 2)..(qi + 1) * (hd + 2)];
+        dst[0] = 0.0;
+        dst[1] = 1.0;
+        merge_partials(
+            parts
+                .iter()
+                .map(|p| &p[qi * (hd + 2)..(qi + 1) * (hd + 2)])
+                .chain(ranges.iter().map(|p| &p[..])),
+            &mut dst[2..],
+        );
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

@@ -229,6 +229,72 @@ impl KvCache {
         }
     }
 
+    /// Move the entries of slot `from` to slot `to`, for every layer and kv
+    /// head, for each `(from, to)` in order: after tree verification the
+    /// accepted path's nodes are not contiguous, and this packs them right
+    /// after the committed prefix (their keys were already rotated for their
+    /// depth, which is their new position). Every slot must be below `len`;
+    /// the moves must not overwrite a later move's source (moving each node
+    /// down to its depth, in path order, never does).
+    pub fn compact(&mut self, moves: &[(usize, usize)]) -> Result<()> {
+        for (i, &(from, to)) in moves.iter().enumerate() {
+            if from >= self.len || to >= self.len {
+                return Err(SpecdError::CacheRollback {
+                    have: self.len,
+                    want: from.max(to) + 1,
+                });
+            }
+            if to > from || moves[i + 1..].iter().any(|&(f, _)| f == to) {
+                return Err(SpecdError::InvalidRequest(format!(
+                    "KV compaction: moving slot {from} to {to} would overwrite an entry still to be moved"
+                )));
+            }
+        }
+        let l = self.layout;
+        // (source index, target index) within a block, for every layer and
+        // kv head: the key column (transposed) and the value row.
+        let pairs = |fs: usize, ts: usize| {
+            (0..l.layers).flat_map(move |layer| {
+                (0..l.kv_heads).flat_map(move |h| {
+                    let ko = l.offset(layer, 0, h);
+                    let vo = l.offset(layer, 1, h);
+                    (0..l.head_dim)
+                        .map(move |d| (ko + d * l.block_size + fs, ko + d * l.block_size + ts))
+                        .chain(
+                            (0..l.head_dim)
+                                .map(move |d| (vo + fs * l.head_dim + d, vo + ts * l.head_dim + d)),
+                        )
+                })
+            })
+        };
+        for &(from, to) in moves {
+            if from == to {
+                continue;
+            }
+            let (fb, fs) = (from / l.block_size, from % l.block_size);
+            let (tb, ts) = (to / l.block_size, to % l.block_size);
+            if fb == tb {
+                match &mut self.blocks[fb] {
+                    Block::F16(b) => pairs(fs, ts).for_each(|(i, j)| b[j] = b[i]),
+                    Block::F32(b) => pairs(fs, ts).for_each(|(i, j)| b[j] = b[i]),
+                }
+                continue;
+            }
+            // Sources lie at or after targets (nodes move down to their depth).
+            let (lo, hi) = self.blocks.split_at_mut(fb);
+            match (&hi[0], &mut lo[tb]) {
+                (Block::F16(src), Block::F16(dst)) => {
+                    pairs(fs, ts).for_each(|(i, j)| dst[j] = src[i])
+                }
+                (Block::F32(src), Block::F32(dst)) => {
+                    pairs(fs, ts).for_each(|(i, j)| dst[j] = src[i])
+                }
+                _ => unreachable!("one cache holds one element type"),
+            }
+        }
+        Ok(())
+    }
+
     fn run(&self, b: usize, o: usize) -> KvSlice<'_> {
         let n = self.layout.block_size * self.layout.head_dim;
         match &self.blocks[b] {
@@ -280,6 +346,46 @@ mod tests {
         assert_eq!(c.len(), 4);
         c.truncate(0).unwrap();
         assert_eq!((c.len(), c.num_blocks()), (0, 0));
+    }
+
+    #[test]
+    fn compact_moves_every_layer_and_head_across_blocks() {
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let mut c = KvCache::new(KvLayout { dtype, ..layout() }, 32);
+            c.reserve(11).unwrap();
+            // Slot s of layer l holds keys 100 l + 10 s + i, values negated.
+            for slot in 0..11 {
+                for layer in 0..2 {
+                    let k: Vec<f32> = (0..8)
+                        .map(|i| (100 * layer + 10 * slot + i) as f32)
+                        .collect();
+                    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                    c.write(layer, slot, &k, &v);
+                }
+            }
+            c.advance(11);
+            // Path nodes at slots 6 and 9 move down to 3 and 4 (block 1 to
+            // block 0 and 2 to 1); slot 5 stays.
+            c.compact(&[(6, 3), (9, 4), (5, 5)]).unwrap();
+            let mut buf = Vec::new();
+            for (slot, was) in [(3usize, 6usize), (4, 9), (5, 5), (2, 2)] {
+                let (b, s) = (slot / 4, slot % 4);
+                for layer in 0..2 {
+                    for h in 0..2 {
+                        let kt = c.keys_t(layer, h, b).widen(&mut buf).to_vec();
+                        let vs = c.values(layer, h, b).widen(&mut buf).to_vec();
+                        for d in 0..4 {
+                            let want = (100 * layer + 10 * was + 4 * h + d) as f32;
+                            assert_eq!(kt[d * 4 + s], want, "{dtype:?} key slot {slot}");
+                            assert_eq!(vs[s * 4 + d], -want, "{dtype:?} value slot {slot}");
+                        }
+                    }
+                }
+            }
+            // A move upwards, or past the end, is refused.
+            assert!(c.compact(&[(3, 6)]).is_err());
+            assert!(c.compact(&[(11, 3)]).is_err());
+        }
     }
 
     #[test]

@@ -263,7 +263,7 @@ impl Model {
             }
             let base = s.cache.len();
             s.cache.reserve(n)?;
-            let allowed = match s.tree {
+            let (allowed, ancestors) = match s.tree {
                 Some(t) => {
                     if t.parents.len() != n {
                         return Err(SpecdError::InvalidRequest(format!(
@@ -273,11 +273,11 @@ impl Model {
                     }
                     t.validate()?;
                     positions.extend(t.depths().into_iter().map(|d| base + d));
-                    Some(t.allowed())
+                    (Some(t.allowed()), Some(t.ancestors()))
                 }
                 None => {
                     positions.extend(base..base + n);
-                    None
+                    (None, None)
                 }
             };
             metas.push(SeqRows {
@@ -285,6 +285,7 @@ impl Model {
                 n,
                 base,
                 allowed,
+                ancestors,
             });
             start += n;
         }

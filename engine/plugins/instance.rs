@@ -12,7 +12,9 @@ use super::library::PluginLibrary;
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::Distribution;
-use crate::speculative::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
+use crate::speculative::proposer::{
+    Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind, SiblingMode,
+};
 use crate::speculative::SeqId;
 use crate::tokenizer::Tokenizer;
 
@@ -26,6 +28,19 @@ pub struct PluginProposer {
     // Boxed so the pointers handed to the plugin stay put.
     _host: Box<abi::HostApi>,
     _ctx: Box<HostCtx>,
+    /// Output buffers kept between calls (q can be `nodes x vocab` floats
+    /// per sequence: allocated once, never zeroed per step).
+    bufs: Buffers,
+}
+
+#[derive(Debug, Default)]
+struct Buffers {
+    tokens: Vec<u32>,
+    n_drafted: Vec<u32>,
+    q_ids: Vec<u32>,
+    q_probs: Vec<f32>,
+    q_len: Vec<u32>,
+    parents: Vec<i32>,
 }
 
 // SAFETY: the instance is only ever driven from one thread at a time (the
@@ -60,15 +75,15 @@ impl PluginProposer {
             tokenizer,
         });
         let host = Box::new(abi::HostApi {
-            struct_size: std::mem::size_of::<abi::HostApi>() as u32,
-            ctx: &*ctx as *const HostCtx as *mut c_void,
-            log: host_log,
-            counter_add: host_counter,
+            struct_size: abi::size_of::<abi::HostApi>(),
             vocab_size: vocab as u32,
             hidden_size: hidden as u32,
-            embed: host_embed,
-            lm_head: host_lm_head,
-            token_text: host_token_text,
+            ctx: &*ctx as *const HostCtx as *mut c_void,
+            log: Some(host_log),
+            counter_add: Some(host_counter),
+            embed: Some(host_embed),
+            lm_head: Some(host_lm_head),
+            token_text: Some(host_token_text),
         });
         let text = toml::to_string(options)
             .map_err(|e| SpecdError::Plugin(format!("proposer '{name}': options: {e}")))?;
@@ -78,7 +93,7 @@ impl PluginProposer {
         // SAFETY: vtable from a validated descriptor; every pointer is live
         // for the call and `err` has the capacity passed.
         let status = unsafe {
-            (lib.vtable.create)(
+            (lib.fns.create)(
                 abi::Str {
                     ptr: text.as_ptr(),
                     len: text.len(),
@@ -97,9 +112,14 @@ impl PluginProposer {
                 lib.path.display()
             )));
         }
-        let mut caps = lib.caps;
-        // SAFETY: valid instance and a writable struct.
-        if unsafe { (lib.vtable.capabilities)(inst, &mut caps) } != abi::STATUS_OK {
+        // Ask the instance; it writes at most our struct's size and reports
+        // what it wrote (the rest keeps the descriptor's defaults).
+        let mut caps = abi::Capabilities {
+            struct_size: abi::size_of::<abi::Capabilities>(),
+            ..lib.caps
+        };
+        // SAFETY: valid instance and a writable struct of the size declared.
+        if unsafe { (lib.fns.capabilities)(inst, &mut caps) } != abi::STATUS_OK {
             caps = lib.caps;
         }
         let mut p = Self {
@@ -110,10 +130,12 @@ impl PluginProposer {
             vocab,
             _host: host,
             _ctx: ctx,
+            bufs: Buffers::default(),
         };
-        if p.caps.tree != 0 {
+        if p.caps.n_hidden_layers > 8 {
             return Err(SpecdError::Plugin(format!(
-                "proposer '{name}': tree drafts are not verified by this host yet"
+                "proposer '{name}': {} hidden layers declared, at most 8",
+                p.caps.n_hidden_layers
             )));
         }
         if p.caps.q_kind == abi::Q_FULL && p.vocab == 0 {
@@ -139,7 +161,7 @@ impl PluginProposer {
     fn error(&self, what: &str, status: abi::Status) -> String {
         let mut buf = vec![0u8; 4096];
         // SAFETY: valid instance; `buf` has the capacity passed.
-        let n = unsafe { (self.lib.vtable.last_error)(self.inst, buf.as_mut_ptr(), buf.len()) };
+        let n = unsafe { (self.lib.fns.last_error)(self.inst, buf.as_mut_ptr(), buf.len()) };
         let msg = String::from_utf8_lossy(&buf[..n.min(buf.len())]).into_owned();
         let kind = if status == abi::STATUS_PANIC {
             "panicked"
@@ -154,7 +176,7 @@ impl Drop for PluginProposer {
     fn drop(&mut self) {
         // SAFETY: the instance came from this library's `create` and is not
         // used after this call.
-        unsafe { (self.lib.vtable.destroy)(self.inst) };
+        unsafe { (self.lib.fns.destroy)(self.inst) };
     }
 }
 
@@ -177,12 +199,21 @@ impl Proposer for PluginProposer {
             },
             max_draft: c.max_draft as usize,
             tree: c.tree != 0,
+            max_depth: match c.max_depth {
+                0 => c.max_draft as usize,
+                d => d as usize,
+            },
+            siblings: if c.sibling_mode == abi::SIBLINGS_IID {
+                SiblingMode::Iid
+            } else {
+                SiblingMode::WithoutReplacement
+            },
         }
     }
 
     fn start(&mut self, seq: SeqId, prompt: &[u32]) -> std::result::Result<(), String> {
         // SAFETY: valid instance; the token buffer is live for the call.
-        let s = unsafe { (self.lib.vtable.start)(self.inst, seq, prompt.as_ptr(), prompt.len()) };
+        let s = unsafe { (self.lib.fns.start)(self.inst, seq, prompt.as_ptr(), prompt.len()) };
         if s == abi::STATUS_OK {
             Ok(())
         } else {
@@ -200,6 +231,13 @@ impl Proposer for PluginProposer {
             abi::Q_FULL => self.vocab,
             _ => 0,
         };
+        let width = self
+            ._ctx
+            .model
+            .as_ref()
+            .map(|m| m.config.hidden)
+            .unwrap_or(0);
+        // Every declared layer, in declaration order, one block each.
         let hidden: Vec<Vec<f32>> = batch
             .iter()
             .map(|b| {
@@ -209,12 +247,6 @@ impl Proposer for PluginProposer {
                     .collect()
             })
             .collect();
-        let width = self
-            ._ctx
-            .model
-            .as_ref()
-            .map(|m| m.config.hidden)
-            .unwrap_or(0);
         let inputs: Vec<abi::SeqInput> = batch
             .iter()
             .zip(&hidden)
@@ -224,10 +256,11 @@ impl Proposer for PluginProposer {
                     _ => 0,
                 };
                 abi::SeqInput {
+                    struct_size: abi::size_of::<abi::SeqInput>(),
+                    max_draft: b.max_draft as u32,
                     seq: b.seq,
                     tokens: b.tokens.as_ptr(),
                     n_tokens: b.tokens.len(),
-                    max_draft: b.max_draft as u32,
                     temperature: b.params.temperature,
                     top_k: b.params.top_k as u32,
                     top_p: b.params.top_p,
@@ -236,55 +269,83 @@ impl Proposer for PluginProposer {
                     hidden: h.as_ptr(),
                     n_hidden_rows: rows as u32,
                     hidden_width: width as u32,
+                    n_hidden_layers: b.hidden.len() as u32,
+                    hidden_start: b.hidden_start as u64,
                 }
             })
             .collect();
+        let ptrs: Vec<*const abi::SeqInput> = inputs.iter().map(|i| i as *const _).collect();
         let n = batch.len();
-        let mut tokens = vec![0u32; n * draft_cap];
-        let mut n_drafted = vec![0u32; n];
-        let mut q_ids = vec![0u32; n * draft_cap * q_cap];
-        let mut q_probs = vec![0f32; n * draft_cap * q_cap];
-        let mut q_len = vec![0u32; n * draft_cap];
-        let mut parents = vec![-1i32; n * draft_cap];
+        let slots = n * draft_cap;
+        let b = &mut self.bufs;
+        // Small buffers are reset every call; q entries are only read where
+        // the plugin says it wrote them (`q_len`), so they are reused as is.
+        for (v, fill) in [(&mut b.tokens, 0u32), (&mut b.q_len, 0u32)] {
+            v.clear();
+            v.resize(slots, fill);
+        }
+        b.n_drafted.clear();
+        b.n_drafted.resize(n, 0);
+        b.parents.clear();
+        b.parents
+            .extend((0..n).flat_map(|_| (0..draft_cap as i32).map(|j| j - 1)));
+        if b.q_probs.len() < slots * q_cap {
+            b.q_probs.resize(slots * q_cap, 0.0);
+            b.q_ids.resize(slots * q_cap, 0);
+        }
         let mut out = abi::DraftOut {
+            struct_size: abi::size_of::<abi::DraftOut>(),
             draft_cap: draft_cap as u32,
             q_cap: q_cap as u32,
-            tokens: tokens.as_mut_ptr(),
-            n_drafted: n_drafted.as_mut_ptr(),
-            q_ids: q_ids.as_mut_ptr(),
-            q_probs: q_probs.as_mut_ptr(),
-            q_len: q_len.as_mut_ptr(),
-            parents: parents.as_mut_ptr(),
+            tokens: b.tokens.as_mut_ptr(),
+            n_drafted: b.n_drafted.as_mut_ptr(),
+            q_ids: b.q_ids.as_mut_ptr(),
+            q_probs: b.q_probs.as_mut_ptr(),
+            q_len: b.q_len.as_mut_ptr(),
+            parents: b.parents.as_mut_ptr(),
         };
-        // SAFETY: valid instance; every buffer is live and sized exactly as
-        // `out` describes; inputs point into `batch` and `hidden`, both live.
-        let s = unsafe { (self.lib.vtable.propose)(self.inst, inputs.as_ptr(), n, &mut out) };
+        // SAFETY: valid instance; every buffer is live and at least as large
+        // as `out` describes; `ptrs` point into `inputs`, whose own pointers
+        // point into `batch` and `hidden`, all live for the call.
+        let s = unsafe { (self.lib.fns.propose)(self.inst, ptrs.as_ptr(), n, &mut out) };
         if s != abi::STATUS_OK {
             return Err(self.error("propose", s));
         }
+        let b = &self.bufs;
+        let tree = self.caps.tree != 0;
         let mut drafts = Vec::with_capacity(n);
-        for (i, b) in batch.iter().enumerate() {
-            let k = (n_drafted[i] as usize).min(b.max_draft).min(draft_cap);
+        for (i, inp) in batch.iter().enumerate() {
+            let k = (b.n_drafted[i] as usize).min(inp.max_draft).min(draft_cap);
             let mut d = Draft::default();
+            let mut parents = Vec::with_capacity(k);
+            // The q of each parent's first child, for later siblings.
+            let mut first_q: std::collections::HashMap<i32, usize> = Default::default();
             for j in 0..k {
                 let slot = i * draft_cap + j;
-                let tok = tokens[slot];
+                let tok = b.tokens[slot];
                 if self.vocab > 0 && tok as usize >= self.vocab {
                     return Err(format!(
                         "plugin {} drafted token {tok} outside the vocabulary",
                         self.lib.name
                     ));
                 }
+                let parent = if tree { b.parents[slot] } else { j as i32 - 1 };
+                parents.push(parent);
                 d.tokens.push(tok);
                 let base = slot * q_cap;
-                d.q.push(match self.caps.q_kind {
-                    // Nothing written: a one-hot q (allowed under greedy
-                    // decoding whatever the declared kind).
-                    abi::Q_SPARSE | abi::Q_FULL if q_len[slot] == 0 => DraftQ::OneHot,
+                let len = (b.q_len[slot] as usize).min(q_cap);
+                let sibling_of = first_q.get(&parent).copied();
+                let q = match self.caps.q_kind {
+                    // Nothing written for a later sibling: its first
+                    // sibling's q; for anything else: one-hot (allowed under
+                    // greedy decoding whatever the declared kind).
+                    abi::Q_SPARSE | abi::Q_FULL if len == 0 => match sibling_of {
+                        Some(f) if tree => d.q[f].clone(),
+                        _ => DraftQ::OneHot,
+                    },
                     abi::Q_SPARSE => {
-                        let len = (q_len[slot] as usize).min(q_cap);
                         let mut pairs: Vec<(u32, f32)> = (0..len)
-                            .map(|e| (q_ids[base + e], q_probs[base + e]))
+                            .map(|e| (b.q_ids[base + e], b.q_probs[base + e]))
                             .collect();
                         pairs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
                         DraftQ::Sparse(Distribution {
@@ -292,9 +353,20 @@ impl Proposer for PluginProposer {
                             probs: pairs.iter().map(|p| p.1).collect(),
                         })
                     }
-                    abi::Q_FULL => DraftQ::Full(q_probs[base..base + q_cap].to_vec()),
+                    abi::Q_FULL if len < q_cap => {
+                        return Err(format!(
+                            "plugin {} wrote {len} of the {q_cap} entries of a full q",
+                            self.lib.name
+                        ))
+                    }
+                    abi::Q_FULL => DraftQ::Full(b.q_probs[base..base + q_cap].into()),
                     _ => DraftQ::OneHot,
-                });
+                };
+                d.q.push(q);
+                first_q.entry(parent).or_insert(j);
+            }
+            if tree {
+                d.parents = Some(parents);
             }
             drafts.push(d);
         }
@@ -302,10 +374,26 @@ impl Proposer for PluginProposer {
     }
 
     fn observe(&mut self, seq: SeqId, committed: &[u32]) -> std::result::Result<(), String> {
-        // SAFETY: valid instance; the token buffer is live for the call.
-        let s = unsafe {
-            (self.lib.vtable.observe)(self.inst, seq, committed.as_ptr(), committed.len())
+        self.observe_path(seq, committed, &[])
+    }
+
+    fn observe_path(
+        &mut self,
+        seq: SeqId,
+        committed: &[u32],
+        path: &[usize],
+    ) -> std::result::Result<(), String> {
+        let path: Vec<u32> = path.iter().map(|&p| p as u32).collect();
+        let input = abi::ObserveInput {
+            struct_size: abi::size_of::<abi::ObserveInput>(),
+            seq,
+            tokens: committed.as_ptr(),
+            n_tokens: committed.len(),
+            path: path.as_ptr(),
+            n_path: path.len(),
         };
+        // SAFETY: valid instance; the input and its buffers live for the call.
+        let s = unsafe { (self.lib.fns.observe)(self.inst, &input) };
         if s == abi::STATUS_OK {
             Ok(())
         } else {
@@ -315,7 +403,7 @@ impl Proposer for PluginProposer {
 
     fn finish(&mut self, seq: SeqId) {
         // SAFETY: valid instance.
-        let s = unsafe { (self.lib.vtable.finish)(self.inst, seq) };
+        let s = unsafe { (self.lib.fns.finish)(self.inst, seq) };
         if s != abi::STATUS_OK {
             tracing::warn!(proposer = %self.name, "{}", self.error("finish", s));
         }

@@ -17,7 +17,48 @@ pub struct PluginLibrary {
     pub build_id: String,
     pub abi_minor: u32,
     pub(super) caps: abi::Capabilities,
-    pub(super) vtable: abi::VTable,
+    pub(super) fns: Fns,
+}
+
+/// The plugin's functions, every one present (checked at load).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Fns {
+    pub create: unsafe extern "C" fn(
+        abi::Str,
+        *const abi::HostApi,
+        *mut abi::Instance,
+        *mut u8,
+        usize,
+        *mut usize,
+    ) -> abi::Status,
+    pub destroy: unsafe extern "C" fn(abi::Instance),
+    pub capabilities: unsafe extern "C" fn(abi::Instance, *mut abi::Capabilities) -> abi::Status,
+    pub start: unsafe extern "C" fn(abi::Instance, u64, *const u32, usize) -> abi::Status,
+    pub propose: unsafe extern "C" fn(
+        abi::Instance,
+        *const *const abi::SeqInput,
+        usize,
+        *mut abi::DraftOut,
+    ) -> abi::Status,
+    pub observe: unsafe extern "C" fn(abi::Instance, *const abi::ObserveInput) -> abi::Status,
+    pub finish: unsafe extern "C" fn(abi::Instance, u64) -> abi::Status,
+    pub last_error: unsafe extern "C" fn(abi::Instance, *mut u8, usize) -> usize,
+}
+
+impl Fns {
+    fn from_abi(v: &abi::VTable) -> std::result::Result<Self, String> {
+        let missing = |f: &str| format!("the vtable has no `{f}` function");
+        Ok(Self {
+            create: v.create.ok_or_else(|| missing("create"))?,
+            destroy: v.destroy.ok_or_else(|| missing("destroy"))?,
+            capabilities: v.capabilities.ok_or_else(|| missing("capabilities"))?,
+            start: v.start.ok_or_else(|| missing("start"))?,
+            propose: v.propose.ok_or_else(|| missing("propose"))?,
+            observe: v.observe.ok_or_else(|| missing("observe"))?,
+            finish: v.finish.ok_or_else(|| missing("finish"))?,
+            last_error: v.last_error.ok_or_else(|| missing("last_error"))?,
+        })
+    }
 }
 
 fn plugin_err(path: &Path, why: impl std::fmt::Display) -> SpecdError {
@@ -98,6 +139,12 @@ pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
     // SAFETY: the plugin declares at least `known` readable bytes (checked
     // above); we copy exactly our struct's size, ignoring appended fields.
     let desc: abi::Descriptor = unsafe { std::ptr::read_unaligned(desc_ptr) };
+    // SAFETY: the descriptor's pointers refer to static, size-prefixed
+    // structs of the library (or are null, which `read_sized` refuses).
+    let (caps, vtable) = unsafe { (abi::read_sized(desc.caps), abi::read_sized(desc.vtable)) };
+    let caps = caps.ok_or_else(|| plugin_err(path, "descriptor has no capabilities"))?;
+    let vtable = vtable.ok_or_else(|| plugin_err(path, "descriptor has no vtable"))?;
+    let fns = Fns::from_abi(&vtable).map_err(|e| plugin_err(path, e))?;
     // SAFETY: descriptor strings are static in the library, never unloaded.
     let (name, version, build_id) = unsafe {
         (
@@ -115,8 +162,8 @@ pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
         version,
         build_id,
         abi_minor: minor,
-        caps: desc.caps,
-        vtable: desc.vtable,
+        caps,
+        fns,
     });
     // Never unload: instances and their callbacks may outlive any owner.
     std::mem::forget(lib);

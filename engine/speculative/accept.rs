@@ -14,7 +14,9 @@
 
 use std::collections::HashMap;
 
-use super::proposer::{Draft, DraftQ};
+#[cfg(test)]
+use super::proposer::DraftQ;
+use super::proposer::{Draft, SiblingMode};
 use super::SeqId;
 use crate::error::{Result, SpecdError};
 use crate::sampler::{self, Distribution, Rng, SamplingParams};
@@ -33,6 +35,9 @@ pub enum Acceptance {
     StalePenalties,
     /// Lossy: p is the temperature softmax without top-k, top-p or min-p.
     UnfilteredTarget,
+    /// Lossy: after a rejected sibling drawn without replacement, q is not
+    /// renormalised without it.
+    StaleSiblingQ,
 }
 
 /// The result of verifying one sequence's draft.
@@ -64,38 +69,77 @@ fn target(
     }
 }
 
-fn sample_residual(p: &Distribution, q: &DraftQ, drafted: u32, rng: &mut Rng) -> u32 {
-    let resid: Vec<f64> = p
-        .ids
-        .iter()
-        .zip(&p.probs)
-        .map(|(&id, &pp)| (pp as f64 - q.prob(drafted, id) as f64).max(0.0))
-        .collect();
-    let z: f64 = resid.iter().sum();
-    if z < RESIDUAL_EPS {
-        return p.sample(rng);
-    }
-    let u = rng.next_f64() * z;
-    let mut cum = 0.0;
-    for (&id, &r) in p.ids.iter().zip(&resid) {
-        cum += r;
-        if u < cum {
-            return id;
-        }
-    }
-    // Rounding at the top end: the last token with residual mass.
-    p.ids
-        .iter()
-        .zip(&resid)
-        .rev()
-        .find(|(_, &r)| r > 0.0)
-        .map(|(&id, _)| id)
-        .unwrap_or(p.ids[0])
+/// The residual target of recursive rejection sampling: p over its support,
+/// lowered by each rejected candidate's q and renormalised.
+#[derive(Debug, Clone)]
+struct Residual {
+    ids: Vec<u32>,
+    probs: Vec<f64>,
 }
 
-/// Verify `draft` against `rows` (`(draft.len() + 1) x vocab` logits for the
-/// inputs `[last, d1 .. dk]`). `context` is every committed token (prompt
-/// and output), `generated` the committed output alone.
+impl Residual {
+    fn new(p: &Distribution) -> Self {
+        Self {
+            ids: p.ids.clone(),
+            probs: p.probs.iter().map(|&x| x as f64).collect(),
+        }
+    }
+
+    fn prob(&self, id: u32) -> f64 {
+        self.ids
+            .iter()
+            .position(|&i| i == id)
+            .map_or(0.0, |k| self.probs[k])
+    }
+
+    /// `self <- norm(max(self - q, 0))`. Zero mass left means p and q agree
+    /// (a rejection then had probability 0): the residual stays as it was.
+    fn subtract(&mut self, q: impl Fn(u32) -> f64) {
+        let next: Vec<f64> = self
+            .ids
+            .iter()
+            .zip(&self.probs)
+            .map(|(&id, &p)| (p - q(id)).max(0.0))
+            .collect();
+        let z: f64 = next.iter().sum();
+        if z >= RESIDUAL_EPS {
+            self.probs = next.into_iter().map(|x| x / z).collect();
+        }
+    }
+
+    fn sample(&self, rng: &mut Rng) -> u32 {
+        let total: f64 = self.probs.iter().sum();
+        let u = rng.next_f64() * total;
+        let mut cum = 0.0;
+        for (&id, &r) in self.ids.iter().zip(&self.probs) {
+            cum += r;
+            if u < cum {
+                return id;
+            }
+        }
+        // Rounding at the top end: the last token with mass.
+        self.ids
+            .iter()
+            .zip(&self.probs)
+            .rev()
+            .find(|(_, &r)| r > 0.0)
+            .map(|(&id, _)| id)
+            .unwrap_or(self.ids[0])
+    }
+}
+
+/// One rejection of a chain draft `drafted` with q: a sample from
+/// norm(max(p - q, 0)) (or from p when no mass is left).
+#[cfg(test)]
+fn sample_residual(p: &Distribution, q: &DraftQ, drafted: u32, rng: &mut Rng) -> u32 {
+    let mut r = Residual::new(p);
+    r.subtract(|id| q.prob(drafted, id) as f64);
+    r.sample(rng)
+}
+
+/// Verify a chain `draft` against `rows` (`(draft.len() + 1) x vocab`
+/// logits for the inputs `[last, d1 .. dk]`). `context` is every committed
+/// token (prompt and output), `generated` the committed output alone.
 #[allow(clippy::too_many_arguments)]
 pub fn accept(
     rows: &[f32],
@@ -107,14 +151,63 @@ pub fn accept(
     rng: &mut Rng,
     acceptance: Acceptance,
 ) -> Result<Accepted> {
-    let k = draft.tokens.len();
-    if vocab == 0 || rows.len() != (k + 1) * vocab || draft.q.len() != k {
+    let (a, _) = accept_tree(
+        rows,
+        vocab,
+        draft,
+        SiblingMode::WithoutReplacement,
+        context,
+        generated,
+        params,
+        rng,
+        acceptance,
+    )?;
+    Ok(a)
+}
+
+/// Verify a draft, chain or tree, against `rows` (one row of logits for the
+/// root, the last committed token, then one per node). Returns the accepted
+/// tokens (the path's drafts, then the correction or bonus token) and the
+/// path's node indices.
+///
+/// Greedy: from the root, follow the child equal to the target's argmax.
+///
+/// Sampling: multi-candidate recursive rejection sampling (SpecInfer, Miao
+/// et al. 2024, Theorem 4.2, for siblings drawn i.i.d.; Sequoia, Chen et al.
+/// 2024, Algorithm 2, for siblings drawn without replacement). At a node
+/// with target distribution p and children x_1..x_m drawn from q: accept
+/// x_i with probability min(1, p_i(x_i) / q_i(x_i)); after a rejection set
+/// p_{i+1} = norm(max(p_i - q_i, 0)) and, without replacement,
+/// q_{i+1} = norm(q_i with x_i removed); if every child is rejected (or
+/// the node is a leaf) sample from the residual. By induction on the
+/// children, the token emitted at each node is distributed exactly as p.
+#[allow(clippy::too_many_arguments)]
+pub fn accept_tree(
+    rows: &[f32],
+    vocab: usize,
+    draft: &Draft,
+    siblings: SiblingMode,
+    context: &[u32],
+    generated: &[u32],
+    params: &SamplingParams,
+    rng: &mut Rng,
+    acceptance: Acceptance,
+) -> Result<(Accepted, Vec<usize>)> {
+    let n = draft.tokens.len();
+    let parents_ok = draft.parents.as_ref().is_none_or(|p| {
+        p.len() == n && p.iter().enumerate().all(|(i, &x)| x >= -1 && x < i as i32)
+    });
+    if vocab == 0 || rows.len() != (n + 1) * vocab || draft.q.len() != n || !parents_ok {
         return Err(SpecdError::InvalidRequest(format!(
-            "acceptance: {} logits for {} drafts ({} q) over a vocabulary of {vocab}",
+            "acceptance: {} logits for {n} drafts ({} q) over a vocabulary of {vocab}",
             rows.len(),
-            k,
             draft.q.len()
         )));
+    }
+    // children[r]: the nodes whose parent is row r (row 0: the root).
+    let mut children: Vec<Vec<usize>> = vec![Vec::new(); n + 1];
+    for i in 0..n {
+        children[draft.parent(i).map_or(0, |p| p + 1)].push(i);
     }
     let greedy = params.is_greedy();
     // Penalties see the accepted drafts as context; without penalties the
@@ -125,74 +218,95 @@ pub fn accept(
     } else {
         (Vec::new(), Vec::new())
     };
-    let mut tokens = Vec::with_capacity(k + 1);
-    for i in 0..=k {
-        let row = &rows[i * vocab..(i + 1) * vocab];
-        if greedy && !params.has_penalties() {
-            let best = sampler::argmax(row);
-            if i < k && draft.tokens[i] == best {
-                tokens.push(best);
-                continue;
-            }
-            tokens.push(best);
-            return Ok(Accepted {
-                accepted: i,
-                tokens,
-            });
+    let target_params = if acceptance == Acceptance::UnfilteredTarget {
+        SamplingParams {
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            ..params.clone()
         }
-        let p = if acceptance == Acceptance::UnfilteredTarget {
-            let raw = SamplingParams {
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                ..params.clone()
+    } else {
+        params.clone()
+    };
+    let mut tokens = Vec::new();
+    let mut path = Vec::new();
+    let mut r = 0usize;
+    loop {
+        let row = &rows[r * vocab..(r + 1) * vocab];
+        let kids = &children[r];
+        let done = |tokens: Vec<u32>, path: Vec<usize>| {
+            Ok((
+                Accepted {
+                    accepted: path.len(),
+                    tokens,
+                },
+                path,
+            ))
+        };
+        let chosen = if greedy {
+            let best = if penalised {
+                target(row, &ctx, &gen, &target_params).ids[0]
+            } else {
+                sampler::argmax(row)
             };
-            target(row, &ctx, &gen, &raw)
-        } else {
-            target(row, &ctx, &gen, params)
-        };
-        if i == k {
-            tokens.push(p.sample(rng));
-            return Ok(Accepted {
-                accepted: k,
-                tokens,
-            });
-        }
-        let d = draft.tokens[i];
-        let q = &draft.q[i];
-        let pd = p.prob(d) as f64;
-        let accepted = if greedy {
-            pd >= 1.0
-        } else {
-            let qd = q.prob(d, d) as f64;
-            qd > 0.0 && rng.next_f64() < (pd / qd).min(1.0)
-        };
-        if accepted {
-            tokens.push(d);
-            if penalised && acceptance != Acceptance::StalePenalties {
-                ctx.push(d);
-                gen.push(d);
+            match kids.iter().find(|&&c| draft.tokens[c] == best) {
+                Some(&c) => c,
+                None => {
+                    tokens.push(best);
+                    return done(tokens, path);
+                }
             }
-            continue;
-        }
-        let fix = if greedy {
-            p.ids[0]
         } else {
-            match acceptance {
-                Acceptance::ResidualFromP => p.sample(rng),
-                _ => sample_residual(&p, q, d, rng),
+            let p = target(row, &ctx, &gen, &target_params);
+            let mut res = Residual::new(&p);
+            let mut next = None;
+            if let Some(&first) = kids.first() {
+                let (qb, qt) = (&draft.q[first], draft.tokens[first]);
+                // Without replacement: tokens already drawn, and their mass.
+                let mut removed: Vec<u32> = Vec::new();
+                let mut removed_mass = 0f64;
+                for &c in kids {
+                    let x = draft.tokens[c];
+                    let q_cur = |y: u32| {
+                        if removed.contains(&y) {
+                            0.0
+                        } else {
+                            qb.prob(qt, y) as f64 / (1.0 - removed_mass).max(f64::MIN_POSITIVE)
+                        }
+                    };
+                    let (px, qx) = (res.prob(x), q_cur(x));
+                    if qx > 0.0 && rng.next_f64() < (px / qx).min(1.0) {
+                        next = Some(c);
+                        break;
+                    }
+                    if acceptance != Acceptance::ResidualFromP {
+                        res.subtract(q_cur);
+                    }
+                    if siblings == SiblingMode::WithoutReplacement
+                        && acceptance != Acceptance::StaleSiblingQ
+                    {
+                        removed.push(x);
+                        removed_mass += qb.prob(qt, x) as f64;
+                    }
+                }
+            }
+            match next {
+                Some(c) => c,
+                None => {
+                    tokens.push(res.sample(rng));
+                    return done(tokens, path);
+                }
             }
         };
-        tokens.push(fix);
-        return Ok(Accepted {
-            accepted: i,
-            tokens,
-        });
+        let x = draft.tokens[chosen];
+        tokens.push(x);
+        path.push(chosen);
+        if penalised && acceptance != Acceptance::StalePenalties {
+            ctx.push(x);
+            gen.push(x);
+        }
+        r = chosen + 1;
     }
-    // The loop returns at i == k at the latest.
-    Err(SpecdError::InvalidRequest(
-        "acceptance ended without a token".into(),
-    ))
 }
 
 /// One sequence's acceptance input.
@@ -202,6 +316,8 @@ pub struct AcceptItem {
     /// `(draft.len() + 1) x vocab` logits.
     pub rows: Vec<f32>,
     pub draft: Draft,
+    /// How the draft's siblings were drawn (trees).
+    pub siblings: SiblingMode,
     pub params: SamplingParams,
     /// Committed tokens (prompt and output) for penalties.
     pub context: Vec<u32>,
@@ -232,16 +348,18 @@ impl Acceptor {
         }
     }
 
-    /// Accept one item's drafts with its request's RNG.
-    pub fn accept_one(&mut self, it: &AcceptItem) -> Result<Accepted> {
+    /// Accept one item's drafts with its request's RNG: the accepted tokens
+    /// and the path's node indices.
+    pub fn accept_one(&mut self, it: &AcceptItem) -> Result<(Accepted, Vec<usize>)> {
         let rng = self
             .rngs
             .entry(it.seq)
             .or_insert_with(|| Rng::new(it.params.seed));
-        accept(
+        accept_tree(
             &it.rows,
             self.vocab,
             &it.draft,
+            it.siblings,
             &it.context,
             &it.context[it.prompt_len.min(it.context.len())..],
             &it.params,
@@ -270,6 +388,7 @@ mod tests {
         let draft = Draft {
             tokens: vec![2, 0],
             q: vec![DraftQ::OneHot, DraftQ::OneHot],
+            parents: None,
         };
         let mut rng = Rng::new(0);
         let a = accept(
@@ -293,6 +412,7 @@ mod tests {
         let draft = Draft {
             tokens: vec![2, 1],
             q: vec![DraftQ::OneHot, DraftQ::OneHot],
+            parents: None,
         };
         let a = accept(
             &rows,
@@ -321,6 +441,7 @@ mod tests {
         let draft = Draft {
             tokens: vec![0],
             q: vec![DraftQ::OneHot],
+            parents: None,
         };
         let params = SamplingParams {
             temperature: 1.0,
@@ -363,16 +484,93 @@ mod tests {
         };
         let mut rng = Rng::new(1);
         // p - q is positive only on token 1.
-        let q = DraftQ::Full(vec![0.75, 0.25]);
+        let q = DraftQ::Full(vec![0.75, 0.25].into());
         for _ in 0..100 {
             assert_eq!(sample_residual(&p, &q, 0, &mut rng), 1);
         }
         // p == q: no residual mass; the guard samples from p itself.
-        let same = DraftQ::Full(vec![0.25, 0.75]);
+        let same = DraftQ::Full(vec![0.25, 0.75].into());
         let n = 20000;
         let ones = (0..n)
             .filter(|_| sample_residual(&p, &same, 1, &mut rng) == 1)
             .count();
         assert!((ones as f64 / n as f64 - 0.75).abs() < 0.015, "{ones}");
+    }
+
+    /// Multi-candidate rejection sampling at one node, siblings drawn
+    /// without replacement: the first emitted token is distributed as p
+    /// with the q update, and not without it.
+    #[test]
+    fn siblings_without_replacement_need_the_q_update() {
+        let v = 4;
+        let p = [0.05f32, 0.55, 0.25, 0.15];
+        let q = [0.5f32, 0.1, 0.3, 0.1];
+        let qa: std::sync::Arc<[f32]> = q.to_vec().into();
+        let rows: Vec<f32> = logits_for(&p).repeat(4);
+        let params = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let freq = |acceptance: Acceptance| {
+            let mut rng = Rng::new(11);
+            let mut draw = Rng::new(12);
+            let mut counts = [0usize; 4];
+            let n = 60000;
+            for _ in 0..n {
+                // Three children of the root, drawn from q without replacement.
+                let mut drawn: Vec<u32> = Vec::new();
+                for _ in 0..3 {
+                    let mass: f64 = (0..v)
+                        .filter(|t| !drawn.contains(&(*t as u32)))
+                        .map(|t| q[t] as f64)
+                        .sum();
+                    let u = draw.next_f64() * mass;
+                    let mut cum = 0.0;
+                    let mut pick = 0;
+                    for t in 0..v {
+                        if drawn.contains(&(t as u32)) {
+                            continue;
+                        }
+                        cum += q[t] as f64;
+                        pick = t as u32;
+                        if u < cum {
+                            break;
+                        }
+                    }
+                    drawn.push(pick);
+                }
+                let d = Draft {
+                    tokens: drawn.clone(),
+                    q: vec![DraftQ::Full(qa.clone()); 3],
+                    parents: Some(vec![-1, -1, -1]),
+                };
+                let (a, _) = accept_tree(
+                    &rows,
+                    v,
+                    &d,
+                    SiblingMode::WithoutReplacement,
+                    &[],
+                    &[],
+                    &params,
+                    &mut rng,
+                    acceptance,
+                )
+                .unwrap();
+                counts[a.tokens[0] as usize] += 1;
+            }
+            counts.map(|c| c as f64 / n as f64)
+        };
+        let good = freq(Acceptance::Exact);
+        for t in 0..4 {
+            assert!((good[t] - p[t] as f64).abs() < 0.01, "{good:?} vs {p:?}");
+        }
+        let bad = freq(Acceptance::StaleSiblingQ);
+        let off = (0..4)
+            .map(|t| (bad[t] - p[t] as f64).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            off > 0.03,
+            "the naive rule should be biased: {bad:?} vs {p:?}"
+        );
     }
 }

@@ -35,6 +35,7 @@ use super::pipeline::{
     AcceptRequest, AcceptResponse, CommitLens, DraftRequest, DraftResponse, GrantRequest, Step,
     VerifyRequest, VerifyResponse,
 };
+use super::proposer::Capabilities;
 use super::runner::TargetRunner;
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::{Event, Request, SeqId};
@@ -214,8 +215,8 @@ impl EngineHealth {
 
 pub struct SchedulerActor {
     scheduler: Scheduler,
-    /// Proposer name -> max draft (known proposers).
-    caps: HashMap<String, usize>,
+    /// Proposer name -> capabilities (known proposers).
+    caps: HashMap<String, Capabilities>,
     kv: Addr<KvManagerActor>,
     draft: Addr<DraftActor>,
     verify: Addr<VerifyActor>,
@@ -340,7 +341,7 @@ impl SchedulerActor {
         self.steps += 1;
         let (caps, n) = (&self.caps, self.steps);
         let sched = &mut self.scheduler;
-        let planned = guarded("plan", || Step::plan(sched, |p| caps.get(p).copied(), n));
+        let planned = guarded("plan", || Step::plan(sched, |p| caps.get(p), n));
         let (step, req) = match planned {
             Ok(x) => x,
             Err(why) => return self.fatal(why),
@@ -468,10 +469,10 @@ impl EngineHandle {
             config,
             mut drafter,
         } = parts;
-        let caps: HashMap<String, usize> = drafter
+        let caps: HashMap<String, Capabilities> = drafter
             .names()
             .into_iter()
-            .filter_map(|n| drafter.capabilities(&n).map(|c| (n.clone(), c.max_draft)))
+            .filter_map(|n| drafter.capabilities(&n).map(|c| (n.clone(), c.clone())))
             .collect();
         let vocab = model.config.vocab_size;
         drafter.set_vocab(vocab);

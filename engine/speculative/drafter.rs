@@ -250,6 +250,7 @@ impl Drafter {
                     max_draft: inputs[i].max_draft.min(cap),
                     params: inputs[i].params,
                     hidden: inputs[i].hidden,
+                    hidden_start: inputs[i].hidden_start,
                 })
                 .collect();
             match catch_unwind(AssertUnwindSafe(|| slot.proposer.propose(&batch))) {
@@ -260,12 +261,13 @@ impl Drafter {
                         // Longer drafts than allowed are cut (documented);
                         // everything else must hold exactly.
                         let n = d.tokens.len().min(b.max_draft);
-                        if d.q.len() == d.tokens.len() {
-                            d.q.truncate(n);
+                        let consistent = d.q.len() == d.tokens.len()
+                            && d.parents.as_ref().is_none_or(|p| p.len() == d.tokens.len());
+                        if consistent {
+                            d.truncate(n);
                         }
-                        d.tokens.truncate(n);
                         let greedy = b.params.is_greedy();
-                        if let Err(why) = validate_draft(&d, slot.caps.q_kind, self.vocab, greedy) {
+                        if let Err(why) = validate_draft(&d, &slot.caps, self.vocab, greedy) {
                             bad = Some(format!("sequence {}: {why}", b.seq));
                             break;
                         }
@@ -316,6 +318,7 @@ impl Drafter {
                     max_draft: cap,
                     params: i.params,
                     hidden: i.hidden,
+                    hidden_start: i.hidden_start,
                 })
                 .collect();
             if batch.is_empty() {
@@ -349,7 +352,9 @@ impl Drafter {
         }
     }
 
-    pub fn observe(&mut self, seq: SeqId, committed: &[u32]) {
+    /// Tokens a step committed for `seq`, and the accepted path through
+    /// its draft (node indices, root first).
+    pub fn observe(&mut self, seq: SeqId, committed: &[u32], path: &[usize]) {
         for sh in &mut self.shadows {
             let Some(log) = sh.log.get_mut(&seq) else {
                 continue;
@@ -375,7 +380,9 @@ impl Drafter {
         if slot.poisoned.is_some() {
             return;
         }
-        let r = catch_unwind(AssertUnwindSafe(|| slot.proposer.observe(seq, committed)));
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            slot.proposer.observe_path(seq, committed, path)
+        }));
         if let Some(why) = failure("observe", r) {
             Self::poison(slot, &name, why);
         }

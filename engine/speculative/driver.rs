@@ -96,11 +96,8 @@ impl SyncDriver {
     pub fn step(&mut self) -> Result<StepReport> {
         self.steps += 1;
         let drafter = &self.drafter;
-        let (mut step, grant_req) = Step::plan(
-            &mut self.scheduler,
-            |n| drafter.capabilities(n).map(|c| c.max_draft),
-            self.steps,
-        );
+        let (mut step, grant_req) =
+            Step::plan(&mut self.scheduler, |n| drafter.capabilities(n), self.steps);
         let grant = self.kv.handle_grant(grant_req);
         let draft_req = step.granted(&mut self.scheduler, grant);
         let _span = step.span().clone().entered();

@@ -118,14 +118,22 @@ impl SpecStats {
     /// One verify step (or shadow proposal) that drafted `drafted` tokens,
     /// of which the first `accepted` were (or would have been) accepted.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.record_tree(drafted, drafted, accepted);
+    }
+
+    /// One verify step of a tree of `nodes` nodes, `depth` deep, whose
+    /// accepted path is `accepted` long (chains: `nodes == depth`).
+    /// Positions are depths: position i counts the steps that drafted a
+    /// node at depth i + 1, and those that accepted one.
+    pub fn record_tree(&mut self, nodes: usize, depth: usize, accepted: usize) {
         self.verify_steps += 1;
-        self.drafted += drafted as u64;
+        self.drafted += nodes as u64;
         self.accepted += accepted as u64;
-        if self.drafted_by_pos.len() < drafted {
-            self.drafted_by_pos.resize(drafted, 0);
-            self.accepted_by_pos.resize(drafted, 0);
+        if self.drafted_by_pos.len() < depth {
+            self.drafted_by_pos.resize(depth, 0);
+            self.accepted_by_pos.resize(depth, 0);
         }
-        for i in 0..drafted {
+        for i in 0..depth {
             self.drafted_by_pos[i] += 1;
             if i < accepted {
                 self.accepted_by_pos[i] += 1;

@@ -33,11 +33,11 @@ use super::runner::{TargetRunner, VerifyItem, VerifyOut};
 
 use super::drafter::Drafter;
 use super::kv_manager::{self, Grant, KvManager, Pool, Want};
-use super::proposer::{Draft, ProposeInput};
-use super::scheduler::{DecodeResult, PlanItem, Scheduler, Work};
+use super::proposer::{Capabilities, Draft, ProposeInput};
+use super::scheduler::{DecodeResult, Observed, PlanItem, PrefillResult, Scheduler, Work};
 use super::{Completion, SeqId};
 use crate::error::panic_message;
-use crate::model::Logits;
+use crate::model::{Logits, TreeMask};
 use crate::sampler::SamplingParams;
 
 // ------------------------------------------------------------ messages
@@ -57,7 +57,9 @@ pub struct DraftInput {
     pub tokens: Vec<u32>,
     pub max_draft: usize,
     pub params: SamplingParams,
+    /// Hidden states (declaration order) of positions `hidden_start..`.
     pub hidden: Vec<(usize, Vec<f32>)>,
+    pub hidden_start: usize,
 }
 
 /// Stage 3 input: lifecycle news for the proposers, then the batch to draft.
@@ -65,9 +67,9 @@ pub struct DraftInput {
 pub struct DraftRequest {
     /// Proposer label for this step's timing metrics.
     pub label: String,
-    /// Tokens committed by the previous step (a finished sequence's last
-    /// tokens arrive with its release).
-    pub observe: Vec<(SeqId, Vec<u32>)>,
+    /// Tokens committed by the previous step, with the accepted path (a
+    /// finished sequence's last tokens arrive with its release).
+    pub observe: Vec<Observed>,
     pub start: Vec<(SeqId, String, Vec<u32>)>,
     pub finish: Vec<SeqId>,
     pub inputs: Vec<DraftInput>,
@@ -76,8 +78,6 @@ pub struct DraftRequest {
 #[derive(Debug, Clone, Default)]
 pub struct DraftResponse {
     pub drafts: Vec<(SeqId, Draft)>,
-    /// Hidden-state layers each drafted sequence's proposer wants back.
-    pub hidden_layers: Vec<(SeqId, Vec<usize>)>,
 }
 
 /// Stage 4 input: drop the caches of `release`, then one forward.
@@ -98,7 +98,8 @@ pub struct AcceptRequest {
 
 #[derive(Debug, Clone, Default)]
 pub struct AcceptResponse {
-    pub accepted: Vec<(SeqId, Accepted)>,
+    /// (sequence, accepted tokens, the path's node indices).
+    pub accepted: Vec<(SeqId, Accepted, Vec<usize>)>,
     pub failed: Vec<(SeqId, String)>,
 }
 
@@ -135,6 +136,8 @@ pub struct Step {
     label: String,
     span: tracing::Span,
     drafts: HashMap<SeqId, Draft>,
+    /// Each decode item's deepest drafted node.
+    depths: HashMap<SeqId, usize>,
     outs: HashMap<SeqId, VerifyOut>,
     report: StepReport,
 }
@@ -154,15 +157,15 @@ pub fn step_label<'a>(names: impl Iterator<Item = &'a str>) -> String {
 
 impl Step {
     /// Stage 1 (scheduler): admit, plan the batch and ask for its KV.
-    /// `cap(name)` is a proposer's max draft. Aborts are deferred from here
-    /// until the step ends.
-    pub fn plan(
+    /// `caps(name)` is a proposer's capabilities. Aborts are deferred from
+    /// here until the step ends.
+    pub fn plan<'c>(
         sched: &mut Scheduler,
-        cap: impl Fn(&str) -> Option<usize>,
+        caps: impl Fn(&str) -> Option<&'c Capabilities>,
         n: u64,
     ) -> (Step, GrantRequest) {
         sched.begin_step();
-        let (items, wants) = sched.wants(cap);
+        let (items, wants) = sched.wants(caps);
         // Finished, aborted or failed sequences (and this plan's
         // admissions) known before the grant: their blocks are freed first.
         let early = sched.take_lifecycle();
@@ -175,6 +178,7 @@ impl Step {
             label: String::new(),
             span: tracing::Span::none(),
             drafts: HashMap::new(),
+            depths: HashMap::new(),
             outs: HashMap::new(),
             report: StepReport::default(),
         };
@@ -208,23 +212,29 @@ impl Step {
                 .filter_map(|i| sched.get(i.seq))
                 .map(|s| s.stats.proposer.as_str()),
         );
-        let inputs = self
-            .items
-            .iter()
-            .filter_map(|it| match &it.work {
-                Work::Decode { max_draft, .. } => {
-                    let v = sched.seq_context(it.seq)?;
-                    Some(DraftInput {
-                        seq: it.seq,
-                        tokens: v.tokens.to_vec(),
-                        max_draft: *max_draft,
-                        params: v.params.clone(),
-                        hidden: v.hidden.to_vec(),
-                    })
-                }
-                Work::Prefill(_) => None,
-            })
-            .collect();
+        let mut inputs = Vec::new();
+        for it in &self.items {
+            let Work::Decode { max_draft, .. } = it.work else {
+                continue;
+            };
+            // Hidden states wait in the scheduler until a step drafts.
+            let (hidden, hidden_start) = if max_draft > 0 {
+                sched.take_hidden(it.seq)
+            } else {
+                (Vec::new(), 0)
+            };
+            let Some(v) = sched.seq_context(it.seq) else {
+                continue;
+            };
+            inputs.push(DraftInput {
+                seq: it.seq,
+                tokens: v.tokens.to_vec(),
+                max_draft,
+                params: v.params.clone(),
+                hidden,
+                hidden_start,
+            });
+        }
         let mut start = std::mem::take(&mut self.starts);
         start.extend(lc.starts);
         DraftRequest {
@@ -245,7 +255,6 @@ impl Step {
     /// appended to its last token.
     pub fn drafted(&mut self, resp: DraftResponse) -> VerifyRequest {
         self.drafts = resp.drafts.into_iter().collect();
-        let hidden: HashMap<SeqId, Vec<usize>> = resp.hidden_layers.into_iter().collect();
         let items: Vec<VerifyItem> = self
             .items
             .iter()
@@ -255,19 +264,33 @@ impl Step {
                     cache_len: it.cache_len,
                     tokens: tokens.clone(),
                     logits: Logits::None,
-                    hidden_layers: Vec::new(),
+                    hidden_layers: it.hidden_layers.clone(),
+                    tree: None,
+                    moves: Vec::new(),
                 },
                 Work::Decode { last, .. } => {
                     let draft = self.drafts.entry(it.seq).or_default();
                     let mut tokens = Vec::with_capacity(1 + draft.tokens.len());
                     tokens.push(*last);
                     tokens.extend_from_slice(&draft.tokens);
+                    // The root (the last committed token) is new token 0;
+                    // node i is new token i + 1.
+                    let tree = draft.parents.as_ref().map(|_| TreeMask {
+                        parents: std::iter::once(None)
+                            .chain(
+                                (0..draft.tokens.len())
+                                    .map(|i| Some(draft.parent(i).map_or(0, |p| p + 1))),
+                            )
+                            .collect(),
+                    });
                     VerifyItem {
                         seq: it.seq,
                         cache_len: it.cache_len,
                         tokens,
                         logits: Logits::All,
-                        hidden_layers: hidden.get(&it.seq).cloned().unwrap_or_default(),
+                        hidden_layers: it.hidden_layers.clone(),
+                        tree,
+                        moves: it.moves.clone(),
                     }
                 }
             })
@@ -296,10 +319,14 @@ impl Step {
             else {
                 continue;
             };
+            let draft = self.drafts.remove(&it.seq).unwrap_or_default();
+            self.depths
+                .insert(it.seq, draft.depths().into_iter().max().unwrap_or(0));
             items.push(AcceptItem {
                 seq: it.seq,
                 rows: std::mem::take(&mut out.logits),
-                draft: self.drafts.remove(&it.seq).unwrap_or_default(),
+                draft,
+                siblings: it.siblings,
                 params: view.params.clone(),
                 // Only penalties read the history; skip the copy otherwise.
                 context: if view.params.has_penalties() {
@@ -328,19 +355,27 @@ impl Step {
         for (id, why) in &resp.failed {
             sched.fail(*id, why);
         }
-        let mut accepted: HashMap<SeqId, Accepted> = resp.accepted.into_iter().collect();
+        let mut accepted: HashMap<SeqId, (Accepted, Vec<usize>)> = resp
+            .accepted
+            .into_iter()
+            .map(|(id, a, path)| (id, (a, path)))
+            .collect();
         let mut prefilled = Vec::new();
         let mut decoded = Vec::new();
         for it in &self.items {
             match &it.work {
                 Work::Prefill(t) => {
                     // A prefill whose forward failed was failed above.
-                    if self.outs.contains_key(&it.seq) {
-                        prefilled.push((it.seq, t.len()));
+                    if let Some(out) = self.outs.remove(&it.seq) {
+                        prefilled.push(PrefillResult {
+                            seq: it.seq,
+                            tokens: t.len(),
+                            hidden: out.hidden,
+                        });
                     }
                 }
                 Work::Decode { .. } => {
-                    let (Some(a), Some(out)) =
+                    let (Some((a, path)), Some(out)) =
                         (accepted.remove(&it.seq), self.outs.remove(&it.seq))
                     else {
                         continue;
@@ -348,7 +383,9 @@ impl Step {
                     decoded.push(DecodeResult {
                         seq: it.seq,
                         drafted: out.rows.saturating_sub(1),
+                        depth: self.depths.get(&it.seq).copied().unwrap_or(0),
                         accepted: a,
+                        path,
                         hidden: out.hidden,
                     });
                 }
@@ -356,7 +393,7 @@ impl Step {
         }
         self.report.decode_seqs = decoded.len();
         self.report.prefill_seqs = prefilled.len();
-        let committed = sched.commit(&prefilled, decoded);
+        let committed = sched.commit(prefilled, decoded);
         sched.end_step();
         let free: Vec<SeqId> = committed.finished.iter().map(|c| c.id).collect();
         self.report.finished = committed.finished;
@@ -418,8 +455,8 @@ impl Drafter {
     /// one propose call per proposer.
     pub fn handle(&mut self, req: DraftRequest) -> DraftResponse {
         let t = Instant::now();
-        for (id, toks) in &req.observe {
-            self.observe(*id, toks);
+        for o in &req.observe {
+            self.observe(o.seq, &o.tokens, &o.path);
         }
         for (id, name, tokens) in &req.start {
             self.start(*id, name, tokens);
@@ -436,6 +473,7 @@ impl Drafter {
                 max_draft: i.max_draft,
                 params: &i.params,
                 hidden: &i.hidden,
+                hidden_start: i.hidden_start,
             })
             .collect();
         // `propose` isolates each proposer; this guard only catches a bug of
@@ -448,11 +486,6 @@ impl Drafter {
             }
         };
         let resp = DraftResponse {
-            hidden_layers: req
-                .inputs
-                .iter()
-                .map(|i| (i.seq, self.hidden_layers(i.seq).to_vec()))
-                .collect(),
             drafts: req.inputs.iter().map(|i| i.seq).zip(drafts).collect(),
         };
         metrics::histogram!("specd_draft_seconds", "proposer" => req.label)
@@ -495,7 +528,7 @@ impl Acceptor {
         let mut resp = AcceptResponse::default();
         for it in &req.items {
             match catch_unwind(AssertUnwindSafe(|| self.accept_one(it))) {
-                Ok(Ok(a)) => resp.accepted.push((it.seq, a)),
+                Ok(Ok((a, path))) => resp.accepted.push((it.seq, a, path)),
                 Ok(Err(e)) => resp.failed.push((it.seq, e.to_string())),
                 Err(p) => resp.failed.push((
                     it.seq,

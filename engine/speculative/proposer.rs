@@ -9,6 +9,8 @@
 //! declared kind, one-hot always allowed under greedy decoding, each q
 //! finite, non-negative, summing to 1 within 1e-3, with q(draft) > 0).
 
+use std::sync::Arc;
+
 use super::SeqId;
 use crate::sampler::{Distribution, SamplingParams};
 
@@ -23,15 +25,35 @@ pub enum QKind {
     Full,
 }
 
+/// How the children of one tree node were drawn, which decides how
+/// multi-candidate rejection sampling updates q after a rejection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SiblingMode {
+    /// Each child drawn independently from the parent's q (with
+    /// replacement): q stays the same for every sibling.
+    Iid,
+    /// Children drawn one after another from the parent's q without
+    /// replacement (distinct tokens): after a rejected sibling x, q becomes
+    /// norm(q with x removed).
+    #[default]
+    WithoutReplacement,
+}
+
 /// What a proposer declares about itself.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Capabilities {
-    /// Target layers whose hidden states it needs (see `model::ForwardOutput`).
+    /// Target layers whose hidden states it needs (see `model::ForwardOutput`),
+    /// in the order it wants them.
     pub hidden_layers: Vec<usize>,
     pub q_kind: QKind,
+    /// Most drafted tokens (tree nodes) per sequence and step.
     pub max_draft: usize,
     /// Emits token trees (parent indices) rather than linear chains.
     pub tree: bool,
+    /// Deepest tree node (chains: `max_draft`).
+    pub max_depth: usize,
+    /// How siblings are drawn (trees only).
+    pub siblings: SiblingMode,
 }
 
 impl Default for Capabilities {
@@ -41,6 +63,8 @@ impl Default for Capabilities {
             q_kind: QKind::OneHot,
             max_draft: 4,
             tree: false,
+            max_depth: 16,
+            siblings: SiblingMode::default(),
         }
     }
 }
@@ -50,8 +74,9 @@ impl Default for Capabilities {
 pub enum DraftQ {
     OneHot,
     Sparse(Distribution),
-    /// Dense probabilities over the vocabulary.
-    Full(Vec<f32>),
+    /// Dense probabilities over the vocabulary (shared between the siblings
+    /// of a tree node, which were all drawn from it).
+    Full(Arc<[f32]>),
 }
 
 impl DraftQ {
@@ -65,12 +90,50 @@ impl DraftQ {
     }
 }
 
-/// One sequence's drafted tokens, with q for each.
+/// One sequence's drafted tokens, with q for each: a chain, or a tree.
+///
+/// In a tree, `parents[i]` is the index of node i's parent (`-1`: it hangs
+/// off the committed context), always smaller than `i`; siblings appear in
+/// the order they were drawn. `q[i]` is the distribution node i was drawn
+/// from at its parent *before* any earlier sibling was drawn, so siblings
+/// carry the same q (share the `Arc`); the sibling mode says how drawing
+/// the earlier siblings changed it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Draft {
     pub tokens: Vec<u32>,
     /// Same length as `tokens`.
     pub q: Vec<DraftQ>,
+    /// `None`: a chain (node i's parent is i - 1).
+    pub parents: Option<Vec<i32>>,
+}
+
+impl Draft {
+    /// Parent of node `i` (`None`: the root, i.e. the committed context).
+    pub fn parent(&self, i: usize) -> Option<usize> {
+        match &self.parents {
+            None => i.checked_sub(1),
+            Some(p) => usize::try_from(p[i]).ok(),
+        }
+    }
+
+    /// Depth of every node (1 for children of the root).
+    pub fn depths(&self) -> Vec<usize> {
+        let mut d = vec![0usize; self.tokens.len()];
+        for i in 0..d.len() {
+            d[i] = self.parent(i).map_or(1, |p| d[p] + 1);
+        }
+        d
+    }
+
+    /// Keep the first `n` nodes (a prefix of a tree is a tree, since
+    /// parents precede children).
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        self.q.truncate(n);
+        if let Some(p) = &mut self.parents {
+            p.truncate(n);
+        }
+    }
 }
 
 /// One sequence's input to `propose`.
@@ -82,9 +145,12 @@ pub struct ProposeInput<'a> {
     pub tokens: &'a [u32],
     pub max_draft: usize,
     pub params: &'a SamplingParams,
-    /// Hidden states of the declared layers for the positions committed by
-    /// the last verify (`(layer, rows x hidden)`); empty if none.
+    /// Hidden states of the declared layers, in declaration order
+    /// (`(layer, rows x hidden)`), for every position committed since this
+    /// proposer last saw the sequence (prefill positions included): rows
+    /// cover positions `hidden_start..hidden_start + rows`.
     pub hidden: &'a [(usize, Vec<f32>)],
+    pub hidden_start: usize,
 }
 
 /// A drafting strategy. Implementations live in the engine (built-ins and
@@ -98,6 +164,17 @@ pub trait Proposer: Send {
     fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String>;
     /// Tokens committed for `seq` by the last step.
     fn observe(&mut self, seq: SeqId, committed: &[u32]) -> Result<(), String>;
+    /// Tokens committed by the last step and the accepted path through its
+    /// draft (node indices, root first). Defaults to `observe`.
+    fn observe_path(
+        &mut self,
+        seq: SeqId,
+        committed: &[u32],
+        path: &[usize],
+    ) -> Result<(), String> {
+        let _ = path;
+        self.observe(seq, committed)
+    }
     fn finish(&mut self, seq: SeqId);
 }
 
@@ -109,13 +186,17 @@ pub const Q_SUM_TOLERANCE: f64 = 1e-3;
 ///
 /// Under greedy decoding every proposer may report a one-hot q (its draft is
 /// the argmax of whatever it computed); under sampling q must be of the
-/// declared kind.
+/// declared kind. Trees: parents precede their children, depth stays within
+/// the declared limit, and under sampling the siblings of a node share their
+/// q, give each sibling positive mass and, drawn without replacement, are
+/// distinct tokens.
 pub fn validate_draft(
     d: &Draft,
-    kind: QKind,
+    caps: &Capabilities,
     vocab: Option<usize>,
     greedy: bool,
 ) -> Result<(), String> {
+    let kind = caps.q_kind;
     if d.q.len() != d.tokens.len() {
         return Err(format!(
             "{} drafted tokens but {} q entries",
@@ -123,7 +204,39 @@ pub fn validate_draft(
             d.q.len()
         ));
     }
+    if let Some(parents) = &d.parents {
+        if !caps.tree {
+            return Err("returned a tree but declared linear drafts".into());
+        }
+        if parents.len() != d.tokens.len() {
+            return Err(format!(
+                "{} drafted tokens but {} parents",
+                d.tokens.len(),
+                parents.len()
+            ));
+        }
+        for (i, &p) in parents.iter().enumerate() {
+            if p < -1 || p >= i as i32 {
+                return Err(format!(
+                    "node {i}: parent {p} must be -1 or an earlier node"
+                ));
+            }
+        }
+        if let Some((i, depth)) = d
+            .depths()
+            .into_iter()
+            .enumerate()
+            .find(|&(_, depth)| depth > caps.max_depth)
+        {
+            return Err(format!(
+                "node {i}: depth {depth} exceeds the declared max_depth {}",
+                caps.max_depth
+            ));
+        }
+    }
     let in_vocab = |t: u32| vocab.is_none_or(|v| (t as usize) < v);
+    // Full q vectors already checked (siblings share one).
+    let mut checked: Vec<*const f32> = Vec::new();
     for (j, (&tok, q)) in d.tokens.iter().zip(&d.q).enumerate() {
         if !in_vocab(tok) {
             return Err(format!(
@@ -175,7 +288,10 @@ pub fn validate_draft(
                         ));
                     }
                 }
-                mass(&mut v.iter().copied())?;
+                if !checked.contains(&v.as_ptr()) {
+                    mass(&mut v.iter().copied())?;
+                    checked.push(v.as_ptr());
+                }
             }
             (declared, got) => {
                 let got = match got {
@@ -191,6 +307,42 @@ pub fn validate_draft(
         if q.prob(tok, tok) <= 0.0 {
             return Err(format!(
                 "position {j}: drafted token {tok} has q = 0 (each draft token must be drawn from the q reported)"
+            ));
+        }
+    }
+    if !greedy && d.parents.is_some() {
+        validate_siblings(d, caps.siblings)?;
+    }
+    Ok(())
+}
+
+/// Under sampling, the siblings of each node were drawn from one q: every
+/// later sibling repeats the first one's q, and without replacement the
+/// siblings are distinct tokens.
+fn validate_siblings(d: &Draft, mode: SiblingMode) -> Result<(), String> {
+    let mut first: std::collections::HashMap<Option<usize>, usize> = Default::default();
+    let mut tokens: std::collections::HashMap<Option<usize>, Vec<u32>> = Default::default();
+    for i in 0..d.tokens.len() {
+        let parent = d.parent(i);
+        let f = *first.entry(parent).or_insert(i);
+        let seen = tokens.entry(parent).or_default();
+        if mode == SiblingMode::WithoutReplacement && seen.contains(&d.tokens[i]) {
+            return Err(format!(
+                "node {i}: token {} repeats a sibling, but siblings are declared drawn without replacement",
+                d.tokens[i]
+            ));
+        }
+        seen.push(d.tokens[i]);
+        if f == i {
+            continue;
+        }
+        let same = match (&d.q[f], &d.q[i]) {
+            (DraftQ::Full(a), DraftQ::Full(b)) => Arc::ptr_eq(a, b) || a == b,
+            (a, b) => a == b,
+        };
+        if !same {
+            return Err(format!(
+                "node {i}: siblings must carry the same q (the distribution at their parent)"
             ));
         }
     }

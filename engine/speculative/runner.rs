@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::SeqId;
-use crate::model::{ForwardInput, KvCache, Logits, Model};
+use crate::model::{ForwardInput, KvCache, Logits, Model, TreeMask};
 
 /// One sequence's share of a verify forward.
 #[derive(Debug, Clone)]
@@ -23,7 +23,13 @@ pub struct VerifyItem {
     pub cache_len: usize,
     pub tokens: Vec<u32>,
     pub logits: Logits,
+    /// Hidden-state layers to return, in this order.
     pub hidden_layers: Vec<usize>,
+    /// Attention among `tokens` for a tree draft (`None`: causal).
+    pub tree: Option<TreeMask>,
+    /// Slot moves applied before the truncation: the previous tree
+    /// verify's accepted path, packed after the committed prefix.
+    pub moves: Vec<(usize, usize)>,
 }
 
 #[derive(Debug, Clone)]
@@ -110,7 +116,7 @@ impl TargetRunner {
                 .caches
                 .entry(it.seq)
                 .or_insert_with(|| model.new_cache());
-            if let Err(e) = c.truncate(it.cache_len) {
+            if let Err(e) = c.compact(&it.moves).and_then(|_| c.truncate(it.cache_len)) {
                 resp.failed
                     .push((it.seq, format!("sequence {}: {e}", it.seq)));
                 self.caches.remove(&it.seq);
@@ -131,7 +137,7 @@ impl TargetRunner {
                     cache: c,
                     tokens: &it.tokens,
                     logits: it.logits,
-                    tree: None,
+                    tree: it.tree.as_ref(),
                 })
                 .collect();
             self.model.forward(&mut inputs, &layers)
@@ -144,15 +150,23 @@ impl TargetRunner {
                 resp.outs = outs
                     .into_iter()
                     .zip(&run)
-                    .map(|(o, it)| VerifyOut {
-                        seq: it.seq,
-                        logits: o.logits,
-                        rows: o.rows,
-                        hidden: o
-                            .hidden
-                            .into_iter()
-                            .filter(|(l, _)| it.hidden_layers.contains(l))
-                            .collect(),
+                    .map(|(o, it)| {
+                        // The item's layers, in the order it asked for them.
+                        let mut hidden = o.hidden;
+                        let hidden = it
+                            .hidden_layers
+                            .iter()
+                            .filter_map(|l| {
+                                let k = hidden.iter().position(|(hl, _)| hl == l)?;
+                                Some(hidden.swap_remove(k))
+                            })
+                            .collect();
+                        VerifyOut {
+                            seq: it.seq,
+                            logits: o.logits,
+                            rows: o.rows,
+                            hidden,
+                        }
                     })
                     .collect();
             }

@@ -23,6 +23,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::accept::Accepted;
 use super::kv_manager::{Grant, Want};
 use super::policy::choose_draft_len;
+use super::proposer::Capabilities;
 use super::{Completion, Event, Request, SeqId, SpecStats};
 use crate::error::{Result, SpecdError};
 use crate::sampler::{FinishReason, SamplingParams, StopBuffer};
@@ -98,8 +99,17 @@ pub struct Sequence {
     stop: StopBuffer,
     detok: StreamDecoder,
     sink: Option<UnboundedSender<Event>>,
-    /// Hidden states of the last verify's committed positions.
+    /// Hidden states of the proposer's declared layers (declaration
+    /// order) for committed positions the proposer has not seen yet:
+    /// positions `hidden_start..`, rows appended by every prefill chunk and
+    /// verify, handed over at the next step that drafts.
     pub hidden: Vec<(usize, Vec<f32>)>,
+    pub hidden_start: usize,
+    /// Slot moves that pack the last tree verify's accepted path right
+    /// after the committed prefix; applied before the next forward.
+    pub pending_moves: Vec<(usize, usize)>,
+    /// Tree size policy (tree proposers only).
+    pub tree_policy: Option<super::policy::TreePolicy>,
     finish: Option<FinishReason>,
     /// The request's tracing span (each step's span follows from it).
     pub span: tracing::Span,
@@ -114,6 +124,24 @@ impl Sequence {
         self.tokens.len().saturating_sub(1)
     }
 
+    /// Append `rows` rows per layer of hidden states for the positions right
+    /// after those already buffered (at `cached` when the buffer is empty).
+    fn append_hidden(&mut self, hidden: Vec<(usize, Vec<f32>)>, rows: usize) {
+        if hidden.is_empty() || rows == 0 {
+            return;
+        }
+        if self.hidden.is_empty() {
+            self.hidden_start = self.cached;
+            self.hidden = hidden;
+            return;
+        }
+        for ((have_l, have), (l, new)) in self.hidden.iter_mut().zip(hidden) {
+            if *have_l == l {
+                have.extend_from_slice(&new);
+            }
+        }
+    }
+
     fn send(&self, ev: Event) {
         if let Some(s) = &self.sink {
             let _ = s.send(ev);
@@ -126,7 +154,6 @@ impl Sequence {
 pub struct SeqContext<'a> {
     pub tokens: &'a [u32],
     pub params: &'a SamplingParams,
-    pub hidden: &'a [(usize, Vec<f32>)],
 }
 
 /// What one planned sequence does this step.
@@ -144,6 +171,12 @@ pub struct PlanItem {
     /// Cache length before this step (the verifier truncates to it).
     pub cache_len: usize,
     pub work: Work,
+    /// Hidden-state layers the sequence's proposer wants, in its order.
+    pub hidden_layers: Vec<usize>,
+    /// Slot moves to apply before truncating (tree compaction).
+    pub moves: Vec<(usize, usize)>,
+    /// How the proposer draws siblings (tree drafts).
+    pub siblings: super::proposer::SiblingMode,
 }
 
 /// Bookkeeping the other stages need at the start of a step.
@@ -162,9 +195,33 @@ pub struct Lifecycle {
 #[derive(Debug)]
 pub struct DecodeResult {
     pub seq: SeqId,
+    /// Drafted tokens (tree nodes).
     pub drafted: usize,
+    /// Deepest drafted node (chains: `drafted`).
+    pub depth: usize,
     pub accepted: Accepted,
-    /// Hidden states of every verified row (`(layer, rows x hidden)`).
+    /// The accepted drafts' node indices, root first.
+    pub path: Vec<usize>,
+    /// Hidden states of every verified row (`(layer, rows x hidden)`, the
+    /// root's row first, then one per node).
+    pub hidden: Vec<(usize, Vec<f32>)>,
+}
+
+/// Tokens a step committed for one sequence, for its proposer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observed {
+    pub seq: SeqId,
+    pub tokens: Vec<u32>,
+    /// The accepted drafts' node indices, root first.
+    pub path: Vec<usize>,
+}
+
+/// A prefill chunk's result handed back to the scheduler.
+#[derive(Debug)]
+pub struct PrefillResult {
+    pub seq: SeqId,
+    pub tokens: usize,
+    /// Hidden states of every prefilled row.
     pub hidden: Vec<(usize, Vec<f32>)>,
 }
 
@@ -187,7 +244,7 @@ pub struct Scheduler {
     next_id: SeqId,
     lifecycle: Lifecycle,
     /// Tokens committed by the last step, for the drafter's next call.
-    pending_observe: Vec<(SeqId, Vec<u32>)>,
+    pending_observe: Vec<Observed>,
     /// A step is between plan and commit: aborts wait in `deferred_aborts`.
     in_step: bool,
     deferred_aborts: Vec<SeqId>,
@@ -266,6 +323,9 @@ impl Scheduler {
             detok: StreamDecoder::new(),
             sink,
             hidden: Vec::new(),
+            hidden_start: 0,
+            pending_moves: Vec::new(),
+            tree_policy: None,
             finish: None,
             span: tracing::info_span!("request", id),
             req,
@@ -337,8 +397,17 @@ impl Scheduler {
     }
 
     /// Tokens committed since the drafter last heard, taken for its next call.
-    pub fn take_observed(&mut self) -> Vec<(SeqId, Vec<u32>)> {
+    pub fn take_observed(&mut self) -> Vec<Observed> {
         std::mem::take(&mut self.pending_observe)
+    }
+
+    /// Hidden states not yet handed to `id`'s proposer (declaration order)
+    /// and the position of their first row; the sequence's buffer empties.
+    pub fn take_hidden(&mut self, id: SeqId) -> (Vec<(usize, Vec<f32>)>, usize) {
+        match self.seqs.get_mut(&id) {
+            Some(s) => (std::mem::take(&mut s.hidden), s.hidden_start),
+            None => (Vec::new(), 0),
+        }
     }
 
     /// Ids of every live (waiting or running) request.
@@ -438,7 +507,10 @@ impl Scheduler {
     /// Step 1: admit waiting requests and list what each running sequence
     /// wants this step, in priority order (decodes in admission order, then
     /// prefills). `cap(name)` is a proposer's max draft.
-    pub fn wants(&mut self, cap: impl Fn(&str) -> Option<usize>) -> (Vec<PlanItem>, Vec<Want>) {
+    pub fn wants<'c>(
+        &mut self,
+        caps: impl Fn(&str) -> Option<&'c Capabilities>,
+    ) -> (Vec<PlanItem>, Vec<Want>) {
         // Admission (FCFS): new sequences start prefilling.
         while self.running.len() < self.config.max_running {
             let Some(id) = self.waiting.pop_front() else {
@@ -449,9 +521,15 @@ impl Scheduler {
             };
             s.status = SeqStatus::Prefill;
             s.cached = 0;
+            s.hidden.clear();
+            s.hidden_start = 0;
+            s.pending_moves.clear();
             // Every sequence starts in the drafter (plain ones too: shadow
             // proposers score all traffic).
             let name = s.proposer.clone().unwrap_or_else(|| "none".into());
+            s.tree_policy = caps(&name)
+                .filter(|c| c.tree)
+                .map(|c| super::policy::TreePolicy::new(c.max_draft));
             self.lifecycle.starts.push((id, name, s.tokens.clone()));
             self.running.push(id);
         }
@@ -481,10 +559,17 @@ impl Scheduler {
             let Some(&last) = s.tokens.last() else {
                 continue;
             };
-            let pcap = s.proposer.as_deref().and_then(&cap);
-            let mut k = self.max_draft_for(s, pcap).min(budget - 1);
+            let pcaps = s.proposer.as_deref().and_then(&caps);
+            let mut k = self
+                .max_draft_for(s, pcaps.map(|c| c.max_draft))
+                .min(budget - 1);
             if self.config.adaptive_draft && k > 0 {
-                k = choose_draft_len(s.acceptance_ema, k, self.config.draft_cost);
+                k = match (&s.tree_policy, pcaps) {
+                    // Trees: the node budget whose measured accepted length
+                    // pays best for its verify cost.
+                    (Some(tp), Some(c)) if c.tree => tp.choose(k, self.config.draft_cost),
+                    _ => choose_draft_len(s.acceptance_ema, k, self.config.draft_cost),
+                };
                 // Keep learning while paused: probe with one draft now and then.
                 if k == 0 && s.steps_without_draft >= 8 {
                     k = 1;
@@ -495,6 +580,9 @@ impl Scheduler {
                 seq: id,
                 cache_len: s.cached,
                 work: Work::Decode { last, max_draft: k },
+                hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
+                moves: s.pending_moves.clone(),
+                siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
             });
             wants.push(Want {
                 seq: id,
@@ -510,10 +598,14 @@ impl Scheduler {
             }
             let n = (s.prefill_target() - s.cached).min(budget);
             budget -= n;
+            let pcaps = s.proposer.as_deref().and_then(&caps);
             items.push(PlanItem {
                 seq: id,
                 cache_len: s.cached,
                 work: Work::Prefill(s.tokens[s.cached..s.cached + n].to_vec()),
+                hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
+                moves: Vec::new(),
+                siblings: Default::default(),
             });
             wants.push(Want {
                 seq: id,
@@ -532,6 +624,8 @@ impl Scheduler {
                 s.status = SeqStatus::Waiting;
                 s.cached = 0;
                 s.hidden.clear();
+                s.hidden_start = 0;
+                s.pending_moves.clear();
                 s.preemptions += 1;
                 self.running.retain(|&r| r != id);
                 self.waiting.push_front(id);
@@ -564,13 +658,11 @@ impl Scheduler {
         std::mem::take(&mut self.lifecycle)
     }
 
-    /// Committed tokens, params and hidden states the drafter and sampler
-    /// need for `id`.
+    /// Committed tokens and params the drafter and sampler need for `id`.
     pub fn seq_context(&self, id: SeqId) -> Option<SeqContext<'_>> {
         self.seqs.get(&id).map(|s| SeqContext {
             tokens: &s.tokens,
             params: &s.req.params,
-            hidden: &s.hidden,
         })
     }
 
@@ -581,14 +673,15 @@ impl Scheduler {
     /// Step 3: commit a step's results, token by token.
     pub fn commit(
         &mut self,
-        prefilled: &[(SeqId, usize)],
+        prefilled: Vec<PrefillResult>,
         decoded: Vec<DecodeResult>,
     ) -> Committed {
         let mut out = Committed::default();
-        for &(id, n) in prefilled {
-            if let Some(s) = self.seqs.get_mut(&id) {
-                s.cached += n;
-                out.lens.push((id, s.cached));
+        for r in prefilled {
+            if let Some(s) = self.seqs.get_mut(&r.seq) {
+                s.append_hidden(r.hidden, r.tokens);
+                s.cached += r.tokens;
+                out.lens.push((r.seq, s.cached));
             }
         }
         for r in decoded {
@@ -596,17 +689,21 @@ impl Scheduler {
                 continue;
             };
             let st = &mut s.stats;
-            st.record(r.drafted, r.accepted.accepted);
+            st.record_tree(r.drafted, r.depth, r.accepted.accepted);
             if r.drafted > 0 {
-                let rate = r.accepted.accepted as f64 / r.drafted as f64;
+                // Acceptance per drafted depth (a chain's depth is its length).
+                let rate = r.accepted.accepted as f64 / r.depth.max(1) as f64;
                 s.acceptance_ema = 0.7 * s.acceptance_ema + 0.3 * rate;
                 s.steps_without_draft = 0;
+                if let Some(tp) = &mut s.tree_policy {
+                    tp.record(r.drafted, r.accepted.accepted);
+                }
             } else {
                 s.steps_without_draft += 1;
             }
-            record_step_metrics(&st.proposer, &st.arm, r.drafted, r.accepted.accepted);
+            record_step_metrics(&st.proposer, &st.arm, r.depth, r.accepted.accepted);
             let card = self.arms.entry(st.arm.clone()).or_default();
-            card.record(r.drafted, r.accepted.accepted);
+            card.record_tree(r.drafted, r.depth, r.accepted.accepted);
             let mut new_ids = Vec::new();
             let mut new_text = String::new();
             for &t in &r.accepted.tokens {
@@ -657,19 +754,41 @@ impl Scheduler {
                     text: new_text,
                 });
             }
-            // Cache keeps [last, accepted drafts]; the newest token is fed next.
-            s.cached += 1 + r.accepted.accepted;
-            s.hidden = r
+            // Cache keeps [last, accepted drafts]; the newest token is fed
+            // next. A tree's accepted nodes move down to their depth.
+            let base = s.cached;
+            s.pending_moves = r
+                .path
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| (base + 1 + a, base + 1 + i))
+                .filter(|(from, to)| from != to)
+                .collect();
+            let rows: Vec<usize> = std::iter::once(0)
+                .chain(r.path.iter().map(|&a| a + 1))
+                .collect();
+            let picked = r
                 .hidden
                 .into_iter()
                 .map(|(l, h)| {
                     let width = h.len() / (r.drafted + 1).max(1);
-                    let n = (width * (r.accepted.accepted + 1)).min(h.len());
-                    (l, h[..n].to_vec())
+                    let mut v = Vec::with_capacity(width * rows.len());
+                    for &row in &rows {
+                        if let Some(x) = h.get(row * width..(row + 1) * width) {
+                            v.extend_from_slice(x);
+                        }
+                    }
+                    (l, v)
                 })
                 .collect();
+            s.append_hidden(picked, rows.len());
+            s.cached += rows.len();
             // Proposers see every committed token, the last run included.
-            self.pending_observe.push((s.id, new_ids));
+            self.pending_observe.push(Observed {
+                seq: s.id,
+                tokens: new_ids,
+                path: r.path,
+            });
             if s.finish.is_some() {
                 s.status = SeqStatus::Finished;
                 let id = s.id;

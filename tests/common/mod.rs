@@ -365,6 +365,7 @@ impl Proposer for OracleProposer {
             out.push(Draft {
                 q: vec![DraftQ::OneHot; tokens.len()],
                 tokens,
+                parents: None,
             });
         }
         Ok(out)
@@ -431,7 +432,7 @@ impl Proposer for RandomProposer {
                     }
                 }
                 d.tokens.push(tok);
-                d.q.push(DraftQ::Full(q));
+                d.q.push(DraftQ::Full(q.into()));
             }
             out.push(d);
         }
@@ -474,6 +475,7 @@ impl Proposer for PanickyProposer {
             .map(|b| Draft {
                 tokens: vec![b.tokens[b.tokens.len() - 1]; b.max_draft],
                 q: vec![DraftQ::OneHot; b.max_draft],
+                parents: None,
             })
             .collect())
     }
@@ -733,4 +735,295 @@ pub fn chi2_crit_999(df: usize) -> f64 {
     let k = df as f64;
     let z = 3.0902; // standard normal upper 0.1%
     k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+// ------------------------------------------------------------ tree proposer
+
+/// How `TreeProposer` builds its trees.
+pub enum TreeMode {
+    /// Greedy: trees of random shape (generated level by level, so the
+    /// verifier must reorder them) that hold the true continuation of
+    /// `answers` on a random branch, cut short with probability `error` at
+    /// each level, among random siblings and distractor subtrees. q is
+    /// one-hot.
+    Oracle {
+        answers: std::collections::HashMap<Vec<u32>, Vec<u32>>,
+        error: f64,
+    },
+    /// Sampling: every node's children drawn from a fresh random q (shared
+    /// by the siblings; entries are uniforms raised to `peak`, normalised;
+    /// `peak` 0: half the mass on one random token, half spread evenly),
+    /// independently or without replacement as the sibling mode says; up to
+    /// `width` children per node, `depth` levels.
+    Random {
+        width: usize,
+        depth: usize,
+        peak: i32,
+    },
+}
+
+/// A test-only tree proposer (see `TreeMode`).
+pub struct TreeProposer {
+    pub name: String,
+    pub vocab: usize,
+    pub max_nodes: usize,
+    pub siblings: specd::speculative::proposer::SiblingMode,
+    pub mode: TreeMode,
+    prompts: std::collections::HashMap<SeqId, usize>,
+    rng: Rng,
+}
+
+impl TreeProposer {
+    pub fn new(
+        name: &str,
+        vocab: usize,
+        max_nodes: usize,
+        siblings: specd::speculative::proposer::SiblingMode,
+        mode: TreeMode,
+        seed: u64,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            vocab,
+            max_nodes,
+            siblings,
+            mode,
+            prompts: Default::default(),
+            rng: Rng::new(seed),
+        }
+    }
+
+    fn other_token(&mut self, not: &[u32]) -> u32 {
+        loop {
+            let t = (self.rng.next_u64() % self.vocab as u64) as u32;
+            if !not.contains(&t) {
+                return t;
+            }
+        }
+    }
+
+    /// A peaked random distribution over the vocabulary.
+    fn random_q(&mut self, peak: i32) -> Vec<f32> {
+        if peak == 0 {
+            let spike = (self.rng.next_u64() % self.vocab as u64) as usize;
+            let even = 0.5 / self.vocab as f32;
+            return (0..self.vocab)
+                .map(|t| even + if t == spike { 0.5 } else { 0.0 })
+                .collect();
+        }
+        let w: Vec<f64> = (0..self.vocab)
+            .map(|_| self.rng.next_f64().powi(peak))
+            .collect();
+        let z: f64 = w.iter().sum();
+        w.iter().map(|x| (x / z) as f32).collect()
+    }
+
+    fn draw(&mut self, q: &[f32], removed: &[u32]) -> u32 {
+        let mass: f64 = q
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !removed.contains(&(*i as u32)))
+            .map(|(_, &p)| p as f64)
+            .sum();
+        let u = self.rng.next_f64() * mass;
+        let mut cum = 0.0;
+        let mut last = 0;
+        for (i, &p) in q.iter().enumerate() {
+            if removed.contains(&(i as u32)) {
+                continue;
+            }
+            cum += p as f64;
+            last = i as u32;
+            if u < cum {
+                return last;
+            }
+        }
+        last
+    }
+
+    fn oracle_tree(&mut self, truth: &[u32], max: usize, error: f64) -> Draft {
+        let mut tokens: Vec<u32> = Vec::new();
+        let mut parents: Vec<i32> = Vec::new();
+        let mut on_path: i32 = -1;
+        let mut level = 0;
+        while tokens.len() < max && level < truth.len() {
+            let keep_truth = self.rng.next_f64() >= error;
+            let k = 1 + (self.rng.next_u64() % 3) as usize;
+            let t = (self.rng.next_u64() % k as u64) as usize;
+            let mut next_path = None;
+            let mut used = vec![truth[level]];
+            for j in 0..k {
+                if tokens.len() >= max {
+                    break;
+                }
+                let tok = if j == t && keep_truth {
+                    truth[level]
+                } else {
+                    let x = self.other_token(&used);
+                    used.push(x);
+                    x
+                };
+                if j == t && keep_truth {
+                    next_path = Some(tokens.len() as i32);
+                }
+                tokens.push(tok);
+                parents.push(on_path);
+            }
+            // A distractor subtree under some earlier node.
+            if tokens.len() < max && !tokens.is_empty() && self.rng.next_f64() < 0.5 {
+                let p = (self.rng.next_u64() % tokens.len() as u64) as i32;
+                let x = self.other_token(&[]);
+                tokens.push(x);
+                parents.push(p);
+            }
+            match next_path {
+                Some(p) => on_path = p,
+                None => break,
+            }
+            level += 1;
+        }
+        Draft {
+            q: vec![DraftQ::OneHot; tokens.len()],
+            tokens,
+            parents: Some(parents),
+        }
+    }
+
+    fn random_tree(&mut self, max: usize, width: usize, depth: usize, peak: i32) -> Draft {
+        use specd::speculative::proposer::SiblingMode;
+        let mut d = Draft {
+            parents: Some(Vec::new()),
+            ..Default::default()
+        };
+        // Breadth-first: (parent index, level) to expand.
+        let mut frontier: Vec<(i32, usize)> = vec![(-1, 1)];
+        while let Some((parent, level)) = (!frontier.is_empty()).then(|| frontier.remove(0)) {
+            if level > depth {
+                continue;
+            }
+            let k = if parent < 0 {
+                1 + (self.rng.next_u64() % width as u64) as usize
+            } else {
+                (self.rng.next_u64() % (width as u64 + 1)) as usize
+            };
+            let q: std::sync::Arc<[f32]> = self.random_q(peak).into();
+            let mut drawn = Vec::new();
+            for _ in 0..k {
+                if d.tokens.len() >= max {
+                    break;
+                }
+                let removed: &[u32] = match self.siblings {
+                    SiblingMode::Iid => &[],
+                    SiblingMode::WithoutReplacement => &drawn,
+                };
+                let x = self.draw(&q, removed);
+                drawn.push(x);
+                frontier.push((d.tokens.len() as i32, level + 1));
+                d.tokens.push(x);
+                d.q.push(DraftQ::Full(q.clone()));
+                d.parents.as_mut().unwrap().push(parent);
+            }
+        }
+        d
+    }
+}
+
+impl Proposer for TreeProposer {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            q_kind: match self.mode {
+                TreeMode::Oracle { .. } => QKind::OneHot,
+                TreeMode::Random { .. } => QKind::Full,
+            },
+            max_draft: self.max_nodes,
+            tree: true,
+            max_depth: self.max_nodes,
+            siblings: self.siblings,
+            ..Default::default()
+        }
+    }
+    fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String> {
+        if let TreeMode::Oracle { answers, .. } = &self.mode {
+            let len = answers
+                .keys()
+                .filter(|p| prompt.starts_with(p))
+                .map(|p| p.len())
+                .max()
+                .ok_or("unknown prompt")?;
+            self.prompts.insert(seq, len);
+        }
+        Ok(())
+    }
+    fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+        let mut out = Vec::new();
+        for b in batch {
+            let d = match &self.mode {
+                TreeMode::Oracle { answers, error } => {
+                    let plen = self.prompts[&b.seq];
+                    let truth: Vec<u32> = answers[&b.tokens[..plen]]
+                        .iter()
+                        .skip(b.tokens.len() - plen)
+                        .copied()
+                        .collect();
+                    let error = *error;
+                    self.oracle_tree(&truth, b.max_draft, error)
+                }
+                TreeMode::Random { width, depth, peak } => {
+                    let (w, dp, pk) = (*width, *depth, *peak);
+                    self.random_tree(b.max_draft, w, dp, pk)
+                }
+            };
+            out.push(d);
+        }
+        Ok(out)
+    }
+    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
+    fn finish(&mut self, seq: SeqId) {
+        self.prompts.remove(&seq);
+    }
+}
+
+// ------------------------------------------------------------ out-of-tree builds
+
+/// The cargo target dir these tests run from (`<target>/release/deps/<test>`).
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Build an out-of-tree workspace (offline, into a separate target dir so it
+/// never contends with the outer cargo) and return its release dir.
+pub fn build_out_of_tree(manifest_dir: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(manifest_dir);
+    let target = target_dir().join("out-of-tree");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args(["build", "--release", "--offline", "--quiet"])
+        .current_dir(&dir)
+        .env("CARGO_TARGET_DIR", &target)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "building {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    target.join("release")
+}
+
+/// The fixture plugins of `tests/fixtures/plugins`, built.
+pub fn build_fixture_plugins() -> PathBuf {
+    build_out_of_tree("tests/fixtures/plugins")
 }

@@ -5,7 +5,8 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::abi::{
-    self, Capabilities, Descriptor, DraftOut, HostApi, Instance, SeqInput, Status, Str, VTable,
+    self, Capabilities, Descriptor, DraftOut, HostApi, Instance, ObserveInput, SeqInput, Status,
+    Str, VTable,
 };
 use crate::{Host, Options, Plugin, Proposal, SeqView, Q};
 
@@ -81,8 +82,11 @@ pub unsafe extern "C" fn create<T: Plugin>(
         if host.is_null() || out.is_null() {
             return Err("null host or output pointer".to_string());
         }
-        // SAFETY: the host passes a valid API table and UTF-8 config text.
-        let (api, text) = unsafe { (*host, str_of(config)) };
+        // SAFETY: the host passes a valid, size-prefixed API table and UTF-8
+        // config text; fields this SDK knows but the host did not send read
+        // as zero (`None` callbacks).
+        let (api, text) = unsafe { (abi::read_sized(host), str_of(config)) };
+        let api = api.ok_or("the host passed an empty API table")?;
         let opts = Options::parse(text)?;
         // SAFETY: the host keeps its API table valid for the instance's life.
         let host = unsafe { Host::from_abi(api) };
@@ -132,8 +136,20 @@ pub unsafe extern "C" fn capabilities<T: Plugin>(inst: Instance, out: *mut Capab
         if out.is_null() {
             return Err("null output".into());
         }
-        // SAFETY: checked non-null; the host passes a writable struct.
-        unsafe { *out = p.capabilities().to_abi() };
+        // SAFETY: checked non-null; the host passes a writable struct of its
+        // own `struct_size`; we write at most that many bytes.
+        unsafe {
+            let room = (out as *const u32).read_unaligned() as usize;
+            let caps = p.capabilities().to_abi();
+            let n = room.min(std::mem::size_of::<Capabilities>());
+            std::ptr::copy_nonoverlapping(
+                &caps as *const Capabilities as *const u8,
+                out as *mut u8,
+                n,
+            );
+            // Report what was written (the smaller of the two sizes).
+            (out as *mut u32).write_unaligned(n as u32);
+        }
         Ok(())
     })
 }
@@ -152,16 +168,15 @@ pub unsafe extern "C" fn start<T: Plugin>(
 }
 
 /// # Safety
-/// Valid instance; `tokens` points to `n` tokens.
-pub unsafe extern "C" fn observe<T: Plugin>(
-    inst: Instance,
-    seq: u64,
-    tokens: *const u32,
-    n: usize,
-) -> Status {
+/// Valid instance; `input` points to a valid, size-prefixed observation.
+pub unsafe extern "C" fn observe<T: Plugin>(inst: Instance, input: *const ObserveInput) -> Status {
     // SAFETY: guaranteed by the host.
-    let t = unsafe { slice(tokens, n) };
-    guard::<T>(inst, |p| p.observe(seq, t))
+    let Some(o) = (unsafe { abi::read_sized(input) }) else {
+        return abi::STATUS_ERROR;
+    };
+    // SAFETY: the host's buffers hold `n_tokens` tokens and `n_path` indices.
+    let (t, path) = unsafe { (slice(o.tokens, o.n_tokens), slice(o.path, o.n_path)) };
+    guard::<T>(inst, |p| p.observe(o.seq, t, path))
 }
 
 /// # Safety
@@ -190,43 +205,49 @@ pub unsafe extern "C" fn last_error<T: Plugin>(inst: Instance, buf: *mut u8, cap
 }
 
 /// # Safety
-/// Valid instance; `seqs` points to `n_seqs` inputs whose buffers are valid;
-/// `out` is a host-allocated output sized as its fields say.
+/// Valid instance; `seqs` points to `n_seqs` pointers to size-prefixed
+/// inputs whose buffers are valid; `out` is a host-allocated output sized
+/// as its fields say.
 pub unsafe extern "C" fn propose<T: Plugin>(
     inst: Instance,
-    seqs: *const SeqInput,
+    seqs: *const *const SeqInput,
     n_seqs: usize,
     out: *mut DraftOut,
 ) -> Status {
     // SAFETY: guaranteed by the host.
-    let inputs = unsafe { slice(seqs, n_seqs) };
-    if out.is_null() {
+    let (ptrs, out) = unsafe { (slice(seqs, n_seqs), abi::read_sized(out)) };
+    let Some(out) = out else {
         return abi::STATUS_ERROR;
+    };
+    let mut views: Vec<SeqView<'_>> = Vec::with_capacity(ptrs.len());
+    for &p in ptrs {
+        // SAFETY: the host passes valid, size-prefixed inputs.
+        let Some(s) = (unsafe { abi::read_sized(p) }) else {
+            return abi::STATUS_ERROR;
+        };
+        let (width, rows, layers) = (
+            s.hidden_width as usize,
+            s.n_hidden_rows as usize,
+            s.n_hidden_layers as usize,
+        );
+        views.push(SeqView {
+            seq: s.seq,
+            // SAFETY: the host passes valid token and hidden buffers.
+            tokens: unsafe { slice(s.tokens, s.n_tokens) },
+            max_draft: (s.max_draft as usize).min(out.draft_cap as usize),
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            seed: s.seed,
+            // SAFETY: as above; `layers * rows * width` floats.
+            hidden: unsafe { slice(s.hidden, layers * rows * width) },
+            hidden_rows: rows,
+            hidden_width: width,
+            hidden_layers: layers,
+            hidden_start: s.hidden_start,
+        });
     }
-    // SAFETY: checked non-null; host-owned for the duration of the call.
-    let out = unsafe { &mut *out };
-    let views: Vec<SeqView<'_>> = inputs
-        .iter()
-        .map(|s| {
-            let width = s.hidden_width as usize;
-            let rows = s.n_hidden_rows as usize;
-            SeqView {
-                seq: s.seq,
-                // SAFETY: the host passes valid token and hidden buffers.
-                tokens: unsafe { slice(s.tokens, s.n_tokens) },
-                max_draft: (s.max_draft as usize).min(out.draft_cap as usize),
-                temperature: s.temperature,
-                top_k: s.top_k,
-                top_p: s.top_p,
-                min_p: s.min_p,
-                seed: s.seed,
-                // SAFETY: as above; `rows * width` floats per declared layer.
-                hidden: unsafe { slice(s.hidden, rows * width) },
-                hidden_rows: rows,
-                hidden_width: width,
-            }
-        })
-        .collect();
     guard::<T>(inst, |p| {
         let drafts = p.propose(&views)?;
         if drafts.len() != views.len() {
@@ -237,16 +258,21 @@ pub unsafe extern "C" fn propose<T: Plugin>(
             ));
         }
         for (i, (d, v)) in drafts.iter().zip(&views).enumerate() {
-            write_draft(out, i, d, v.max_draft);
+            write_draft(&out, i, d, v.max_draft)?;
         }
         Ok(())
     })
 }
 
-fn write_draft(out: &mut DraftOut, i: usize, d: &Proposal, max_draft: usize) {
+fn write_draft(out: &DraftOut, i: usize, d: &Proposal, max_draft: usize) -> Result<(), String> {
     let cap = out.draft_cap as usize;
     let qcap = out.q_cap as usize;
     let n = d.tokens.len().min(max_draft).min(cap);
+    if let Some(p) = &d.parents {
+        if p.len() < n {
+            return Err(format!("{} parents for {} draft tokens", p.len(), n));
+        }
+    }
     // SAFETY: for all writes below, the host allocated `n_seqs` counters,
     // `n_seqs * draft_cap` tokens, parents and q lengths, and
     // `n_seqs * draft_cap * q_cap` q entries; `i < n_seqs`, `j < n <= cap`.
@@ -279,21 +305,27 @@ fn write_draft(out: &mut DraftOut, i: usize, d: &Proposal, max_draft: usize) {
                     }
                 }
                 Some(Q::Full(v)) => {
-                    for (k, &pr) in v.iter().take(qcap).enumerate() {
-                        *out.q_probs.add(base + k) = pr;
+                    if v.len() != qcap {
+                        return Err(format!(
+                            "full q of {} entries for a vocabulary of {qcap}",
+                            v.len()
+                        ));
                     }
-                    len = v.len().min(qcap);
+                    std::ptr::copy_nonoverlapping(v.as_ptr(), out.q_probs.add(base), qcap);
+                    len = qcap;
                 }
-                Some(Q::OneHot) | None => {}
+                Some(Q::OneHot) | Some(Q::AsFirstSibling) | None => {}
             }
             if !out.q_len.is_null() {
                 *out.q_len.add(slot) = len as u32;
             }
         }
     }
+    Ok(())
 }
 
-/// The descriptor for `T`.
+/// The descriptor for `T` (its capabilities and vtable live as long as
+/// the library).
 pub fn descriptor<T: Plugin>() -> Descriptor {
     let build_id: &'static str = Box::leak(
         format!(
@@ -305,24 +337,27 @@ pub fn descriptor<T: Plugin>() -> Descriptor {
         )
         .into_boxed_str(),
     );
+    let caps: &'static Capabilities = Box::leak(Box::new(T::default_capabilities().to_abi()));
+    let vtable: &'static VTable = Box::leak(Box::new(VTable {
+        struct_size: abi::size_of::<VTable>(),
+        create: Some(create::<T>),
+        destroy: Some(destroy::<T>),
+        capabilities: Some(capabilities::<T>),
+        start: Some(start::<T>),
+        propose: Some(propose::<T>),
+        observe: Some(observe::<T>),
+        finish: Some(finish::<T>),
+        last_error: Some(last_error::<T>),
+    }));
     Descriptor {
         abi_major: abi::ABI_MAJOR,
         abi_minor: abi::ABI_MINOR,
-        struct_size: std::mem::size_of::<Descriptor>() as u32,
+        struct_size: abi::size_of::<Descriptor>(),
         name: Str::from_static(T::NAME),
         version: Str::from_static(T::VERSION),
         build_id: Str::from_static(build_id),
-        caps: T::default_capabilities().to_abi(),
-        vtable: VTable {
-            create: create::<T>,
-            destroy: destroy::<T>,
-            capabilities: capabilities::<T>,
-            start: start::<T>,
-            propose: propose::<T>,
-            observe: observe::<T>,
-            finish: finish::<T>,
-            last_error: last_error::<T>,
-        },
+        caps,
+        vtable,
     }
 }
 

@@ -10,6 +10,14 @@
 //! impl specd_plugin_sdk::Plugin for Mine { /* ... */ }
 //! specd_plugin_sdk::export_proposer!(Mine);
 //! ```
+//!
+//! Threads: the host drives one instance from one thread at a time, but
+//! possibly a different thread from call to call, so a `Plugin` must be
+//! `Send` (it need not be `Sync`). [`Host`] callbacks may be used inside
+//! any trait method, on the calling thread.
+//!
+//! Drafts may be chains or trees ([`Proposal::parents`]); see the ABI
+//! crate for the draft contract that keeps sampling lossless.
 
 pub use specd_plugin_abi as abi;
 
@@ -29,6 +37,9 @@ pub enum Q {
     Sparse(Vec<(u32, f32)>),
     /// Dense over the vocabulary.
     Full(Vec<f32>),
+    /// For a node that is not its parent's first child: the first
+    /// sibling's q (siblings are drawn from one q).
+    AsFirstSibling,
 }
 
 /// One sequence's draft, as a plugin returns it (the host validates it and
@@ -38,7 +49,8 @@ pub struct Proposal {
     pub tokens: Vec<u32>,
     /// One per token (may be empty for one-hot proposers).
     pub q: Vec<Q>,
-    /// Parent index per token for tree drafts (`-1`: off the context).
+    /// Parent index per token for tree drafts (`-1`: off the context;
+    /// always smaller than the node's index), siblings in the order drawn.
     pub parents: Option<Vec<i32>>,
 }
 
@@ -52,13 +64,29 @@ impl Proposal {
     }
 }
 
+/// How the children of one tree node are drawn from its q.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Siblings {
+    /// Independently (with replacement).
+    Iid,
+    /// One after another without replacement: distinct tokens.
+    #[default]
+    WithoutReplacement,
+}
+
 /// What the proposer needs and produces.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Caps {
     pub q_kind: u32,
     pub sparse_k: u32,
+    /// Most draft tokens (tree nodes) per sequence and call.
     pub max_draft: u32,
     pub tree: bool,
+    /// Deepest tree node (0: `max_draft`).
+    pub max_depth: u32,
+    pub siblings: Siblings,
+    /// Target layers whose hidden states it wants, in the order it wants
+    /// them (at most 8).
     pub hidden_layers: Vec<u32>,
     pub needs_embeddings: bool,
     pub needs_output_head: bool,
@@ -71,6 +99,8 @@ impl Caps {
             sparse_k: 0,
             max_draft,
             tree: false,
+            max_depth: 0,
+            siblings: Siblings::default(),
             hidden_layers: Vec::new(),
             needs_embeddings: false,
             needs_output_head: false,
@@ -82,12 +112,18 @@ impl Caps {
         let n = self.hidden_layers.len().min(8);
         layers[..n].copy_from_slice(&self.hidden_layers[..n]);
         Capabilities {
+            struct_size: abi::size_of::<Capabilities>(),
             q_kind: self.q_kind,
             sparse_k: self.sparse_k,
             max_draft: self.max_draft,
             tree: u32::from(self.tree),
-            hidden_layers: layers,
+            max_depth: self.max_depth,
+            sibling_mode: match self.siblings {
+                Siblings::Iid => abi::SIBLINGS_IID,
+                Siblings::WithoutReplacement => abi::SIBLINGS_WITHOUT_REPLACEMENT,
+            },
             n_hidden_layers: n as u32,
+            hidden_layers: layers,
             needs_embeddings: u32::from(self.needs_embeddings),
             needs_output_head: u32::from(self.needs_output_head),
         }
@@ -105,10 +141,30 @@ pub struct SeqView<'a> {
     pub top_p: f32,
     pub min_p: f32,
     pub seed: u64,
-    /// Declared layers' hidden states, `hidden_rows x hidden_width` each.
+    /// Hidden states of the declared layers, in declaration order, for
+    /// every position committed since this proposer last saw the sequence
+    /// (prefill positions included): `hidden_layers` blocks of
+    /// `hidden_rows x hidden_width`, rows for positions
+    /// `hidden_start..hidden_start + hidden_rows`. See [`SeqView::layer`].
     pub hidden: &'a [f32],
     pub hidden_rows: usize,
     pub hidden_width: usize,
+    pub hidden_layers: usize,
+    pub hidden_start: u64,
+}
+
+impl<'a> SeqView<'a> {
+    /// The rows of the `i`-th declared layer (`hidden_rows x hidden_width`).
+    pub fn layer(&self, i: usize) -> &'a [f32] {
+        let n = self.hidden_rows * self.hidden_width;
+        self.hidden.get(i * n..(i + 1) * n).unwrap_or(&[])
+    }
+
+    /// Greedy decoding (the draft is then checked against the target's
+    /// argmax and q may be one-hot).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
 }
 
 /// The host's callbacks (logging, metrics, target embeddings and head).
@@ -140,14 +196,18 @@ impl Host {
 
     /// Log through the host's logger (level: 0 error .. 3 debug).
     pub fn log(&self, level: u32, msg: &str) {
-        // SAFETY: valid callback (see `from_abi`); `msg` outlives the call.
-        unsafe { (self.api.log)(self.api.ctx, level, to_str(msg)) }
+        if let Some(f) = self.api.log {
+            // SAFETY: valid callback (see `from_abi`); `msg` outlives the call.
+            unsafe { f(self.api.ctx, level, to_str(msg)) }
+        }
     }
 
     /// Add to the host counter `specd_plugin_<name>_total`.
     pub fn counter(&self, name: &str, value: u64) {
-        // SAFETY: valid callback; `name` outlives the call.
-        unsafe { (self.api.counter_add)(self.api.ctx, to_str(name), value) }
+        if let Some(f) = self.api.counter_add {
+            // SAFETY: valid callback; `name` outlives the call.
+            unsafe { f(self.api.ctx, to_str(name), value) }
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -160,10 +220,11 @@ impl Host {
 
     /// Target embeddings of `tokens` (`tokens.len() x hidden_size`).
     pub fn embed(&self, tokens: &[u32]) -> Option<Vec<f32>> {
+        let f = self.api.embed?;
         let mut out = vec![0f32; tokens.len() * self.hidden_size()];
         // SAFETY: valid callback; both buffers are live and sized as passed.
         let n = unsafe {
-            (self.api.embed)(
+            f(
                 self.api.ctx,
                 tokens.as_ptr(),
                 tokens.len(),
@@ -176,10 +237,11 @@ impl Host {
 
     /// Target output head over final-normed hidden rows (`rows x vocab`).
     pub fn lm_head(&self, hidden: &[f32], rows: usize) -> Option<Vec<f32>> {
+        let f = self.api.lm_head?;
         let mut out = vec![0f32; rows * self.vocab_size()];
         // SAFETY: valid callback; both buffers are live and sized as passed.
         let n = unsafe {
-            (self.api.lm_head)(
+            f(
                 self.api.ctx,
                 hidden.as_ptr(),
                 rows,
@@ -192,9 +254,10 @@ impl Host {
 
     /// Raw vocabulary string of a token.
     pub fn token_text(&self, token: u32) -> Option<String> {
+        let f = self.api.token_text?;
         let mut buf = vec![0u8; 256];
         // SAFETY: valid callback; `buf` is live with the capacity passed.
-        let n = unsafe { (self.api.token_text)(self.api.ctx, token, buf.as_mut_ptr(), buf.len()) };
+        let n = unsafe { f(self.api.ctx, token, buf.as_mut_ptr(), buf.len()) };
         if n == 0 || n > buf.len() {
             return None;
         }
@@ -292,7 +355,7 @@ impl Options {
 }
 
 /// A proposer plugin.
-pub trait Plugin: Sized + 'static {
+pub trait Plugin: Sized + Send + 'static {
     /// The plugin's name (what configs refer to).
     const NAME: &'static str;
     const VERSION: &'static str;
@@ -304,7 +367,10 @@ pub trait Plugin: Sized + 'static {
     /// One draft per input, in order; at most `max_draft` tokens each.
     /// Every drafted token must be drawn from the [`Q`] reported for it.
     fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String>;
-    fn observe(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String>;
+    /// Tokens the last step committed for `seq` (accepted drafts, then the
+    /// correction or bonus token) and the accepted path through the last
+    /// draft (node indices, root first).
+    fn observe(&mut self, seq: u64, tokens: &[u32], path: &[u32]) -> Result<(), String>;
     fn finish(&mut self, seq: u64);
 }
 

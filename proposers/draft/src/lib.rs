@@ -231,7 +231,7 @@ impl Plugin for DraftModel {
         Ok(drafts)
     }
 
-    fn observe(&mut self, _seq: u64, _tokens: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, _seq: u64, _tokens: &[u32], _path: &[u32]) -> Result<(), String> {
         Ok(())
     }
 

@@ -92,7 +92,7 @@ impl Plugin for Ngram {
         Ok(drafts)
     }
 
-    fn observe(&mut self, _seq: u64, _tokens: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, _seq: u64, _tokens: &[u32], _path: &[u32]) -> Result<(), String> {
         Ok(())
     }
 

@@ -365,7 +365,7 @@ impl Plugin for Suffix {
         Ok(drafts)
     }
 
-    fn observe(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, seq: u64, tokens: &[u32], _path: &[u32]) -> Result<(), String> {
         let st = self
             .seqs
             .get_mut(&seq)
