@@ -29,6 +29,7 @@ fn bench(c: &mut Criterion) {
             .collect(),
         q: vec![DraftQ::OneHot; 4],
         parents: None,
+        source: None,
     };
     let ctx: Vec<u32> = (0..512).collect();
     c.bench_function("accept_greedy_k4", |b| {

@@ -15,8 +15,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::plugins::{self, PluginProposer};
+use crate::speculative::compose::{Compose, MemberSpec};
 use crate::speculative::drafter::Drafter;
 use crate::speculative::driver::EngineConfig;
+use crate::speculative::proposer::Proposer;
 use crate::tokenizer::Tokenizer;
 
 /// The built-in default configuration (`configs/default.toml`).
@@ -83,6 +85,13 @@ pub struct ProposerConfig {
     /// Explicit library path (instead of `plugin`).
     pub path: Option<PathBuf>,
     pub max_draft: Option<usize>,
+    /// A composed proposer: the names of other `[[proposer]]` tables whose
+    /// fresh instances it holds, asked in this order (cheapest first). Its
+    /// options: `costs` (member name -> drafting cost of one call relative
+    /// to a one-token target forward; default 0) and `verify_cost` (per
+    /// drafted token; default `engine.draft_cost`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub compose: Vec<String>,
     /// Passed to the plugin as TOML.
     #[serde(default)]
     pub options: toml::Table,
@@ -288,6 +297,64 @@ impl Config {
                     p.name
                 ));
             }
+            if !p.compose.is_empty() && (p.plugin.is_some() || p.path.is_some()) {
+                return err(format!(
+                    "proposer `{}`: a composed proposer (`compose`) has no `plugin` or `path`",
+                    p.name
+                ));
+            }
+        }
+        for p in self.proposer.iter().filter(|p| !p.compose.is_empty()) {
+            for m in &p.compose {
+                match self.proposer.iter().find(|q| &q.name == m) {
+                    None => {
+                        return err(format!(
+                            "proposer `{}`: compose names `{m}`, which is no [[proposer]]",
+                            p.name
+                        ))
+                    }
+                    Some(q) if !q.compose.is_empty() => {
+                        return err(format!(
+                            "proposer `{}`: member `{m}` is itself composed",
+                            p.name
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            let known_opts = ["costs", "verify_cost"];
+            if let Some(k) = p.options.keys().find(|k| !known_opts.contains(&k.as_str())) {
+                return err(format!(
+                    "proposer `{}`: unknown option `{k}` of a composed proposer (known: costs, verify_cost)",
+                    p.name
+                ));
+            }
+            if let Some(costs) = p.options.get("costs") {
+                let Some(t) = costs.as_table() else {
+                    return err(format!(
+                        "proposer `{}`: `costs` must be a table of member = number",
+                        p.name
+                    ));
+                };
+                for (k, v) in t {
+                    if !p.compose.contains(k) {
+                        return err(format!(
+                            "proposer `{}`: `costs` names `{k}`, which is not a member",
+                            p.name
+                        ));
+                    }
+                    if !v
+                        .as_float()
+                        .or(v.as_integer().map(|i| i as f64))
+                        .is_some_and(|x| x.is_finite() && x >= 0.0)
+                    {
+                        return err(format!(
+                            "proposer `{}`: cost of `{k}` must be a non-negative number",
+                            p.name
+                        ));
+                    }
+                }
+            }
         }
         let known = |n: &str| n == "none" || seen.contains(n);
         if !known(&self.engine.default_proposer) {
@@ -363,38 +430,79 @@ impl Config {
         model: &Arc<Model>,
         tokenizer: Option<Arc<Tokenizer>>,
     ) -> Result<Drafter> {
-        let dirs = self.plugin_dirs();
         let mut d = Drafter::new();
         for p in &self.proposer {
-            let path = match &p.path {
-                Some(path) => self.resolve(path),
-                None => plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)
-                    .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?,
-            };
-            let lib = plugins::load_library(&path)
-                .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?;
-            let mut options = p.options.clone();
-            if let Some(m) = p.max_draft {
-                options
-                    .entry("max_draft")
-                    .or_insert(toml::Value::Integer(m as i64));
-            }
-            let make = |lib| {
-                PluginProposer::create(
-                    &p.name,
-                    lib,
-                    &options,
-                    Some(model.clone()),
-                    tokenizer.clone(),
-                )
-            };
-            d.add(Box::new(make(lib.clone())?));
+            let make = || self.build_proposer(p, model, tokenizer.clone());
+            d.add(make()?);
             if self.server.shadow.contains(&p.name) {
                 // A separate instance, so shadow state never touches live drafting.
-                d.add_shadow(Box::new(make(lib)?));
+                d.add_shadow(make()?);
             }
         }
         Ok(d)
+    }
+
+    /// A fresh instance of the proposer `p` (a composed one builds fresh
+    /// instances of its members).
+    pub fn build_proposer(
+        &self,
+        p: &ProposerConfig,
+        model: &Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Result<Box<dyn Proposer>> {
+        if !p.compose.is_empty() {
+            let costs = p.options.get("costs").and_then(|c| c.as_table());
+            let mut members = Vec::new();
+            for m in &p.compose {
+                let q = self.proposer.iter().find(|q| &q.name == m).ok_or_else(|| {
+                    SpecdError::Plugin(format!("proposer `{}`: unknown member `{m}`", p.name))
+                })?;
+                let cost = costs
+                    .and_then(|c| c.get(m))
+                    .and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)))
+                    .unwrap_or(0.0);
+                members.push(MemberSpec {
+                    name: m.clone(),
+                    proposer: self.build_proposer(q, model, tokenizer.clone())?,
+                    cost,
+                });
+            }
+            let verify_cost = p
+                .options
+                .get("verify_cost")
+                .and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)))
+                .unwrap_or(self.engine.draft_cost);
+            let c = Compose::new(
+                &p.name,
+                members,
+                model.config.vocab_size,
+                model.config.hidden,
+                verify_cost,
+            )
+            .map_err(SpecdError::Plugin)?;
+            return Ok(Box::new(c));
+        }
+        let dirs = self.plugin_dirs();
+        let path = match &p.path {
+            Some(path) => self.resolve(path),
+            None => plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)
+                .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?,
+        };
+        let lib = plugins::load_library(&path)
+            .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?;
+        let mut options = p.options.clone();
+        if let Some(m) = p.max_draft {
+            options
+                .entry("max_draft")
+                .or_insert(toml::Value::Integer(m as i64));
+        }
+        Ok(Box::new(PluginProposer::create(
+            &p.name,
+            lib,
+            &options,
+            Some(model.clone()),
+            tokenizer,
+        )?))
     }
 
     /// The target model's path: `[model] path` resolved against the config

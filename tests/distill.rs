@@ -42,7 +42,7 @@ fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
         "config.json",
         "tokenizer.json",
         "state.json",
-        "data.json",
+        "samples.json",
     ] {
         assert!(out.join(f).exists(), "{f} missing");
     }

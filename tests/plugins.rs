@@ -177,7 +177,7 @@ fn broken_libraries_give_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("plugin built for ABI 1.0, this host speaks ABI 2.0"),
+        e.contains("plugin built for ABI 1.0, this host speaks ABI 2.1"),
         "{e}"
     );
     let e = plugins::load_library(&lib_file(&release, "specd_fixture_no_entry"))

@@ -764,6 +764,7 @@ impl Proposer for BadProposer {
                     tokens,
                     q,
                     parents: None,
+                    source: None,
                 }
             })
             .collect())

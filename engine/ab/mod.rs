@@ -53,6 +53,18 @@ pub struct Record {
     pub accepted: u64,
     pub drafted_by_pos: Vec<u64>,
     pub accepted_by_pos: Vec<u64>,
+    /// Seconds spent drafting and verifying (all steps of the request).
+    #[serde(default)]
+    pub draft_s: f64,
+    #[serde(default)]
+    pub verify_s: f64,
+    /// Decode steps by tokens fed to their verify forward: (tokens, steps,
+    /// verify seconds, draft seconds).
+    #[serde(default)]
+    pub steps_by_tokens: Vec<(usize, u64, f64, f64)>,
+    /// Composed proposers: (member, steps, drafted, accepted).
+    #[serde(default)]
+    pub members: Vec<(String, u64, u64, u64)>,
 }
 
 impl Record {
@@ -89,6 +101,15 @@ pub struct ArmSummary {
     pub tpot_p50_ms: f64,
     pub tpot_p95_ms: f64,
     pub forwards_per_token: f64,
+    /// Mean drafting time per decode step, in one-token target forwards
+    /// (the plain arm's mean decode step).
+    pub draft_cost_per_step: f64,
+    /// Mean verify time by tokens fed, in one-token target forwards:
+    /// (tokens, steps, cost).
+    pub verify_cost_by_tokens: Vec<(usize, u64, f64)>,
+    /// Composed proposers: share of drafting steps and acceptance per
+    /// member: (member, steps, drafted, accepted).
+    pub members: Vec<(String, u64, u64, u64)>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -59,6 +59,36 @@ pub fn markdown(r: &AbReport) -> String {
             s += &format!("- {}: {}\n", a.arm, p.join(", "));
         }
     }
+    s += "\n## Costs (in one-token target forwards: the plain arm's mean decode step)\n\n";
+    s +=
+        "| arm | draft cost per decode step | verify cost by tokens fed (steps) |\n|---|---|---|\n";
+    for a in &r.overall {
+        let v: Vec<String> = a
+            .verify_cost_by_tokens
+            .iter()
+            .map(|(k, n, c)| format!("{k}: {c:.2} ({n})"))
+            .collect();
+        s += &format!(
+            "| {} | {:.3} | {} |\n",
+            a.arm,
+            a.draft_cost_per_step,
+            v.join(", ")
+        );
+    }
+    let composed: Vec<_> = r.overall.iter().filter(|a| !a.members.is_empty()).collect();
+    if !composed.is_empty() {
+        s += "\n## Composed proposers: drafting steps by member\n\n";
+        for a in composed {
+            let m: Vec<String> = a
+                .members
+                .iter()
+                .map(|(m, st, d, acc)| {
+                    format!("{m}: {st} steps, {acc}/{d} drafted tokens accepted")
+                })
+                .collect();
+            s += &format!("- {}: {}\n", a.arm, m.join("; "));
+        }
+    }
     s += "\n## Losslessness\n\n";
     if r.sampling.is_greedy() {
         if r.mismatches.is_empty() {

@@ -22,6 +22,7 @@ fn run_one(
     max_batch_tokens: usize,
 ) -> Result<(Record, Vec<u32>)> {
     let prompt_tokens = req.prompt.len();
+    let times0 = engine.times.clone();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let t0 = Instant::now();
     engine.add(req, Some(tx))?;
@@ -45,6 +46,7 @@ fn run_one(
     }
     let c = completion.expect("loop ends with a completion");
     let wall = t0.elapsed().as_secs_f64();
+    let times = engine.times.since(&times0);
     let n = c.tokens.len();
     let ttft = first.unwrap_or(wall);
     let prefill = (prompt_tokens.saturating_sub(1)).div_ceil(max_batch_tokens.max(1)) as u64;
@@ -70,6 +72,19 @@ fn run_one(
             accepted: c.stats.accepted,
             drafted_by_pos: c.stats.drafted_by_pos.clone(),
             accepted_by_pos: c.stats.accepted_by_pos.clone(),
+            draft_s: times.draft_s,
+            verify_s: times.verify_s,
+            steps_by_tokens: times
+                .by_tokens
+                .iter()
+                .map(|(&k, &(n, v, d))| (k, n, v, d))
+                .collect(),
+            members: c
+                .stats
+                .members
+                .iter()
+                .map(|(m, v)| (m.clone(), v[0], v[1], v[2]))
+                .collect(),
         },
         c.tokens,
     ))

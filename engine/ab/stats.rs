@@ -29,6 +29,13 @@ pub fn summarize(
     let by_arm =
         |a: &str| -> Vec<&Record> { records.iter().copied().filter(|r| r.arm == a).collect() };
     let base = by_arm(plain);
+    // The unit of cost: the plain arm's mean one-token decode step.
+    let (n1, v1) = base
+        .iter()
+        .flat_map(|r| r.steps_by_tokens.iter())
+        .filter(|e| e.0 == 1)
+        .fold((0u64, 0f64), |a, e| (a.0 + e.1, a.1 + e.2));
+    let unit = if n1 > 0 { v1 / n1 as f64 } else { 0.0 };
     let key = |r: &Record| (r.prompt_id.clone(), r.repeat);
     let base_map: BTreeMap<_, &Record> = base.iter().map(|r| (key(r), *r)).collect();
     arms.iter()
@@ -79,7 +86,42 @@ pub fn summarize(
                 .map(|r| r.tpot_s * 1e3)
                 .collect();
             let fwd: u64 = rs.iter().map(|r| r.target_forwards).sum();
+            let mut by_tokens: BTreeMap<usize, (u64, f64, f64)> = BTreeMap::new();
+            for r in &rs {
+                for &(k, n, v, d) in &r.steps_by_tokens {
+                    let e = by_tokens.entry(k).or_default();
+                    e.0 += n;
+                    e.1 += v;
+                    e.2 += d;
+                }
+            }
+            let (steps, draft): (u64, f64) = by_tokens
+                .values()
+                .fold((0, 0.0), |a, e| (a.0 + e.0, a.1 + e.2));
+            let per_unit = |x: f64| if unit > 0.0 { x / unit } else { 0.0 };
+            let mut members: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
+            for r in &rs {
+                for (m, a, b, c) in &r.members {
+                    let e = members.entry(m.clone()).or_default();
+                    e.0 += a;
+                    e.1 += b;
+                    e.2 += c;
+                }
+            }
             ArmSummary {
+                draft_cost_per_step: if steps > 0 {
+                    per_unit(draft / steps as f64)
+                } else {
+                    0.0
+                },
+                verify_cost_by_tokens: by_tokens
+                    .iter()
+                    .map(|(&k, e)| (k, e.0, per_unit(e.1 / e.0.max(1) as f64)))
+                    .collect(),
+                members: members
+                    .into_iter()
+                    .map(|(m, (a, b, c))| (m, a, b, c))
+                    .collect(),
                 arm: arm.clone(),
                 requests: rs.len(),
                 tokens,
@@ -158,7 +200,39 @@ mod tests {
             accepted: 4,
             drafted_by_pos: vec![4, 4],
             accepted_by_pos: vec![3, 1],
+            draft_s: 0.0,
+            verify_s: 0.0,
+            steps_by_tokens: Vec::new(),
+            members: Vec::new(),
         }
+    }
+
+    #[test]
+    fn costs_are_in_units_of_the_plain_decode_step() {
+        let mut plain = rec("a", "plain", vec![1, 2], 1.0);
+        // 10 one-token steps of 20 ms each.
+        plain.steps_by_tokens = vec![(1, 10, 0.2, 0.0)];
+        let mut spec = rec("a", "spec", vec![1, 2], 0.5);
+        // 4 steps verifying 5 tokens at 30 ms, drafting 2 ms each.
+        spec.steps_by_tokens = vec![(5, 4, 0.12, 0.008)];
+        spec.members = vec![("m".into(), 4, 16, 9)];
+        let s = summarize(
+            &[&plain, &spec],
+            &["plain".into(), "spec".into()],
+            "plain",
+            10,
+            1,
+        );
+        assert!(
+            (s[1].draft_cost_per_step - 0.1).abs() < 1e-9,
+            "{}",
+            s[1].draft_cost_per_step
+        );
+        assert_eq!(s[1].verify_cost_by_tokens.len(), 1);
+        let (k, n, c) = s[1].verify_cost_by_tokens[0];
+        assert_eq!((k, n), (5, 4));
+        assert!((c - 1.5).abs() < 1e-9, "{c}");
+        assert_eq!(s[1].members, vec![("m".to_string(), 4, 16, 9)]);
     }
 
     #[test]

@@ -11,6 +11,45 @@ use specd::model;
 pub enum DistillCmd {
     /// Train a small draft model for a target by self-distillation.
     Draft(DistillArgs),
+    /// Train an EAGLE-3 draft head for a target by self-distillation
+    /// (written in the public EAGLE-3 layout).
+    Eagle(EagleArgs),
+}
+
+#[derive(Args)]
+pub struct EagleArgs {
+    /// Target model (default: the embedded SmolLM2).
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// Output directory: config.json and model.safetensors (the head),
+    /// train/ (samples, features, checkpoint); training resumes from a
+    /// checkpoint found there.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Rows of the head's output layer (most frequent response tokens).
+    #[arg(long, default_value_t = 4096)]
+    pub draft_vocab: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub intermediate: usize,
+    /// Unrolled training-time-test steps.
+    #[arg(long, default_value_t = 4)]
+    pub ttt_steps: usize,
+    #[arg(long, default_value_t = 2.0)]
+    pub epochs: f64,
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Padded tokens per training batch.
+    #[arg(long, default_value_t = 2048)]
+    pub batch_tokens: usize,
+    /// Target-generated response tokens to train on.
+    #[arg(long, default_value_t = 240000)]
+    pub gen_tokens: usize,
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 #[derive(Args)]
@@ -70,6 +109,33 @@ pub fn run(what: DistillCmd) -> Result<()> {
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
             let out = specd::distill::distill(&target, &a.out, &cfg, threads)?;
             println!("{}", out.display());
+            Ok(())
+        }
+        DistillCmd::Eagle(a) => {
+            let target = match a.target {
+                Some(t) => t,
+                None => specd::fetch::ensure_default_model()?,
+            };
+            let cfg = specd::distill::eagle::EagleConfig {
+                draft_vocab: a.draft_vocab,
+                intermediate: a.intermediate,
+                ttt_steps: a.ttt_steps,
+                epochs: a.epochs,
+                lr: a.lr,
+                batch_tokens: a.batch_tokens,
+                gen_tokens: a.gen_tokens,
+                checkpoint_every: a.checkpoint_every,
+                seed: a.seed,
+                ..Default::default()
+            };
+            let threads = a.threads.unwrap_or_else(model::llama::default_threads);
+            specd::distill::eagle::distill_eagle(&target, &a.out, &cfg, threads)?;
+            let weights = a.out.join("model.safetensors");
+            println!(
+                "{}  sha256 {}",
+                weights.display(),
+                specd::distill::eagle::sha256_file(&weights)?
+            );
             Ok(())
         }
     }

@@ -9,10 +9,12 @@
 //!   sequences share the forward (see `kernels`).
 
 mod attention;
+pub mod eagle;
 pub mod kernels;
 pub mod kv;
 pub mod llama;
 pub mod load;
+pub mod tensor_file;
 
 pub use kernels::{QMatrix, WeightFormat};
 pub use kv::{KvCache, KvDtype, KvLayout};

@@ -69,6 +69,7 @@ impl PluginProposer {
     ) -> Result<Self> {
         let vocab = model.as_ref().map(|m| m.config.vocab_size).unwrap_or(0);
         let hidden = model.as_ref().map(|m| m.config.hidden).unwrap_or(0);
+        let layers = model.as_ref().map(|m| m.config.layers).unwrap_or(0);
         let ctx = Box::new(HostCtx {
             proposer: name.to_string(),
             model,
@@ -84,6 +85,7 @@ impl PluginProposer {
             embed: Some(host_embed),
             lm_head: Some(host_lm_head),
             token_text: Some(host_token_text),
+            n_layers: layers as u32,
         });
         let text = toml::to_string(options)
             .map_err(|e| SpecdError::Plugin(format!("proposer '{name}': options: {e}")))?;

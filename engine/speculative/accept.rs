@@ -389,6 +389,7 @@ mod tests {
             tokens: vec![2, 0],
             q: vec![DraftQ::OneHot, DraftQ::OneHot],
             parents: None,
+            source: None,
         };
         let mut rng = Rng::new(0);
         let a = accept(
@@ -413,6 +414,7 @@ mod tests {
             tokens: vec![2, 1],
             q: vec![DraftQ::OneHot, DraftQ::OneHot],
             parents: None,
+            source: None,
         };
         let a = accept(
             &rows,
@@ -442,6 +444,7 @@ mod tests {
             tokens: vec![0],
             q: vec![DraftQ::OneHot],
             parents: None,
+            source: None,
         };
         let params = SamplingParams {
             temperature: 1.0,
@@ -543,6 +546,7 @@ mod tests {
                     tokens: drawn.clone(),
                     q: vec![DraftQ::Full(qa.clone()); 3],
                     parents: Some(vec![-1, -1, -1]),
+                    source: None,
                 };
                 let (a, _) = accept_tree(
                     &rows,

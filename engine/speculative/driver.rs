@@ -51,6 +51,40 @@ impl EngineConfig {
     }
 }
 
+/// Wall time spent in each stage, for cost reports (`specd ab`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StageTimes {
+    pub steps: u64,
+    pub draft_s: f64,
+    pub verify_s: f64,
+    pub accept_s: f64,
+    /// Decode-only steps by the tokens their verify forward fed:
+    /// tokens -> (steps, verify seconds, draft seconds).
+    pub by_tokens: std::collections::BTreeMap<usize, (u64, f64, f64)>,
+}
+
+impl StageTimes {
+    /// What was spent since `earlier` (a snapshot of the same driver).
+    pub fn since(&self, earlier: &StageTimes) -> StageTimes {
+        let mut by_tokens = self.by_tokens.clone();
+        for (k, (n, v, d)) in &earlier.by_tokens {
+            if let Some(e) = by_tokens.get_mut(k) {
+                e.0 -= n;
+                e.1 -= v;
+                e.2 -= d;
+            }
+        }
+        by_tokens.retain(|_, e| e.0 > 0);
+        StageTimes {
+            steps: self.steps - earlier.steps,
+            draft_s: self.draft_s - earlier.draft_s,
+            verify_s: self.verify_s - earlier.verify_s,
+            accept_s: self.accept_s - earlier.accept_s,
+            by_tokens,
+        }
+    }
+}
+
 /// The synchronous driver: every stage struct on one thread, the
 /// pipeline's stages called in order (tests, `specd ab`, batch runs).
 #[derive(Debug)]
@@ -60,6 +94,8 @@ pub struct SyncDriver {
     pub drafter: Drafter,
     pub verifier: TargetRunner,
     pub sampler: Acceptor,
+    /// Time per stage since the driver was made.
+    pub times: StageTimes,
     steps: u64,
 }
 
@@ -75,6 +111,7 @@ impl SyncDriver {
         drafter.set_vocab(vocab);
         Self {
             steps: 0,
+            times: StageTimes::default(),
             scheduler: Scheduler::new(config.scheduler, tokenizer),
             kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
             drafter,
@@ -101,11 +138,33 @@ impl SyncDriver {
         let grant = self.kv.handle_grant(grant_req);
         let draft_req = step.granted(&mut self.scheduler, grant);
         let _span = step.span().clone().entered();
+        let t = std::time::Instant::now();
         let draft_resp = self.drafter.handle(draft_req);
+        let draft_s = t.elapsed().as_secs_f64();
         let verify_req = step.drafted(draft_resp);
+        let decode_only = !verify_req.items.is_empty()
+            && verify_req
+                .items
+                .iter()
+                .all(|i| i.logits == crate::model::Logits::All);
+        let fed: usize = verify_req.items.iter().map(|i| i.tokens.len()).sum();
+        let t = std::time::Instant::now();
         let verify_resp = self.verifier.handle(verify_req);
+        let verify_s = t.elapsed().as_secs_f64();
         let accept_req = step.verified(&mut self.scheduler, verify_resp);
+        let t = std::time::Instant::now();
         let accept_resp = self.sampler.handle(accept_req);
+        let tm = &mut self.times;
+        tm.steps += 1;
+        tm.draft_s += draft_s;
+        tm.verify_s += verify_s;
+        tm.accept_s += t.elapsed().as_secs_f64();
+        if decode_only {
+            let e = tm.by_tokens.entry(fed).or_default();
+            e.0 += 1;
+            e.1 += verify_s;
+            e.2 += draft_s;
+        }
         let (lens, report) = step.commit(&mut self.scheduler, accept_resp);
         self.kv.handle_commit(lens);
         Ok(report)

@@ -14,6 +14,7 @@
 
 pub mod accept;
 pub mod actors;
+pub mod compose;
 pub mod drafter;
 pub mod driver;
 pub mod kv_manager;
@@ -104,6 +105,9 @@ pub struct SpecStats {
     pub accepted_by_pos: Vec<u64>,
     /// drafted_by_pos[i]: drafts proposed at draft position i.
     pub drafted_by_pos: Vec<u64>,
+    /// Composed proposers: (steps, drafted, accepted) by drafting member.
+    #[serde(default)]
+    pub members: std::collections::BTreeMap<String, [u64; 3]>,
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
@@ -141,8 +145,22 @@ impl SpecStats {
         }
     }
 
+    /// A step drafted by member `member` of a composed proposer.
+    pub fn record_member(&mut self, member: &str, drafted: usize, accepted: usize) {
+        let e = self.members.entry(member.to_string()).or_default();
+        e[0] += 1;
+        e[1] += drafted as u64;
+        e[2] += accepted as u64;
+    }
+
     /// Add another set of counts (same proposer or not) to these.
     pub fn add(&mut self, o: &SpecStats) {
+        for (k, v) in &o.members {
+            let e = self.members.entry(k.clone()).or_default();
+            for (a, b) in e.iter_mut().zip(v) {
+                *a += b;
+            }
+        }
         self.requests += o.requests;
         self.tokens += o.tokens;
         self.verify_steps += o.verify_steps;

@@ -138,6 +138,8 @@ pub struct Step {
     drafts: HashMap<SeqId, Draft>,
     /// Each decode item's deepest drafted node.
     depths: HashMap<SeqId, usize>,
+    /// Each decode item's drafting member (composed proposers).
+    sources: HashMap<SeqId, String>,
     outs: HashMap<SeqId, VerifyOut>,
     report: StepReport,
 }
@@ -179,6 +181,7 @@ impl Step {
             span: tracing::Span::none(),
             drafts: HashMap::new(),
             depths: HashMap::new(),
+            sources: HashMap::new(),
             outs: HashMap::new(),
             report: StepReport::default(),
         };
@@ -322,6 +325,9 @@ impl Step {
             let draft = self.drafts.remove(&it.seq).unwrap_or_default();
             self.depths
                 .insert(it.seq, draft.depths().into_iter().max().unwrap_or(0));
+            if let Some(src) = &draft.source {
+                self.sources.insert(it.seq, src.clone());
+            }
             items.push(AcceptItem {
                 seq: it.seq,
                 rows: std::mem::take(&mut out.logits),
@@ -384,6 +390,7 @@ impl Step {
                         seq: it.seq,
                         drafted: out.rows.saturating_sub(1),
                         depth: self.depths.get(&it.seq).copied().unwrap_or(0),
+                        source: self.sources.remove(&it.seq),
                         accepted: a,
                         path,
                         hidden: out.hidden,

@@ -105,6 +105,9 @@ pub struct Draft {
     pub q: Vec<DraftQ>,
     /// `None`: a chain (node i's parent is i - 1).
     pub parents: Option<Vec<i32>>,
+    /// The member of a composed proposer that drafted it (metrics and
+    /// reports label the step with it); `None`: the proposer itself.
+    pub source: Option<String>,
 }
 
 impl Draft {

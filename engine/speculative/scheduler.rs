@@ -199,6 +199,8 @@ pub struct DecodeResult {
     pub drafted: usize,
     /// Deepest drafted node (chains: `drafted`).
     pub depth: usize,
+    /// The member of a composed proposer that drafted.
+    pub source: Option<String>,
     pub accepted: Accepted,
     /// The accepted drafts' node indices, root first.
     pub path: Vec<usize>,
@@ -690,6 +692,9 @@ impl Scheduler {
             };
             let st = &mut s.stats;
             st.record_tree(r.drafted, r.depth, r.accepted.accepted);
+            if let Some(src) = &r.source {
+                st.record_member(src, r.drafted, r.accepted.accepted);
+            }
             if r.drafted > 0 {
                 // Acceptance per drafted depth (a chain's depth is its length).
                 let rate = r.accepted.accepted as f64 / r.depth.max(1) as f64;
@@ -701,7 +706,8 @@ impl Scheduler {
             } else {
                 s.steps_without_draft += 1;
             }
-            record_step_metrics(&st.proposer, &st.arm, r.depth, r.accepted.accepted);
+            let member = r.source.as_deref().unwrap_or(&st.proposer);
+            record_step_metrics(&st.proposer, &st.arm, member, r.depth, r.accepted.accepted);
             let card = self.arms.entry(st.arm.clone()).or_default();
             card.record_tree(r.drafted, r.depth, r.accepted.accepted);
             let mut new_ids = Vec::new();
@@ -815,13 +821,15 @@ impl Scheduler {
     }
 }
 
-fn record_step_metrics(proposer: &str, arm: &str, drafted: usize, accepted: usize) {
-    let (p, a) = (proposer.to_string(), arm.to_string());
-    metrics::counter!("specd_verify_steps_total", "proposer" => p.clone(), "arm" => a.clone())
+/// Step counters, labelled by proposer, A/B arm and drafting member (the
+/// proposer itself unless it is composed).
+fn record_step_metrics(proposer: &str, arm: &str, member: &str, drafted: usize, accepted: usize) {
+    let (p, a, m) = (proposer.to_string(), arm.to_string(), member.to_string());
+    metrics::counter!("specd_verify_steps_total", "proposer" => p.clone(), "arm" => a.clone(), "member" => m.clone())
         .increment(1);
-    metrics::counter!("specd_drafted_tokens_total", "proposer" => p.clone(), "arm" => a.clone())
+    metrics::counter!("specd_drafted_tokens_total", "proposer" => p.clone(), "arm" => a.clone(), "member" => m.clone())
         .increment(drafted as u64);
-    metrics::counter!("specd_accepted_tokens_total", "proposer" => p.clone(), "arm" => a.clone())
+    metrics::counter!("specd_accepted_tokens_total", "proposer" => p.clone(), "arm" => a.clone(), "member" => m)
         .increment(accepted as u64);
     metrics::histogram!("specd_accepted_length", "proposer" => p.clone(), "arm" => a.clone())
         .record((accepted + 1) as f64);

@@ -366,6 +366,7 @@ impl Proposer for OracleProposer {
                 q: vec![DraftQ::OneHot; tokens.len()],
                 tokens,
                 parents: None,
+                source: None,
             });
         }
         Ok(out)
@@ -476,6 +477,7 @@ impl Proposer for PanickyProposer {
                 tokens: vec![b.tokens[b.tokens.len() - 1]; b.max_draft],
                 q: vec![DraftQ::OneHot; b.max_draft],
                 parents: None,
+                source: None,
             })
             .collect())
     }
@@ -886,6 +888,7 @@ impl TreeProposer {
             q: vec![DraftQ::OneHot; tokens.len()],
             tokens,
             parents: Some(parents),
+            source: None,
         }
     }
 

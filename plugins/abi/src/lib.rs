@@ -56,7 +56,7 @@ use core::ffi::c_void;
 /// Incremented on any incompatible change.
 pub const ABI_MAJOR: u32 = 2;
 /// Incremented when fields or functions are appended.
-pub const ABI_MINOR: u32 = 0;
+pub const ABI_MINOR: u32 = 1;
 
 /// The symbol every plugin exports: `extern "C" fn() -> *const Descriptor`.
 pub const ENTRY_SYMBOL: &[u8] = b"specd_proposer_entry\0";
@@ -300,6 +300,8 @@ pub struct HostApi {
     pub token_text: Option<
         unsafe extern "C" fn(ctx: *mut c_void, token: u32, out: *mut u8, cap: usize) -> usize,
     >,
+    /// Since 2.1: the target's number of layers (0: unknown, or a 2.0 host).
+    pub n_layers: u32,
 }
 
 // SAFETY: repr(C), starts with struct_size, all-zero is valid.

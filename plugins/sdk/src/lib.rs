@@ -218,6 +218,12 @@ impl Host {
         self.api.hidden_size as usize
     }
 
+    /// The target's number of layers (`None` from a host older than ABI
+    /// 2.1, or without a target model).
+    pub fn n_layers(&self) -> Option<usize> {
+        (self.api.n_layers > 0).then_some(self.api.n_layers as usize)
+    }
+
     /// Target embeddings of `tokens` (`tokens.len() x hidden_size`).
     pub fn embed(&self, tokens: &[u32]) -> Option<Vec<f32>> {
         let f = self.api.embed?;

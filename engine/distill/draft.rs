@@ -1,11 +1,8 @@
 //! `specd distill draft`: train a small Llama draft for a target by
 //! self-distillation on CPU (candle autograd).
 //!
-//! 1. The target generates text from training prompts that are disjoint
-//!    from every evaluation set the project ships (`prompts`: generated
-//!    instructions and code stubs, none sharing an 8-gram of words with
-//!    Spec-Bench or HumanEval); the token streams are cached in
-//!    `<out>/data.json`.
+//! 1. The target answers the training prompts (see the parent module);
+//!    the samples are cached in `<out>/samples.json`.
 //! 2. A small Llama with the target's tokenizer and tied embeddings
 //!    (initialised from the target's, projected to the draft width) learns
 //!    next-token cross-entropy on those streams with AdamW.
@@ -25,11 +22,8 @@ use candle_nn::{Optimizer, VarBuilder, VarMap};
 
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
-use crate::sampler::{Rng, SamplingParams};
-use crate::speculative::drafter::Drafter;
-use crate::speculative::driver::{EngineConfig, SyncDriver};
-use crate::speculative::Request;
-use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::sampler::Rng;
+use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct DistillConfig {
@@ -77,121 +71,6 @@ impl Default for DistillConfig {
 
 fn cerr(e: candle_core::Error) -> SpecdError {
     SpecdError::InvalidRequest(format!("distill: {e}"))
-}
-
-/// Prompts to generate training text from: generated instructions and
-/// code stubs that share no 8-gram of words with any evaluation set the
-/// project ships (see `prompts`). Returns (text, chat) pairs.
-pub fn prompt_set(limit: usize) -> Vec<(String, bool)> {
-    let eval = crate::ab::evaluation_texts();
-    let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
-    let (prompts, dropped) = crate::prompts::training_prompts(limit.max(1), 7, &index);
-    eprintln!(
-        "specd distill: {} training prompts (generated instructions and code stubs); {dropped} candidates dropped for sharing an 8-gram with Spec-Bench or HumanEval",
-        prompts.len()
-    );
-    prompts.into_iter().map(|p| (p.text, p.chat)).collect()
-}
-
-#[derive(Debug, Clone)]
-enum Prompt {
-    /// Text, and whether to apply the chat template.
-    Text(String, bool),
-    Ids(Vec<u32>),
-}
-
-/// Generate (or load) the target's token streams.
-pub fn training_data(
-    model: &Arc<Model>,
-    tok: &Arc<Tokenizer>,
-    cfg: &DistillConfig,
-    out: &Path,
-) -> Result<Vec<Vec<u32>>> {
-    let path = out.join("data.json");
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        if let Ok(d) = serde_json::from_str::<Vec<Vec<u32>>>(&text) {
-            let n: usize = d.iter().map(|s| s.len()).sum();
-            if n >= cfg.gen_tokens {
-                eprintln!(
-                    "specd distill: reusing {n} tokens of target text from {}",
-                    path.display()
-                );
-                return Ok(d);
-            }
-        }
-    }
-    let mut ec = EngineConfig::for_model(model);
-    ec.scheduler.max_running = 8;
-    ec.scheduler.max_waiting = usize::MAX;
-    let mut engine = SyncDriver::new(model.clone(), Some(tok.clone()), ec, Drafter::new());
-    let n_prompts = cfg.gen_tokens / (cfg.gen_max_tokens / 2).max(1) + 8;
-    let prompts: Vec<Prompt> = if cfg.prompt_ids.is_empty() {
-        prompt_set(n_prompts)
-            .into_iter()
-            .map(|(t, chat)| Prompt::Text(t, chat))
-            .collect()
-    } else {
-        cfg.prompt_ids
-            .iter()
-            .cloned()
-            .cycle()
-            .take(n_prompts)
-            .map(Prompt::Ids)
-            .collect()
-    };
-    let bar = indicatif::ProgressBar::new(cfg.gen_tokens as u64);
-    bar.set_message("generating target text");
-    let mut data = Vec::new();
-    let mut total = 0usize;
-    let mut next = 0usize;
-    while total < cfg.gen_tokens && next < prompts.len() {
-        let chunk: Vec<Prompt> = prompts[next..(next + 8).min(prompts.len())].to_vec();
-        next += chunk.len();
-        let mut encoded = Vec::new();
-        for (i, p) in chunk.iter().enumerate() {
-            let ids = match p {
-                Prompt::Text(text, true) => tok.encode(
-                    &tok.apply_chat_template(&[ChatMessage::user(text.clone())], true)?,
-                    false,
-                )?,
-                Prompt::Text(text, false) => tok.encode(text, true)?,
-                Prompt::Ids(ids) => ids.clone(),
-            };
-            let ids: Vec<u32> = ids.into_iter().take(model.config.max_seq_len / 2).collect();
-            engine.add(
-                Request {
-                    params: SamplingParams {
-                        temperature: cfg.temperature,
-                        seed: cfg.seed + (next + i) as u64,
-                        ..Default::default()
-                    },
-                    ..Request::greedy(ids.clone(), cfg.gen_max_tokens)
-                },
-                None,
-            )?;
-            encoded.push(ids);
-        }
-        let mut done = engine.run_to_completion()?;
-        done.sort_by_key(|c| c.id);
-        for (ids, c) in encoded.into_iter().zip(done) {
-            total += c.tokens.len();
-            bar.inc(c.tokens.len() as u64);
-            let mut s = ids;
-            s.extend(c.tokens);
-            data.push(s);
-        }
-    }
-    bar.finish_and_clear();
-    std::fs::create_dir_all(out)?;
-    std::fs::write(
-        &path,
-        serde_json::to_string(&data).map_err(|e| SpecdError::InvalidRequest(e.to_string()))?,
-    )?;
-    eprintln!(
-        "specd distill: {total} generated tokens from {} prompts",
-        data.len()
-    );
-    Ok(data)
 }
 
 /// The trainable draft network (Hugging Face Llama layout, tied head).
@@ -355,8 +234,17 @@ pub fn distill(
             "distill: hidden / heads must be an even integer".into(),
         ));
     }
-    let data = training_data(&target, &tok, cfg, out)?;
-    let stream: Vec<u32> = data.iter().flatten().copied().collect();
+    let data_cfg = super::DataConfig {
+        gen_tokens: cfg.gen_tokens,
+        gen_max_tokens: cfg.gen_max_tokens,
+        temperature: cfg.temperature,
+        sampled_fraction: 1.0,
+        concurrency: 8,
+        seed: cfg.seed,
+        prompt_ids: cfg.prompt_ids.clone(),
+    };
+    let data = super::training_data(&target, &tok, &data_cfg, out)?;
+    let stream: Vec<u32> = data.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     if stream.len() < cfg.seq_len + 2 {
         return Err(SpecdError::InvalidRequest(
             "distill: not enough training text".into(),

@@ -1,0 +1,1148 @@
+//! `specd distill eagle`: train an EAGLE-3 draft head for a target on CPU
+//! (candle autograd), and write it in the public EAGLE-3 checkpoint layout.
+//!
+//! 1. Data: the target's responses to the training prompts (parent module),
+//!    then one batched forward per group of samples that records the
+//!    features the head reads (the residual stream entering target layers
+//!    2, L/2 and L-3: our hidden indices 1, L/2-1 and L-4), the
+//!    final-normed hidden state (the target's distribution, recomputed on
+//!    the draft vocabulary during training) and the target's argmax.
+//!    Cached in `<out>/train/features.safetensors`.
+//! 2. Draft vocabulary: the `draft_vocab` most frequent response tokens
+//!    (EOS always included); `d2t[i] = target_id - i`.
+//! 3. Model (EAGLE-3): `g = fc(cat[F_low, F_mid, F_high])`;
+//!    `u = cat[input_layernorm(embed(x)), hidden_norm(g)]`;
+//!    `a = g + o(Attn(u))`; `y = a + MLP(post_attention_layernorm(a))`;
+//!    logits `lm_head(norm(y))` over the draft vocabulary. The target's
+//!    embedding is frozen and not part of the head.
+//! 4. Training-time test: the head is unrolled `ttt_steps` times; step k
+//!    feeds row p its own step k-1 output `y` with token x_{p+1+k} at
+//!    position p+k, attends to the step-0 keys of rows 0..=p plus its own
+//!    keys of steps 1..=k (what a chain draft sees at inference), and learns
+//!    the target's distribution at position p+1+k (soft cross-entropy on
+//!    the draft vocabulary, step weight 0.8^k), on response positions only.
+//! 5. AdamW (own implementation so its moments are checkpointed and a
+//!    resume continues exactly), linear warm-up and cosine decay, global
+//!    gradient-norm clipping; checkpoints in `<out>/train/`; validation
+//!    acceptance@1 (head argmax = target argmax) on held-out samples.
+//! 6. Output: `<out>/config.json` + `<out>/model.safetensors` (F16, with
+//!    `d2t` I64 and `t2d` BOOL), loadable by the `eagle` proposer plugin
+//!    and by anything that reads EAGLE-3 heads.
+//!
+//! Invariant: tensor names, shapes and dtypes of the output are exactly
+//! the EAGLE-3 layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+//! `t2d`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use super::{training_data, DataConfig, Sample};
+use crate::error::{Result, SpecdError};
+use crate::model::tensor_file::{self, TensorData, TensorFile};
+use crate::model::{ForwardInput, Logits, Model};
+use crate::sampler::Rng;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct EagleConfig {
+    /// Rows of the head's output layer (most frequent response tokens).
+    pub draft_vocab: usize,
+    /// MLP width of the head's decoder layer.
+    pub intermediate: usize,
+    /// Unrolled steps of training-time test.
+    pub ttt_steps: usize,
+    /// Samples are cut to this many tokens.
+    pub max_len: usize,
+    /// Padded tokens per training batch (batch x longest sample).
+    pub batch_tokens: usize,
+    /// Passes over the training samples.
+    pub epochs: f64,
+    pub lr: f64,
+    pub warmup: usize,
+    pub clip: f64,
+    pub checkpoint_every: usize,
+    /// Held-out fraction of samples for validation acceptance.
+    pub val_fraction: f64,
+    pub gen_tokens: usize,
+    pub gen_max_tokens: usize,
+    /// Temperature of the sampled share of responses.
+    pub temperature: f32,
+    pub sampled_fraction: f32,
+    pub concurrency: usize,
+    pub seed: u64,
+    /// Stop after this many steps even if the schedule is longer (for
+    /// tests of resume; 0: no limit).
+    #[serde(default)]
+    pub stop_after: usize,
+    #[serde(skip)]
+    pub prompt_ids: Vec<Vec<u32>>,
+}
+
+impl Default for EagleConfig {
+    fn default() -> Self {
+        Self {
+            draft_vocab: 4096,
+            intermediate: 1024,
+            ttt_steps: 4,
+            max_len: 448,
+            batch_tokens: 2048,
+            epochs: 2.0,
+            lr: 1e-3,
+            warmup: 40,
+            clip: 1.0,
+            checkpoint_every: 50,
+            val_fraction: 0.03,
+            gen_tokens: 240_000,
+            gen_max_tokens: 256,
+            temperature: 0.8,
+            sampled_fraction: 0.5,
+            concurrency: 32,
+            seed: 0,
+            stop_after: 0,
+            prompt_ids: Vec::new(),
+        }
+    }
+}
+
+fn cerr(e: candle_core::Error) -> SpecdError {
+    SpecdError::InvalidRequest(format!("distill eagle: {e}"))
+}
+
+fn serr(e: String) -> SpecdError {
+    SpecdError::InvalidRequest(format!("distill eagle: {e}"))
+}
+
+/// Our hidden indices of the EAGLE-3 feature layers of an `l`-layer target
+/// (the residual stream entering layers 2, l/2 and l-3).
+pub fn feature_layers(l: usize) -> Vec<usize> {
+    vec![1, (l / 2).saturating_sub(1), l.saturating_sub(4)]
+}
+
+/// Recorded target features of every sample, row per token.
+struct Features {
+    /// `rows x (3 * h)`.
+    feats: Vec<f32>,
+    /// `rows x h`, final-normed.
+    fin: Vec<f32>,
+    /// Target argmax per row (the token the target predicts next).
+    argmax: Vec<u32>,
+    /// First row of each sample.
+    offsets: Vec<usize>,
+}
+
+fn extract_features(
+    target: &Model,
+    samples: &[Sample],
+    layers: &[usize],
+    path: &Path,
+) -> Result<Features> {
+    let h = target.config.hidden;
+    let nl = layers.len();
+    let total: usize = samples.iter().map(|s| s.tokens.len()).sum();
+    let mut offsets = Vec::with_capacity(samples.len());
+    let mut acc = 0;
+    for s in samples {
+        offsets.push(acc);
+        acc += s.tokens.len();
+    }
+    if let Ok(f) = TensorFile::read(path) {
+        if f.shape("feats") == Some(&[total, nl * h][..]) && f.shape("fin") == Some(&[total, h][..])
+        {
+            eprintln!(
+                "specd distill: reusing target features from {}",
+                path.display()
+            );
+            return Ok(Features {
+                feats: f.f32("feats").map_err(serr)?,
+                fin: f.f32("fin").map_err(serr)?,
+                argmax: f
+                    .i64("argmax")
+                    .map_err(serr)?
+                    .into_iter()
+                    .map(|x| x as u32)
+                    .collect(),
+                offsets,
+            });
+        }
+    }
+    let mut feats = vec![0f32; total * nl * h];
+    let mut fin = vec![0f32; total * h];
+    let mut argmax = vec![0u32; total];
+    let mut want = layers.to_vec();
+    want.push(target.config.layers);
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} tokens through the target (features)  {elapsed} elapsed, ~{eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let vocab = target.config.vocab_size;
+    let mut i = 0;
+    while i < samples.len() {
+        // Groups of about 512 tokens: big matmuls, bounded logits memory.
+        let mut j = i;
+        let mut n = 0;
+        while j < samples.len() && (j == i || n + samples[j].tokens.len() <= 512) {
+            n += samples[j].tokens.len();
+            j += 1;
+        }
+        let mut caches: Vec<_> = (i..j).map(|_| target.new_cache()).collect();
+        let mut inputs: Vec<ForwardInput<'_>> = caches
+            .iter_mut()
+            .zip(&samples[i..j])
+            .map(|(cache, s)| ForwardInput {
+                cache,
+                tokens: &s.tokens,
+                logits: Logits::All,
+                tree: None,
+            })
+            .collect();
+        let outs = target.forward(&mut inputs, &want)?;
+        for (k, out) in outs.iter().enumerate() {
+            let s = i + k;
+            let (o, len) = (offsets[s], samples[s].tokens.len());
+            for (li, (layer, rows)) in out.hidden.iter().enumerate() {
+                debug_assert_eq!(*layer, want[li]);
+                if li < nl {
+                    for r in 0..len {
+                        let dst = (o + r) * nl * h + li * h;
+                        feats[dst..dst + h].copy_from_slice(&rows[r * h..(r + 1) * h]);
+                    }
+                } else {
+                    fin[o * h..(o + len) * h].copy_from_slice(rows);
+                }
+            }
+            for r in 0..len {
+                let row = &out.logits[r * vocab..(r + 1) * vocab];
+                argmax[o + r] = crate::sampler::argmax(row);
+            }
+        }
+        bar.inc(n as u64);
+        i = j;
+    }
+    bar.finish_and_clear();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    tensor_file::write(
+        path,
+        &[
+            (
+                "feats".into(),
+                vec![total, nl * h],
+                TensorData::F16(feats.clone()),
+            ),
+            ("fin".into(), vec![total, h], TensorData::F16(fin.clone())),
+            (
+                "argmax".into(),
+                vec![total],
+                TensorData::I64(argmax.iter().map(|&x| i64::from(x)).collect()),
+            ),
+        ],
+    )
+    .map_err(serr)?;
+    // Train on what the cache holds (f16), so a resumed run sees the same.
+    let f = TensorFile::read(path).map_err(serr)?;
+    Ok(Features {
+        feats: f.f32("feats").map_err(serr)?,
+        fin: f.f32("fin").map_err(serr)?,
+        argmax,
+        offsets,
+    })
+}
+
+/// The `n` most frequent response tokens (EOS ids always in), ascending.
+fn choose_draft_vocab(samples: &[Sample], n: usize, vocab: usize, eos: &[u32]) -> Vec<u32> {
+    let mut counts = vec![0u64; vocab];
+    for s in samples {
+        for &t in &s.tokens[s.prompt_len..] {
+            if let Some(c) = counts.get_mut(t as usize) {
+                *c += 1;
+            }
+        }
+    }
+    for &e in eos {
+        if let Some(c) = counts.get_mut(e as usize) {
+            *c = u64::MAX;
+        }
+    }
+    let mut ids: Vec<u32> = (0..vocab as u32).collect();
+    ids.sort_by(|a, b| counts[*b as usize].cmp(&counts[*a as usize]).then(a.cmp(b)));
+    ids.truncate(n.min(vocab));
+    ids.sort_unstable();
+    ids
+}
+
+/// The head's trainable tensors, in EAGLE-3 names.
+const PARAM_NAMES: [&str; 13] = [
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+];
+
+/// Shapes of the head's trainable tensors, in EAGLE-3 names.
+fn param_shapes(
+    h: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    f: usize,
+    nl: usize,
+    dv: usize,
+) -> Vec<(&'static str, Vec<usize>)> {
+    vec![
+        ("fc.weight", vec![h, nl * h]),
+        ("midlayer.input_layernorm.weight", vec![h]),
+        ("midlayer.hidden_norm.weight", vec![h]),
+        ("midlayer.self_attn.q_proj.weight", vec![nh * hd, 2 * h]),
+        ("midlayer.self_attn.k_proj.weight", vec![nkv * hd, 2 * h]),
+        ("midlayer.self_attn.v_proj.weight", vec![nkv * hd, 2 * h]),
+        ("midlayer.self_attn.o_proj.weight", vec![h, nh * hd]),
+        ("midlayer.post_attention_layernorm.weight", vec![h]),
+        ("midlayer.mlp.gate_proj.weight", vec![f, h]),
+        ("midlayer.mlp.up_proj.weight", vec![f, h]),
+        ("midlayer.mlp.down_proj.weight", vec![h, f]),
+        ("norm.weight", vec![h]),
+        ("lm_head.weight", vec![dv, h]),
+    ]
+}
+
+const EPS: f64 = 1e-5;
+
+fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + EPS)?.sqrt()?)?.broadcast_mul(w)
+}
+
+/// The trainable head plus the frozen target pieces it needs.
+struct Net {
+    p: HashMap<&'static str, Var>,
+    /// Target embedding, `vocab x h` (frozen).
+    embed: Tensor,
+    /// Target output head rows of the draft vocabulary, `dv x h` (frozen).
+    target_head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    h: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+}
+
+/// One batch, as host arrays (row = b * t + p).
+struct Batch {
+    b: usize,
+    t: usize,
+    /// `b*t x 3h`.
+    feats: Vec<f32>,
+    /// Per TTT step: token ids of the embedding input, the final-normed
+    /// target rows whose distribution is learned, the loss mask, and the
+    /// target's argmax as a draft id (-1: outside the draft vocabulary).
+    steps: Vec<StepData>,
+}
+
+struct StepData {
+    ids: Vec<u32>,
+    fin: Vec<f32>,
+    mask: Vec<f32>,
+    argmax: Vec<i64>,
+}
+
+impl Net {
+    fn w(&self, name: &str) -> &Tensor {
+        self.p[name].as_tensor()
+    }
+
+    fn rope(&self, x: &Tensor, offset: usize) -> candle_core::Result<Tensor> {
+        // x: (b, heads, t, hd); NeoX pairing (i, i + hd/2) as HF Llama.
+        let (_, _, t, hd) = x.dims4()?;
+        let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+        let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+        let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        let cos = self.cos.narrow(0, offset, t)?;
+        let sin = self.sin.narrow(0, offset, t)?;
+        x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?
+    }
+
+    /// (b, t, n*hd) -> (b, nh, t, hd), kv heads repeated for their groups.
+    fn heads(&self, x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let x = x.reshape((b, t, n, self.hd))?.transpose(1, 2)?;
+        if n == self.nh {
+            return x.contiguous();
+        }
+        let g = self.nh / n;
+        x.unsqueeze(2)?
+            .expand((b, n, g, t, self.hd))?
+            .reshape((b, self.nh, t, self.hd))
+    }
+
+    /// The head unrolled over the batch's TTT steps: logits per step,
+    /// `(b*t, dv)`.
+    fn unroll(&self, batch: &Batch) -> candle_core::Result<Vec<Tensor>> {
+        let dev = Device::Cpu;
+        let (b, t, h) = (batch.b, batch.t, self.h);
+        let nl = batch.feats.len() / (b * t * h);
+        let feats = Tensor::from_slice(&batch.feats, (b, t, nl * h), &dev)?;
+        let mut g = feats.broadcast_matmul(&self.w("fc.weight").t()?)?;
+        let mask_tt: Vec<f32> = (0..t)
+            .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let causal = Tensor::from_vec(mask_tt, (t, t), &dev)?;
+        let scale = 1.0 / (self.hd as f64).sqrt();
+        let mut keys: Vec<(Tensor, Tensor)> = Vec::new();
+        let mut out = Vec::new();
+        for (k, sd) in batch.steps.iter().enumerate() {
+            let ids = Tensor::from_slice(&sd.ids, b * t, &dev)?;
+            let e = self.embed.index_select(&ids, 0)?.reshape((b, t, h))?;
+            let u = Tensor::cat(
+                &[
+                    &rms(&e, self.w("midlayer.input_layernorm.weight"))?,
+                    &rms(&g, self.w("midlayer.hidden_norm.weight"))?,
+                ],
+                D::Minus1,
+            )?;
+            let proj = |name: &str, n: usize| -> candle_core::Result<Tensor> {
+                self.heads(&u.broadcast_matmul(&self.w(name).t()?)?, n)
+            };
+            let q = self.rope(&proj("midlayer.self_attn.q_proj.weight", self.nh)?, k)?;
+            let kk = self.rope(&proj("midlayer.self_attn.k_proj.weight", self.nkv)?, k)?;
+            let vv = proj("midlayer.self_attn.v_proj.weight", self.nkv)?;
+            keys.push((kk, vv));
+            let (k0, v0) = &keys[0];
+            let mut parts = vec![(q.matmul(&k0.t()?)? * scale)?.broadcast_add(&causal)?];
+            for (kj, _) in &keys[1..] {
+                parts.push(((&q * kj)?.sum_keepdim(D::Minus1)? * scale)?);
+            }
+            let att = candle_nn::ops::softmax_last_dim(&Tensor::cat(&parts, D::Minus1)?)?;
+            let mut o = att.narrow(D::Minus1, 0, t)?.matmul(v0)?;
+            for (j, (_, vj)) in keys.iter().enumerate().skip(1) {
+                o = (o + att.narrow(D::Minus1, t + j - 1, 1)?.broadcast_mul(vj)?)?;
+            }
+            let o = o.transpose(1, 2)?.reshape((b, t, self.nh * self.hd))?;
+            let a = (&g + o.broadcast_matmul(&self.w("midlayer.self_attn.o_proj.weight").t()?)?)?;
+            let an = rms(&a, self.w("midlayer.post_attention_layernorm.weight"))?;
+            let gate = an
+                .broadcast_matmul(&self.w("midlayer.mlp.gate_proj.weight").t()?)?
+                .silu()?;
+            let up = an.broadcast_matmul(&self.w("midlayer.mlp.up_proj.weight").t()?)?;
+            let y = (&a
+                + (gate * up)?.broadcast_matmul(&self.w("midlayer.mlp.down_proj.weight").t()?)?)?;
+            out.push(
+                rms(&y, self.w("norm.weight"))?
+                    .reshape((b * t, h))?
+                    .matmul(&self.w("lm_head.weight").t()?)?,
+            );
+            g = y;
+        }
+        Ok(out)
+    }
+
+    /// The TTT-unrolled loss; returns (loss, per-step (correct, counted)).
+    fn forward(&self, batch: &Batch) -> candle_core::Result<(Tensor, Vec<(f64, f64)>)> {
+        let dev = Device::Cpu;
+        let (b, t, h) = (batch.b, batch.t, self.h);
+        let mut total: Option<Tensor> = None;
+        let mut stats = Vec::new();
+        for (k, (sd, logits)) in batch.steps.iter().zip(self.unroll(batch)?).enumerate() {
+            let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+            let fin = Tensor::from_slice(&sd.fin, (b * t, h), &dev)?;
+            let p =
+                candle_nn::ops::softmax_last_dim(&fin.matmul(&self.target_head.t()?)?)?.detach();
+            let mask = Tensor::from_slice(&sd.mask, b * t, &dev)?;
+            let n = sd.mask.iter().sum::<f32>().max(1.0) as f64;
+            let ce = ((p * logp)?.sum(D::Minus1)? * &mask)?.sum_all()?.neg()?;
+            let step_loss = (ce * (0.8f64.powi(k as i32) / n))?;
+            total = Some(match total {
+                None => step_loss,
+                Some(t) => (t + step_loss)?,
+            });
+            // Acceptance@1 of this step: head argmax = target argmax.
+            let pred = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            let mut hit = 0.0;
+            for (r, &m) in sd.mask.iter().enumerate() {
+                if m > 0.0 && i64::from(pred[r]) == sd.argmax[r] {
+                    hit += 1.0;
+                }
+            }
+            stats.push((hit, sd.mask.iter().map(|&m| f64::from(m)).sum()));
+        }
+        let total = total.ok_or_else(|| candle_core::Error::Msg("no TTT steps".into()))?;
+        Ok((total, stats))
+    }
+}
+
+/// The training graph's logits for one sample, from an exported head:
+/// per TTT step, `tokens.len() x draft_vocab` (row p at step k is fed the
+/// true token x_{p+1+k}; rows past the end are padding). `feats` holds the
+/// target features, `tokens.len() x (layers * hidden)`. The reference the
+/// plugin's inference path is tested against.
+pub fn reference_logits(
+    head_dir: &Path,
+    target: &Model,
+    tokens: &[u32],
+    feats: &[f32],
+    ttt: usize,
+) -> Result<Vec<Vec<f32>>> {
+    let tc = &target.config;
+    let f = TensorFile::read(&head_dir.join("model.safetensors")).map_err(serr)?;
+    let dev = Device::Cpu;
+    let (h, vocab) = (tc.hidden, tc.vocab_size);
+    let mut p = HashMap::new();
+    for name in PARAM_NAMES {
+        let shape = f
+            .shape(name)
+            .ok_or_else(|| serr(format!("missing tensor `{name}`")))?
+            .to_vec();
+        let v = f.f32(name).map_err(serr)?;
+        let t = Tensor::from_vec(v, shape, &dev).map_err(cerr)?;
+        p.insert(name, Var::from_tensor(&t).map_err(cerr)?);
+    }
+    let emb = embedding_table(target);
+    let hd = tc.head_dim;
+    let (cos, sin) = rope_tables(tokens.len() + ttt + 1, hd, tc.rope_theta)?;
+    let net = Net {
+        p,
+        embed: Tensor::from_vec(emb, (vocab, h), &dev).map_err(cerr)?,
+        target_head: Tensor::zeros((1, h), DType::F32, &dev).map_err(cerr)?,
+        cos,
+        sin,
+        h,
+        nh: tc.heads,
+        nkv: tc.kv_heads,
+        hd,
+    };
+    let t = tokens.len();
+    let steps = (0..ttt)
+        .map(|k| StepData {
+            ids: (0..t)
+                .map(|p| tokens.get(p + 1 + k).copied().unwrap_or(0))
+                .collect(),
+            fin: Vec::new(),
+            mask: Vec::new(),
+            argmax: Vec::new(),
+        })
+        .collect();
+    let batch = Batch {
+        b: 1,
+        t,
+        feats: feats.to_vec(),
+        steps,
+    };
+    net.unroll(&batch)
+        .and_then(|ls| {
+            ls.iter()
+                .map(|l| l.flatten_all()?.to_vec1::<f32>())
+                .collect()
+        })
+        .map_err(cerr)
+}
+
+/// The target's token embeddings, `vocab x hidden` f32 (frozen).
+fn embedding_table(target: &Model) -> Vec<f32> {
+    let (vocab, h) = (target.config.vocab_size, target.config.hidden);
+    let mut emb = vec![0f32; vocab * h];
+    for r in 0..vocab {
+        target
+            .weights
+            .embed
+            .dequantize_row(r, &mut emb[r * h..(r + 1) * h]);
+    }
+    emb
+}
+
+fn rope_tables(max_pos: usize, hd: usize, theta: f32) -> Result<(Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    let ang: Vec<f32> = (0..max_pos)
+        .flat_map(|p| inv.iter().map(move |th| p as f32 * th))
+        .collect();
+    let ang = Tensor::from_vec(ang, (max_pos, hd / 2), &dev).map_err(cerr)?;
+    let ang = Tensor::cat(&[&ang, &ang], 1).map_err(cerr)?;
+    Ok((ang.cos().map_err(cerr)?, ang.sin().map_err(cerr)?))
+}
+
+/// Everything the batches are cut from.
+struct Corpus<'a> {
+    samples: &'a [Sample],
+    f: &'a Features,
+    /// Target id -> draft id (-1: not in the draft vocabulary).
+    t2d: Vec<i64>,
+    h: usize,
+    nl: usize,
+}
+
+impl Corpus<'_> {
+    fn batch(&self, idx: &[usize], ttt: usize, max_len: usize) -> Batch {
+        let (h, nl) = (self.h, self.nl);
+        let t = idx
+            .iter()
+            .map(|&i| self.samples[i].tokens.len().min(max_len))
+            .max()
+            .unwrap_or(1);
+        let b = idx.len();
+        let mut feats = vec![0f32; b * t * nl * h];
+        let mut steps: Vec<StepData> = (0..ttt)
+            .map(|_| StepData {
+                ids: vec![0; b * t],
+                fin: vec![0.0; b * t * h],
+                mask: vec![0.0; b * t],
+                argmax: vec![-1; b * t],
+            })
+            .collect();
+        for (bi, &si) in idx.iter().enumerate() {
+            let s = &self.samples[si];
+            let len = s.tokens.len().min(max_len);
+            let o = self.f.offsets[si];
+            let r0 = bi * t;
+            feats[r0 * nl * h..(r0 + len) * nl * h]
+                .copy_from_slice(&self.f.feats[o * nl * h..(o + len) * nl * h]);
+            for (k, sd) in steps.iter_mut().enumerate() {
+                for p in 0..len {
+                    // Row p at step k: token x_{p+1+k}; learns the target's
+                    // distribution at position q = p+1+k (next token q+1).
+                    let q = p + 1 + k;
+                    if q >= len {
+                        break;
+                    }
+                    sd.ids[r0 + p] = s.tokens[q];
+                    sd.fin[(r0 + p) * h..(r0 + p + 1) * h]
+                        .copy_from_slice(&self.f.fin[(o + q) * h..(o + q + 1) * h]);
+                    if q + 1 >= s.prompt_len {
+                        sd.mask[r0 + p] = 1.0;
+                        sd.argmax[r0 + p] = self.t2d[self.f.argmax[o + q] as usize];
+                    }
+                }
+            }
+        }
+        Batch { b, t, feats, steps }
+    }
+}
+
+/// Batches of sample indices: similar lengths together, `batch_tokens`
+/// padded tokens at most, in a seeded random order.
+fn plan_batches(
+    samples: &[Sample],
+    idx: &[usize],
+    batch_tokens: usize,
+    max_len: usize,
+    seed: u64,
+) -> Vec<Vec<usize>> {
+    let mut sorted = idx.to_vec();
+    sorted.sort_by_key(|&i| (samples[i].tokens.len(), i));
+    let mut out = Vec::new();
+    let mut cur: Vec<usize> = Vec::new();
+    for i in sorted {
+        let len = samples[i].tokens.len().min(max_len);
+        if !cur.is_empty() && (cur.len() + 1) * len > batch_tokens {
+            out.push(std::mem::take(&mut cur));
+        }
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    let mut rng = Rng::new(seed ^ 0xEA61E);
+    for i in (1..out.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        out.swap(i, j);
+    }
+    out
+}
+
+/// Training progress, next to each checkpoint.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct EagleState {
+    pub step: usize,
+    pub steps: usize,
+    pub loss: f32,
+    /// Loss of the first step of the run that started from scratch.
+    pub first_loss: f32,
+    /// (step, validation acceptance@1 of TTT step 0, of the last step).
+    pub val: Vec<(usize, f64, f64)>,
+    /// Draft vocabulary coverage of response tokens.
+    pub coverage: f64,
+    pub config: EagleConfig,
+}
+
+fn lr_at(cfg: &EagleConfig, step: usize, steps: usize) -> f64 {
+    let warm = cfg.warmup.min(steps / 10).max(1);
+    if step < warm {
+        cfg.lr * (step + 1) as f64 / warm as f64
+    } else {
+        let p = (step - warm) as f64 / (steps - warm).max(1) as f64;
+        cfg.lr * (0.05 + 0.95 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
+    }
+}
+
+/// AdamW whose moments are saved with the checkpoint.
+struct AdamW {
+    m: HashMap<&'static str, Tensor>,
+    v: HashMap<&'static str, Tensor>,
+    t: usize,
+}
+
+impl AdamW {
+    const B1: f64 = 0.9;
+    const B2: f64 = 0.95;
+    const WD: f64 = 0.0;
+
+    fn step(
+        &mut self,
+        net: &Net,
+        grads: &candle_core::backprop::GradStore,
+        lr: f64,
+        clip: f64,
+    ) -> candle_core::Result<f64> {
+        self.t += 1;
+        let mut sq = 0f64;
+        for var in net.p.values() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                sq += f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?);
+            }
+        }
+        let norm = sq.sqrt();
+        let s = if norm > clip { clip / norm } else { 1.0 };
+        let (b1t, b2t) = (
+            1.0 - Self::B1.powi(self.t as i32),
+            1.0 - Self::B2.powi(self.t as i32),
+        );
+        for (name, var) in &net.p {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let g = (g * s)?;
+            let m = self.m.get(name).cloned().unwrap_or(g.zeros_like()?);
+            let v = self.v.get(name).cloned().unwrap_or(g.zeros_like()?);
+            let m = ((m * Self::B1)? + (&g * (1.0 - Self::B1))?)?;
+            let v = ((v * Self::B2)? + (g.sqr()? * (1.0 - Self::B2))?)?;
+            let upd = ((&m / b1t)? / ((&v / b2t)?.sqrt()? + 1e-8)?)?;
+            let w = var.as_tensor();
+            let next = ((w * (1.0 - lr * Self::WD))? - (upd * lr)?)?;
+            var.set(&next)?;
+            self.m.insert(name, m);
+            self.v.insert(name, v);
+        }
+        Ok(norm)
+    }
+}
+
+fn tensor_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(cerr)
+}
+
+/// Write the head in the EAGLE-3 layout (F16 weights, `d2t`, `t2d`).
+fn export(
+    out: &Path,
+    net: &Net,
+    shapes: &[(&'static str, Vec<usize>)],
+    vocab_ids: &[u32],
+    target: &Model,
+    cfg: &EagleConfig,
+    layers: &[usize],
+) -> Result<PathBuf> {
+    let tc = &target.config;
+    let mut tensors = Vec::new();
+    for (name, shape) in shapes {
+        tensors.push((
+            name.to_string(),
+            shape.clone(),
+            TensorData::F16(tensor_vec(net.w(name))?),
+        ));
+    }
+    let d2t: Vec<i64> = vocab_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| i64::from(t) - i as i64)
+        .collect();
+    let mut t2d = vec![false; tc.vocab_size];
+    for &t in vocab_ids {
+        t2d[t as usize] = true;
+    }
+    tensors.push(("d2t".into(), vec![vocab_ids.len()], TensorData::I64(d2t)));
+    tensors.push(("t2d".into(), vec![tc.vocab_size], TensorData::Bool(t2d)));
+    let weights = out.join("model.safetensors");
+    tensor_file::write(&weights, &tensors).map_err(serr)?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": tc.hidden,
+        "num_attention_heads": net.nh,
+        "num_key_value_heads": net.nkv,
+        "head_dim": net.hd,
+        "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": EPS,
+        "rope_theta": tc.rope_theta,
+        "vocab_size": tc.vocab_size,
+        "draft_vocab_size": vocab_ids.len(),
+        "max_position_embeddings": tc.max_seq_len,
+        "torch_dtype": "float16",
+        // The public convention: the residual stream entering these layers.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers.iter().map(|l| l + 1).collect::<Vec<_>>()},
+    });
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )?;
+    Ok(weights)
+}
+
+/// SHA-256 of a file, hex.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    use sha2::Digest;
+    let bytes = std::fs::read(path)?;
+    Ok(format!("{:x}", sha2::Sha256::digest(&bytes)))
+}
+
+/// Train (or resume training) an EAGLE-3 head for `target_path` into
+/// `out`. Returns the final state.
+pub fn distill_eagle(
+    target_path: &Path,
+    out: &Path,
+    cfg: &EagleConfig,
+    threads: usize,
+) -> Result<EagleState> {
+    let train_dir = out.join("train");
+    std::fs::create_dir_all(&train_dir)?;
+    let target = Arc::new(crate::model::load_model(target_path, threads)?);
+    let tok = Arc::new(Tokenizer::for_model(target_path)?);
+    let tc = target.config.clone();
+    let (h, vocab) = (tc.hidden, tc.vocab_size);
+    let layers = feature_layers(tc.layers);
+    let nl = layers.len();
+    let data_cfg = DataConfig {
+        gen_tokens: cfg.gen_tokens,
+        gen_max_tokens: cfg.gen_max_tokens,
+        temperature: cfg.temperature,
+        sampled_fraction: cfg.sampled_fraction,
+        concurrency: cfg.concurrency,
+        seed: cfg.seed,
+        prompt_ids: cfg.prompt_ids.clone(),
+    };
+    let t0 = std::time::Instant::now();
+    let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;
+    eprintln!(
+        "specd distill: samples ready in {:.0} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let t0 = std::time::Instant::now();
+    for s in &mut samples {
+        s.tokens.truncate(cfg.max_len);
+        s.prompt_len = s.prompt_len.min(s.tokens.len());
+    }
+    let features = extract_features(
+        &target,
+        &samples,
+        &layers,
+        &train_dir.join("features.safetensors"),
+    )?;
+    eprintln!(
+        "specd distill: features ready in {:.0} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let vocab_ids = choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
+    let dv = vocab_ids.len();
+    let mut t2d = vec![-1i64; vocab];
+    for (i, &t) in vocab_ids.iter().enumerate() {
+        t2d[t as usize] = i as i64;
+    }
+    let (mut covered, mut all) = (0usize, 0usize);
+    for s in &samples {
+        for &t in &s.tokens[s.prompt_len..] {
+            all += 1;
+            covered += usize::from(t2d[t as usize] >= 0);
+        }
+    }
+    let coverage = covered as f64 / all.max(1) as f64;
+    eprintln!(
+        "specd distill: draft vocabulary of {dv} tokens covers {:.1}% of {all} response tokens",
+        coverage * 100.0
+    );
+
+    // Split: every sample whose seeded hash falls under val_fraction is held out.
+    let (mut train_idx, mut val_idx) = (Vec::new(), Vec::new());
+    for i in 0..samples.len() {
+        let mut r = Rng::new(cfg.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        if r.next_f64() < cfg.val_fraction {
+            val_idx.push(i);
+        } else {
+            train_idx.push(i);
+        }
+    }
+    if train_idx.is_empty() {
+        return Err(serr("no training samples".into()));
+    }
+
+    // Frozen target tensors.
+    let dev = Device::Cpu;
+    let emb = embedding_table(&target);
+    let head_w = target
+        .weights
+        .output
+        .as_ref()
+        .unwrap_or(&target.weights.embed);
+    let mut th = vec![0f32; dv * h];
+    for (i, &t) in vocab_ids.iter().enumerate() {
+        head_w.dequantize_row(t as usize, &mut th[i * h..(i + 1) * h]);
+    }
+    let (nh, nkv, hd) = (tc.heads, tc.kv_heads, tc.head_dim);
+    let shapes = param_shapes(h, nh, nkv, hd, cfg.intermediate, nl, dv);
+    let (cos, sin) = rope_tables(cfg.max_len + cfg.ttt_steps + 1, hd, tc.rope_theta)?;
+
+    // Parameters: fresh (fc reads the high layer as identity, lm_head and
+    // norm start as the target's, so step 0 starts as a logit lens), or
+    // from the checkpoint.
+    let ckpt = train_dir.join("checkpoint.safetensors");
+    let state_path = train_dir.join("state.json");
+    let resumed: Option<(EagleState, TensorFile)> = match (
+        std::fs::read_to_string(&state_path),
+        TensorFile::read(&ckpt),
+    ) {
+        (Ok(s), Ok(f)) => Some((
+            serde_json::from_str(&s).map_err(|e| serr(format!("{}: {e}", state_path.display())))?,
+            f,
+        )),
+        _ => None,
+    };
+    let mut rng = Rng::new(cfg.seed ^ 0x5EED);
+    let mut gauss = |n: usize, std: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let (u1, u2) = (rng.next_f64().max(1e-12), rng.next_f64());
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * std
+            })
+            .collect()
+    };
+    let mut p = HashMap::new();
+    let mut opt = AdamW {
+        m: HashMap::new(),
+        v: HashMap::new(),
+        t: 0,
+    };
+    for (name, shape) in &shapes {
+        let n: usize = shape.iter().product();
+        let init: Vec<f32> = if let Some((_, f)) = &resumed {
+            if f.shape(name) != Some(shape.as_slice()) {
+                return Err(serr(format!(
+                    "{}: tensor `{name}` does not match this configuration (expected shape {shape:?}); delete {} to start over",
+                    ckpt.display(),
+                    train_dir.display()
+                )));
+            }
+            for (map, pre) in [(&mut opt.m, "adam_m."), (&mut opt.v, "adam_v.")] {
+                let v = f.f32(&format!("{pre}{name}")).map_err(serr)?;
+                map.insert(
+                    *name,
+                    Tensor::from_vec(v, shape.as_slice(), &dev).map_err(cerr)?,
+                );
+            }
+            f.f32(name).map_err(serr)?
+        } else {
+            match *name {
+                "fc.weight" => {
+                    let mut w = gauss(n, 0.0005);
+                    // Identity on the last (highest) feature layer.
+                    for r in 0..h {
+                        w[r * nl * h + (nl - 1) * h + r] += 1.0;
+                    }
+                    w
+                }
+                "lm_head.weight" => th.clone(),
+                "norm.weight" => target.weights.norm.clone(),
+                n2 if n2.ends_with("norm.weight") => vec![1.0; n],
+                "midlayer.self_attn.o_proj.weight" | "midlayer.mlp.down_proj.weight" => {
+                    gauss(n, 0.002)
+                }
+                _ => gauss(n, 0.02),
+            }
+        };
+        let t = Tensor::from_vec(init, shape.as_slice(), &dev).map_err(cerr)?;
+        p.insert(*name, Var::from_tensor(&t).map_err(cerr)?);
+    }
+    let net = Net {
+        p,
+        embed: Tensor::from_vec(emb, (vocab, h), &dev).map_err(cerr)?,
+        target_head: Tensor::from_vec(th, (dv, h), &dev).map_err(cerr)?,
+        cos,
+        sin,
+        h,
+        nh,
+        nkv,
+        hd,
+    };
+    let corpus = Corpus {
+        samples: &samples,
+        f: &features,
+        t2d,
+        h,
+        nl,
+    };
+    let per_epoch = plan_batches(&samples, &train_idx, cfg.batch_tokens, cfg.max_len, 0).len();
+    let steps = ((per_epoch as f64 * cfg.epochs).ceil() as usize).max(1);
+    let mut state = match resumed {
+        Some((st, _)) => {
+            opt.t = st.step;
+            eprintln!(
+                "specd distill: resuming at step {} of {steps} (loss {:.3})",
+                st.step, st.loss
+            );
+            EagleState {
+                steps,
+                coverage,
+                config: cfg.clone(),
+                ..st
+            }
+        }
+        None => EagleState {
+            step: 0,
+            steps,
+            loss: f32::NAN,
+            first_loss: f32::NAN,
+            val: Vec::new(),
+            coverage,
+            config: cfg.clone(),
+        },
+    };
+    let validate = |net: &Net| -> Result<(f64, f64)> {
+        let (mut first, mut last) = ((0.0, 0.0), (0.0, 0.0));
+        for b in plan_batches(&samples, &val_idx, cfg.batch_tokens, cfg.max_len, 1) {
+            let (_, st) = net
+                .forward(&corpus.batch(&b, cfg.ttt_steps, cfg.max_len))
+                .map_err(cerr)?;
+            first.0 += st[0].0;
+            first.1 += st[0].1;
+            if let Some(l) = st.last() {
+                last.0 += l.0;
+                last.1 += l.1;
+            }
+        }
+        Ok((
+            first.0 / f64::max(first.1, 1.0),
+            last.0 / f64::max(last.1, 1.0),
+        ))
+    };
+    let save = |net: &Net, opt: &AdamW, state: &EagleState| -> Result<()> {
+        let mut t = Vec::new();
+        for (name, shape) in &shapes {
+            t.push((
+                name.to_string(),
+                shape.clone(),
+                TensorData::F32(tensor_vec(net.w(name))?),
+            ));
+            for (map, pre) in [(&opt.m, "adam_m."), (&opt.v, "adam_v.")] {
+                let v = match map.get(name) {
+                    Some(x) => tensor_vec(x)?,
+                    None => vec![0.0; shape.iter().product()],
+                };
+                t.push((format!("{pre}{name}"), shape.clone(), TensorData::F32(v)));
+            }
+        }
+        tensor_file::write(&ckpt, &t).map_err(serr)?;
+        std::fs::write(
+            &state_path,
+            serde_json::to_string_pretty(state).unwrap_or_default(),
+        )?;
+        export(out, net, &shapes, &vocab_ids, &target, cfg, &layers)?;
+        Ok(())
+    };
+    if state.val.is_empty() && !val_idx.is_empty() {
+        let (a0, ak) = validate(&net)?;
+        eprintln!("specd distill: before training, validation acceptance@1 {a0:.3} (TTT step {}: {ak:.3})", cfg.ttt_steps - 1);
+        state.val.push((0, a0, ak));
+    }
+    let bar = indicatif::ProgressBar::new(steps as u64);
+    bar.set_position(state.step as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut plans: HashMap<usize, Vec<Vec<usize>>> = HashMap::new();
+    let (mut hits, mut counted) = (0.0, 0.0);
+    let t_train = std::time::Instant::now();
+    let start_step = state.step;
+    let limit = if cfg.stop_after > 0 {
+        steps.min(cfg.stop_after)
+    } else {
+        steps
+    };
+    while state.step < limit {
+        let step = state.step;
+        let epoch = step / per_epoch;
+        let plan = plans.entry(epoch).or_insert_with(|| {
+            plan_batches(
+                &samples,
+                &train_idx,
+                cfg.batch_tokens,
+                cfg.max_len,
+                cfg.seed.wrapping_add(epoch as u64),
+            )
+        });
+        let batch = corpus.batch(&plan[step % per_epoch], cfg.ttt_steps, cfg.max_len);
+        let (loss, st) = net.forward(&batch).map_err(cerr)?;
+        let grads = loss.backward().map_err(cerr)?;
+        opt.step(&net, &grads, lr_at(cfg, step, steps), cfg.clip)
+            .map_err(cerr)?;
+        let l = loss.to_scalar::<f32>().map_err(cerr)?;
+        if state.first_loss.is_nan() {
+            state.first_loss = l;
+        }
+        state.loss = l;
+        state.step += 1;
+        hits = 0.9 * hits + st[0].0;
+        counted = 0.9 * counted + st[0].1;
+        let val = state.val.last().map_or(0.0, |v| v.1);
+        bar.set_message(format!(
+            "loss {l:.3}  train acc@1 {:.3}  val acc@1 {val:.3}",
+            hits / f64::max(counted, 1.0)
+        ));
+        bar.inc(1);
+        if state.step % cfg.checkpoint_every.max(1) == 0 || state.step == limit {
+            if !val_idx.is_empty() {
+                let (a0, ak) = validate(&net)?;
+                state.val.push((state.step, a0, ak));
+            }
+            save(&net, &opt, &state)?;
+        }
+    }
+    bar.finish_and_clear();
+    let ran = state.step - start_step;
+    if ran > 0 {
+        eprintln!(
+            "specd distill: {ran} steps in {:.0} s ({:.2} s/step)",
+            t_train.elapsed().as_secs_f64(),
+            t_train.elapsed().as_secs_f64() / ran as f64
+        );
+    }
+    if !out.join("model.safetensors").exists() {
+        save(&net, &opt, &state)?;
+    }
+    let sha = sha256_file(&out.join("model.safetensors"))?;
+    let last = state.val.last().copied().unwrap_or((0, f64::NAN, f64::NAN));
+    eprintln!(
+        "specd distill: {}/{} steps, loss {:.3} (first {:.3}), validation acceptance@1 {:.3} (TTT step {}: {:.3}); head in {} (model.safetensors sha256 {sha})",
+        state.step, steps, state.loss, state.first_loss, last.1, cfg.ttt_steps - 1, last.2, out.display()
+    );
+    Ok(state)
+}

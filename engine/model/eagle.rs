@@ -1,0 +1,753 @@
+//! The EAGLE draft head: its configuration, its weights as the engine's
+//! kernels want them, loading from the public checkpoint layouts, and one
+//! batched forward over rows of (feature, token embedding) pairs with a
+//! per-sequence KV cache.
+//!
+//! EAGLE-3 (Li et al. 2025): `g = fc(cat[F_low, F_mid, F_high])` on target
+//! features (or the previous step's output); `u = cat[input_layernorm(e),
+//! hidden_norm(g)]` (2h wide, embedding first); `a = g + o(Attn(u))`;
+//! `y = a + MLP(post_attention_layernorm(a))`; logits over the draft
+//! vocabulary `lm_head(norm(y))`; `y` feeds the next step; draft id `i` is
+//! target id `i + d2t[i]`.
+//!
+//! EAGLE-1 (Li et al. 2024): `x = fc(cat[e, f])` (+ bias) on the target's
+//! final-normed hidden state `f`; layer 0 without an input norm:
+//! `a = x + Attn(x)`, `y = a + MLP(post_attention_layernorm(a))`; logits are
+//! the target's output head on `y`.
+//!
+//! Invariant: every load error names the file, the tensor and the expected
+//! shape; a head whose hidden size or vocabulary does not match the target
+//! is refused.
+
+use std::path::Path;
+
+use super::kernels::{matmul_many, rms_norm, silu_mul, wants_q8, Activations, KernelPath};
+use super::tensor_file::TensorFile;
+use super::QMatrix;
+
+/// Which published head layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    Eagle1,
+    Eagle3,
+}
+
+#[derive(Debug, Clone)]
+pub struct HeadConfig {
+    pub variant: Variant,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    /// The target's hidden size (features are `features x target_hidden`).
+    pub target_hidden: usize,
+    /// Target layers whose features the head reads (EAGLE-3: three; EAGLE-1:
+    /// the final-normed state).
+    pub feature_layers: Vec<usize>,
+    /// Rows of the draft vocabulary (the target's for EAGLE-1).
+    pub draft_vocab: usize,
+}
+
+impl HeadConfig {
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Width of the attention input (2h for EAGLE-3, h for EAGLE-1).
+    pub fn attn_in(&self) -> usize {
+        match self.variant {
+            Variant::Eagle3 => 2 * self.hidden,
+            Variant::Eagle1 => self.hidden,
+        }
+    }
+}
+
+/// The head's weights.
+#[derive(Debug)]
+pub struct Head {
+    pub cfg: HeadConfig,
+    pub fc: QMatrix,
+    pub fc_bias: Option<Vec<f32>>,
+    pub input_norm: Option<Vec<f32>>,
+    pub hidden_norm: Option<Vec<f32>>,
+    pub post_norm: Vec<f32>,
+    pub norm: Option<Vec<f32>>,
+    pub wq: QMatrix,
+    pub wk: QMatrix,
+    pub wv: QMatrix,
+    pub wo: QMatrix,
+    pub gate: QMatrix,
+    pub up: QMatrix,
+    pub down: QMatrix,
+    /// Over the draft vocabulary (EAGLE-3); `None`: the target's head.
+    pub lm_head: Option<QMatrix>,
+    /// Draft id -> target id.
+    pub d2t: Vec<u32>,
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    path: KernelPath,
+}
+
+fn cfg_usize(cfg: &serde_json::Value, key: &str, file: &Path) -> Result<usize, String> {
+    cfg.get(key)
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+        .ok_or_else(|| format!("{}: missing integer `{key}`", file.display()))
+}
+
+/// Tensors of a safetensors file, by name, with errors that name the
+/// file, the tensor and the expected shape.
+struct Tensors {
+    file: TensorFile,
+    /// Matrices to Q8_0 (the fast path) or kept in f32 (exact reference).
+    quantize: bool,
+}
+
+impl Tensors {
+    fn load(file: &Path, quantize: bool) -> Result<Self, String> {
+        Ok(Self {
+            file: TensorFile::read(file)?,
+            quantize,
+        })
+    }
+
+    fn find<'a>(&self, names: &[&'a str]) -> Option<&'a str> {
+        names.iter().copied().find(|n| self.file.has(n))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.file.has(name)
+    }
+
+    fn path(&self) -> String {
+        self.file.path.display().to_string()
+    }
+
+    /// A float tensor of exactly `shape`, as f32.
+    fn get(&self, names: &[&str], shape: &[usize]) -> Result<Vec<f32>, String> {
+        let name = self.find(names).ok_or_else(|| {
+            format!(
+                "{}: missing tensor `{}` (expected shape {shape:?})",
+                self.path(),
+                names[0]
+            )
+        })?;
+        let dims = self.file.shape(name).unwrap_or(&[]);
+        if dims != shape {
+            return Err(format!(
+                "{}: tensor `{name}` has shape {dims:?}, expected {shape:?}",
+                self.path()
+            ));
+        }
+        self.file.f32(name)
+    }
+
+    fn matrix(&self, names: &[&str], rows: usize, cols: usize) -> Result<QMatrix, String> {
+        let v = self.get(names, &[rows, cols])?;
+        let m = QMatrix::from_f32(rows, cols, v);
+        if !self.quantize {
+            return Ok(m);
+        }
+        // Q8_0 for the kernels' integer path when the width allows.
+        Ok(m.to_q8_0().unwrap_or(m))
+    }
+}
+
+impl Head {
+    /// Load a head from `dir` (config.json and one safetensors file), for
+    /// a target with `target_hidden`, `target_vocab` and `target_layers`.
+    pub fn load(
+        dir: &Path,
+        target_hidden: usize,
+        target_vocab: usize,
+        target_layers: usize,
+    ) -> Result<Head, String> {
+        Self::load_with(dir, target_hidden, target_vocab, target_layers, true)
+    }
+
+    /// As `load`; `quantize: false` keeps every matrix in f32.
+    pub fn load_with(
+        dir: &Path,
+        target_hidden: usize,
+        target_vocab: usize,
+        target_layers: usize,
+        quantize: bool,
+    ) -> Result<Head, String> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path)
+            .map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        let cj: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        let weights = ["model.safetensors", "pytorch_model.safetensors"]
+            .iter()
+            .map(|f| dir.join(f))
+            .find(|p| p.is_file())
+            .or_else(|| {
+                std::fs::read_dir(dir)
+                    .ok()?
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            })
+            .ok_or_else(|| format!("{}: no *.safetensors file", dir.display()))?;
+        let t = Tensors::load(&weights, quantize)?;
+        Self::build(
+            &cj,
+            &cfg_path,
+            &weights,
+            &t,
+            target_hidden,
+            target_vocab,
+            target_layers,
+        )
+    }
+
+    /// A head from in-memory config text and safetensors bytes (`label`
+    /// names them in errors).
+    pub fn from_bytes(
+        label: &str,
+        config: &str,
+        weights: &[u8],
+        target_hidden: usize,
+        target_vocab: usize,
+        target_layers: usize,
+    ) -> Result<Head, String> {
+        let cfg_path = Path::new(label).join("config.json");
+        let wpath = Path::new(label).join("model.safetensors");
+        let cj: serde_json::Value =
+            serde_json::from_str(config).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        let t = Tensors {
+            file: TensorFile::from_bytes(&wpath, weights)?,
+            quantize: true,
+        };
+        Self::build(
+            &cj,
+            &cfg_path,
+            &wpath,
+            &t,
+            target_hidden,
+            target_vocab,
+            target_layers,
+        )
+    }
+
+    fn build(
+        cj: &serde_json::Value,
+        cfg_path: &Path,
+        weights: &Path,
+        t: &Tensors,
+        target_hidden: usize,
+        target_vocab: usize,
+        target_layers: usize,
+    ) -> Result<Head, String> {
+        let cj = cj.clone();
+        let cfg_path = cfg_path.to_path_buf();
+        let hidden = cfg_usize(&cj, "hidden_size", &cfg_path)?;
+        let heads = cfg_usize(&cj, "num_attention_heads", &cfg_path)?;
+        let kv_heads = cj
+            .get("num_key_value_heads")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+            .unwrap_or(heads);
+        let head_dim = cj
+            .get("head_dim")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+            .unwrap_or(hidden / heads.max(1));
+        let intermediate = cfg_usize(&cj, "intermediate_size", &cfg_path)?;
+        let rms_eps = cj
+            .get("rms_norm_eps")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(1e-5) as f32;
+        let rope_theta = cj
+            .get("rope_theta")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(10000.0) as f32;
+        if hidden != target_hidden {
+            return Err(format!(
+                "{}: hidden_size {hidden} does not match the target's {target_hidden}",
+                cfg_path.display()
+            ));
+        }
+        let variant =
+            if t.has("midlayer.self_attn.q_proj.weight") || t.has("layers.0.hidden_norm.weight") {
+                Variant::Eagle3
+            } else {
+                Variant::Eagle1
+            };
+        // The decoder layer's tensors: `midlayer.*` (EAGLE-3; some EAGLE-3
+        // exports say `layers.0.*`) or `layers.0.*` (EAGLE-1).
+        let p = |n: &str| -> [String; 2] {
+            match variant {
+                Variant::Eagle3 => [format!("midlayer.{n}"), format!("layers.0.{n}")],
+                Variant::Eagle1 => [format!("layers.0.{n}"), format!("layers.0.{n}")],
+            }
+        };
+        fn names(v: &[String; 2]) -> Vec<&str> {
+            v.iter().map(String::as_str).collect()
+        }
+        // The public convention names the layers whose *input* residual
+        // stream is read; our hidden index is the layer before.
+        let cfg_feature_layers: Option<Vec<usize>> = match cj
+            .get("eagle_aux_hidden_state_layer_ids")
+            .or_else(|| {
+                cj.get("eagle_config")
+                    .and_then(|e| e.get("eagle_aux_hidden_state_layer_ids"))
+            }) {
+            None => None,
+            Some(v) => {
+                let ids: Option<Vec<u64>> = v
+                    .as_array()
+                    .map(|a| a.iter().map(|x| x.as_u64()).collect())
+                    .unwrap_or(None);
+                match ids {
+                    Some(ids) if !ids.is_empty() && ids.iter().all(|&i| i >= 1) => {
+                        Some(ids.into_iter().map(|i| i as usize - 1).collect())
+                    }
+                    _ => {
+                        return Err(format!(
+                            "{}: `eagle_aux_hidden_state_layer_ids` must be a list of layer ids >= 1, got {v}",
+                            cfg_path.display()
+                        ))
+                    }
+                }
+            }
+        };
+        let (feature_layers, draft_vocab) = match variant {
+            Variant::Eagle3 => {
+                // The residual stream entering layers 2, L/2 and L-3 (the
+                // output of the layer before each: our hidden index).
+                let l = target_layers;
+                let fl =
+                    cfg_feature_layers.unwrap_or_else(|| crate::distill::eagle::feature_layers(l));
+                let dv = cj
+                    .get("draft_vocab_size")
+                    .and_then(|v| v.as_u64())
+                    .map(|v| v as usize)
+                    .unwrap_or(target_vocab);
+                (fl, dv)
+            }
+            Variant::Eagle1 => (vec![target_layers], target_vocab),
+        };
+        if let Some(v) = cj.get("vocab_size").and_then(|v| v.as_u64()) {
+            if v as usize != target_vocab {
+                return Err(format!(
+                    "{}: vocab_size {v} does not match the target's {target_vocab}",
+                    cfg_path.display()
+                ));
+            }
+        }
+        if variant == Variant::Eagle3 && feature_layers.iter().any(|&l| l >= target_layers) {
+            return Err(format!(
+                "{}: feature layers {feature_layers:?} are past the target's {target_layers} layers",
+                cfg_path.display()
+            ));
+        }
+        let cfg = HeadConfig {
+            variant,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate,
+            rms_eps,
+            rope_theta,
+            target_hidden,
+            feature_layers,
+            draft_vocab,
+        };
+        let (qd, kvd, ai) = (heads * head_dim, cfg.kv_dim(), cfg.attn_in());
+        let fc_in = match variant {
+            Variant::Eagle3 => cfg.feature_layers.len() * target_hidden,
+            Variant::Eagle1 => 2 * hidden,
+        };
+        let fc = t.matrix(&["fc.weight"], hidden, fc_in)?;
+        let fc_bias = if t.has("fc.bias") {
+            Some(t.get(&["fc.bias"], &[hidden])?)
+        } else {
+            None
+        };
+        let vec_opt = |n: &str| -> Result<Option<Vec<f32>>, String> {
+            let name = p(n);
+            if name.iter().any(|n| t.has(n)) {
+                t.get(&names(&name), &[hidden]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let input_norm = vec_opt("input_layernorm.weight")?;
+        let hidden_norm = vec_opt("hidden_norm.weight")?;
+        if variant == Variant::Eagle3 && (input_norm.is_none() || hidden_norm.is_none()) {
+            return Err(format!(
+                "{}: missing tensor `midlayer.input_layernorm.weight` or `midlayer.hidden_norm.weight` (expected shape [{hidden}])",
+                weights.display()
+            ));
+        }
+        let post_norm = t.get(&names(&p("post_attention_layernorm.weight")), &[hidden])?;
+        let mat = |n: &str, rows: usize, cols: usize| t.matrix(&names(&p(n)), rows, cols);
+        let wq = mat("self_attn.q_proj.weight", qd, ai)?;
+        let wk = mat("self_attn.k_proj.weight", kvd, ai)?;
+        let wv = mat("self_attn.v_proj.weight", kvd, ai)?;
+        let wo = mat("self_attn.o_proj.weight", hidden, qd)?;
+        let gate = mat("mlp.gate_proj.weight", intermediate, hidden)?;
+        let up = mat("mlp.up_proj.weight", intermediate, hidden)?;
+        let down = mat("mlp.down_proj.weight", hidden, intermediate)?;
+        let (norm, lm_head, d2t) = match variant {
+            Variant::Eagle3 => {
+                let norm = t.get(&["norm.weight"], &[hidden])?;
+                let lm_head = t.matrix(&["lm_head.weight"], draft_vocab, hidden)?;
+                let d2t: Vec<u32> = if draft_vocab == target_vocab && !t.has("d2t") {
+                    (0..target_vocab as u32).collect()
+                } else {
+                    if !t.has("d2t") {
+                        return Err(format!(
+                            "{}: missing tensor `d2t` (expected shape [{draft_vocab}])",
+                            weights.display()
+                        ));
+                    }
+                    let dims = t.file.shape("d2t").unwrap_or(&[]);
+                    if dims != [draft_vocab] {
+                        return Err(format!(
+                            "{}: tensor `d2t` has shape {dims:?}, expected [{draft_vocab}]",
+                            weights.display()
+                        ));
+                    }
+                    let off = t.file.i64("d2t")?;
+                    let mut ids = Vec::with_capacity(draft_vocab);
+                    for (i, o) in off.iter().enumerate() {
+                        let id = i as i64 + o;
+                        if id < 0 || id as usize >= target_vocab {
+                            return Err(format!(
+                                "{}: tensor `d2t` maps draft id {i} to {id}, outside the target's vocabulary of {target_vocab}",
+                                weights.display()
+                            ));
+                        }
+                        ids.push(id as u32);
+                    }
+                    ids
+                };
+                (Some(norm), Some(lm_head), d2t)
+            }
+            Variant::Eagle1 => (None, None, (0..target_vocab as u32).collect()),
+        };
+        Ok(Head::new(
+            cfg,
+            fc,
+            fc_bias,
+            input_norm,
+            hidden_norm,
+            post_norm,
+            norm,
+            [wq, wk, wv, wo],
+            [gate, up, down],
+            lm_head,
+            d2t,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: HeadConfig,
+        fc: QMatrix,
+        fc_bias: Option<Vec<f32>>,
+        input_norm: Option<Vec<f32>>,
+        hidden_norm: Option<Vec<f32>>,
+        post_norm: Vec<f32>,
+        norm: Option<Vec<f32>>,
+        [wq, wk, wv, wo]: [QMatrix; 4],
+        [gate, up, down]: [QMatrix; 3],
+        lm_head: Option<QMatrix>,
+        d2t: Vec<u32>,
+    ) -> Head {
+        let half = cfg.head_dim / 2;
+        let max_pos = 1 << 15;
+        let mut rope_cos = Vec::with_capacity(max_pos * half);
+        let mut rope_sin = Vec::with_capacity(max_pos * half);
+        for pos in 0..max_pos {
+            for i in 0..half {
+                let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32);
+                let a = pos as f32 * f;
+                rope_cos.push(a.cos());
+                rope_sin.push(a.sin());
+            }
+        }
+        Head {
+            cfg,
+            fc,
+            fc_bias,
+            input_norm,
+            hidden_norm,
+            post_norm,
+            norm,
+            wq,
+            wk,
+            wv,
+            wo,
+            gate,
+            up,
+            down,
+            lm_head,
+            d2t,
+            rope_cos,
+            rope_sin,
+            path: KernelPath::best(),
+        }
+    }
+
+    /// Bytes of weights read by one draft step (fc excluded).
+    pub fn step_bytes(&self) -> usize {
+        [
+            &self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down,
+        ]
+        .iter()
+        .map(|m| m.size_bytes())
+        .sum::<usize>()
+            + self.lm_head.as_ref().map_or(0, |m| m.size_bytes())
+    }
+
+    fn matmul(&self, x: &[f32], rows: usize, w: &QMatrix) -> Vec<f32> {
+        let mut act = Activations::new(self.path);
+        act.prepare(x, rows, w.cols, wants_q8(w));
+        let mut out = Vec::new();
+        matmul_many(&act, &[w], &mut [&mut out]);
+        out
+    }
+
+    /// `fc` over target features (`rows x fc.cols`): the first hidden input.
+    pub fn fuse(&self, features: &[f32], rows: usize) -> Vec<f32> {
+        let mut g = self.matmul(features, rows, &self.fc);
+        if let Some(b) = &self.fc_bias {
+            for r in g.chunks_exact_mut(self.cfg.hidden) {
+                for (v, bv) in r.iter_mut().zip(b) {
+                    *v += bv;
+                }
+            }
+        }
+        g
+    }
+
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let (hd, half) = (self.cfg.head_dim, self.cfg.head_dim / 2);
+        let pos = pos.min(self.rope_cos.len() / half.max(1) - 1);
+        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
+        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+        // Hugging Face layout: pairs (i, i + d/2).
+        for head in x.chunks_exact_mut(hd) {
+            for i in 0..half {
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * cos[i] - b * sin[i];
+                head[i + half] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+
+    /// One layer step over `pos.len()` rows (of any sequences). Row r has
+    /// hidden input `g[r]` (h wide; for EAGLE-1 the fused `fc(cat[e, f])`),
+    /// token embedding `e[r]` (EAGLE-3 only) and position `pos[r]`; it
+    /// attends to the entries `sees[r]` names, in order, then to itself.
+    /// Returns the outputs `y` (pre-norm) and the rows' own keys and values
+    /// (to keep in a cache or throw away).
+    pub fn step(
+        &self,
+        stores: &[&KvStore],
+        g: &[f32],
+        e: &[f32],
+        pos: &[usize],
+        sees: &[Vec<Src>],
+    ) -> (Vec<f32>, KvStore) {
+        let c = &self.cfg;
+        let (h, rows) = (c.hidden, pos.len());
+        let ai = c.attn_in();
+        let mut u = vec![0f32; rows * ai];
+        match c.variant {
+            Variant::Eagle3 => {
+                let mut en = vec![0f32; rows * h];
+                let mut gn = vec![0f32; rows * h];
+                rms_norm(
+                    e,
+                    self.input_norm.as_deref().unwrap_or(&[]),
+                    c.rms_eps,
+                    &mut en,
+                );
+                rms_norm(
+                    g,
+                    self.hidden_norm.as_deref().unwrap_or(&[]),
+                    c.rms_eps,
+                    &mut gn,
+                );
+                for r in 0..rows {
+                    u[r * ai..r * ai + h].copy_from_slice(&en[r * h..(r + 1) * h]);
+                    u[r * ai + h..(r + 1) * ai].copy_from_slice(&gn[r * h..(r + 1) * h]);
+                }
+            }
+            Variant::Eagle1 => u.copy_from_slice(g),
+        }
+        let mut act = Activations::new(self.path);
+        act.prepare(&u, rows, ai, wants_q8(&self.wq));
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        matmul_many(
+            &act,
+            &[&self.wq, &self.wk, &self.wv],
+            &mut [&mut q, &mut k, &mut v],
+        );
+        let (qd, kvd, hd) = (c.heads * c.head_dim, c.kv_dim(), c.head_dim);
+        for r in 0..rows {
+            self.rope(&mut q[r * qd..(r + 1) * qd], pos[r]);
+            self.rope(&mut k[r * kvd..(r + 1) * kvd], pos[r]);
+        }
+        let own = KvStore { k, v, dim: kvd };
+        // Attention: scores over the entries the row sees and itself;
+        // softmax; weighted values.
+        let group = c.heads / c.kv_heads.max(1);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut attn = vec![0f32; rows * qd];
+        let mut scores: Vec<f32> = Vec::new();
+        let mut keys: Vec<(&KvStore, usize)> = Vec::new();
+        for r in 0..rows {
+            keys.clear();
+            for s in &sees[r] {
+                match *s {
+                    Src::Range { store, start, end } => {
+                        keys.extend((start..end).map(|i| (stores[store], i)));
+                    }
+                    Src::Row { store, row } => keys.push((stores[store], row)),
+                    Src::Own(j) => keys.push((&own, j)),
+                }
+            }
+            keys.push((&own, r));
+            for head in 0..c.heads {
+                let kvh = head / group.max(1);
+                let qv = &q[r * qd + head * hd..r * qd + (head + 1) * hd];
+                scores.clear();
+                scores.extend(
+                    keys.iter()
+                        .map(|(s, i)| dot(qv, s.key(*i, kvh, hd)) * scale),
+                );
+                let (_, sum) = super::kernels::exp_shifted(&mut scores);
+                let inv = 1.0 / sum;
+                let out = &mut attn[r * qd + head * hd..r * qd + (head + 1) * hd];
+                for ((s, i), &p) in keys.iter().zip(&scores) {
+                    let vv = s.value(*i, kvh, hd);
+                    let w = p * inv;
+                    for (o, &x) in out.iter_mut().zip(vv) {
+                        *o = w.mul_add(x, *o);
+                    }
+                }
+            }
+        }
+        let o = self.matmul(&attn, rows, &self.wo);
+        // Residual: the hidden input (EAGLE-3: g, un-normed; EAGLE-1: x).
+        let mut a: Vec<f32> = g.iter().zip(&o).map(|(x, y)| x + y).collect();
+        let mut an = vec![0f32; rows * h];
+        rms_norm(&a, &self.post_norm, c.rms_eps, &mut an);
+        let mut act = Activations::new(self.path);
+        act.prepare(&an, rows, h, wants_q8(&self.gate));
+        let (mut gt, mut upv) = (Vec::new(), Vec::new());
+        matmul_many(&act, &[&self.gate, &self.up], &mut [&mut gt, &mut upv]);
+        silu_mul(&mut gt, &upv);
+        let d = self.matmul(&gt, rows, &self.down);
+        for (x, y) in a.iter_mut().zip(&d) {
+            *x += y;
+        }
+        (a, own)
+    }
+
+    /// Draft-vocabulary logits of outputs `y` (EAGLE-3: own norm and head).
+    /// `None` for EAGLE-1, whose logits come from the target's head.
+    pub fn logits(&self, y: &[f32], rows: usize) -> Option<Vec<f32>> {
+        let head = self.lm_head.as_ref()?;
+        let mut yn = vec![0f32; y.len()];
+        rms_norm(
+            y,
+            self.norm.as_deref().unwrap_or(&[]),
+            self.cfg.rms_eps,
+            &mut yn,
+        );
+        Some(self.matmul(&yn, rows, head))
+    }
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s = x.mul_add(*y, s);
+    }
+    s
+}
+
+/// Entries a row attends to (before itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Src {
+    /// Rows `start..end` of `stores[store]`.
+    Range {
+        store: usize,
+        start: usize,
+        end: usize,
+    },
+    /// Row `row` of `stores[store]`.
+    Row { store: usize, row: usize },
+    /// Row `j` of this call (an earlier row).
+    Own(usize),
+}
+
+/// Keys and values of the head's one layer, one row per position (or
+/// node): `dim = kv_heads * head_dim` each.
+#[derive(Debug, Clone, Default)]
+pub struct KvStore {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub dim: usize,
+}
+
+impl KvStore {
+    pub fn new(dim: usize) -> Self {
+        Self {
+            k: Vec::new(),
+            v: Vec::new(),
+            dim,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.k.len().checked_div(self.dim).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn truncate(&mut self, n: usize) {
+        self.k.truncate(n * self.dim);
+        self.v.truncate(n * self.dim);
+    }
+
+    /// Append rows `rows` of `other`.
+    pub fn extend_rows(&mut self, other: &KvStore, rows: std::ops::Range<usize>) {
+        let d = self.dim;
+        self.k
+            .extend_from_slice(&other.k[rows.start * d..rows.end * d]);
+        self.v
+            .extend_from_slice(&other.v[rows.start * d..rows.end * d]);
+    }
+
+    fn key(&self, i: usize, kvh: usize, hd: usize) -> &[f32] {
+        let o = i * self.dim + kvh * hd;
+        &self.k[o..o + hd]
+    }
+
+    fn value(&self, i: usize, kvh: usize, hd: usize) -> &[f32] {
+        let o = i * self.dim + kvh * hd;
+        &self.v[o..o + hd]
+    }
+}

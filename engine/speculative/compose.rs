@@ -1,0 +1,732 @@
+//! `Compose`: a proposer made of member proposers (e.g. suffix and eagle)
+//! that picks, per sequence and step, the member whose draft promises the
+//! most accepted tokens per unit of cost.
+//!
+//! Members are asked in configuration order (cheapest first). After a
+//! member drafts, its draft is scored by its expected accepted tokens
+//! (from that member's acceptance on this sequence, an EMA with a prior
+//! from all sequences) per unit of cost (one target forward, plus the
+//! verify cost of the drafted tokens, plus the member's own drafting cost);
+//! a member not yet asked is scored by what its steps accepted so far. The
+//! sequence stops asking as soon as a draft in hand beats every member
+//! still unasked, so an expensive member (eagle) only drafts when the
+//! cheap one (suffix) has no convincing match.
+//!
+//! Invariants:
+//! - Every member sees every committed token (`observe`), and every target
+//!   hidden row of the layers it declared, in order: rows delivered while
+//!   a member was not asked are kept for it and passed with its next call
+//!   (flushed through a zero-length call when they pile up).
+//! - A draft is passed on unchanged but for its q's representation (a
+//!   one-hot q becomes the composite's declared kind), and is labelled with
+//!   the member that drafted it (`Draft::source`), which metrics carry.
+
+use std::collections::HashMap;
+
+use super::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
+use super::SeqId;
+use crate::sampler::Distribution;
+
+/// Rows of buffered hidden states beyond which a member is flushed.
+const FLUSH_ROWS: usize = 64;
+
+/// An exponential moving average with a prior.
+#[derive(Debug, Clone, Copy)]
+struct Ema {
+    value: f64,
+    n: u32,
+}
+
+impl Ema {
+    fn new(prior: f64) -> Self {
+        Self { value: prior, n: 0 }
+    }
+
+    /// The prior counts as two observations; later ones decay at 0.25.
+    fn add(&mut self, x: f64) {
+        self.n = self.n.saturating_add(1);
+        let w = (1.0 / f64::from(self.n + 2)).max(0.25);
+        self.value += w * (x - self.value);
+    }
+}
+
+/// Acceptance of one member: per drafted depth, and accepted per step.
+#[derive(Debug, Clone, Copy)]
+struct Track {
+    rate: Ema,
+    per_step: Ema,
+}
+
+impl Track {
+    fn new(prior: &Track) -> Self {
+        Self {
+            rate: Ema::new(prior.rate.value),
+            per_step: Ema::new(prior.per_step.value),
+        }
+    }
+
+    fn record(&mut self, depth: usize, accepted: usize) {
+        if depth > 0 {
+            self.rate.add(accepted as f64 / depth as f64);
+            self.per_step.add(accepted as f64);
+        }
+    }
+}
+
+struct Member {
+    name: String,
+    proposer: Box<dyn Proposer>,
+    caps: Capabilities,
+    /// Drafting cost of one call relative to a one-token target forward.
+    cost: f64,
+    /// For each of the member's layers, its index in the composite's.
+    layer_idx: Vec<usize>,
+    prior: Track,
+}
+
+/// Hidden rows waiting for one member.
+#[derive(Debug, Default)]
+struct Pending {
+    start: usize,
+    rows: usize,
+    /// One block per member layer.
+    layers: Vec<(usize, Vec<f32>)>,
+}
+
+#[derive(Debug)]
+struct SeqState {
+    tracks: Vec<Track>,
+    pending: Vec<Pending>,
+    /// The member that drafted the last step and the draft's depth.
+    last: Option<(usize, usize)>,
+    /// Drafting steps so far (every 8th asks every member, so estimates of
+    /// members that fell behind keep learning).
+    steps: u32,
+}
+
+pub struct Compose {
+    name: String,
+    members: Vec<Member>,
+    caps: Capabilities,
+    vocab: usize,
+    /// The target's hidden width (of delivered hidden rows).
+    hidden: usize,
+    /// Verify cost of one drafted token relative to a one-token forward.
+    verify_cost: f64,
+    seqs: HashMap<SeqId, SeqState>,
+}
+
+impl std::fmt::Debug for Compose {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Compose")
+            .field("name", &self.name)
+            .field(
+                "members",
+                &self.members.iter().map(|m| &m.name).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// A member to compose: its name (for labels), the proposer and its
+/// drafting cost per call relative to a one-token target forward.
+pub struct MemberSpec {
+    pub name: String,
+    pub proposer: Box<dyn Proposer>,
+    pub cost: f64,
+}
+
+impl Compose {
+    /// Compose `members` (asked in this order) for a target of `vocab`
+    /// tokens and hidden width `hidden`, with `verify_cost` per drafted
+    /// token.
+    pub fn new(
+        name: &str,
+        members: Vec<MemberSpec>,
+        vocab: usize,
+        hidden: usize,
+        verify_cost: f64,
+    ) -> Result<Self, String> {
+        if members.is_empty() {
+            return Err(format!("compose proposer `{name}`: no members"));
+        }
+        let mut layers: Vec<usize> = Vec::new();
+        let mut caps = Capabilities {
+            q_kind: QKind::OneHot,
+            max_draft: 0,
+            max_depth: 0,
+            ..Default::default()
+        };
+        let mut tree_mode = None;
+        let mut out = Vec::new();
+        for m in members {
+            let c = m.proposer.capabilities();
+            let layer_idx = c
+                .hidden_layers
+                .iter()
+                .map(|l| match layers.iter().position(|x| x == l) {
+                    Some(i) => i,
+                    None => {
+                        layers.push(*l);
+                        layers.len() - 1
+                    }
+                })
+                .collect();
+            caps.q_kind = match (caps.q_kind, c.q_kind) {
+                (QKind::Full, _) | (_, QKind::Full) => QKind::Full,
+                (QKind::Sparse, _) | (_, QKind::Sparse) => QKind::Sparse,
+                _ => QKind::OneHot,
+            };
+            caps.max_draft = caps.max_draft.max(c.max_draft);
+            caps.max_depth = caps
+                .max_depth
+                .max(if c.tree { c.max_depth } else { c.max_draft });
+            if c.tree {
+                if tree_mode.is_some_and(|t| t != c.siblings) {
+                    return Err(format!(
+                        "compose proposer `{name}`: tree members draw siblings differently ({:?} vs {:?})",
+                        tree_mode, c.siblings
+                    ));
+                }
+                tree_mode = Some(c.siblings);
+                caps.tree = true;
+                caps.siblings = c.siblings;
+            }
+            let prior = Track {
+                rate: Ema::new(0.5),
+                per_step: Ema::new(1.0),
+            };
+            out.push(Member {
+                name: m.name,
+                proposer: m.proposer,
+                caps: c,
+                cost: m.cost,
+                layer_idx,
+                prior,
+            });
+        }
+        caps.hidden_layers = layers;
+        Ok(Self {
+            name: name.to_string(),
+            members: out,
+            caps,
+            vocab,
+            hidden,
+            verify_cost,
+            seqs: HashMap::new(),
+        })
+    }
+
+    fn state(&mut self, seq: SeqId) -> &mut SeqState {
+        let members = &self.members;
+        self.seqs.entry(seq).or_insert_with(|| SeqState {
+            tracks: members.iter().map(|m| Track::new(&m.prior)).collect(),
+            pending: members.iter().map(|_| Pending::default()).collect(),
+            last: None,
+            steps: 0,
+        })
+    }
+
+    /// Expected accepted tokens of a drafted `d` by member `m` per cost.
+    fn value_of(&self, m: usize, track: &Track, d: &Draft) -> f64 {
+        if d.tokens.is_empty() {
+            return 1.0 / (1.0 + self.members[m].cost);
+        }
+        let expected = if d.parents.is_some() {
+            track.per_step.value
+        } else {
+            let a = track.rate.value.clamp(0.0, 0.999);
+            (1..=d.tokens.len()).map(|i| a.powi(i as i32)).sum()
+        };
+        (1.0 + expected) / (1.0 + self.verify_cost * d.tokens.len() as f64 + self.members[m].cost)
+    }
+
+    /// What member `m` is expected to be worth before it drafts.
+    fn estimate(&self, m: usize, track: &Track, max_draft: usize) -> f64 {
+        let c = &self.members[m].caps;
+        let n = c.max_draft.min(max_draft).max(1) as f64;
+        let expected = if c.tree {
+            track.per_step.value
+        } else {
+            let a = track.rate.value.clamp(0.0, 0.999);
+            (1..=n as i32).map(|i| a.powi(i)).sum()
+        };
+        (1.0 + expected) / (1.0 + self.verify_cost * n + self.members[m].cost)
+    }
+
+    /// A member's q in the composite's declared kind.
+    fn convert(&self, mut d: Draft) -> Draft {
+        for (q, &t) in d.q.iter_mut().zip(&d.tokens) {
+            if matches!(q, DraftQ::OneHot) {
+                match self.caps.q_kind {
+                    QKind::OneHot => {}
+                    QKind::Sparse => *q = DraftQ::Sparse(Distribution::one_hot(t)),
+                    QKind::Full => {
+                        let mut v = vec![0f32; self.vocab];
+                        if let Some(x) = v.get_mut(t as usize) {
+                            *x = 1.0;
+                        }
+                        *q = DraftQ::Full(v.into());
+                    }
+                }
+            }
+        }
+        d
+    }
+
+    /// Call member `m` for the inputs `idx` (with their pending hidden
+    /// rows), at their own draft limits or `max_draft: Some(0)` to flush.
+    fn call(
+        &mut self,
+        m: usize,
+        batch: &[ProposeInput<'_>],
+        idx: &[usize],
+        max_draft: Option<usize>,
+    ) -> Result<Vec<Draft>, String> {
+        let pend: Vec<Pending> = idx
+            .iter()
+            .map(|&i| std::mem::take(&mut self.state(batch[i].seq).pending[m]))
+            .collect();
+        let inputs: Vec<ProposeInput<'_>> = idx
+            .iter()
+            .zip(&pend)
+            .map(|(&i, p)| ProposeInput {
+                seq: batch[i].seq,
+                tokens: batch[i].tokens,
+                max_draft: max_draft.unwrap_or(batch[i].max_draft),
+                params: batch[i].params,
+                hidden: &p.layers,
+                hidden_start: p.start,
+            })
+            .collect();
+        let member = &mut self.members[m];
+        let drafts = member
+            .proposer
+            .propose(&inputs)
+            .map_err(|e| format!("member `{}`: {e}", member.name))?;
+        if drafts.len() != inputs.len() {
+            return Err(format!(
+                "member `{}` returned {} drafts for {} sequences",
+                member.name,
+                drafts.len(),
+                inputs.len()
+            ));
+        }
+        Ok(drafts)
+    }
+}
+
+impl Proposer for Compose {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.caps.clone()
+    }
+
+    fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String> {
+        self.seqs.remove(&seq);
+        for m in &mut self.members {
+            m.proposer
+                .start(seq, prompt)
+                .map_err(|e| format!("member `{}`: {e}", m.name))?;
+        }
+        Ok(())
+    }
+
+    fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+        // Buffer every delivered hidden row for every member that wants it.
+        for inp in batch {
+            let rows = inp.hidden.first().map_or(0, |(_, v)| v.len()) / self.hidden.max(1);
+            if rows == 0 {
+                continue;
+            }
+            let idxs: Vec<Vec<usize>> = self.members.iter().map(|m| m.layer_idx.clone()).collect();
+            let st = self.state(inp.seq);
+            for (m, idx) in idxs.iter().enumerate() {
+                if idx.is_empty() {
+                    continue;
+                }
+                let p = &mut st.pending[m];
+                if p.rows == 0 || p.start + p.rows != inp.hidden_start {
+                    // Fresh (or non-contiguous: the host recomputed): restart.
+                    *p = Pending {
+                        start: inp.hidden_start,
+                        rows: 0,
+                        layers: idx
+                            .iter()
+                            .map(|&li| (inp.hidden[li].0, Vec::new()))
+                            .collect(),
+                    };
+                }
+                for (k, &li) in idx.iter().enumerate() {
+                    p.layers[k].1.extend_from_slice(&inp.hidden[li].1);
+                }
+                p.rows += rows;
+            }
+        }
+        let mut best: Vec<Option<(f64, usize, Draft)>> = (0..batch.len()).map(|_| None).collect();
+        let mut open: Vec<usize> = (0..batch.len())
+            .filter(|&i| batch[i].max_draft > 0)
+            .collect();
+        for m in 0..self.members.len() {
+            if open.is_empty() {
+                break;
+            }
+            let drafts = self.call(m, batch, &open, None)?;
+            let mut still = Vec::new();
+            for (&i, d) in open.iter().zip(drafts) {
+                let track = self.state(batch[i].seq).tracks[m];
+                let v = self.value_of(m, &track, &d);
+                if !d.tokens.is_empty() && best[i].as_ref().is_none_or(|b| v > b.0) {
+                    best[i] = Some((v, m, d));
+                }
+                let have = best[i].as_ref().map_or(1.0, |b| b.0);
+                let st = &self.seqs[&batch[i].seq];
+                let probe = st.steps % 8 == 7;
+                let better_later = (m + 1..self.members.len())
+                    .any(|n| probe || self.estimate(n, &st.tracks[n], batch[i].max_draft) > have);
+                if better_later {
+                    still.push(i);
+                }
+            }
+            open = still;
+        }
+        // Members with too many rows piled up take them in now.
+        for m in 0..self.members.len() {
+            let full: Vec<usize> = (0..batch.len())
+                .filter(|&i| {
+                    self.seqs
+                        .get(&batch[i].seq)
+                        .is_some_and(|s| s.pending[m].rows >= FLUSH_ROWS)
+                })
+                .collect();
+            if !full.is_empty() {
+                self.call(m, batch, &full, Some(0))?;
+            }
+        }
+        let mut out = Vec::with_capacity(batch.len());
+        for (i, b) in best.into_iter().enumerate() {
+            let st = self.state(batch[i].seq);
+            st.steps = st.steps.wrapping_add(1);
+            match b {
+                Some((_, m, d)) => {
+                    st.last = Some((m, d.depths().into_iter().max().unwrap_or(0)));
+                    let mut d = self.convert(d);
+                    d.source = Some(self.members[m].name.clone());
+                    out.push(d);
+                }
+                None => {
+                    st.last = None;
+                    out.push(Draft::default());
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> Result<(), String> {
+        self.observe_path(seq, committed, &[])
+    }
+
+    fn observe_path(
+        &mut self,
+        seq: SeqId,
+        committed: &[u32],
+        path: &[usize],
+    ) -> Result<(), String> {
+        let last = self.seqs.get_mut(&seq).and_then(|s| s.last.take());
+        if let Some((m, depth)) = last {
+            let accepted = committed.len().saturating_sub(1).min(depth);
+            if let Some(st) = self.seqs.get_mut(&seq) {
+                st.tracks[m].record(depth, accepted);
+            }
+            self.members[m].prior.record(depth, accepted);
+        }
+        for (k, mem) in self.members.iter_mut().enumerate() {
+            let p: &[usize] = if last.is_some_and(|(m, _)| m == k) {
+                path
+            } else {
+                &[]
+            };
+            mem.proposer
+                .observe_path(seq, committed, p)
+                .map_err(|e| format!("member `{}`: {e}", mem.name))?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, seq: SeqId) {
+        self.seqs.remove(&seq);
+        for m in &mut self.members {
+            m.proposer.finish(seq);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::SamplingParams;
+
+    /// Drafts `len` copies of `token` when the last token is `when`
+    /// (always if `None`); records the hidden rows it is given.
+    struct Fake {
+        name: &'static str,
+        token: u32,
+        len: usize,
+        when: Option<u32>,
+        layers: Vec<usize>,
+        calls: usize,
+        /// (position, first value of the first layer) of every row seen.
+        rows: std::sync::Arc<std::sync::Mutex<Vec<(usize, f32)>>>,
+    }
+
+    impl Fake {
+        fn new(
+            name: &'static str,
+            token: u32,
+            len: usize,
+            when: Option<u32>,
+            layers: Vec<usize>,
+        ) -> Self {
+            Self {
+                name,
+                token,
+                len,
+                when,
+                layers,
+                calls: 0,
+                rows: Default::default(),
+            }
+        }
+    }
+
+    impl Proposer for Fake {
+        fn name(&self) -> &str {
+            self.name
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                hidden_layers: self.layers.clone(),
+                max_draft: 4,
+                ..Default::default()
+            }
+        }
+        fn start(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+            Ok(())
+        }
+        fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+            Ok(batch
+                .iter()
+                .map(|b| {
+                    if let Some((_, v)) = b.hidden.first() {
+                        for (r, chunk) in v.chunks(2).enumerate() {
+                            self.rows
+                                .lock()
+                                .unwrap()
+                                .push((b.hidden_start + r, chunk[0]));
+                        }
+                    }
+                    if b.max_draft == 0 {
+                        return Draft::default();
+                    }
+                    self.calls += 1;
+                    if self.when.is_some_and(|w| b.tokens.last() != Some(&w)) {
+                        return Draft::default();
+                    }
+                    let n = self.len.min(b.max_draft);
+                    Draft {
+                        tokens: vec![self.token; n],
+                        q: vec![DraftQ::OneHot; n],
+                        ..Default::default()
+                    }
+                })
+                .collect())
+        }
+        fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+            Ok(())
+        }
+        fn finish(&mut self, _: SeqId) {}
+    }
+
+    fn input<'a>(
+        seq: SeqId,
+        tokens: &'a [u32],
+        params: &'a SamplingParams,
+        hidden: &'a [(usize, Vec<f32>)],
+        start: usize,
+    ) -> ProposeInput<'a> {
+        ProposeInput {
+            seq,
+            tokens,
+            max_draft: 4,
+            params,
+            hidden,
+            hidden_start: start,
+        }
+    }
+
+    #[test]
+    fn picks_the_cheap_member_when_it_pays_and_labels_drafts() {
+        let cheap = Fake::new("cheap", 7, 4, Some(1), vec![]);
+        let dear = Fake::new("dear", 9, 3, None, vec![]);
+        let mut c = Compose::new(
+            "hybrid",
+            vec![
+                MemberSpec {
+                    name: "cheap".into(),
+                    proposer: Box::new(cheap),
+                    cost: 0.0,
+                },
+                MemberSpec {
+                    name: "dear".into(),
+                    proposer: Box::new(dear),
+                    cost: 0.3,
+                },
+            ],
+            16,
+            2,
+            0.1,
+        )
+        .unwrap();
+        let p = SamplingParams::default();
+        // The cheap member matches (last token 1): its draft is taken, and
+        // once its drafts are accepted the dear one is not even asked.
+        for step in 0..6 {
+            let d = c.propose(&[input(1, &[3, 1], &p, &[], 0)]).unwrap();
+            assert_eq!(d[0].source.as_deref(), Some("cheap"), "step {step}");
+            assert_eq!(d[0].tokens, vec![7; 4]);
+            c.observe_path(1, &[7, 7, 7, 7, 2], &[0, 1, 2, 3]).unwrap();
+        }
+        // No match: the dear member drafts.
+        let d = c.propose(&[input(1, &[3, 5], &p, &[], 0)]).unwrap();
+        assert_eq!(d[0].source.as_deref(), Some("dear"));
+        // A cheap member whose drafts always fail loses to a dear one whose
+        // drafts are accepted, even when it matches.
+        for _ in 0..6 {
+            let d = c.propose(&[input(2, &[3, 1], &p, &[], 0)]).unwrap();
+            if d[0].source.as_deref() == Some("dear") {
+                c.observe_path(2, &[9, 9, 9, 4], &[0, 1, 2]).unwrap();
+            } else {
+                c.observe_path(2, &[4], &[]).unwrap();
+            }
+        }
+        let d = c.propose(&[input(2, &[3, 1], &p, &[], 0)]).unwrap();
+        assert_eq!(d[0].source.as_deref(), Some("dear"));
+    }
+
+    #[test]
+    fn every_member_gets_every_hidden_row_once_in_order() {
+        let cheap = Fake::new("cheap", 7, 4, None, vec![]);
+        let feat = Fake::new("feat", 9, 2, None, vec![3]);
+        let seen = feat.rows.clone();
+        let mut c = Compose::new(
+            "hybrid",
+            vec![
+                MemberSpec {
+                    name: "cheap".into(),
+                    proposer: Box::new(cheap),
+                    cost: 0.0,
+                },
+                MemberSpec {
+                    name: "feat".into(),
+                    proposer: Box::new(feat),
+                    cost: 5.0,
+                },
+            ],
+            16,
+            2,
+            0.1,
+        )
+        .unwrap();
+        assert_eq!(c.capabilities().hidden_layers, vec![3]);
+        let p = SamplingParams::default();
+        let mut pos = 0usize;
+        // The cheap member always wins (the other costs too much), so the
+        // feature member is only called to flush its piled-up rows.
+        for step in 0..50 {
+            let n = 1 + step % 3;
+            let hidden = vec![(
+                3usize,
+                (pos..pos + n)
+                    .flat_map(|r| [r as f32, 0.0])
+                    .collect::<Vec<f32>>(),
+            )];
+            let d = c.propose(&[input(1, &[1, 2], &p, &hidden, pos)]).unwrap();
+            assert_eq!(d[0].source.as_deref(), Some("cheap"));
+            c.observe_path(1, &[7, 7], &[0]).unwrap();
+            pos += n;
+        }
+        let flushed = seen.lock().unwrap().len();
+        assert!(
+            flushed >= FLUSH_ROWS,
+            "rows pile up and are flushed: {flushed}"
+        );
+        // The rest comes with the member's next call.
+        c.call(1, &[input(1, &[1, 2], &p, &[], pos)], &[0], Some(0))
+            .unwrap();
+        let rows = seen.lock().unwrap().clone();
+        let want: Vec<(usize, f32)> = (0..pos).map(|r| (r, r as f32)).collect();
+        assert_eq!(rows, want, "every row once, in order, at its position");
+    }
+
+    #[test]
+    fn one_hot_drafts_take_the_composite_q_kind() {
+        struct Sparse;
+        impl Proposer for Sparse {
+            fn name(&self) -> &str {
+                "sparse"
+            }
+            fn capabilities(&self) -> Capabilities {
+                Capabilities {
+                    q_kind: QKind::Sparse,
+                    ..Default::default()
+                }
+            }
+            fn start(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+                Ok(())
+            }
+            fn propose(&mut self, b: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+                Ok(b.iter().map(|_| Draft::default()).collect())
+            }
+            fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+                Ok(())
+            }
+            fn finish(&mut self, _: SeqId) {}
+        }
+        let mut c = Compose::new(
+            "hybrid",
+            vec![
+                MemberSpec {
+                    name: "one".into(),
+                    proposer: Box::new(Fake::new("one", 5, 2, None, vec![])),
+                    cost: 0.0,
+                },
+                MemberSpec {
+                    name: "sparse".into(),
+                    proposer: Box::new(Sparse),
+                    cost: 0.0,
+                },
+            ],
+            16,
+            2,
+            0.1,
+        )
+        .unwrap();
+        assert_eq!(c.capabilities().q_kind, QKind::Sparse);
+        let p = SamplingParams {
+            temperature: 0.8,
+            ..Default::default()
+        };
+        let d = c.propose(&[input(1, &[1, 2], &p, &[], 0)]).unwrap();
+        assert_eq!(d[0].tokens, vec![5, 5]);
+        assert!(d[0]
+            .q
+            .iter()
+            .all(|q| *q == DraftQ::Sparse(Distribution::one_hot(5))));
+        let caps = c.capabilities();
+        assert!(super::super::proposer::validate_draft(&d[0], &caps, Some(16), false).is_ok());
+    }
+}
