@@ -70,7 +70,7 @@ fn batch_mode_is_ordered_deterministic_and_lossless_with_ngram() {
     assert!(stderr.contains("mean accepted length"), "{stderr}");
     let m = std::fs::read_to_string(&metrics).unwrap();
     assert!(
-        m.contains("specd_drafted_tokens_total{proposer=\"ngram\",arm=\"ngram\"}"),
+        m.contains("specd_drafted_tokens_total{proposer=\"ngram\",arm=\"ngram\",member=\"ngram\"}"),
         "{m}"
     );
     assert!(m.contains("specd_verify_seconds"), "{m}");

@@ -26,6 +26,9 @@ pub struct AbArgs {
     pub max_tokens: Option<usize>,
     #[arg(long)]
     pub repeats: Option<usize>,
+    /// Override [ab.sampling] temperature (0: greedy).
+    #[arg(long)]
+    pub temperature: Option<f32>,
     /// Output directory for results.json, summary.md, report.html.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -58,6 +61,9 @@ pub fn run(a: AbArgs) -> Result<()> {
     }
     if let Some(n) = a.repeats {
         s.repeats = n.max(1);
+    }
+    if let Some(t) = a.temperature {
+        s.sampling.temperature = t;
     }
     if let Some(o) = a.out {
         s.out_dir = o;

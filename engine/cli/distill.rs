@@ -46,6 +46,20 @@ pub struct EagleArgs {
     pub gen_tokens: usize,
     #[arg(long, default_value_t = 50)]
     pub checkpoint_every: usize,
+    #[arg(long, default_value_t = 40)]
+    pub warmup: usize,
+    /// Stop after this many steps (the schedule stays that of --epochs).
+    #[arg(long, default_value_t = 0)]
+    pub stop_after: usize,
+    /// Start fc random instead of as the identity on the highest feature
+    /// layer (the logit-lens start the shipped head was trained from).
+    #[arg(long)]
+    pub fc_random: bool,
+    /// Hidden indices of the layers the head reads, comma-separated
+    /// (default: EAGLE-3's, the residual stream entering layers 2, L/2 and
+    /// L-3; L names the final-normed state).
+    #[arg(long, value_delimiter = ',')]
+    pub feature_layers: Vec<usize>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -125,6 +139,10 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 batch_tokens: a.batch_tokens,
                 gen_tokens: a.gen_tokens,
                 checkpoint_every: a.checkpoint_every,
+                warmup: a.warmup,
+                stop_after: a.stop_after,
+                fc_identity: !a.fc_random,
+                feature_layers: a.feature_layers,
                 seed: a.seed,
                 ..Default::default()
             };

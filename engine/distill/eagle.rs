@@ -77,8 +77,21 @@ pub struct EagleConfig {
     /// tests of resume; 0: no limit).
     #[serde(default)]
     pub stop_after: usize,
+    /// Start `fc` as the identity on the highest feature layer (step 0
+    /// then starts as a logit lens) instead of small random weights.
+    #[serde(default = "default_true")]
+    pub fc_identity: bool,
+    /// Our hidden indices of the layers the head reads (empty: EAGLE-3's
+    /// `feature_layers`; the target's layer count names its final-normed
+    /// state).
+    #[serde(default)]
+    pub feature_layers: Vec<usize>,
     #[serde(skip)]
     pub prompt_ids: Vec<Vec<u32>>,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for EagleConfig {
@@ -102,6 +115,8 @@ impl Default for EagleConfig {
             concurrency: 32,
             seed: 0,
             stop_after: 0,
+            fc_identity: true,
+            feature_layers: Vec::new(),
             prompt_ids: Vec::new(),
         }
     }
@@ -121,18 +136,34 @@ pub fn feature_layers(l: usize) -> Vec<usize> {
     vec![1, (l / 2).saturating_sub(1), l.saturating_sub(4)]
 }
 
-/// Recorded target features of every sample, row per token.
+/// Recorded target hidden states of every sample, row per token.
 struct Features {
-    /// `rows x (3 * h)`.
-    feats: Vec<f32>,
-    /// `rows x h`, final-normed.
-    fin: Vec<f32>,
+    /// Hidden index -> `rows x h` (the final-normed state under the
+    /// target's layer count).
+    layers: HashMap<usize, Vec<f32>>,
     /// Target argmax per row (the token the target predicts next).
     argmax: Vec<u32>,
     /// First row of each sample.
     offsets: Vec<usize>,
 }
 
+impl Features {
+    fn layer(&self, l: usize) -> &[f32] {
+        self.layers.get(&l).map(Vec::as_slice).unwrap_or(&[])
+    }
+}
+
+/// The target's greedy token at every position of a features file.
+fn argmax_of(f: &TensorFile) -> Result<Vec<u32>> {
+    Ok(f.i64("argmax")
+        .map_err(serr)?
+        .into_iter()
+        .map(|x| x as u32)
+        .collect())
+}
+
+/// Run every sample through the target once, recording the hidden states
+/// of `layers` (cached at `path`; a cache holding them is reused).
 fn extract_features(
     target: &Model,
     samples: &[Sample],
@@ -140,7 +171,6 @@ fn extract_features(
     path: &Path,
 ) -> Result<Features> {
     let h = target.config.hidden;
-    let nl = layers.len();
     let total: usize = samples.iter().map(|s| s.tokens.len()).sum();
     let mut offsets = Vec::with_capacity(samples.len());
     let mut acc = 0;
@@ -149,30 +179,57 @@ fn extract_features(
         acc += s.tokens.len();
     }
     if let Ok(f) = TensorFile::read(path) {
-        if f.shape("feats") == Some(&[total, nl * h][..]) && f.shape("fin") == Some(&[total, h][..])
+        // The first format: EAGLE-3's three layers side by side, and the
+        // final-normed state.
+        let old = feature_layers(target.config.layers);
+        if f.shape("feats") == Some(&[total, old.len() * h][..])
+            && f.shape("fin") == Some(&[total, h][..])
+        {
+            let feats = f.f32("feats").map_err(serr)?;
+            let mut m: HashMap<usize, Vec<f32>> = HashMap::new();
+            for (li, &l) in old.iter().enumerate() {
+                let mut v = vec![0f32; total * h];
+                for r in 0..total {
+                    let src = r * old.len() * h + li * h;
+                    v[r * h..(r + 1) * h].copy_from_slice(&feats[src..src + h]);
+                }
+                m.insert(l, v);
+            }
+            m.insert(target.config.layers, f.f32("fin").map_err(serr)?);
+            if layers.iter().all(|l| m.contains_key(l)) {
+                eprintln!(
+                    "specd distill: reusing target features from {}",
+                    path.display()
+                );
+                m.retain(|l, _| layers.contains(l));
+                return Ok(Features {
+                    layers: m,
+                    argmax: argmax_of(&f)?,
+                    offsets,
+                });
+            }
+        }
+        if layers
+            .iter()
+            .all(|l| f.shape(&format!("layer.{l}")) == Some(&[total, h][..]))
         {
             eprintln!(
                 "specd distill: reusing target features from {}",
                 path.display()
             );
+            let mut m = HashMap::new();
+            for &l in layers {
+                m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
+            }
             return Ok(Features {
-                feats: f.f32("feats").map_err(serr)?,
-                fin: f.f32("fin").map_err(serr)?,
-                argmax: f
-                    .i64("argmax")
-                    .map_err(serr)?
-                    .into_iter()
-                    .map(|x| x as u32)
-                    .collect(),
+                layers: m,
+                argmax: argmax_of(&f)?,
                 offsets,
             });
         }
     }
-    let mut feats = vec![0f32; total * nl * h];
-    let mut fin = vec![0f32; total * h];
+    let mut rec: Vec<Vec<f32>> = layers.iter().map(|_| vec![0f32; total * h]).collect();
     let mut argmax = vec![0u32; total];
-    let mut want = layers.to_vec();
-    want.push(target.config.layers);
     let bar = indicatif::ProgressBar::new(total as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -201,20 +258,12 @@ fn extract_features(
                 tree: None,
             })
             .collect();
-        let outs = target.forward(&mut inputs, &want)?;
+        let outs = target.forward(&mut inputs, layers)?;
         for (k, out) in outs.iter().enumerate() {
             let s = i + k;
             let (o, len) = (offsets[s], samples[s].tokens.len());
-            for (li, (layer, rows)) in out.hidden.iter().enumerate() {
-                debug_assert_eq!(*layer, want[li]);
-                if li < nl {
-                    for r in 0..len {
-                        let dst = (o + r) * nl * h + li * h;
-                        feats[dst..dst + h].copy_from_slice(&rows[r * h..(r + 1) * h]);
-                    }
-                } else {
-                    fin[o * h..(o + len) * h].copy_from_slice(rows);
-                }
+            for (li, (_, rows)) in out.hidden.iter().enumerate() {
+                rec[li][o * h..(o + len) * h].copy_from_slice(rows);
             }
             for r in 0..len {
                 let row = &out.logits[r * vocab..(r + 1) * vocab];
@@ -228,28 +277,25 @@ fn extract_features(
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    tensor_file::write(
-        path,
-        &[
-            (
-                "feats".into(),
-                vec![total, nl * h],
-                TensorData::F16(feats.clone()),
-            ),
-            ("fin".into(), vec![total, h], TensorData::F16(fin.clone())),
-            (
-                "argmax".into(),
-                vec![total],
-                TensorData::I64(argmax.iter().map(|&x| i64::from(x)).collect()),
-            ),
-        ],
-    )
-    .map_err(serr)?;
+    let mut tensors: Vec<(String, Vec<usize>, TensorData)> = layers
+        .iter()
+        .zip(rec)
+        .map(|(l, v)| (format!("layer.{l}"), vec![total, h], TensorData::F16(v)))
+        .collect();
+    tensors.push((
+        "argmax".into(),
+        vec![total],
+        TensorData::I64(argmax.iter().map(|&x| i64::from(x)).collect()),
+    ));
+    tensor_file::write(path, &tensors).map_err(serr)?;
     // Train on what the cache holds (f16), so a resumed run sees the same.
     let f = TensorFile::read(path).map_err(serr)?;
+    let mut m = HashMap::new();
+    for &l in layers {
+        m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
+    }
     Ok(Features {
-        feats: f.f32("feats").map_err(serr)?,
-        fin: f.f32("fin").map_err(serr)?,
+        layers: m,
         argmax,
         offsets,
     })
@@ -582,6 +628,9 @@ fn rope_tables(max_pos: usize, hd: usize, theta: f32) -> Result<(Tensor, Tensor)
 struct Corpus<'a> {
     samples: &'a [Sample],
     f: &'a Features,
+    /// The head's feature layers, and the final-normed state's index.
+    feature_layers: Vec<usize>,
+    fin: usize,
     /// Target id -> draft id (-1: not in the draft vocabulary).
     t2d: Vec<i64>,
     h: usize,
@@ -611,8 +660,14 @@ impl Corpus<'_> {
             let len = s.tokens.len().min(max_len);
             let o = self.f.offsets[si];
             let r0 = bi * t;
-            feats[r0 * nl * h..(r0 + len) * nl * h]
-                .copy_from_slice(&self.f.feats[o * nl * h..(o + len) * nl * h]);
+            for (li, &l) in self.feature_layers.iter().enumerate() {
+                let src = self.f.layer(l);
+                for r in 0..len {
+                    let dst = (r0 + r) * nl * h + li * h;
+                    feats[dst..dst + h].copy_from_slice(&src[(o + r) * h..(o + r + 1) * h]);
+                }
+            }
+            let fin = self.f.layer(self.fin);
             for (k, sd) in steps.iter_mut().enumerate() {
                 for p in 0..len {
                     // Row p at step k: token x_{p+1+k}; learns the target's
@@ -623,7 +678,7 @@ impl Corpus<'_> {
                     }
                     sd.ids[r0 + p] = s.tokens[q];
                     sd.fin[(r0 + p) * h..(r0 + p + 1) * h]
-                        .copy_from_slice(&self.f.fin[(o + q) * h..(o + q + 1) * h]);
+                        .copy_from_slice(&fin[(o + q) * h..(o + q + 1) * h]);
                     if q + 1 >= s.prompt_len {
                         sd.mask[r0 + p] = 1.0;
                         sd.argmax[r0 + p] = self.t2d[self.f.argmax[o + q] as usize];
@@ -828,8 +883,23 @@ pub fn distill_eagle(
     let tok = Arc::new(Tokenizer::for_model(target_path)?);
     let tc = target.config.clone();
     let (h, vocab) = (tc.hidden, tc.vocab_size);
-    let layers = feature_layers(tc.layers);
+    let layers = if cfg.feature_layers.is_empty() {
+        feature_layers(tc.layers)
+    } else {
+        cfg.feature_layers.clone()
+    };
+    if let Some(l) = layers.iter().find(|&&l| l > tc.layers) {
+        return Err(serr(format!(
+            "feature layer {l} is past the target's final state ({})",
+            tc.layers
+        )));
+    }
     let nl = layers.len();
+    // Recorded: the feature layers and the final-normed state.
+    let mut recorded = layers.clone();
+    if !recorded.contains(&tc.layers) {
+        recorded.push(tc.layers);
+    }
     let data_cfg = DataConfig {
         gen_tokens: cfg.gen_tokens,
         gen_max_tokens: cfg.gen_max_tokens,
@@ -853,7 +923,7 @@ pub fn distill_eagle(
     let features = extract_features(
         &target,
         &samples,
-        &layers,
+        &recorded,
         &train_dir.join("features.safetensors"),
     )?;
     eprintln!(
@@ -959,7 +1029,7 @@ pub fn distill_eagle(
             f.f32(name).map_err(serr)?
         } else {
             match *name {
-                "fc.weight" => {
+                "fc.weight" if cfg.fc_identity => {
                     let mut w = gauss(n, 0.0005);
                     // Identity on the last (highest) feature layer.
                     for r in 0..h {
@@ -967,6 +1037,7 @@ pub fn distill_eagle(
                     }
                     w
                 }
+                "fc.weight" => gauss(n, (1.0 / (nl * h) as f64).sqrt() as f32),
                 "lm_head.weight" => th.clone(),
                 "norm.weight" => target.weights.norm.clone(),
                 n2 if n2.ends_with("norm.weight") => vec![1.0; n],
@@ -993,6 +1064,8 @@ pub fn distill_eagle(
     let corpus = Corpus {
         samples: &samples,
         f: &features,
+        feature_layers: layers.clone(),
+        fin: tc.layers,
         t2d,
         h,
         nl,

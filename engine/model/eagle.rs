@@ -289,7 +289,8 @@ impl Head {
             v.iter().map(String::as_str).collect()
         }
         // The public convention names the layers whose *input* residual
-        // stream is read; our hidden index is the layer before.
+        // stream is read; our hidden index is the layer before (id L+1, our
+        // L, is the final-normed state: a specd extension).
         let cfg_feature_layers: Option<Vec<usize>> = match cj
             .get("eagle_aux_hidden_state_layer_ids")
             .or_else(|| {
@@ -339,7 +340,7 @@ impl Head {
                 ));
             }
         }
-        if variant == Variant::Eagle3 && feature_layers.iter().any(|&l| l >= target_layers) {
+        if variant == Variant::Eagle3 && feature_layers.iter().any(|&l| l > target_layers) {
             return Err(format!(
                 "{}: feature layers {feature_layers:?} are past the target's {target_layers} layers",
                 cfg_path.display()
