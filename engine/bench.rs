@@ -165,3 +165,113 @@ pub fn bench_model(
         peak_rss_bytes: peak_rss_bytes(),
     })
 }
+
+/// One row of `bench_sampling`: decoding through the engine with one
+/// proposer and one sampling setting.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SamplingBench {
+    pub proposer: String,
+    /// "greedy", "temperature T" or "temperature T, top-p P".
+    pub mode: String,
+    /// Median generated tokens per second over the repetitions.
+    pub tok_s: f64,
+    /// `tok_s` relative to greedy with the same proposer.
+    pub vs_greedy: f64,
+    /// Share of the wall time spent in the accept stage (target
+    /// distributions, rejection sampling, penalties), summed over runs.
+    pub accept_share: f64,
+    /// Mean tokens committed per verify step.
+    pub tokens_per_step: f64,
+}
+
+/// Decode `tokens` tokens after `prompt` through the engine (`SyncDriver`,
+/// one sequence) for each proposer, greedy, at `temperature`, and at
+/// `temperature` with top-p `top_p`; the settings are interleaved per
+/// repetition so drift hits them alike. `drafter` makes a fresh set of
+/// proposers for each run, so no run sees another's text.
+#[allow(clippy::too_many_arguments)]
+pub fn bench_sampling(
+    model: &std::sync::Arc<Model>,
+    drafter: &dyn Fn() -> Result<crate::speculative::drafter::Drafter>,
+    proposers: &[String],
+    prompt: &[u32],
+    tokens: usize,
+    reps: usize,
+    temperature: f32,
+    top_p: f32,
+) -> Result<Vec<SamplingBench>> {
+    use crate::sampler::SamplingParams;
+    use crate::speculative::driver::{EngineConfig, SyncDriver};
+    use crate::speculative::Request;
+    let modes: Vec<(String, SamplingParams)> = vec![
+        ("greedy".into(), SamplingParams::greedy()),
+        (
+            format!("temperature {temperature}"),
+            SamplingParams {
+                temperature,
+                ..Default::default()
+            },
+        ),
+        (
+            format!("temperature {temperature}, top-p {top_p}"),
+            SamplingParams {
+                temperature,
+                top_p,
+                ..Default::default()
+            },
+        ),
+    ];
+    // (tok/s per rep, accept seconds, wall seconds, tokens, steps)
+    type Acc = (Vec<f64>, f64, f64, usize, u64);
+    let mut acc: Vec<Vec<Acc>> =
+        vec![vec![(Vec::new(), 0.0, 0.0, 0, 0); modes.len()]; proposers.len()];
+    for rep in 0..reps.max(1) {
+        for (pi, name) in proposers.iter().enumerate() {
+            for (mi, (_, params)) in modes.iter().enumerate() {
+                let mut d = SyncDriver::new(
+                    model.clone(),
+                    None,
+                    EngineConfig::for_model(model),
+                    drafter()?,
+                );
+                let req = Request {
+                    params: SamplingParams {
+                        seed: 1 + rep as u64,
+                        ..params.clone()
+                    },
+                    ignore_eos: true,
+                    proposer: Some(name.clone()),
+                    ..Request::greedy(prompt.to_vec(), tokens)
+                };
+                d.add(req, None)?;
+                let t = Instant::now();
+                let done = d.run_to_completion()?;
+                let wall = t.elapsed().as_secs_f64();
+                let n: usize = done.iter().map(|c| c.tokens.len()).sum();
+                let a = &mut acc[pi][mi];
+                a.0.push(n as f64 / wall);
+                a.1 += d.times.accept_s;
+                a.2 += wall;
+                a.3 += n;
+                a.4 += d.times.steps;
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (pi, name) in proposers.iter().enumerate() {
+        let greedy = median(acc[pi][0].0.clone());
+        for (mi, (mode, _)) in modes.iter().enumerate() {
+            let a = &acc[pi][mi];
+            let tok_s = median(a.0.clone());
+            out.push(SamplingBench {
+                proposer: name.clone(),
+                mode: mode.clone(),
+                tok_s,
+                vs_greedy: tok_s / greedy,
+                accept_share: a.1 / a.2.max(f64::MIN_POSITIVE),
+                tokens_per_step: a.3 as f64 / (a.4.max(1) as f64),
+            });
+        }
+    }
+    Ok(out)
+}

@@ -126,8 +126,12 @@ impl Rng {
     }
 }
 
-/// A normalised distribution over its support, sorted by probability
-/// (descending, ties by id). Tokens outside `ids` have probability 0.
+/// A normalised distribution over its support. `ids[0]` is the most
+/// probable token and `ids` are sorted by probability (descending, ties by
+/// id) at least as far as any truncation (top-k, top-p, min-p) needed; a
+/// temperature-only distribution keeps its far tail (each token under 1e-6
+/// of the mass) unsorted, in id order, after the sorted head. Tokens
+/// outside `ids` have probability 0.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Distribution {
     pub ids: Vec<u32>,
@@ -213,50 +217,85 @@ pub fn apply_penalties(logits: &mut [f32], context: &[u32], generated: &[u32], p
     }
 }
 
+/// Tokens below this share of the mass are left out of the sort (they
+/// stay in the support, after the sorted ones, in id order).
+const SORTED_MASS_FLOOR: f64 = 1e-6;
+
 /// The target distribution for already-penalised `logits`.
+///
+/// Cost: one vectorised f32 `exp` per vocabulary entry and sums in f64;
+/// sorting is limited to what the transforms need (the top-k survivors,
+/// the nucleus candidates, the min-p survivors, or with temperature alone
+/// the tokens above `SORTED_MASS_FLOOR` of the mass). `exp` underflows to
+/// an exact 0 below e^-87.3 of the most probable token; such tokens (each
+/// under 1e-37 of the mass) are outside the support.
 pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
     if p.is_greedy() {
         return Distribution::one_hot(argmax(logits));
     }
     let inv_t = 1.0 / p.temperature;
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    // Unnormalised probabilities in f64 for a stable normaliser.
-    let w: Vec<f64> = logits
+    let w: Vec<f32> = logits
         .iter()
-        .map(|&l| (((l - max) * inv_t) as f64).exp())
+        .map(|&l| crate::model::kernels::exp_f32((l - max) * inv_t))
         .collect();
-    let total: f64 = w.iter().sum();
+    let total = sum_f64(&w);
+    let by_weight = |a: &u32, b: &u32| w[*b as usize].total_cmp(&w[*a as usize]).then(a.cmp(b));
     let top_k = p.top_k > 0 && p.top_k < w.len();
     let mut cand: Vec<u32> = if top_k {
         let mut idx: Vec<u32> = (0..w.len() as u32).collect();
-        let cmp = |a: &u32, b: &u32| w[*b as usize].total_cmp(&w[*a as usize]).then(a.cmp(b));
-        idx.select_nth_unstable_by(p.top_k - 1, cmp);
+        idx.select_nth_unstable_by(p.top_k - 1, by_weight);
         idx.truncate(p.top_k);
+        idx.sort_unstable_by(by_weight);
         idx
     } else if p.top_p < 1.0 {
         // Only tokens above a threshold can be in the nucleus once the mass
         // above it reaches top_p: lower the threshold until it does.
         let mut thr = total * 1e-3;
         loop {
-            let mass: f64 = w.iter().filter(|&&x| x >= thr).sum();
+            let mass: f64 = w
+                .iter()
+                .filter(|&&x| f64::from(x) >= thr)
+                .map(|&x| f64::from(x))
+                .sum();
             if mass >= p.top_p as f64 * total || thr < total * 1e-12 {
                 break;
             }
             thr *= 0.1;
         }
-        (0..w.len() as u32)
+        let mut c: Vec<u32> = (0..w.len() as u32)
+            .filter(|&i| f64::from(w[i as usize]) >= thr)
+            .collect();
+        c.sort_unstable_by(by_weight);
+        c
+    } else if p.min_p > 0.0 {
+        // The most probable token has weight e^0 = 1.
+        let thr = p.min_p;
+        let mut c: Vec<u32> = (0..w.len() as u32)
             .filter(|&i| w[i as usize] >= thr)
-            .collect()
+            .collect();
+        c.sort_unstable_by(by_weight);
+        c
     } else {
-        (0..w.len() as u32)
-            .filter(|&i| w[i as usize] > 0.0)
-            .collect()
+        // Temperature alone: the whole support; sorted where the mass is.
+        let floor = total * SORTED_MASS_FLOOR;
+        let mut head: Vec<u32> = Vec::new();
+        let mut tail: Vec<u32> = Vec::new();
+        for (i, &x) in w.iter().enumerate() {
+            if f64::from(x) >= floor {
+                head.push(i as u32);
+            } else if x > 0.0 {
+                tail.push(i as u32);
+            }
+        }
+        head.sort_unstable_by(by_weight);
+        head.extend_from_slice(&tail);
+        head
     };
-    cand.sort_unstable_by(|a, b| w[*b as usize].total_cmp(&w[*a as usize]).then(a.cmp(b)));
     // top-p applies to the top-k survivors (renormalised) when top-k is on,
     // else to the whole vocabulary (the threshold only pruned the tail).
     let mass_k: f64 = if top_k {
-        cand.iter().map(|&i| w[i as usize]).sum()
+        cand.iter().map(|&i| f64::from(w[i as usize])).sum()
     } else {
         total
     };
@@ -265,7 +304,7 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
         let mut cum = 0.0;
         let mut keep = cand.len();
         for (n, &i) in cand.iter().enumerate() {
-            cum += w[i as usize];
+            cum += f64::from(w[i as usize]);
             if cum >= target {
                 keep = n + 1;
                 break;
@@ -274,13 +313,34 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
         cand.truncate(keep.max(1));
     }
     if p.min_p > 0.0 {
-        let top = w[cand[0] as usize];
-        let thr = top * p.min_p as f64;
+        let thr = w[cand[0] as usize] * p.min_p;
         cand.retain(|&i| w[i as usize] >= thr);
     }
-    let z: f64 = cand.iter().map(|&i| w[i as usize]).sum();
-    let probs = cand.iter().map(|&i| (w[i as usize] / z) as f32).collect();
+    let z: f64 = if cand.len() == w.len() {
+        total
+    } else {
+        cand.iter().map(|&i| f64::from(w[i as usize])).sum()
+    };
+    let inv_z = 1.0 / z;
+    let probs = cand
+        .iter()
+        .map(|&i| (f64::from(w[i as usize]) * inv_z) as f32)
+        .collect();
     Distribution { ids: cand, probs }
+}
+
+/// Sum of `w` in f64, in 8 fixed lanes (vectorises; a fixed order, so the
+/// same logits always give the same distribution).
+fn sum_f64(w: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let chunks = w.chunks_exact(8);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            acc[l] += f64::from(c[l]);
+        }
+    }
+    acc.iter().sum::<f64>() + rem.iter().map(|&x| f64::from(x)).sum::<f64>()
 }
 
 /// Why generation stopped.
@@ -380,6 +440,33 @@ mod tests {
         for (i, &x) in e.iter().enumerate() {
             assert!((d.prob(i as u32) as f64 - x / z).abs() < 1e-6);
         }
+    }
+
+    /// Temperature alone: every token is in the support with its softmax
+    /// probability, the most probable first and the head sorted.
+    #[test]
+    fn temperature_alone_keeps_the_whole_vocabulary() {
+        let logits: Vec<f32> = (0..49152)
+            .map(|i| ((i as f32) * 0.7391).sin() * 9.0)
+            .collect();
+        let d = distribution(&logits, &params(0.7));
+        assert_eq!(d.ids.len(), logits.len());
+        let e: Vec<f64> = logits.iter().map(|&l| (f64::from(l) / 0.7).exp()).collect();
+        let z: f64 = e.iter().sum();
+        let dense = d.dense(logits.len());
+        for (i, &x) in e.iter().enumerate() {
+            assert!((f64::from(dense[i]) - x / z).abs() < 1e-7 * (1.0 + x / z * 1e3));
+        }
+        assert_eq!(d.ids[0], argmax(&logits));
+        let sorted_head = d
+            .probs
+            .iter()
+            .take_while(|&&p| f64::from(p) >= 1e-6)
+            .count();
+        assert!(sorted_head > 10);
+        assert!(d.probs[..sorted_head].windows(2).all(|w| w[0] >= w[1]));
+        let sum: f64 = d.probs.iter().map(|&p| f64::from(p)).sum();
+        assert!((sum - 1.0).abs() < 1e-5);
     }
 
     #[test]

@@ -22,6 +22,23 @@ pub struct BenchArgs {
     pub trees: Vec<usize>,
     #[arg(long, default_value_t = 15)]
     pub reps: usize,
+    /// Also time decoding through the engine at this temperature (alone,
+    /// and with --top-p) beside greedy, for each of --proposers.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long, default_value_t = 0.9)]
+    pub top_p: f32,
+    /// Proposers for the sampled-decode table (from --config, default: the
+    /// built-in configuration's).
+    #[arg(long, value_delimiter = ',', default_value = "none,ngram,suffix")]
+    pub proposers: Vec<String>,
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
+    /// Tokens per run and runs per setting of the sampled-decode table.
+    #[arg(long, default_value_t = 128)]
+    pub sample_tokens: usize,
+    #[arg(long, default_value_t = 3)]
+    pub sample_reps: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -32,10 +49,73 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let b = specd::bench::bench_model(
         &model, a.prefill, a.decode, a.context, &a.ks, &a.trees, a.reps,
     )?;
+    let sampled = match a.temperature {
+        Some(t) => Some(sampled_decode(&a, &path, model, t)?),
+        None => None,
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&b)?);
+        let v = serde_json::json!({"model": b, "sampled_decode": sampled});
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
+    print_model(&path, &b);
+    if let Some(rows) = sampled {
+        println!(
+            "decode through the engine ({} tokens, median of {} runs, settings interleaved):",
+            a.sample_tokens, a.sample_reps
+        );
+        println!(
+            "  {:<10} {:<26} {:>8} {:>9} {:>13} {:>11}",
+            "proposer", "sampling", "tok/s", "x greedy", "accept stage", "tok/step"
+        );
+        for r in rows {
+            println!(
+                "  {:<10} {:<26} {:>8.1} {:>9.3} {:>12.1}% {:>11.2}",
+                r.proposer,
+                r.mode,
+                r.tok_s,
+                r.vs_greedy,
+                100.0 * r.accept_share,
+                r.tokens_per_step
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The sampled-decode table: a chat prompt (pseudo-text ids when the model
+/// has no tokenizer), each proposer greedy and sampled.
+fn sampled_decode(
+    a: &BenchArgs,
+    path: &std::path::Path,
+    model: specd::model::Model,
+    temperature: f32,
+) -> Result<Vec<specd::bench::SamplingBench>> {
+    let cfg = super::load_config(&a.config)?;
+    let model = std::sync::Arc::new(model);
+    let tok = specd::tokenizer::Tokenizer::for_model(path).ok();
+    let text = "Write a Python function that returns the n-th Fibonacci number, then explain how it works step by step.";
+    let prompt = match &tok {
+        Some(t) => super::encode_prompt(t, text, true)?,
+        None => (0..24u32)
+            .map(|i| 100 + i * 37 % (model.config.vocab_size as u32 - 100))
+            .collect(),
+    };
+    let tok = tok.map(std::sync::Arc::new);
+    let make = || cfg.build_drafter(&model, tok.clone());
+    Ok(specd::bench::bench_sampling(
+        &model,
+        &make,
+        &a.proposers,
+        &prompt,
+        a.sample_tokens,
+        a.sample_reps,
+        temperature,
+        a.top_p,
+    )?)
+}
+
+fn print_model(path: &std::path::Path, b: &specd::bench::ModelBench) {
     println!(
         "model: {}  threads: {}  kernels: {}",
         path.display(),
@@ -75,5 +155,4 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .map(|r| format!("{:.1} MiB", mb(r)))
             .unwrap_or_else(|| "unknown".into())
     );
-    Ok(())
 }

@@ -14,9 +14,7 @@
 
 use std::collections::HashMap;
 
-#[cfg(test)]
-use super::proposer::DraftQ;
-use super::proposer::{Draft, SiblingMode};
+use super::proposer::{Draft, DraftQ, SiblingMode};
 use super::SeqId;
 use crate::error::{Result, SpecdError};
 use crate::sampler::{self, Distribution, Rng, SamplingParams};
@@ -71,60 +69,148 @@ fn target(
 
 /// The residual target of recursive rejection sampling: p over its support,
 /// lowered by each rejected candidate's q and renormalised.
+///
+/// Kept unnormalised (`mass` is the total) and copied from p only when a
+/// rejection first changes it, so plain decoding samples straight from p;
+/// a rejection touches only the entries of q's support (a one-hot q: one
+/// entry), found through a token -> position index built on the first
+/// lookup that misses the most probable entries.
 #[derive(Debug, Clone)]
-struct Residual {
-    ids: Vec<u32>,
-    probs: Vec<f64>,
+struct Residual<'a> {
+    p: &'a Distribution,
+    /// Unnormalised weights in `p.ids` order once a rejection changed them.
+    w: Option<Vec<f64>>,
+    mass: f64,
+    /// Token -> position in `p.ids` (`u32::MAX`: outside the support).
+    pos: Option<Vec<u32>>,
+    vocab: usize,
 }
 
-impl Residual {
-    fn new(p: &Distribution) -> Self {
+/// Entries of p scanned before a lookup builds the position index.
+const RESIDUAL_SCAN: usize = 32;
+
+impl<'a> Residual<'a> {
+    fn new(p: &'a Distribution, vocab: usize) -> Self {
         Self {
-            ids: p.ids.clone(),
-            probs: p.probs.iter().map(|&x| x as f64).collect(),
+            p,
+            w: None,
+            mass: 1.0,
+            pos: None,
+            vocab,
         }
     }
 
-    fn prob(&self, id: u32) -> f64 {
-        self.ids
-            .iter()
-            .position(|&i| i == id)
-            .map_or(0.0, |k| self.probs[k])
+    fn index(&mut self, id: u32) -> Option<usize> {
+        let ids = &self.p.ids;
+        if let Some(k) = ids.iter().take(RESIDUAL_SCAN).position(|&i| i == id) {
+            return Some(k);
+        }
+        if ids.len() <= RESIDUAL_SCAN {
+            return None;
+        }
+        let vocab = self.vocab;
+        let pos = self.pos.get_or_insert_with(|| {
+            let mut v = vec![u32::MAX; vocab];
+            for (k, &i) in ids.iter().enumerate() {
+                if let Some(slot) = v.get_mut(i as usize) {
+                    *slot = k as u32;
+                }
+            }
+            v
+        });
+        pos.get(id as usize)
+            .filter(|&&k| k != u32::MAX)
+            .map(|&k| k as usize)
     }
 
-    /// `self <- norm(max(self - q, 0))`. Zero mass left means p and q agree
-    /// (a rejection then had probability 0): the residual stays as it was.
-    fn subtract(&mut self, q: impl Fn(u32) -> f64) {
-        let next: Vec<f64> = self
-            .ids
-            .iter()
-            .zip(&self.probs)
-            .map(|(&id, &p)| (p - q(id)).max(0.0))
-            .collect();
-        let z: f64 = next.iter().sum();
-        if z >= RESIDUAL_EPS {
-            self.probs = next.into_iter().map(|x| x / z).collect();
+    fn weight(&self, k: usize) -> f64 {
+        match &self.w {
+            Some(w) => w[k],
+            None => f64::from(self.p.probs[k]),
         }
+    }
+
+    fn prob(&mut self, id: u32) -> f64 {
+        self.index(id).map_or(0.0, |k| self.weight(k) / self.mass)
+    }
+
+    /// `self <- norm(max(self - q, 0))`, q given by its support (a token
+    /// may not repeat; drafts are validated for that). Zero mass left
+    /// means p and q agree (a rejection then had probability 0): the
+    /// residual stays as it was.
+    fn subtract(&mut self, q: &[(u32, f64)]) {
+        let mut changes: Vec<(usize, f64)> = Vec::new();
+        let mut removed = 0f64;
+        for &(id, qv) in q {
+            if qv <= 0.0 {
+                continue;
+            }
+            if let Some(k) = self.index(id) {
+                let old = self.weight(k);
+                let new = (old - qv * self.mass).max(0.0);
+                if new < old {
+                    removed += old - new;
+                    changes.push((k, new));
+                }
+            }
+        }
+        let left = self.mass - removed;
+        if changes.is_empty() || left < RESIDUAL_EPS * self.mass {
+            return;
+        }
+        let p = self.p;
+        let w = self
+            .w
+            .get_or_insert_with(|| p.probs.iter().map(|&x| f64::from(x)).collect());
+        for (k, v) in changes {
+            w[k] = v;
+        }
+        self.mass = left;
     }
 
     fn sample(&self, rng: &mut Rng) -> u32 {
-        let total: f64 = self.probs.iter().sum();
-        let u = rng.next_f64() * total;
+        let n = self.p.ids.len();
+        let u = rng.next_f64() * self.mass;
         let mut cum = 0.0;
-        for (&id, &r) in self.ids.iter().zip(&self.probs) {
-            cum += r;
+        for k in 0..n {
+            cum += self.weight(k);
             if u < cum {
-                return id;
+                return self.p.ids[k];
             }
         }
         // Rounding at the top end: the last token with mass.
-        self.ids
-            .iter()
-            .zip(&self.probs)
+        (0..n)
             .rev()
-            .find(|(_, &r)| r > 0.0)
-            .map(|(&id, _)| id)
-            .unwrap_or(self.ids[0])
+            .find(|&k| self.weight(k) > 0.0)
+            .map_or(self.p.ids[0], |k| self.p.ids[k])
+    }
+}
+
+/// The support of q given that `drafted` was drawn from it, scaled by
+/// `scale`, without the tokens in `removed`.
+fn q_support(q: &DraftQ, drafted: u32, removed: &[u32], scale: f64) -> Vec<(u32, f64)> {
+    let keep = |id: u32| !removed.contains(&id);
+    match q {
+        DraftQ::OneHot => {
+            if keep(drafted) {
+                vec![(drafted, scale)]
+            } else {
+                Vec::new()
+            }
+        }
+        DraftQ::Sparse(d) => d
+            .ids
+            .iter()
+            .zip(&d.probs)
+            .filter(|(&id, &p)| p > 0.0 && keep(id))
+            .map(|(&id, &p)| (id, f64::from(p) * scale))
+            .collect(),
+        DraftQ::Full(v) => v
+            .iter()
+            .enumerate()
+            .filter(|(id, &p)| p > 0.0 && keep(*id as u32))
+            .map(|(id, &p)| (id as u32, f64::from(p) * scale))
+            .collect(),
     }
 }
 
@@ -132,8 +218,9 @@ impl Residual {
 /// norm(max(p - q, 0)) (or from p when no mass is left).
 #[cfg(test)]
 fn sample_residual(p: &Distribution, q: &DraftQ, drafted: u32, rng: &mut Rng) -> u32 {
-    let mut r = Residual::new(p);
-    r.subtract(|id| q.prob(drafted, id) as f64);
+    let vocab = p.ids.iter().max().map_or(0, |&m| m as usize + 1);
+    let mut r = Residual::new(p, vocab);
+    r.subtract(&q_support(q, drafted, &[], 1.0));
     r.sample(rng)
 }
 
@@ -258,7 +345,7 @@ pub fn accept_tree(
             }
         } else {
             let p = target(row, &ctx, &gen, &target_params);
-            let mut res = Residual::new(&p);
+            let mut res = Residual::new(&p, vocab);
             let mut next = None;
             if let Some(&first) = kids.first() {
                 let (qb, qt) = (&draft.q[first], draft.tokens[first]);
@@ -267,20 +354,19 @@ pub fn accept_tree(
                 let mut removed_mass = 0f64;
                 for &c in kids {
                     let x = draft.tokens[c];
-                    let q_cur = |y: u32| {
-                        if removed.contains(&y) {
-                            0.0
-                        } else {
-                            qb.prob(qt, y) as f64 / (1.0 - removed_mass).max(f64::MIN_POSITIVE)
-                        }
+                    let scale = 1.0 / (1.0 - removed_mass).max(f64::MIN_POSITIVE);
+                    let qx = if removed.contains(&x) {
+                        0.0
+                    } else {
+                        qb.prob(qt, x) as f64 * scale
                     };
-                    let (px, qx) = (res.prob(x), q_cur(x));
+                    let px = res.prob(x);
                     if qx > 0.0 && rng.next_f64() < (px / qx).min(1.0) {
                         next = Some(c);
                         break;
                     }
                     if acceptance != Acceptance::ResidualFromP {
-                        res.subtract(q_cur);
+                        res.subtract(&q_support(qb, qt, &removed, scale));
                     }
                     if siblings == SiblingMode::WithoutReplacement
                         && acceptance != Acceptance::StaleSiblingQ
@@ -498,6 +584,55 @@ mod tests {
             .filter(|_| sample_residual(&p, &same, 1, &mut rng) == 1)
             .count();
         assert!((ones as f64 / n as f64 - 0.75).abs() < 0.015, "{ones}");
+    }
+
+    /// The residual over a whole vocabulary, lowered by a sparse q of
+    /// thousands of entries, then by one-hot qs, equals the dense
+    /// definition norm(max(p - q, 0)) entry for entry.
+    #[test]
+    fn residual_matches_the_dense_definition_on_a_large_vocabulary() {
+        let vocab = 5000;
+        let mut rng = Rng::new(5);
+        let logits: Vec<f32> = (0..vocab).map(|_| (rng.next_f64() * 8.0) as f32).collect();
+        let p = sampler::distribution(
+            &logits,
+            &SamplingParams {
+                temperature: 0.7,
+                ..Default::default()
+            },
+        );
+        let mut dense: Vec<f64> = p.dense(vocab).iter().map(|&x| f64::from(x)).collect();
+        // A sparse q over 3000 tokens (some outside p's support would be
+        // impossible here: p covers everything).
+        let ids: Vec<u32> = (0..3000u32).map(|i| (i * 7) % vocab as u32).collect();
+        let raw: Vec<f64> = ids.iter().map(|_| rng.next_f64() + 0.01).collect();
+        let z: f64 = raw.iter().sum();
+        let sparse = Distribution {
+            ids: ids.clone(),
+            probs: raw.iter().map(|&r| (r / z) as f32).collect(),
+        };
+        let mut res = Residual::new(&p, vocab);
+        let q = DraftQ::Sparse(sparse.clone());
+        res.subtract(&q_support(&q, ids[0], &[], 1.0));
+        let step = |d: &mut Vec<f64>, q: &dyn Fn(usize) -> f64| {
+            for (t, x) in d.iter_mut().enumerate() {
+                *x = (*x - q(t)).max(0.0);
+            }
+            let z: f64 = d.iter().sum();
+            d.iter_mut().for_each(|x| *x /= z);
+        };
+        step(&mut dense, &|t| f64::from(sparse.prob(t as u32)));
+        let top = p.ids[0];
+        res.subtract(&q_support(&DraftQ::OneHot, top, &[], 1.0));
+        step(&mut dense, &|t| f64::from(t == top as usize));
+        for t in 0..vocab {
+            let got = res.prob(t as u32);
+            assert!(
+                (got - dense[t]).abs() < 1e-9,
+                "token {t}: {got} vs {}",
+                dense[t]
+            );
+        }
     }
 
     /// Multi-candidate rejection sampling at one node, siblings drawn
