@@ -118,6 +118,11 @@ pub struct ServerSection {
     /// Proposers that draft beside live traffic, scored against the tokens
     /// actually emitted, without extra target forwards.
     pub shadow: Vec<String>,
+    /// Parse special tokens (`<|im_start|>`, ...) inside chat message
+    /// content and completion prompts. Off: they are encoded as the text
+    /// they spell, so a client cannot forge a system or assistant turn.
+    /// Only for trusted deployments.
+    pub parse_special_tokens: bool,
 }
 
 /// One traffic-split arm.
@@ -140,6 +145,7 @@ impl Default for ServerSection {
             allow_request_proposer: true,
             max_body_bytes: 1 << 20,
             split: Vec::new(),
+            parse_special_tokens: false,
             shadow: Vec::new(),
         }
     }

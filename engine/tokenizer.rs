@@ -48,11 +48,25 @@ impl ChatMessage {
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special tokens encoded as the text they
+    /// spell (for untrusted text: message content, completion prompts).
+    text_only: tokenizers::Tokenizer,
     chat_template: Option<String>,
     bos_token: String,
     eos_token: String,
     add_bos: Option<u32>,
 }
+
+fn text_only(t: &tokenizers::Tokenizer) -> tokenizers::Tokenizer {
+    let mut t = t.clone();
+    t.set_encode_special_tokens(true);
+    t
+}
+
+/// Placeholder delimiters for message content while the template renders
+/// (private-use code points; content never reaches the rendered text).
+const HOLE_OPEN: char = '\u{F8F0}';
+const HOLE_CLOSE: char = '\u{F8F1}';
 
 fn tk_err(e: impl std::fmt::Display) -> SpecdError {
     SpecdError::Tokenizer(e.to_string())
@@ -208,6 +222,7 @@ impl Tokenizer {
             _ => model == "llama",
         };
         Ok(Self {
+            text_only: text_only(&inner),
             inner,
             chat_template: get_str("tokenizer.chat_template"),
             bos_token: tok_name(bos_id),
@@ -222,6 +237,7 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| SpecdError::Tokenizer(format!("{}: {e}", path.display())))?;
         let mut t = Self {
+            text_only: text_only(&inner),
             inner,
             chat_template: None,
             bos_token: String::new(),
@@ -280,6 +296,64 @@ impl Tokenizer {
             ids.extend(self.add_bos);
         }
         ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Encode untrusted text: special tokens in it (`<|im_start|>`, ...)
+    /// become the ordinary tokens that spell them, never control tokens.
+    /// `special` adds BOS where the model wants it.
+    pub fn encode_text(&self, text: &str, special: bool) -> Result<Vec<u32>> {
+        let enc = self.text_only.encode_fast(text, false).map_err(tk_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if special {
+            ids.extend(self.add_bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Token ids of a chat: the template's own text (its role markers) is
+    /// encoded with special tokens, each message's content as text
+    /// (`encode_text`), so content cannot forge a turn. With
+    /// `trust_content`, content is parsed for special tokens like the
+    /// template (the old behaviour, for trusted deployments).
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        trust_content: bool,
+    ) -> Result<Vec<u32>> {
+        if trust_content {
+            let text = self.apply_chat_template(messages, add_generation_prompt)?;
+            return self.encode(&text, false);
+        }
+        let holes: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage {
+                role: m.role.clone(),
+                content: format!("{HOLE_OPEN}{i}{HOLE_CLOSE}"),
+            })
+            .collect();
+        let rendered = self.apply_chat_template(&holes, add_generation_prompt)?;
+        let mut ids = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some(open) = rest.find(HOLE_OPEN) {
+            ids.extend(self.encode(&rest[..open], false)?);
+            let after = &rest[open + HOLE_OPEN.len_utf8()..];
+            let close = after.find(HOLE_CLOSE).ok_or_else(|| {
+                SpecdError::Tokenizer("chat template: a message's content was cut".into())
+            })?;
+            let i: usize = after[..close].parse().map_err(|_| {
+                SpecdError::Tokenizer("chat template: a message's content was altered".into())
+            })?;
+            let m = messages.get(i).ok_or_else(|| {
+                SpecdError::Tokenizer("chat template: a message's content was altered".into())
+            })?;
+            ids.extend(self.encode_text(&m.content, false)?);
+            rest = &after[close + HOLE_CLOSE.len_utf8()..];
+        }
+        ids.extend(self.encode(rest, false)?);
         Ok(ids)
     }
 

@@ -143,6 +143,67 @@ pub struct Common {
     pub stop: Option<Stop>,
     pub ignore_eos: Option<Flag>,
     pub speculation: Option<Speculation>,
+    // Fields this server does not implement: accepted only when they ask
+    // for nothing (null, empty, or the default), else a 400 naming them.
+    pub top_logprobs: Option<Value>,
+    pub logit_bias: Option<Value>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub suffix: Option<Value>,
+}
+
+/// The fields a request may send only with their do-nothing values, each
+/// with what it asked for when it asks for more.
+fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
+    let empty = |v: &Value| match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::String(s) => s.is_empty(),
+        _ => false,
+    };
+    type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
+    let checks: [(&str, &Option<Value>, Allowed); 8] = [
+        ("top_logprobs", &c.top_logprobs, &|v| {
+            empty(v) || v.as_u64() == Some(0)
+        }),
+        ("logit_bias", &c.logit_bias, &empty),
+        ("response_format", &c.response_format, &|v| {
+            empty(v) || v.get("type").and_then(Value::as_str) == Some("text")
+        }),
+        ("tools", &c.tools, &empty),
+        ("tool_choice", &c.tool_choice, &|v| {
+            empty(v) || v.as_str() == Some("none")
+        }),
+        ("functions", &c.functions, &empty),
+        ("function_call", &c.function_call, &|v| {
+            empty(v) || v.as_str() == Some("none")
+        }),
+        ("suffix", &c.suffix, &empty),
+    ];
+    for (field, value, ok) in checks {
+        if let Some(v) = value {
+            if !ok(v) {
+                let mut shown = v.to_string();
+                if shown.len() > 60 {
+                    let cut = (0..=60)
+                        .rev()
+                        .find(|&i| shown.is_char_boundary(i))
+                        .unwrap_or(0);
+                    shown.truncate(cut);
+                    shown.push_str("...");
+                }
+                return Err(ApiError::bad_field(
+                    field,
+                    format!("`{field}` is not supported by this server (got {shown})"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `/v1/completions`' own fields.
@@ -348,6 +409,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             });
         }
     }
+    unimplemented_fields(&c)?;
     if c.n.is_some_and(|n| n.0 != 1) {
         return Err(ApiError::bad_field("n", "only n = 1 is supported"));
     }
@@ -488,9 +550,29 @@ fn pick_split(st: &AppState) -> Option<&crate::config::Split> {
     splits.last()
 }
 
-/// Tokenize a prompt, checking it fits the context.
-pub fn encode(st: &AppState, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
-    let ids = st.tokenizer.encode(text, special).map_err(ApiError::from)?;
+/// Tokenize a completion prompt (special tokens as text unless `[server]
+/// parse_special_tokens`), checking it fits the context.
+pub fn encode(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    let ids = if st.config.server.parse_special_tokens {
+        st.tokenizer.encode(text, true)
+    } else {
+        st.tokenizer.encode_text(text, true)
+    }
+    .map_err(ApiError::from)?;
+    check_prompt(st, ids)
+}
+
+/// Tokenize chat messages with the model's template (message content as
+/// text unless `[server] parse_special_tokens`), checking they fit.
+pub fn encode_chat(st: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+    let ids = st
+        .tokenizer
+        .encode_chat(messages, true, st.config.server.parse_special_tokens)
+        .map_err(ApiError::from)?;
+    check_prompt(st, ids)
+}
+
+fn check_prompt(st: &AppState, ids: Vec<u32>) -> Result<Vec<u32>, ApiError> {
     if ids.is_empty() {
         return Err(ApiError::bad_field("prompt", "prompt is empty"));
     }

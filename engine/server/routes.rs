@@ -108,7 +108,7 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
     let body = requests::body_object(&body)?;
     let prompt = requests::completion_prompt(requests::from_body::<CompletionBody>(&body)?)?;
     let common: Common = requests::from_body(&body)?;
-    let ids = requests::encode(&st, &prompt, true)?;
+    let ids = requests::encode(&st, &prompt)?;
     let parsed = requests::validate(common, &st, ids)?;
     run_request(&st, parsed, Kind::Completion).await
 }
@@ -118,11 +118,7 @@ async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, 
     let body = requests::body_object(&body)?;
     let messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?)?;
     let common: Common = requests::from_body(&body)?;
-    let text = st
-        .tokenizer
-        .apply_chat_template(&messages, true)
-        .map_err(ApiError::from)?;
-    let ids = requests::encode(&st, &text, false)?;
+    let ids = requests::encode_chat(&st, &messages)?;
     let parsed = requests::validate(common, &st, ids)?;
     run_request(&st, parsed, Kind::Chat).await
 }
