@@ -30,6 +30,10 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
     pub seed: u64,
+    /// Added to these tokens' logits after the penalties (OpenAI
+    /// `logit_bias`, each in [-100, 100]); ids past the vocabulary are
+    /// ignored.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -43,6 +47,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -56,10 +61,13 @@ impl SamplingParams {
         self.temperature <= 0.0 || self.top_k == 1
     }
 
+    /// Whether logits change before `distribution` (penalties or a logit
+    /// bias): then every p, greedy or not, goes through `apply_penalties`.
     pub fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0
             || self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
     }
 
     /// Reject out-of-range values, naming the field.
@@ -82,6 +90,13 @@ impl SamplingParams {
         }
         if !self.frequency_penalty.is_finite() || self.frequency_penalty.abs() > 2.0 {
             return bad("frequency_penalty", "must be in [-2, 2]");
+        }
+        if self
+            .logit_bias
+            .iter()
+            .any(|&(_, b)| !b.is_finite() || b.abs() > 100.0)
+        {
+            return bad("logit_bias", "each bias must be in [-100, 100]");
         }
         Ok(())
     }
@@ -188,7 +203,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// Apply repetition (over `context`: prompt and output), presence and
-/// frequency (over `generated`) penalties in place.
+/// frequency (over `generated`) penalties in place, then the logit bias.
 pub fn apply_penalties(logits: &mut [f32], context: &[u32], generated: &[u32], p: &SamplingParams) {
     if p.repetition_penalty != 1.0 {
         let mut seen = std::collections::HashSet::new();
@@ -213,6 +228,11 @@ pub fn apply_penalties(logits: &mut [f32], context: &[u32], generated: &[u32], p
             if let Some(l) = logits.get_mut(t as usize) {
                 *l -= p.presence_penalty + p.frequency_penalty * c as f32;
             }
+        }
+    }
+    for &(t, b) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
         }
     }
 }

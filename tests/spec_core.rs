@@ -274,6 +274,19 @@ fn sampling_is_lossless_with_min_p() {
 }
 
 #[test]
+fn sampling_is_lossless_with_logit_bias() {
+    // p must carry the request's logit bias; the control drops it.
+    check_sampling_lossless_against(
+        SamplingParams {
+            temperature: 1.0,
+            logit_bias: vec![(2, 2.5), (5, -3.0), (9, 1.0)],
+            ..Default::default()
+        },
+        Acceptance::UnbiasedTarget,
+    );
+}
+
+#[test]
 fn stop_string_inside_an_accepted_run() {
     let path = common::smollm_path();
     let model = Arc::new(load_model(&path, 2).unwrap());

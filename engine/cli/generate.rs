@@ -84,6 +84,7 @@ fn sampling(a: &GenerateArgs) -> SamplingParams {
         presence_penalty: a.presence_penalty,
         frequency_penalty: a.frequency_penalty,
         seed: a.seed,
+        logit_bias: Vec::new(),
     }
 }
 

@@ -155,6 +155,41 @@ pub struct Common {
     pub suffix: Option<Value>,
 }
 
+/// `logit_bias`: an object from token ids (as strings, OpenAI's shape) to
+/// biases; each id must be in the vocabulary.
+fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(other) => {
+            return Err(ApiError::bad_field(
+                "logit_bias",
+                format!("`logit_bias` must be an object from token ids to biases, got {other}"),
+            ))
+        }
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (k, b) in map {
+        let field = format!("logit_bias.{k}");
+        let id = k
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::bad_field(
+                    &field,
+                    format!("`{k}` is not a token id of this model (0..{vocab})"),
+                )
+            })?;
+        let b = b.as_f64().ok_or_else(|| {
+            ApiError::bad_field(&field, format!("the bias must be a number, got {b}"))
+        })?;
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
 /// The fields a request may send only with their do-nothing values, each
 /// with what it asked for when it asks for more.
 fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
@@ -166,11 +201,10 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
         _ => false,
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
-    let checks: [(&str, &Option<Value>, Allowed); 8] = [
+    let checks: [(&str, &Option<Value>, Allowed); 7] = [
         ("top_logprobs", &c.top_logprobs, &|v| {
             empty(v) || v.as_u64() == Some(0)
         }),
-        ("logit_bias", &c.logit_bias, &empty),
         ("response_format", &c.response_format, &|v| {
             empty(v) || v.get("type").and_then(Value::as_str) == Some("text")
         }),
@@ -466,6 +500,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         frequency_penalty: f(c.frequency_penalty, 0.0),
         repetition_penalty: f(c.repetition_penalty, 1.0),
         seed: c.seed.map(|s| s.0).unwrap_or_else(rand_seed),
+        logit_bias: logit_bias(c.logit_bias.as_ref(), st.tokenizer.vocab_size())?,
     };
     params.validate().map_err(|e| {
         let msg = match e {

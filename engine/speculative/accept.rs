@@ -33,6 +33,8 @@ pub enum Acceptance {
     StalePenalties,
     /// Lossy: p is the temperature softmax without top-k, top-p or min-p.
     UnfilteredTarget,
+    /// Lossy: p ignores the request's logit bias.
+    UnbiasedTarget,
     /// Lossy: after a rejected sibling drawn without replacement, q is not
     /// renormalised without it.
     StaleSiblingQ,
@@ -297,23 +299,26 @@ pub fn accept_tree(
         children[draft.parent(i).map_or(0, |p| p + 1)].push(i);
     }
     let greedy = params.is_greedy();
-    // Penalties see the accepted drafts as context; without penalties the
-    // history is never read, so it is not copied.
-    let penalised = params.has_penalties();
-    let (mut ctx, mut gen) = if penalised {
-        (context.to_vec(), generated.to_vec())
-    } else {
-        (Vec::new(), Vec::new())
-    };
-    let target_params = if acceptance == Acceptance::UnfilteredTarget {
-        SamplingParams {
+    let target_params = match acceptance {
+        Acceptance::UnfilteredTarget => SamplingParams {
             top_k: 0,
             top_p: 1.0,
             min_p: 0.0,
             ..params.clone()
-        }
+        },
+        Acceptance::UnbiasedTarget => SamplingParams {
+            logit_bias: Vec::new(),
+            ..params.clone()
+        },
+        _ => params.clone(),
+    };
+    let penalised = target_params.has_penalties();
+    // Penalties see the accepted drafts as context; without penalties the
+    // history is never read, so it is not copied.
+    let (mut ctx, mut gen) = if penalised {
+        (context.to_vec(), generated.to_vec())
     } else {
-        params.clone()
+        (Vec::new(), Vec::new())
     };
     let mut tokens = Vec::new();
     let mut path = Vec::new();
