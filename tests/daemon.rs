@@ -816,3 +816,104 @@ fn logit_bias_steers_the_target_and_speculation_stays_lossless() {
         assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
     }
 }
+
+/// `/v1/completions` with a list of prompts (strings or token-id lists):
+/// one choice per prompt in order, each its own sequence, equal to asking
+/// for it alone; streamed too, with the choices' chunks interleaved and
+/// one `[DONE]`; a client that hangs up mid-batch frees every sequence.
+#[test]
+fn batched_prompts_answer_one_choice_each_in_order() {
+    let path = common::smollm_path();
+    let tok = specd::tokenizer::Tokenizer::for_model(&path).unwrap();
+    let d = Daemon::start(CONFIG, &[]);
+    let texts = [
+        "The capital of France is",
+        "def add(a, b):",
+        "Once upon a time",
+    ];
+    let one = |p: serde_json::Value, prop: &str| {
+        let r = d.post(
+            "/v1/completions",
+            &json!({"prompt": p, "max_tokens": 10, "temperature": 0,
+                    "speculation": {"proposer": prop}}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let alone: Vec<String> = texts
+        .iter()
+        .map(|t| {
+            one(json!(t), "none")["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tok.encode_text(t, true).unwrap())
+        .collect();
+    for (prompt, prop) in [
+        (json!(texts), "none"),
+        (json!(texts), "ngram"),
+        (json!(ids), "suffix"),
+    ] {
+        let r = one(prompt, prop);
+        let choices = r["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), texts.len());
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i);
+            assert_eq!(c["text"], alone[i], "choice {i} with {prop}");
+        }
+        assert_eq!(r["usage"]["completion_tokens"], 30);
+        let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+        assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens);
+    }
+    // One list of token ids is one prompt.
+    let r = one(json!(ids[1]), "none");
+    assert_eq!(r["choices"].as_array().unwrap().len(), 1);
+    assert_eq!(r["choices"][0]["text"], alone[1]);
+    // Streamed: every choice's chunks concatenate to its text.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": texts, "max_tokens": 10, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.ends_with("data: [DONE]\n\n"));
+    assert_eq!(r.body.matches("[DONE]").count(), 1);
+    let mut got = vec![String::new(); texts.len()];
+    let mut finished = 0;
+    for ev in r.sse() {
+        let c = &ev["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        got[i].push_str(c["text"].as_str().unwrap());
+        if !c["finish_reason"].is_null() {
+            finished += 1;
+            assert!(ev["usage"]["completion_tokens"].as_u64().is_some());
+        }
+    }
+    assert_eq!(got, alone);
+    assert_eq!(finished, texts.len());
+    // Bad shapes name the entry.
+    for (prompt, param) in [
+        (json!([]), "prompt"),
+        (json!(["a", 5]), "prompt[1]"),
+        (json!([[1, 2], [3, 99999999]]), "prompt[1][1]"),
+        (json!([1, -2]), "prompt[1]"),
+        (json!(vec!["x"; 65]), "prompt"),
+    ] {
+        let r = d.post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 2}),
+        );
+        assert_eq!(r.status, 400, "{prompt}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
+    // A client that hangs up mid-stream frees every sequence of its batch.
+    let body =
+        json!({"prompt": texts, "max_tokens": 200, "ignore_eos": true, "stream": true}).to_string();
+    hang_up(&d.addr, "/v1/completions", &body, 600, Duration::ZERO);
+    wait_kv_zero(&d);
+    let r = one(json!(texts[0]), "none");
+    assert_eq!(r["choices"][0]["text"], alone[0]);
+}

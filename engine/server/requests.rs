@@ -107,7 +107,7 @@ pub enum Stop {
 
 /// `prompt` on `/v1/completions`.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged, expecting = "a string")]
+#[serde(untagged, expecting = "a string, a list of strings, or token ids")]
 pub enum Prompt {
     Text(String),
     Batch(Vec<Value>),
@@ -361,21 +361,69 @@ pub fn body_object(body: &Bytes) -> Result<Value, ApiError> {
 
 /// The prompt text of a completions body (one string; a list of one string
 /// is accepted as that string).
-pub fn completion_prompt(b: CompletionBody) -> Result<String, ApiError> {
-    match b.prompt {
-        Prompt::Text(s) => Ok(s),
-        Prompt::Batch(v) if v.len() == 1 => match &v[0] {
-            Value::String(s) => Ok(s.clone()),
-            other => Err(ApiError::bad_field(
-                "prompt",
-                format!("`prompt[0]` must be a string, got {}", type_name(other)),
-            )),
-        },
-        Prompt::Batch(_) => Err(ApiError::bad_field(
-            "prompt",
-            "batched prompts are not supported; send one string",
-        )),
+/// One prompt of `/v1/completions`: text, or token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptIn {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// Most prompts in one batched completion request.
+pub const MAX_BATCH_PROMPTS: usize = 64;
+
+/// The prompts of a completion request in order: a string, a list of
+/// strings, a list of token ids, or a list of token-id lists (OpenAI's four
+/// shapes). Token ids must be in the vocabulary.
+pub fn completion_prompts(b: CompletionBody, vocab: usize) -> Result<Vec<PromptIn>, ApiError> {
+    let ids_of = |field: &str, v: &[Value]| -> Result<Vec<u32>, ApiError> {
+        v.iter()
+            .enumerate()
+            .map(|(j, x)| {
+                x.as_u64()
+                    .filter(|&t| (t as usize) < vocab)
+                    .map(|t| t as u32)
+                    .ok_or_else(|| {
+                        ApiError::bad_field(
+                            &format!("{field}[{j}]"),
+                            format!("`{field}[{j}]` must be a token id below {vocab}, got {x}"),
+                        )
+                    })
+            })
+            .collect()
+    };
+    let list = match b.prompt {
+        Prompt::Text(s) => return Ok(vec![PromptIn::Text(s)]),
+        Prompt::Batch(v) => v,
+    };
+    if list.is_empty() {
+        return Err(ApiError::bad_field("prompt", "`prompt` must not be empty"));
     }
+    if list.iter().all(Value::is_number) {
+        return Ok(vec![PromptIn::Ids(ids_of("prompt", &list)?)]);
+    }
+    if list.len() > MAX_BATCH_PROMPTS {
+        return Err(ApiError::bad_field(
+            "prompt",
+            format!(
+                "{} prompts in one request; at most {MAX_BATCH_PROMPTS}",
+                list.len()
+            ),
+        ));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, x)| match x {
+            Value::String(s) => Ok(PromptIn::Text(s.clone())),
+            Value::Array(a) => Ok(PromptIn::Ids(ids_of(&format!("prompt[{i}]"), a)?)),
+            other => Err(ApiError::bad_field(
+                &format!("prompt[{i}]"),
+                format!(
+                    "`prompt[{i}]` must be a string or a list of token ids, got {}",
+                    type_name(other)
+                ),
+            )),
+        })
+        .collect()
 }
 
 /// Chat messages for the template, each role checked.
@@ -586,14 +634,19 @@ fn pick_split(st: &AppState) -> Option<&crate::config::Split> {
 }
 
 /// Tokenize a completion prompt (special tokens as text unless `[server]
-/// parse_special_tokens`), checking it fits the context.
-pub fn encode(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
-    let ids = if st.config.server.parse_special_tokens {
-        st.tokenizer.encode(text, true)
-    } else {
-        st.tokenizer.encode_text(text, true)
-    }
-    .map_err(ApiError::from)?;
+/// parse_special_tokens`; token ids are taken as given), checking it fits
+/// the context.
+pub fn encode(st: &AppState, prompt: &PromptIn) -> Result<Vec<u32>, ApiError> {
+    let ids = match prompt {
+        PromptIn::Ids(ids) => ids.clone(),
+        PromptIn::Text(text) if st.config.server.parse_special_tokens => {
+            st.tokenizer.encode(text, true).map_err(ApiError::from)?
+        }
+        PromptIn::Text(text) => st
+            .tokenizer
+            .encode_text(text, true)
+            .map_err(ApiError::from)?,
+    };
     check_prompt(st, ids)
 }
 

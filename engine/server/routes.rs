@@ -68,17 +68,10 @@ async fn run_request(st: &State, parsed: Parsed, kind: Kind) -> Result<HttpRespo
         armed: true,
     };
     if parsed.stream {
-        let s = SseStream {
-            rx,
-            shape,
-            guard,
-            first: true,
-            done: false,
-        };
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
-            .streaming(s));
+            .streaming(SseStream::new(vec![(rx, guard)], shape)));
     }
     loop {
         match rx.recv().await {
@@ -106,11 +99,80 @@ async fn run_request(st: &State, parsed: Parsed, kind: Kind) -> Result<HttpRespo
 async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
     let body = requests::body_object(&body)?;
-    let prompt = requests::completion_prompt(requests::from_body::<CompletionBody>(&body)?)?;
+    let prompts = requests::completion_prompts(
+        requests::from_body::<CompletionBody>(&body)?,
+        st.tokenizer.vocab_size(),
+    )?;
     let common: Common = requests::from_body(&body)?;
-    let ids = requests::encode(&st, &prompt)?;
-    let parsed = requests::validate(common, &st, ids)?;
-    run_request(&st, parsed, Kind::Completion).await
+    // Every prompt is validated before any is submitted.
+    let parsed = prompts
+        .iter()
+        .map(|p| requests::validate(common.clone(), &st, requests::encode(&st, p)?))
+        .collect::<Result<Vec<Parsed>, ApiError>>()?;
+    if parsed.len() == 1 {
+        let p = parsed.into_iter().next().expect("one prompt");
+        return run_request(&st, p, Kind::Completion).await;
+    }
+    run_batch(&st, parsed).await
+}
+
+/// Several prompts, each its own sequence (scheduled together), answered
+/// as one choice per prompt in order. If any submission is refused, the
+/// ones already submitted are aborted (their guards drop).
+async fn run_batch(st: &State, parsed: Vec<Parsed>) -> Result<HttpResponse, ApiError> {
+    let stream = parsed[0].stream;
+    let mut parts = Vec::with_capacity(parsed.len());
+    let mut first_id = None;
+    for p in parsed {
+        let (id, rx) = st.engine.submit(p.req).await.map_err(ApiError::from)?;
+        first_id.get_or_insert(id);
+        parts.push((
+            rx,
+            AbortGuard {
+                engine: st.engine.clone(),
+                id,
+                armed: true,
+            },
+        ));
+    }
+    let shape = Shape {
+        kind: Kind::Completion,
+        id: format!("cmpl-{}", first_id.unwrap_or(0)),
+        created: now(),
+        model: st.model_name.clone(),
+    };
+    if stream {
+        return Ok(HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header(("Cache-Control", "no-cache"))
+            .streaming(SseStream::new(parts, shape)));
+    }
+    let mut done = Vec::with_capacity(parts.len());
+    for (rx, guard) in &mut parts {
+        loop {
+            match rx.recv().await {
+                Some(Event::Tokens { .. }) => {}
+                Some(Event::Finished(c)) => {
+                    guard.armed = false;
+                    done.push(c);
+                    break;
+                }
+                Some(Event::Error(e)) => {
+                    guard.armed = false;
+                    return Err(ApiError::status(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        e,
+                    ));
+                }
+                None => {
+                    guard.armed = false;
+                    return Err(ApiError::from(SpecdError::EngineStopped));
+                }
+            }
+        }
+    }
+    Ok(HttpResponse::Ok().json(shape.full_many(&done)))
 }
 
 async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {

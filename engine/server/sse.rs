@@ -56,6 +56,7 @@ pub(super) struct Shape {
 impl Shape {
     pub(super) fn chunk(
         &self,
+        index: usize,
         text: &str,
         finish: Option<&str>,
         usage: Option<Value>,
@@ -63,7 +64,7 @@ impl Shape {
     ) -> Value {
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish})
             }
             Kind::Chat => {
                 let delta = if first {
@@ -73,7 +74,7 @@ impl Shape {
                 } else {
                     json!({"content": text})
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
         };
         let mut v = json!({
@@ -112,6 +113,46 @@ impl Shape {
     }
 }
 
+impl Shape {
+    /// One completion response for several prompts: a choice per prompt in
+    /// order; usage and speculation figures summed over them.
+    pub(super) fn full_many(&self, cs: &[Completion]) -> Value {
+        let choices: Vec<Value> = cs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({"index": i, "text": c.text, "logprobs": null, "finish_reason": finish_str(c.finish)})
+            })
+            .collect();
+        let mut stats = crate::speculative::SpecStats::default();
+        for c in cs {
+            stats.add(&c.stats);
+        }
+        let prompt: usize = cs.iter().map(|c| c.prompt_tokens).sum();
+        let completion: usize = cs.iter().map(|c| c.tokens.len()).sum();
+        json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "speculation": {
+                    "proposer": cs.first().map(|c| c.stats.proposer.clone()).unwrap_or_default(),
+                    "drafted_tokens": stats.drafted,
+                    "accepted_tokens": stats.accepted,
+                    "verify_steps": stats.verify_steps,
+                    "acceptance_rate": stats.acceptance_rate(),
+                    "mean_accepted_length": stats.mean_accepted_len(),
+                }
+            },
+        })
+    }
+}
+
 /// Aborts the request when dropped before it finished (client gone).
 pub(super) struct AbortGuard {
     pub(super) engine: EngineHandle,
@@ -128,13 +169,52 @@ impl Drop for AbortGuard {
     }
 }
 
-/// Server-sent events for one request.
+/// One request's part of an event stream (one choice).
+pub(super) struct Part {
+    rx: UnboundedReceiver<Event>,
+    guard: AbortGuard,
+    first: bool,
+    done: bool,
+}
+
+/// Server-sent events for one request, or for several prompts of one
+/// request (a choice each, indexed in order; events interleave as they
+/// come). `[DONE]` follows the last choice's final chunk; each final chunk
+/// carries its choice's usage.
 pub(super) struct SseStream {
-    pub(super) rx: UnboundedReceiver<Event>,
-    pub(super) shape: Shape,
-    pub(super) guard: AbortGuard,
-    pub(super) first: bool,
-    pub(super) done: bool,
+    parts: Vec<Part>,
+    shape: Shape,
+    /// Where the next poll starts, so no choice starves the others.
+    next: usize,
+    done: bool,
+}
+
+impl SseStream {
+    pub(super) fn new(parts: Vec<(UnboundedReceiver<Event>, AbortGuard)>, shape: Shape) -> Self {
+        Self {
+            parts: parts
+                .into_iter()
+                .map(|(rx, guard)| Part {
+                    rx,
+                    guard,
+                    first: true,
+                    done: false,
+                })
+                .collect(),
+            shape,
+            next: 0,
+            done: false,
+        }
+    }
+
+    fn frame(&mut self, v: Value) -> Poll<Option<Result<Bytes, actix_web::Error>>> {
+        let mut s = format!("data: {v}\n\n");
+        if self.parts.iter().all(|p| p.done) {
+            self.done = true;
+            s.push_str("data: [DONE]\n\n");
+        }
+        Poll::Ready(Some(Ok(Bytes::from(s))))
+    }
 }
 
 impl futures_core::Stream for SseStream {
@@ -144,42 +224,59 @@ impl futures_core::Stream for SseStream {
         if self.done {
             return Poll::Ready(None);
         }
-        loop {
-            match self.rx.poll_recv(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Event::Tokens { text, .. })) => {
-                    if text.is_empty() && !self.first {
-                        continue;
+        let n = self.parts.len();
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            loop {
+                let part = &mut self.parts[i];
+                if part.done {
+                    break;
+                }
+                match part.rx.poll_recv(cx) {
+                    Poll::Pending => break,
+                    Poll::Ready(Some(Event::Tokens { text, .. })) => {
+                        if text.is_empty() && !part.first {
+                            continue;
+                        }
+                        let first = std::mem::replace(&mut part.first, false);
+                        self.next = (i + 1) % n;
+                        let v = self.shape.chunk(i, &text, None, None, first);
+                        return self.frame(v);
                     }
-                    let first = self.first;
-                    self.first = false;
-                    let v = self.shape.chunk(&text, None, None, first);
-                    return Poll::Ready(Some(Ok(Bytes::from(format!("data: {v}\n\n")))));
-                }
-                Poll::Ready(Some(Event::Finished(c))) => {
-                    self.done = true;
-                    self.guard.armed = false;
-                    let first = self.first;
-                    let v =
-                        self.shape
-                            .chunk("", Some(finish_str(c.finish)), Some(usage(&c)), first);
-                    return Poll::Ready(Some(Ok(Bytes::from(format!(
-                        "data: {v}\n\ndata: [DONE]\n\n"
-                    )))));
-                }
-                Poll::Ready(Some(Event::Error(e))) => {
-                    self.done = true;
-                    self.guard.armed = false;
-                    let v = json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}});
-                    return Poll::Ready(Some(Ok(Bytes::from(format!(
-                        "data: {v}\n\ndata: [DONE]\n\n"
-                    )))));
-                }
-                Poll::Ready(None) => {
-                    self.done = true;
-                    return Poll::Ready(None);
+                    Poll::Ready(Some(Event::Finished(c))) => {
+                        part.done = true;
+                        part.guard.armed = false;
+                        let first = part.first;
+                        self.next = (i + 1) % n;
+                        let v = self.shape.chunk(
+                            i,
+                            "",
+                            Some(finish_str(c.finish)),
+                            Some(usage(&c)),
+                            first,
+                        );
+                        return self.frame(v);
+                    }
+                    Poll::Ready(Some(Event::Error(e))) => {
+                        part.done = true;
+                        part.guard.armed = false;
+                        self.next = (i + 1) % n;
+                        let v = json!({"error": {"message": e, "type": "server_error", "param": null, "code": null, "index": i}});
+                        return self.frame(v);
+                    }
+                    Poll::Ready(None) => {
+                        // The engine dropped the channel without a final
+                        // event: this choice ends here.
+                        part.done = true;
+                        if self.parts.iter().all(|p| p.done) {
+                            self.done = true;
+                            return Poll::Ready(None);
+                        }
+                        break;
+                    }
                 }
             }
         }
+        Poll::Pending
     }
 }
