@@ -30,6 +30,10 @@ use crate::sampler::Distribution;
 /// Rows of buffered hidden states beyond which a member is flushed.
 const FLUSH_ROWS: usize = 64;
 
+/// Bounds of a member's probe interval (steps).
+const PROBE_MIN: u32 = 8;
+const PROBE_MAX: u32 = 128;
+
 /// An exponential moving average with a prior.
 #[derive(Debug, Clone, Copy)]
 struct Ema {
@@ -99,9 +103,14 @@ struct SeqState {
     pending: Vec<Pending>,
     /// The member that drafted the last step and the draft's depth.
     last: Option<(usize, usize)>,
-    /// Drafting steps so far (every 8th asks every member, so estimates of
-    /// members that fell behind keep learning).
+    /// Drafting steps so far.
     steps: u32,
+    /// Per member: every how many steps it is asked even when its estimate
+    /// says it will lose (a probe, so a member that fell behind can come
+    /// back). Starts at `PROBE_MIN`; doubles (up to `PROBE_MAX`) each time
+    /// a probe loses, so a member that keeps losing costs little; back to
+    /// `PROBE_MIN` when it wins.
+    probe_every: Vec<u32>,
 }
 
 pub struct Compose {
@@ -224,6 +233,7 @@ impl Compose {
             pending: members.iter().map(|_| Pending::default()).collect(),
             last: None,
             steps: 0,
+            probe_every: members.iter().map(|_| PROBE_MIN).collect(),
         })
     }
 
@@ -367,6 +377,8 @@ impl Proposer for Compose {
             }
         }
         let mut best: Vec<Option<(f64, usize, Draft)>> = (0..batch.len()).map(|_| None).collect();
+        // Per input: the members that drafted this step, with their values.
+        let mut asked: Vec<Vec<(usize, f64)>> = vec![Vec::new(); batch.len()];
         let mut open: Vec<usize> = (0..batch.len())
             .filter(|&i| batch[i].max_draft > 0)
             .collect();
@@ -379,14 +391,19 @@ impl Proposer for Compose {
             for (&i, d) in open.iter().zip(drafts) {
                 let track = self.state(batch[i].seq).tracks[m];
                 let v = self.value_of(m, &track, &d);
+                if !d.tokens.is_empty() {
+                    asked[i].push((m, v));
+                }
                 if !d.tokens.is_empty() && best[i].as_ref().is_none_or(|b| v > b.0) {
                     best[i] = Some((v, m, d));
                 }
                 let have = best[i].as_ref().map_or(1.0, |b| b.0);
                 let st = &self.seqs[&batch[i].seq];
-                let probe = st.steps % 8 == 7;
-                let better_later = (m + 1..self.members.len())
-                    .any(|n| probe || self.estimate(n, &st.tracks[n], batch[i].max_draft) > have);
+                let better_later = (m + 1..self.members.len()).any(|n| {
+                    let every = st.probe_every[n].max(1);
+                    st.steps % every == every - 1
+                        || self.estimate(n, &st.tracks[n], batch[i].max_draft) > have
+                });
                 if better_later {
                     still.push(i);
                 }
@@ -410,6 +427,14 @@ impl Proposer for Compose {
         for (i, b) in best.into_iter().enumerate() {
             let st = self.state(batch[i].seq);
             st.steps = st.steps.wrapping_add(1);
+            let winner = b.as_ref().map(|b| b.1);
+            for &(m, _) in &asked[i] {
+                st.probe_every[m] = if Some(m) == winner {
+                    PROBE_MIN
+                } else {
+                    (st.probe_every[m] * 2).min(PROBE_MAX)
+                };
+            }
             match b {
                 Some((_, m, d)) => {
                     st.last = Some((m, d.depths().into_iter().max().unwrap_or(0)));
@@ -479,6 +504,8 @@ mod tests {
         when: Option<u32>,
         layers: Vec<usize>,
         calls: usize,
+        /// Drafting calls (max_draft > 0), shared with the test.
+        asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
         /// (position, first value of the first layer) of every row seen.
         rows: std::sync::Arc<std::sync::Mutex<Vec<(usize, f32)>>>,
     }
@@ -498,6 +525,7 @@ mod tests {
                 when,
                 layers,
                 calls: 0,
+                asked: Default::default(),
                 rows: Default::default(),
             }
         }
@@ -533,6 +561,8 @@ mod tests {
                         return Draft::default();
                     }
                     self.calls += 1;
+                    self.asked
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if self.when.is_some_and(|w| b.tokens.last() != Some(&w)) {
                         return Draft::default();
                     }
@@ -615,6 +645,44 @@ mod tests {
         }
         let d = c.propose(&[input(2, &[3, 1], &p, &[], 0)]).unwrap();
         assert_eq!(d[0].source.as_deref(), Some("dear"));
+    }
+
+    /// A member that keeps losing is probed ever more rarely: its drafts
+    /// cost time even when they are thrown away.
+    #[test]
+    fn a_member_that_keeps_losing_is_probed_ever_more_rarely() {
+        let cheap = Fake::new("cheap", 7, 4, None, vec![]);
+        let dear = Fake::new("dear", 9, 4, None, vec![]);
+        let asked = dear.asked.clone();
+        let mut c = Compose::new(
+            "hybrid",
+            vec![
+                MemberSpec {
+                    name: "cheap".into(),
+                    proposer: Box::new(cheap),
+                    cost: 0.0,
+                },
+                MemberSpec {
+                    name: "dear".into(),
+                    proposer: Box::new(dear),
+                    cost: 5.0,
+                },
+            ],
+            16,
+            2,
+            0.1,
+        )
+        .unwrap();
+        let p = SamplingParams::default();
+        let steps = 400;
+        for _ in 0..steps {
+            let d = c.propose(&[input(1, &[1, 2], &p, &[], 0)]).unwrap();
+            assert_eq!(d[0].source.as_deref(), Some("cheap"));
+            c.observe_path(1, &[7, 7, 3], &[0, 1]).unwrap();
+        }
+        // A fixed probe every 8th step would ask it 50 times.
+        let n = asked.load(std::sync::atomic::Ordering::Relaxed);
+        assert!((3..=12).contains(&n), "probed {n} times in {steps} steps");
     }
 
     #[test]
