@@ -68,6 +68,27 @@ fn text_only(t: &tokenizers::Tokenizer) -> tokenizers::Tokenizer {
 const HOLE_OPEN: char = '\u{F8F0}';
 const HOLE_CLOSE: char = '\u{F8F1}';
 
+/// GPT-2's byte-level table inverted: the character standing for each byte.
+fn byte_level_inverse() -> &'static std::collections::HashMap<char, u8> {
+    static TABLE: std::sync::OnceLock<std::collections::HashMap<char, u8>> =
+        std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut m = std::collections::HashMap::new();
+        let mut n = 0u32;
+        for b in 0..=255u8 {
+            let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+            let c = if printable {
+                char::from(b)
+            } else {
+                n += 1;
+                char::from_u32(255 + n).unwrap_or('?')
+            };
+            m.insert(c, b);
+        }
+        m
+    })
+}
+
 fn tk_err(e: impl std::fmt::Display) -> SpecdError {
     SpecdError::Tokenizer(e.to_string())
 }
@@ -355,6 +376,32 @@ impl Tokenizer {
         }
         ids.extend(self.encode(rest, false)?);
         Ok(ids)
+    }
+
+    /// The bytes a token stands for: byte-level BPE pieces mapped back
+    /// through GPT-2's byte-to-character table; other tokens (specials,
+    /// SentencePiece pieces) as their text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        let table = byte_level_inverse();
+        let bytes: Option<Vec<u8>> = piece.chars().map(|c| table.get(&c).copied()).collect();
+        match bytes {
+            Some(b) if !self.is_special(id) => b,
+            _ => self
+                .decode(&[id], false)
+                .map(String::into_bytes)
+                .unwrap_or_else(|_| piece.into_bytes()),
+        }
+    }
+
+    fn is_special(&self, id: u32) -> bool {
+        self.inner
+            .get_added_vocabulary()
+            .get_added_tokens_decoder()
+            .get(&id)
+            .is_some_and(|t| t.special)
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {

@@ -65,14 +65,23 @@ fn greedy_with_a_draft_model_is_lossless_on_smollm2() {
     let n = 24;
     let done = run(
         &mut e,
-        prompts
+        ["draft", "none"]
             .iter()
-            .map(|p| Request {
-                proposer: Some("draft".into()),
-                ..Request::greedy(p.clone(), n)
+            .flat_map(|name| {
+                prompts.iter().map(move |p| Request {
+                    proposer: Some(name.to_string()),
+                    logprobs: Some(3),
+                    ..Request::greedy(p.clone(), n)
+                })
             })
             .collect(),
     );
+    let (done, plain) = done.split_at(prompts.len());
+    for (c, p) in plain.iter().zip(done) {
+        // The target's logprobs, bit for bit, whoever drafted.
+        assert_eq!(c.logprobs.len(), n);
+        assert_eq!(c.logprobs, p.logprobs);
+    }
     for (c, p) in done.iter().zip(&prompts) {
         let want = generate(&model, None, &Request::greedy(p.clone(), n), |_| {})
             .unwrap()

@@ -742,16 +742,26 @@ fn the_shipped_head_is_lossless_and_accepted_on_smollm2() {
             prompts.iter().map(move |p| Request {
                 proposer: Some(name.to_string()),
                 ignore_eos: true,
+                logprobs: Some(2),
                 ..Request::greedy(p.clone(), n)
             })
         })
         .collect();
     let done = run_all(&mut e, reqs);
+    let plain = &done[3 * prompts.len()..];
     for (i, c) in done.iter().enumerate() {
         assert_eq!(
             c.tokens,
             want[i % prompts.len()],
             "{} differs from plain decoding",
+            c.stats.proposer
+        );
+        // The target's logprobs, bit for bit, whoever drafted.
+        assert_eq!(c.logprobs.len(), n);
+        assert_eq!(
+            c.logprobs,
+            plain[i % prompts.len()].logprobs,
+            "{}",
             c.stats.proposer
         );
     }

@@ -184,6 +184,7 @@ pub fn run(
                     proposer: Some(arm.proposer.clone()),
                     max_draft: arm.max_draft,
                     arm: Some(arm.name.clone()),
+                    logprobs: None,
                 };
                 let (mut r, toks) = run_one(&mut engine, req, max_batch_tokens)?;
                 r.prompt_id = p.id.clone();

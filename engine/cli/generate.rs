@@ -227,6 +227,7 @@ fn run_batch(
                 proposer: Some(a.proposer.clone()),
                 max_draft: Some(a.max_draft),
                 arm: None,
+                logprobs: None,
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }
@@ -240,7 +241,7 @@ fn run_batch(
                     let mut ttft = None;
                     loop {
                         match rx.recv().await {
-                            Some(Event::Tokens { text, ids }) => {
+                            Some(Event::Tokens { text, ids, .. }) => {
                                 if !ids.is_empty() {
                                     ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
                                 }

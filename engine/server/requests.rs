@@ -190,6 +190,47 @@ fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiErr
     Ok(out)
 }
 
+/// Alternatives per token if the request wants logprobs: chat's
+/// `logprobs: true` with `top_logprobs` (0-20), or completions'
+/// `logprobs: N` (0-20).
+fn logprobs_wanted(c: &Common) -> Result<Option<usize>, ApiError> {
+    let max = crate::speculative::MAX_TOP_LOGPROBS;
+    let top = match &c.top_logprobs {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n as usize <= max => Some(n as usize),
+            _ => {
+                return Err(ApiError::bad_field(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be an integer from 0 to {max}, got {v}"),
+                ))
+            }
+        },
+    };
+    let want = match &c.logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(Value::Bool(true)) => Some(top.unwrap_or(0)),
+        Some(v) => match v.as_u64() {
+            Some(n) if n as usize <= max => Some(n as usize),
+            _ => {
+                return Err(ApiError::bad_field(
+                    "logprobs",
+                    format!(
+                        "`logprobs` must be true/false (chat) or an integer from 0 to {max} (completions), got {v}"
+                    ),
+                ))
+            }
+        },
+    };
+    if want.is_none() && top.is_some_and(|t| t > 0) {
+        return Err(ApiError::bad_field(
+            "top_logprobs",
+            "`top_logprobs` needs `logprobs: true`",
+        ));
+    }
+    Ok(want)
+}
+
 /// The fields a request may send only with their do-nothing values, each
 /// with what it asked for when it asks for more.
 fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
@@ -201,10 +242,7 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
         _ => false,
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
-    let checks: [(&str, &Option<Value>, Allowed); 7] = [
-        ("top_logprobs", &c.top_logprobs, &|v| {
-            empty(v) || v.as_u64() == Some(0)
-        }),
+    let checks: [(&str, &Option<Value>, Allowed); 6] = [
         ("response_format", &c.response_format, &|v| {
             empty(v) || v.get("type").and_then(Value::as_str) == Some("text")
         }),
@@ -501,15 +539,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             "only best_of = 1 is supported",
         ));
     }
-    match &c.logprobs {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
-        Some(_) => {
-            return Err(ApiError::bad_field(
-                "logprobs",
-                "logprobs are not supported by this server",
-            ))
-        }
-    }
+    let logprobs = logprobs_wanted(&c)?;
     if c.echo.is_some_and(|e| e.0) {
         return Err(ApiError::bad_field("echo", "echo is not supported"));
     }
@@ -605,6 +635,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             proposer: Some(proposer),
             max_draft: spec.max_draft.map(|m| m.0 as usize),
             arm,
+            logprobs,
         },
         stream: c.stream.is_some_and(|s| s.0),
     })

@@ -48,6 +48,7 @@ fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiError> {
 }
 
 async fn run_request(st: &State, parsed: Parsed, kind: Kind) -> Result<HttpResponse, ApiError> {
+    let logprobs = parsed.req.logprobs.is_some();
     let (id, mut rx) = st.engine.submit(parsed.req).await.map_err(ApiError::from)?;
     let shape = Shape {
         kind,
@@ -61,6 +62,8 @@ async fn run_request(st: &State, parsed: Parsed, kind: Kind) -> Result<HttpRespo
         ),
         created: now(),
         model: st.model_name.clone(),
+        tokenizer: st.tokenizer.clone(),
+        logprobs,
     };
     let mut guard = AbortGuard {
         engine: st.engine.clone(),
@@ -121,6 +124,7 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
 /// ones already submitted are aborted (their guards drop).
 async fn run_batch(st: &State, parsed: Vec<Parsed>) -> Result<HttpResponse, ApiError> {
     let stream = parsed[0].stream;
+    let logprobs = parsed[0].req.logprobs.is_some();
     let mut parts = Vec::with_capacity(parsed.len());
     let mut first_id = None;
     for p in parsed {
@@ -140,6 +144,8 @@ async fn run_batch(st: &State, parsed: Vec<Parsed>) -> Result<HttpResponse, ApiE
         id: format!("cmpl-{}", first_id.unwrap_or(0)),
         created: now(),
         model: st.model_name.clone(),
+        tokenizer: st.tokenizer.clone(),
+        logprobs,
     };
     if stream {
         return Ok(HttpResponse::Ok()

@@ -14,7 +14,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::sampler::FinishReason;
 use crate::speculative::actors::{Abort, EngineHandle};
-use crate::speculative::{Completion, Event, SeqId};
+use crate::speculative::{Completion, Event, SeqId, TokenLogprob};
 
 pub(super) fn usage(c: &Completion) -> Value {
     json!({
@@ -51,9 +51,68 @@ pub(super) struct Shape {
     pub(super) id: String,
     pub(super) created: u64,
     pub(super) model: String,
+    pub(super) tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
+    /// Whether the request asked for logprobs.
+    pub(super) logprobs: bool,
 }
 
 impl Shape {
+    /// `logprobs` in OpenAI's shape for the kind: chat's `content` list
+    /// (token, logprob, bytes, top_logprobs) or completions' parallel lists
+    /// (tokens, token_logprobs, top_logprobs, text_offset, counted in
+    /// characters from `*offset`, which advances). `null` unless asked.
+    fn logprobs_json(&self, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let tok = &self.tokenizer;
+        let piece = |t: u32| {
+            let b = tok.token_bytes(t);
+            (String::from_utf8_lossy(&b).into_owned(), b)
+        };
+        match self.kind {
+            Kind::Chat => {
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|lp| {
+                        let (s, b) = piece(lp.token);
+                        let top: Vec<Value> = lp
+                            .top
+                            .iter()
+                            .map(|&(t, l)| {
+                                let (s, b) = piece(t);
+                                json!({"token": s, "logprob": l, "bytes": b})
+                            })
+                            .collect();
+                        json!({"token": s, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+            Kind::Completion => {
+                let mut tokens = Vec::new();
+                let mut values = Vec::new();
+                let mut tops = Vec::new();
+                let mut offsets = Vec::new();
+                for lp in lps {
+                    let (s, _) = piece(lp.token);
+                    offsets.push(*offset);
+                    *offset += s.chars().count();
+                    tokens.push(s);
+                    values.push(lp.logprob);
+                    let top: serde_json::Map<String, Value> = lp
+                        .top
+                        .iter()
+                        .map(|&(t, l)| (piece(t).0, json!(l)))
+                        .collect();
+                    tops.push(Value::Object(top));
+                }
+                json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets})
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn chunk(
         &self,
         index: usize,
@@ -61,10 +120,13 @@ impl Shape {
         finish: Option<&str>,
         usage: Option<Value>,
         first: bool,
+        lps: &[TokenLogprob],
+        offset: &mut usize,
     ) -> Value {
+        let logprobs = self.logprobs_json(lps, offset);
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Chat => {
                 let delta = if first {
@@ -74,7 +136,7 @@ impl Shape {
                 } else {
                     json!({"content": text})
                 };
-                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         let mut v = json!({
@@ -91,14 +153,15 @@ impl Shape {
     }
 
     pub(super) fn full(&self, c: &Completion) -> Value {
+        let logprobs = self.logprobs_json(&c.logprobs, &mut 0);
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": c.text, "logprobs": null, "finish_reason": finish_str(c.finish)})
+                json!({"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)})
             }
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_str(c.finish),
             }),
         };
@@ -121,7 +184,8 @@ impl Shape {
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                json!({"index": i, "text": c.text, "logprobs": null, "finish_reason": finish_str(c.finish)})
+                let logprobs = self.logprobs_json(&c.logprobs, &mut 0);
+                json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)})
             })
             .collect();
         let mut stats = crate::speculative::SpecStats::default();
@@ -175,6 +239,8 @@ pub(super) struct Part {
     guard: AbortGuard,
     first: bool,
     done: bool,
+    /// Characters of this choice's tokens so far (completions' text_offset).
+    offset: usize,
 }
 
 /// Server-sent events for one request, or for several prompts of one
@@ -199,6 +265,7 @@ impl SseStream {
                     guard,
                     first: true,
                     done: false,
+                    offset: 0,
                 })
                 .collect(),
             shape,
@@ -234,13 +301,17 @@ impl futures_core::Stream for SseStream {
                 }
                 match part.rx.poll_recv(cx) {
                     Poll::Pending => break,
-                    Poll::Ready(Some(Event::Tokens { text, .. })) => {
-                        if text.is_empty() && !part.first {
+                    Poll::Ready(Some(Event::Tokens { text, logprobs, .. })) => {
+                        if text.is_empty() && logprobs.is_empty() && !part.first {
                             continue;
                         }
                         let first = std::mem::replace(&mut part.first, false);
+                        let mut offset = part.offset;
                         self.next = (i + 1) % n;
-                        let v = self.shape.chunk(i, &text, None, None, first);
+                        let v =
+                            self.shape
+                                .chunk(i, &text, None, None, first, &logprobs, &mut offset);
+                        self.parts[i].offset = offset;
                         return self.frame(v);
                     }
                     Poll::Ready(Some(Event::Finished(c))) => {
@@ -254,6 +325,8 @@ impl futures_core::Stream for SseStream {
                             Some(finish_str(c.finish)),
                             Some(usage(&c)),
                             first,
+                            &[],
+                            &mut 0,
                         );
                         return self.frame(v);
                     }

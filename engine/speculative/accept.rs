@@ -47,6 +47,8 @@ pub struct Accepted {
     pub accepted: usize,
     /// Accepted drafts followed by the correction or bonus token.
     pub tokens: Vec<u32>,
+    /// One per token when the request asked for logprobs, else empty.
+    pub logprobs: Vec<super::TokenLogprob>,
 }
 
 /// Acceptance mass below this is treated as zero (p and q agree); the
@@ -331,6 +333,7 @@ pub fn accept_tree(
                 Accepted {
                     accepted: path.len(),
                     tokens,
+                    logprobs: Vec::new(),
                 },
                 path,
             ))
@@ -413,6 +416,8 @@ pub struct AcceptItem {
     /// Committed tokens (prompt and output) for penalties.
     pub context: Vec<u32>,
     pub prompt_len: usize,
+    /// Alternatives per token when the request asked for logprobs.
+    pub logprobs: Option<usize>,
 }
 
 /// The sample stage's struct: turns logits into accepted tokens with the
@@ -446,7 +451,7 @@ impl Acceptor {
             .rngs
             .entry(it.seq)
             .or_insert_with(|| Rng::new(it.params.seed));
-        accept_tree(
+        let (mut a, path) = accept_tree(
             &it.rows,
             self.vocab,
             &it.draft,
@@ -456,7 +461,22 @@ impl Acceptor {
             &it.params,
             rng,
             self.acceptance,
-        )
+        )?;
+        if let Some(k) = it.logprobs {
+            // Token i comes from the row of the node before it on the path
+            // (row 0: the root).
+            a.logprobs = a
+                .tokens
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| {
+                    let r = if i == 0 { 0 } else { path[i - 1] + 1 };
+                    let row = &it.rows[r * self.vocab..(r + 1) * self.vocab];
+                    super::TokenLogprob::of(row, t, k)
+                })
+                .collect();
+        }
+        Ok((a, path))
     }
 }
 
@@ -498,7 +518,8 @@ mod tests {
             a,
             Accepted {
                 accepted: 1,
-                tokens: vec![2, 1]
+                tokens: vec![2, 1],
+                logprobs: Vec::new(),
             }
         );
         let draft = Draft {
@@ -522,7 +543,8 @@ mod tests {
             a,
             Accepted {
                 accepted: 2,
-                tokens: vec![2, 1, 3]
+                tokens: vec![2, 1, 3],
+                logprobs: Vec::new(),
             }
         );
     }

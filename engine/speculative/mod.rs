@@ -45,7 +45,14 @@ pub struct Request {
     pub max_draft: Option<usize>,
     /// A/B arm this request belongs to (metrics label; default: the proposer).
     pub arm: Option<String>,
+    /// Report each generated token's log-probability under the target
+    /// model (its raw softmax, before the request's sampling transforms)
+    /// with this many most likely alternatives (at most `MAX_TOP_LOGPROBS`).
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives a request may ask for per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Request {
     /// Check the request against a context limit before any work is done
@@ -60,6 +67,11 @@ impl Request {
             return Err(SpecdError::InvalidRequest(
                 "max_tokens must be at least 1".into(),
             ));
+        }
+        if self.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return Err(SpecdError::InvalidRequest(format!(
+                "top_logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token"
+            )));
         }
         let needed = self.prompt.len() + self.max_tokens;
         if needed > max_seq_len {
@@ -81,6 +93,7 @@ impl Request {
             proposer: None,
             max_draft: None,
             arm: None,
+            logprobs: None,
         }
     }
 }
@@ -225,6 +238,45 @@ pub struct Completion {
     pub stats: SpecStats,
     /// Times the request was preempted (KV evicted, then recomputed).
     pub preemptions: u32,
+    /// One per generated token when the request asked for logprobs.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// A generated token's log-probability under the target model's raw
+/// softmax (before temperature, penalties, bias and truncation), with the
+/// most likely alternatives (descending, ties by id).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// Log-softmax of `row` at `token`, with the `top` best alternatives.
+    pub fn of(row: &[f32], token: u32, top: usize) -> Self {
+        let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let lse = f64::from(max) + sum.ln();
+        let lp = |t: u32| (f64::from(row[t as usize]) - lse) as f32;
+        let mut best: Vec<u32> = (0..row.len() as u32).collect();
+        let by = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+        let k = top.min(best.len());
+        if k > 0 && k < best.len() {
+            best.select_nth_unstable_by(k - 1, by);
+        }
+        best.truncate(k);
+        best.sort_unstable_by(by);
+        Self {
+            token,
+            logprob: if (token as usize) < row.len() {
+                lp(token)
+            } else {
+                f32::NEG_INFINITY
+            },
+            top: best.into_iter().map(|t| (t, lp(t))).collect(),
+        }
+    }
 }
 
 /// Streamed to a request's client.
@@ -235,6 +287,8 @@ pub enum Event {
     Tokens {
         ids: Vec<u32>,
         text: String,
+        /// One per id when the request asked for logprobs, else empty.
+        logprobs: Vec<TokenLogprob>,
     },
     Finished(Completion),
     /// The request failed; nothing more follows.

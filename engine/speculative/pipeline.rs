@@ -341,6 +341,7 @@ impl Step {
                     Vec::new()
                 },
                 prompt_len: sched.prompt_len(it.seq),
+                logprobs: view.logprobs,
             });
         }
         AcceptRequest {

@@ -90,6 +90,8 @@ pub struct Sequence {
     pub text: String,
     pub stats: SpecStats,
     pub preemptions: u32,
+    /// Log-probabilities of the generated tokens (when requested).
+    pub logprobs: Vec<super::TokenLogprob>,
     /// Running estimate of this sequence's per-draft acceptance rate.
     pub acceptance_ema: f64,
     /// Decode steps since the last draft (for probing when drafting paused).
@@ -154,6 +156,7 @@ impl Sequence {
 pub struct SeqContext<'a> {
     pub tokens: &'a [u32],
     pub params: &'a SamplingParams,
+    pub logprobs: Option<usize>,
 }
 
 /// What one planned sequence does this step.
@@ -318,6 +321,7 @@ impl Scheduler {
                 ..Default::default()
             },
             preemptions: 0,
+            logprobs: Vec::new(),
             acceptance_ema: 0.5,
             steps_without_draft: 0,
             proposer,
@@ -473,6 +477,7 @@ impl Scheduler {
                 prompt_tokens: 0,
                 stats: SpecStats::default(),
                 preemptions: 0,
+                logprobs: Vec::new(),
             };
         };
         Completion {
@@ -486,6 +491,7 @@ impl Scheduler {
                 ..s.stats.clone()
             },
             preemptions: s.preemptions,
+            logprobs: s.logprobs.clone(),
         }
     }
 
@@ -665,6 +671,7 @@ impl Scheduler {
         self.seqs.get(&id).map(|s| SeqContext {
             tokens: &s.tokens,
             params: &s.req.params,
+            logprobs: s.req.logprobs,
         })
     }
 
@@ -712,13 +719,17 @@ impl Scheduler {
             card.record_tree(r.drafted, r.depth, r.accepted.accepted);
             let mut new_ids = Vec::new();
             let mut new_text = String::new();
-            for &t in &r.accepted.tokens {
+            let mut new_lps = Vec::new();
+            for (i, &t) in r.accepted.tokens.iter().enumerate() {
                 if !s.req.ignore_eos && self.config.eos_token_ids.contains(&t) {
                     s.finish = Some(FinishReason::Stop);
                     break;
                 }
                 s.tokens.push(t);
                 new_ids.push(t);
+                if let Some(lp) = r.accepted.logprobs.get(i) {
+                    new_lps.push(lp.clone());
+                }
                 if let Some(tok) = &self.tokenizer {
                     let piece = s.detok.push(tok, t).unwrap_or_default();
                     let emit = s.stop.push(&piece);
@@ -755,9 +766,11 @@ impl Scheduler {
                 }
             }
             if !new_ids.is_empty() || !new_text.is_empty() {
+                s.logprobs.extend_from_slice(&new_lps);
                 s.send(Event::Tokens {
                     ids: new_ids.clone(),
                     text: new_text,
+                    logprobs: new_lps,
                 });
             }
             // Cache keeps [last, accepted drafts]; the newest token is fed
