@@ -449,3 +449,26 @@ fn out_of_tree_example_drafts_trees_through_the_abi_losslessly() {
         "a lossy residual went unnoticed: {bad}"
     );
 }
+
+/// A plugin built with `panic = "abort"` could take the daemon down with
+/// one panic (there is nothing for the host to catch): `export_proposer!`
+/// refuses to compile it, saying why.
+#[test]
+fn a_plugin_built_with_panic_abort_does_not_compile() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/panic-abort");
+    let target = common::target_dir().join("out-of-tree-panic-abort");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args(["build", "--release", "--offline", "--quiet"])
+        .current_dir(&dir)
+        .env("CARGO_TARGET_DIR", &target)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a panic = \"abort\" plugin compiled");
+    assert!(
+        stderr.contains("export_proposer!: this plugin is built with panic = \"abort\"")
+            && stderr.contains("panic = \"unwind\""),
+        "{stderr}"
+    );
+}

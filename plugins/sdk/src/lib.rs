@@ -387,6 +387,15 @@ pub mod ffi;
 #[macro_export]
 macro_rules! export_proposer {
     ($ty:ty) => {
+        // specd keeps a failing plugin from taking the daemon down by
+        // catching its panics at the C ABI boundary (the host then serves
+        // the plugin's sequences without speculation). Under
+        // `panic = "abort"` there is nothing to catch: one panic kills the
+        // whole process with every request in flight.
+        #[cfg(panic = "abort")]
+        ::core::compile_error!(
+            "export_proposer!: this plugin is built with panic = \"abort\". specd catches a plugin's panics at the C ABI boundary so that a failing plugin degrades to plain decoding; under panic = \"abort\" a panic would abort the daemon and every request in flight. Build plugins with panic = \"unwind\" (the default): remove `panic = \"abort\"` from the [profile.*] sections that build this crate."
+        );
         /// The plugin entry point.
         #[no_mangle]
         pub extern "C" fn specd_proposer_entry() -> *const $crate::abi::Descriptor {
