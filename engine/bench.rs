@@ -275,3 +275,47 @@ pub fn bench_sampling(
     }
     Ok(out)
 }
+
+/// Time to first token of a request whose `prefix` tokens nobody asked for
+/// before (cold) and of a second one sharing them (warm: the prefix cache
+/// holds its full blocks), through the engine, median over `reps` fresh
+/// prefixes. Returns (cold ms, warm ms).
+pub fn bench_prefix_cache(
+    model: &std::sync::Arc<Model>,
+    prefix: usize,
+    reps: usize,
+) -> Result<(f64, f64)> {
+    use crate::speculative::drafter::Drafter;
+    use crate::speculative::driver::{EngineConfig, SyncDriver};
+    use crate::speculative::Request;
+    let vocab = model.config.vocab_size;
+    let mut ec = EngineConfig::for_model(model);
+    ec.prefix_cache_blocks = ec.prefix_cache_blocks.max(prefix.div_ceil(64) * 2 + 8);
+    let mut d = SyncDriver::new(model.clone(), None, ec, Drafter::new());
+    let ttft = |d: &mut SyncDriver, prompt: Vec<u32>| -> Result<f64> {
+        let t = Instant::now();
+        d.add(
+            Request {
+                proposer: Some("none".into()),
+                ..Request::greedy(prompt, 1)
+            },
+            None,
+        )?;
+        d.run_to_completion()?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    // Warm up the kernels once.
+    ttft(&mut d, tokens(64, vocab, 99))?;
+    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    for rep in 0..reps.max(1) {
+        let shared = tokens(prefix, vocab, 1000 + rep as u64);
+        let with = |salt: u64| {
+            let mut p = shared.clone();
+            p.extend(tokens(16, vocab, salt));
+            p
+        };
+        cold.push(ttft(&mut d, with(2000 + rep as u64))?);
+        warm.push(ttft(&mut d, with(3000 + rep as u64))?);
+    }
+    Ok((median(cold), median(warm)))
+}

@@ -52,6 +52,10 @@ pub struct EngineSection {
     /// Verify cost of one extra drafted token relative to a one-token
     /// forward, for the adaptive policy (measure with `specd bench-model`).
     pub draft_cost: f64,
+    /// Reuse the KV blocks of prompt prefixes across requests.
+    pub prefix_cache: bool,
+    /// Most cached prefix blocks (0: a quarter of the KV budget).
+    pub prefix_cache_blocks: usize,
 }
 
 impl Default for EngineSection {
@@ -64,6 +68,8 @@ impl Default for EngineSection {
             default_proposer: "none".into(),
             adaptive_draft: true,
             draft_cost: 0.10,
+            prefix_cache: true,
+            prefix_cache_blocks: 0,
         }
     }
 }
@@ -552,6 +558,11 @@ impl Config {
         self.apply_engine(&mut ec.scheduler);
         ec.scheduler.max_waiting = self.server.max_queue;
         ec.kv_blocks = self.kv_blocks(model, ec.scheduler.max_running);
+        ec.prefix_cache_blocks = match (self.engine.prefix_cache, self.engine.prefix_cache_blocks) {
+            (false, _) => 0,
+            (true, 0) => (ec.kv_blocks / 4).max(1),
+            (true, n) => n,
+        };
         ec
     }
 

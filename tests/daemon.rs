@@ -1035,3 +1035,43 @@ fn logprobs_are_the_targets_whatever_the_proposer() {
         assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
     }
 }
+
+/// `[engine] prefix_cache`: a second chat sharing a long system prompt
+/// takes its blocks from the cache (the metrics say how much), and greedy
+/// answers are the same with the cache on and off.
+#[test]
+fn prefix_cache_serves_shared_system_prompts_with_identical_answers() {
+    let system = "You are a careful assistant. Keep answers short, use metric units, and say so when you do not know. "
+        .repeat(12);
+    let chat = |q: &str| {
+        json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+               "max_tokens": 12, "temperature": 0})
+    };
+    let answers = |d: &Daemon| -> Vec<String> {
+        ["What is 2 + 2?", "Name a planet.", "What is 2 + 2?"]
+            .iter()
+            .map(|q| {
+                let r = d.post("/v1/chat/completions", &chat(q));
+                assert_eq!(r.status, 200, "{}", r.body);
+                r.json()["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    let on = Daemon::start(CONFIG, &[]);
+    let with_cache = answers(&on);
+    let hit = on.metric("specd_prefix_cache_hit_tokens_total");
+    let query = on.metric("specd_prefix_cache_query_tokens_total");
+    eprintln!("prefix cache: {hit} of {query} prefill tokens");
+    assert!(hit >= 2.0 * 256.0 && hit < query, "{hit} of {query}");
+    assert!(on.metric("specd_prefix_cache_blocks") > 0.0);
+    let off = Daemon::start(
+        &CONFIG.replace("[engine]\n", "[engine]\nprefix_cache = false\n"),
+        &[],
+    );
+    assert_eq!(answers(&off), with_cache);
+    assert_eq!(off.metric("specd_prefix_cache_hit_tokens_total"), 0.0);
+    wait_kv_zero(&on);
+}

@@ -123,6 +123,9 @@ pub fn run(
         let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
         let mut ec = cfg.engine_config(&model);
         ec.scheduler.max_running = 1;
+        // Every arm prefills its prompt itself: the arms that run a prompt
+        // after the first would otherwise find it cached.
+        ec.prefix_cache_blocks = 0;
         Ok(SyncDriver::new(
             model.clone(),
             Some(tok.clone()),

@@ -39,6 +39,10 @@ pub struct BenchArgs {
     pub sample_tokens: usize,
     #[arg(long, default_value_t = 3)]
     pub sample_reps: usize,
+    /// Also time the first token of a request after another sharing a
+    /// prefix of this many tokens (prefix cache: cold vs warm).
+    #[arg(long)]
+    pub prefix_cache: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -49,16 +53,27 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let b = specd::bench::bench_model(
         &model, a.prefill, a.decode, a.context, &a.ks, &a.trees, a.reps,
     )?;
+    let model = std::sync::Arc::new(model);
+    let prefix = match a.prefix_cache {
+        Some(n) => Some(specd::bench::bench_prefix_cache(&model, n, 5)?),
+        None => None,
+    };
     let sampled = match a.temperature {
         Some(t) => Some(sampled_decode(&a, &path, model, t)?),
         None => None,
     };
     if a.json {
-        let v = serde_json::json!({"model": b, "sampled_decode": sampled});
+        let v = serde_json::json!({"model": b, "sampled_decode": sampled, "prefix_cache_ttft_ms": prefix});
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     print_model(&path, &b);
+    if let (Some((cold, warm)), Some(n)) = (prefix, a.prefix_cache) {
+        println!(
+            "time to first token, {n}-token shared prefix + 16 tokens (median of 5): cold {cold:.1} ms, warm {warm:.1} ms ({:.1}% of cold)",
+            100.0 * warm / cold
+        );
+    }
     if let Some(rows) = sampled {
         println!(
             "decode through the engine ({} tokens, median of {} runs, settings interleaved):",
@@ -88,11 +103,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn sampled_decode(
     a: &BenchArgs,
     path: &std::path::Path,
-    model: specd::model::Model,
+    model: std::sync::Arc<specd::model::Model>,
     temperature: f32,
 ) -> Result<Vec<specd::bench::SamplingBench>> {
     let cfg = super::load_config(&a.config)?;
-    let model = std::sync::Arc::new(model);
     let tok = specd::tokenizer::Tokenizer::for_model(path).ok();
     let text = "Write a Python function that returns the n-th Fibonacci number, then explain how it works step by step.";
     let prompt = match &tok {

@@ -17,6 +17,11 @@
 //!   invariance. `KvDtype::F32` keeps full precision (reference checks).
 //! - One released block is kept as a spare, so a verify that crosses a block
 //!   boundary and is rolled back does not allocate and zero a block per step.
+//! - Blocks are reference-counted so full blocks of a shared prefix can be
+//!   held by several caches and the prefix cache at once (`share_block`,
+//!   `push_shared`). Every write goes through copy-on-write: a cache never
+//!   changes a block another holder sees, and a rollback only drops its
+//!   references.
 
 use crate::error::{Result, SpecdError};
 use half::f16;
@@ -44,6 +49,18 @@ impl KvDtype {
 enum Block {
     F16(Box<[f16]>),
     F32(Box<[f32]>),
+}
+
+/// A full block held outside any cache (the prefix cache's entries).
+#[derive(Debug, Clone)]
+pub struct SharedBlock(std::sync::Arc<Block>);
+
+impl SharedBlock {
+    /// Holders of this block besides this handle's own reference
+    /// (caches, other handles).
+    pub fn other_holders(&self) -> usize {
+        std::sync::Arc::strong_count(&self.0) - 1
+    }
 }
 
 /// A borrowed run of cache entries.
@@ -112,8 +129,8 @@ impl KvLayout {
 #[derive(Debug, Clone)]
 pub struct KvCache {
     layout: KvLayout,
-    blocks: Vec<Block>,
-    spare: Option<Block>,
+    blocks: Vec<std::sync::Arc<Block>>,
+    spare: Option<std::sync::Arc<Block>>,
     len: usize,
     max_len: usize,
 }
@@ -163,13 +180,12 @@ impl KvCache {
         let blocks = self.layout.blocks_for(need);
         while self.blocks.len() < blocks {
             let n = self.layout.block_elems();
-            let block = self
-                .spare
-                .take()
-                .unwrap_or_else(|| match self.layout.dtype {
+            let block = self.spare.take().unwrap_or_else(|| {
+                std::sync::Arc::new(match self.layout.dtype {
                     KvDtype::F16 => Block::F16(vec![f16::ZERO; n].into_boxed_slice()),
                     KvDtype::F32 => Block::F32(vec![0f32; n].into_boxed_slice()),
-                });
+                })
+            });
             self.blocks.push(block);
         }
         Ok(())
@@ -189,10 +205,43 @@ impl KvCache {
         let keep = self.layout.blocks_for(self.len);
         while self.blocks.len() > keep {
             let b = self.blocks.pop();
-            if self.spare.is_none() {
+            // Only a block no one else holds can be reused in place.
+            if self.spare.is_none()
+                && b.as_ref()
+                    .is_some_and(|b| std::sync::Arc::strong_count(b) == 1)
+            {
                 self.spare = b;
             }
         }
+        Ok(())
+    }
+
+    /// Another reference to full block `b` (for the prefix cache).
+    pub fn share_block(&self, b: usize) -> Option<SharedBlock> {
+        (b < self.layout.blocks_for(self.len) && (b + 1) * self.layout.block_size <= self.len)
+            .then(|| SharedBlock(self.blocks[b].clone()))
+    }
+
+    /// Append a full block computed by another cache for the same tokens
+    /// at the same positions: `len` must sit on a block boundary, and
+    /// grows by one block.
+    pub fn push_shared(&mut self, block: &SharedBlock) -> Result<()> {
+        let bs = self.layout.block_size;
+        if !self.len.is_multiple_of(bs) || self.blocks.len() != self.len / bs {
+            return Err(SpecdError::InvalidRequest(format!(
+                "KV cache: a shared block can only follow whole blocks ({} positions in {} blocks)",
+                self.len,
+                self.blocks.len()
+            )));
+        }
+        if self.len + bs > self.max_len {
+            return Err(SpecdError::ContextOverflow {
+                needed: self.len + bs,
+                limit: self.max_len,
+            });
+        }
+        self.blocks.push(block.0.clone());
+        self.len += bs;
         Ok(())
     }
 
@@ -210,7 +259,7 @@ impl KvCache {
             let src = h * l.head_dim..(h + 1) * l.head_dim;
             let ko = l.offset(layer, 0, h);
             let vo = l.offset(layer, 1, h) + s * l.head_dim;
-            match &mut self.blocks[b] {
+            match std::sync::Arc::make_mut(&mut self.blocks[b]) {
                 Block::F16(block) => {
                     for (d, &kv) in k[src.clone()].iter().enumerate() {
                         block[ko + d * l.block_size + s] = f16::from_f32(kv);
@@ -274,7 +323,7 @@ impl KvCache {
             let (fb, fs) = (from / l.block_size, from % l.block_size);
             let (tb, ts) = (to / l.block_size, to % l.block_size);
             if fb == tb {
-                match &mut self.blocks[fb] {
+                match std::sync::Arc::make_mut(&mut self.blocks[fb]) {
                     Block::F16(b) => pairs(fs, ts).for_each(|(i, j)| b[j] = b[i]),
                     Block::F32(b) => pairs(fs, ts).for_each(|(i, j)| b[j] = b[i]),
                 }
@@ -282,7 +331,7 @@ impl KvCache {
             }
             // Sources lie at or after targets (nodes move down to their depth).
             let (lo, hi) = self.blocks.split_at_mut(fb);
-            match (&hi[0], &mut lo[tb]) {
+            match (&*hi[0], std::sync::Arc::make_mut(&mut lo[tb])) {
                 (Block::F16(src), Block::F16(dst)) => {
                     pairs(fs, ts).for_each(|(i, j)| dst[j] = src[i])
                 }
@@ -297,7 +346,7 @@ impl KvCache {
 
     fn run(&self, b: usize, o: usize) -> KvSlice<'_> {
         let n = self.layout.block_size * self.layout.head_dim;
-        match &self.blocks[b] {
+        match &*self.blocks[b] {
             Block::F16(x) => KvSlice::F16(&x[o..o + n]),
             Block::F32(x) => KvSlice::F32(&x[o..o + n]),
         }

@@ -17,7 +17,7 @@ pub mod load;
 pub mod tensor_file;
 
 pub use kernels::{QMatrix, WeightFormat};
-pub use kv::{KvCache, KvDtype, KvLayout};
+pub use kv::{KvCache, KvDtype, KvLayout, SharedBlock};
 pub use llama::{ForwardInput, ForwardOutput, Logits, Model, TreeMask};
 pub use load::load_model;
 

@@ -477,14 +477,19 @@ impl EngineHandle {
         let vocab = model.config.vocab_size;
         drafter.set_vocab(vocab);
         // Each SyncArbiter factory runs once (one thread per stage).
-        let verifier = std::sync::Mutex::new(Some(TargetRunner::new(model.clone())));
+        let prefix_blocks = config.prefix_cache_blocks;
+        let verifier = std::sync::Mutex::new(Some(
+            TargetRunner::new(model.clone()).with_prefix_cache(prefix_blocks),
+        ));
         let die_at = failpoint();
         let verify = SyncArbiter::start(1, move || VerifyActor {
             verifier: verifier
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .take()
-                .unwrap_or_else(|| TargetRunner::new(model.clone())),
+                .unwrap_or_else(|| {
+                    TargetRunner::new(model.clone()).with_prefix_cache(prefix_blocks)
+                }),
             die_at,
             calls: 0,
         });

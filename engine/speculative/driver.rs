@@ -22,6 +22,10 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Target KV budget in blocks of `block_size` tokens.
     pub kv_blocks: usize,
+    /// Most prompt blocks kept for reuse across requests (0: no prefix
+    /// cache). Blocks in use count against `kv_blocks` through their
+    /// sequences; idle cached blocks are memory beyond it.
+    pub prefix_cache_blocks: usize,
 }
 
 impl EngineConfig {
@@ -44,8 +48,10 @@ impl EngineConfig {
             eos_token_ids: model.config.eos_token_ids.clone(),
             ..Default::default()
         };
+        let kv_blocks = Self::kv_blocks_for(model, sched.max_running, 2048);
         Self {
-            kv_blocks: Self::kv_blocks_for(model, sched.max_running, 2048),
+            kv_blocks,
+            prefix_cache_blocks: kv_blocks / 4,
             scheduler: sched,
         }
     }
@@ -115,7 +121,7 @@ impl SyncDriver {
             scheduler: Scheduler::new(config.scheduler, tokenizer),
             kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
             drafter,
-            verifier: TargetRunner::new(model),
+            verifier: TargetRunner::new(model).with_prefix_cache(config.prefix_cache_blocks),
             sampler: Acceptor::new(vocab),
         }
     }

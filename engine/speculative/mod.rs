@@ -20,6 +20,7 @@ pub mod driver;
 pub mod kv_manager;
 pub mod pipeline;
 pub mod policy;
+pub mod prefix_cache;
 pub mod proposer;
 pub mod runner;
 pub mod scheduler;

@@ -8,12 +8,34 @@
 //!   sequence (an error, never a silent mismatch).
 //! - A forward error fails every item of the forward, and no cache has
 //!   advanced.
+//! - With a prefix cache, a prefill chunk first takes the cached full
+//!   blocks that follow its sequence's prefix (exact token match) and the
+//!   forward computes only the rest; the chunk's full blocks are then
+//!   offered to the cache. Only chunks that want no logits and no hidden
+//!   states take part (a proposer fed hidden states must see every
+//!   position computed), and a sequence stops taking part at its first
+//!   other step. The KV of a position is the same bits however it was
+//!   batched, so outputs do not depend on hits.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::prefix_cache::PrefixCache;
 use super::SeqId;
 use crate::model::{ForwardInput, KvCache, Logits, Model, TreeMask};
+
+/// A sequence's walk along the prefix cache.
+#[derive(Debug, Default)]
+struct Chain {
+    /// Id of the entry for the last full block walked (0: none yet).
+    parent: u64,
+    /// Full blocks walked (cached or inserted).
+    blocks: usize,
+    /// Tokens of the block being filled.
+    partial: Vec<u32>,
+    /// Whether the sequence still takes part (prefill chunks only).
+    live: bool,
+}
 
 /// One sequence's share of a verify forward.
 #[derive(Debug, Clone)]
@@ -55,6 +77,11 @@ pub struct VerifyResponse {
 pub struct TargetRunner {
     model: Arc<Model>,
     caches: HashMap<SeqId, KvCache>,
+    prefix: Option<PrefixCache>,
+    chains: HashMap<SeqId, Chain>,
+    /// Prefill tokens that could use the prefix cache, and those it covered.
+    prefix_query: u64,
+    prefix_hit: u64,
 }
 
 impl TargetRunner {
@@ -62,7 +89,28 @@ impl TargetRunner {
         Self {
             model,
             caches: HashMap::new(),
+            prefix: None,
+            chains: HashMap::new(),
+            prefix_query: 0,
+            prefix_hit: 0,
         }
+    }
+
+    /// Reuse prompt blocks across sequences, keeping at most `blocks`
+    /// cached blocks (0: no prefix cache).
+    pub fn with_prefix_cache(mut self, blocks: usize) -> Self {
+        self.prefix = (blocks > 0).then(|| PrefixCache::new(blocks));
+        self
+    }
+
+    /// Blocks in the prefix cache (in use or idle).
+    pub fn prefix_cached_blocks(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixCache::len)
+    }
+
+    /// (prefill tokens that looked in the prefix cache, tokens it covered).
+    pub fn prefix_stats(&self) -> (u64, u64) {
+        (self.prefix_query, self.prefix_hit)
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -73,6 +121,11 @@ impl TargetRunner {
     pub fn release(&mut self, ids: &[SeqId]) {
         for id in ids {
             self.caches.remove(id);
+            self.chains.remove(id);
+        }
+        if let Some(p) = &mut self.prefix {
+            p.trim();
+            metrics::gauge!("specd_prefix_cache_blocks").set(p.len() as f64);
         }
     }
 
@@ -124,26 +177,66 @@ impl TargetRunner {
             }
             run.push(it);
         }
-        // Take the caches out so the forward can borrow them mutably at once.
-        let mut taken: Vec<(SeqId, KvCache)> = run
+        // Prefix cache: cached blocks instead of computing them.
+        let skips: Vec<usize> = run.iter().map(|it| self.take_cached(it)).collect();
+        // Take the caches out so the forward can borrow them mutably at once
+        // (items the cache covered entirely need no forward).
+        let fwd: Vec<(&VerifyItem, usize)> = run
             .iter()
-            .filter_map(|it| self.caches.remove(&it.seq).map(|c| (it.seq, c)))
+            .zip(&skips)
+            .filter(|(it, &k)| k < it.tokens.len())
+            .map(|(it, &k)| (*it, k))
+            .collect();
+        let mut taken: Vec<(SeqId, KvCache)> = fwd
+            .iter()
+            .filter_map(|(it, _)| self.caches.remove(&it.seq).map(|c| (it.seq, c)))
             .collect();
         let result = {
             let mut inputs: Vec<ForwardInput<'_>> = taken
                 .iter_mut()
-                .zip(&run)
-                .map(|((_, c), it)| ForwardInput {
+                .zip(&fwd)
+                .map(|((_, c), (it, k))| ForwardInput {
                     cache: c,
-                    tokens: &it.tokens,
+                    tokens: &it.tokens[*k..],
                     logits: it.logits,
                     tree: it.tree.as_ref(),
                 })
                 .collect();
-            self.model.forward(&mut inputs, &layers)
+            if inputs.is_empty() {
+                Ok(Vec::new())
+            } else {
+                self.model.forward(&mut inputs, &layers)
+            }
         };
         for (id, c) in taken {
             self.caches.insert(id, c);
+        }
+        let result = result.map(|outs| {
+            let mut outs = outs.into_iter();
+            run.iter()
+                .zip(&skips)
+                .map(|(it, &k)| {
+                    if k < it.tokens.len() {
+                        outs.next().unwrap_or_default()
+                    } else {
+                        crate::model::ForwardOutput::default()
+                    }
+                })
+                .collect::<Vec<_>>()
+        });
+        match &result {
+            Ok(_) => {
+                for (it, &k) in run.iter().zip(&skips) {
+                    self.offer_blocks(it, k);
+                }
+            }
+            Err(_) => {
+                for it in &run {
+                    if let Some(ch) = self.chains.get_mut(&it.seq) {
+                        ch.live = false;
+                    }
+                }
+            }
         }
         match result {
             Ok(outs) => {
@@ -177,5 +270,91 @@ impl TargetRunner {
             }
         }
         resp
+    }
+
+    /// Whether `it` may use the prefix cache: a prefill chunk of a
+    /// sequence that has done nothing else.
+    fn chain_for(&mut self, it: &VerifyItem) -> Option<&mut Chain> {
+        self.prefix.as_ref()?;
+        let eligible = it.logits == Logits::None
+            && it.hidden_layers.is_empty()
+            && it.tree.is_none()
+            && it.moves.is_empty();
+        let ch = self.chains.entry(it.seq).or_default();
+        if it.cache_len == 0 {
+            // A fresh start (or a recompute after preemption).
+            *ch = Chain {
+                live: true,
+                ..Chain::default()
+            };
+        }
+        if !eligible {
+            ch.live = false;
+        }
+        ch.live.then_some(ch)
+    }
+
+    /// Put the cached blocks that continue `it`'s prefix into its cache;
+    /// returns how many of its tokens they cover.
+    fn take_cached(&mut self, it: &VerifyItem) -> usize {
+        let bs = crate::model::DEFAULT_BLOCK_SIZE;
+        let Some(ch) = self.chain_for(it) else {
+            return 0;
+        };
+        if !ch.partial.is_empty() || ch.blocks * bs != it.cache_len {
+            return 0;
+        }
+        let (mut parent, mut blocks) = (ch.parent, ch.blocks);
+        let (Some(prefix), Some(c)) = (self.prefix.as_mut(), self.caches.get_mut(&it.seq)) else {
+            return 0;
+        };
+        if c.len() != it.cache_len {
+            return 0;
+        }
+        let mut skip = 0;
+        while skip + bs <= it.tokens.len() {
+            let Some((id, block)) = prefix.lookup(parent, &it.tokens[skip..skip + bs]) else {
+                break;
+            };
+            if c.push_shared(&block).is_err() {
+                break;
+            }
+            parent = id;
+            blocks += 1;
+            skip += bs;
+        }
+        metrics::counter!("specd_prefix_cache_query_tokens_total")
+            .increment(it.tokens.len() as u64);
+        metrics::counter!("specd_prefix_cache_hit_tokens_total").increment(skip as u64);
+        self.prefix_query += it.tokens.len() as u64;
+        self.prefix_hit += skip as u64;
+        if let Some(ch) = self.chains.get_mut(&it.seq) {
+            ch.parent = parent;
+            ch.blocks = blocks;
+        }
+        skip
+    }
+
+    /// After a successful forward: offer `it`'s newly completed full
+    /// blocks (its tokens past the `skip` cached ones) to the prefix cache.
+    fn offer_blocks(&mut self, it: &VerifyItem, skip: usize) {
+        let bs = crate::model::DEFAULT_BLOCK_SIZE;
+        let Some(ch) = self.chains.get_mut(&it.seq).filter(|c| c.live) else {
+            return;
+        };
+        let (Some(prefix), Some(c)) = (self.prefix.as_mut(), self.caches.get(&it.seq)) else {
+            return;
+        };
+        ch.partial.extend_from_slice(&it.tokens[skip..]);
+        while ch.partial.len() >= bs {
+            let Some(block) = c.share_block(ch.blocks) else {
+                ch.live = false;
+                return;
+            };
+            let tokens: Vec<u32> = ch.partial.drain(..bs).collect();
+            ch.parent = prefix.insert(ch.parent, tokens, block);
+            ch.blocks += 1;
+        }
+        metrics::gauge!("specd_prefix_cache_blocks").set(prefix.len() as f64);
     }
 }

@@ -1,0 +1,190 @@
+//! `PrefixCache`: full KV blocks of prompts already computed, found again
+//! by the tokens that produced them, so a request sharing a prefix (a
+//! system prompt, few-shot examples, chat history) skips its prefill.
+//!
+//! An entry is keyed by its parent entry's id (0: the start of a prompt)
+//! and the exact tokens of its block, so a hit means the same tokens at the
+//! same positions after the same prefix: exact, no hash collisions. The
+//! runner walks a prompt block by block from the start.
+//!
+//! Invariants:
+//! - Only full blocks of committed prompt positions are inserted; they are
+//!   never written again (writes are copy-on-write, see `model::kv`), so a
+//!   speculative rollback or a diverging sequence never changes what
+//!   another holder reads.
+//! - Beyond `capacity` entries, the least recently used entries that no
+//!   cache holds are evicted; an entry in use is never evicted. An evicted
+//!   parent leaves its descendants unreachable; they are evicted in turn
+//!   as they age.
+
+use std::collections::HashMap;
+
+use crate::model::SharedBlock;
+
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    block: SharedBlock,
+    used: u64,
+}
+
+#[derive(Debug)]
+pub struct PrefixCache {
+    capacity: usize,
+    map: HashMap<(u64, Vec<u32>), Entry>,
+    next_id: u64,
+    tick: u64,
+}
+
+impl PrefixCache {
+    /// A cache of at most `capacity` blocks (beyond those in use).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            map: HashMap::new(),
+            next_id: 1,
+            tick: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// The block that follows entry `parent` with exactly `tokens`, and its
+    /// id (the parent of the next block).
+    pub fn lookup(&mut self, parent: u64, tokens: &[u32]) -> Option<(u64, SharedBlock)> {
+        self.tick += 1;
+        let tick = self.tick;
+        let e = self.map.get_mut(&(parent, tokens.to_vec()))?;
+        e.used = tick;
+        Some((e.id, e.block.clone()))
+    }
+
+    /// Remember `block` as the one after `parent` with `tokens`; returns
+    /// its id (the existing entry's if one is there already).
+    pub fn insert(&mut self, parent: u64, tokens: Vec<u32>, block: SharedBlock) -> u64 {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(e) = self.map.get_mut(&(parent, tokens.clone())) {
+            e.used = tick;
+            return e.id;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.map.insert(
+            (parent, tokens),
+            Entry {
+                id,
+                block,
+                used: tick,
+            },
+        );
+        if self.map.len() > self.capacity {
+            self.evict();
+        }
+        id
+    }
+
+    /// Back within capacity if blocks that were in use (and so could not
+    /// be evicted) have been released since.
+    pub fn trim(&mut self) {
+        if self.map.len() > self.capacity {
+            self.evict();
+        }
+    }
+
+    /// Drop least recently used entries no cache holds until the cache is
+    /// back to 7/8 of its capacity (or nothing more can go).
+    fn evict(&mut self) {
+        let target = self.capacity - self.capacity / 8;
+        let mut free: Vec<(u64, (u64, Vec<u32>))> = self
+            .map
+            .iter()
+            .filter(|(_, e)| e.block.other_holders() == 0)
+            .map(|(k, e)| (e.used, k.clone()))
+            .collect();
+        free.sort_unstable_by_key(|(used, _)| *used);
+        for (_, k) in free {
+            if self.map.len() <= target {
+                break;
+            }
+            self.map.remove(&k);
+        }
+    }
+
+    /// Entries no cache holds (memory the prefix cache alone keeps).
+    pub fn idle(&self) -> usize {
+        self.map
+            .values()
+            .filter(|e| e.block.other_holders() == 0)
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{KvCache, KvDtype, KvLayout};
+
+    fn cache_with_blocks(n: usize) -> KvCache {
+        let layout = KvLayout {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            block_size: 2,
+            dtype: KvDtype::F32,
+        };
+        let mut c = KvCache::new(layout, 64);
+        c.reserve(2 * n).unwrap();
+        c.advance(2 * n);
+        c
+    }
+
+    #[test]
+    fn hits_need_the_same_parent_and_tokens() {
+        let c = cache_with_blocks(2);
+        let mut p = PrefixCache::new(8);
+        let a = p.insert(0, vec![1, 2], c.share_block(0).unwrap());
+        let b = p.insert(a, vec![3, 4], c.share_block(1).unwrap());
+        assert_eq!(p.lookup(0, &[1, 2]).map(|x| x.0), Some(a));
+        assert_eq!(p.lookup(a, &[3, 4]).map(|x| x.0), Some(b));
+        // Same tokens after another prefix, or other tokens: misses.
+        assert!(p.lookup(0, &[3, 4]).is_none());
+        assert!(p.lookup(a, &[3, 5]).is_none());
+        // Inserting the same block again keeps one entry.
+        assert_eq!(p.insert(0, vec![1, 2], c.share_block(0).unwrap()), a);
+        assert_eq!(p.len(), 2);
+    }
+
+    #[test]
+    fn eviction_takes_the_least_recently_used_idle_entries_only() {
+        let mut p = PrefixCache::new(4);
+        let held = cache_with_blocks(1);
+        let mut ids = Vec::new();
+        // Entry 0 is still held by a cache; the others only by the prefix
+        // cache (their caches are gone).
+        ids.push(p.insert(0, vec![0, 0], held.share_block(0).unwrap()));
+        for t in 1..4u32 {
+            let c = cache_with_blocks(1);
+            ids.push(p.insert(0, vec![t, t], c.share_block(0).unwrap()));
+        }
+        assert_eq!((p.len(), p.idle()), (4, 3));
+        // Touch entry 1 so entry 2 is the least recently used idle one.
+        assert!(p.lookup(0, &[1, 1]).is_some());
+        let c = cache_with_blocks(1);
+        p.insert(0, vec![9, 9], c.share_block(0).unwrap());
+        drop(c);
+        // Over capacity: down to 7/8 of 4 = 4 (rounded up): one eviction.
+        assert_eq!(p.len(), 4);
+        assert!(p.lookup(0, &[2, 2]).is_none(), "the LRU idle entry went");
+        assert!(p.lookup(0, &[0, 0]).is_some(), "an entry in use stays");
+        assert!(p.lookup(0, &[1, 1]).is_some());
+        drop(held);
+        assert_eq!(p.idle(), 4);
+    }
+}

@@ -1,0 +1,149 @@
+//! Automatic prefix caching: requests sharing a prompt prefix reuse its KV
+//! blocks, and nothing they produce depends on it.
+
+mod common;
+
+use std::sync::Arc;
+
+use specd::config::Config;
+use specd::model::{load_model, Model};
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::{Completion, Request};
+use specd::tokenizer::{ChatMessage, Tokenizer};
+
+fn engine(
+    model: &Arc<Model>,
+    tok: &Arc<Tokenizer>,
+    prefix_blocks: usize,
+    running: usize,
+) -> SyncDriver {
+    let drafter = Config::builtin()
+        .build_drafter(model, Some(tok.clone()))
+        .unwrap();
+    let mut ec = EngineConfig::for_model(model);
+    ec.scheduler.max_running = running;
+    ec.scheduler.max_waiting = usize::MAX;
+    ec.prefix_cache_blocks = prefix_blocks;
+    SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter)
+}
+
+fn run_all(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
+    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
+    let mut done = e.run_to_completion().unwrap();
+    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+    done
+}
+
+/// A chat with a long shared system prompt and its own question.
+fn chat(tok: &Tokenizer, system: &str, question: &str) -> Vec<u32> {
+    let msgs = [
+        ChatMessage {
+            role: "system".into(),
+            content: system.into(),
+        },
+        ChatMessage::user(question),
+    ];
+    tok.encode_chat(&msgs, true, false).unwrap()
+}
+
+fn system_prompt() -> String {
+    let rules = [
+        "Answer in plain English and keep every answer short.",
+        "When a question is about code, reply with a Python function and one sentence about it.",
+        "Never invent facts; say that you do not know when you do not know.",
+        "Use metric units, ISO dates and the 24-hour clock.",
+        "Prefer lists over long paragraphs when listing more than two things.",
+    ];
+    let mut s = String::from("You are a careful assistant for a small engineering team.\n");
+    for round in 0..4 {
+        for (i, r) in rules.iter().enumerate() {
+            s.push_str(&format!("Rule {}.{}: {r}\n", round + 1, i + 1));
+        }
+    }
+    s
+}
+
+/// Greedy outputs are the same with the prefix cache on and off, for plain
+/// and speculative decoding, sequentially and in one batch; later requests
+/// find the shared prefix cached, and the cached blocks stay intact while
+/// sequences that hold them roll back rejected drafts.
+#[test]
+fn outputs_do_not_depend_on_the_prefix_cache() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let system = system_prompt();
+    let questions = [
+        "What is a hash map?",
+        "Write a function that reverses a list.",
+        "How far is 10 miles in kilometres?",
+        "List three prime numbers.",
+    ];
+    let prompts: Vec<Vec<u32>> = questions.iter().map(|q| chat(&tok, &system, q)).collect();
+    assert!(
+        prompts[0].len() > 4 * 64,
+        "the shared prefix spans several blocks"
+    );
+    let reqs = |proposer: &str| -> Vec<Request> {
+        prompts
+            .iter()
+            .map(|p| Request {
+                proposer: Some(proposer.to_string()),
+                ..Request::greedy(p.clone(), 24)
+            })
+            .collect()
+    };
+    let mut cold = engine(&model, &tok, 0, 4);
+    let want = run_all(&mut cold, reqs("none"));
+    assert_eq!(cold.verifier.prefix_stats(), (0, 0));
+
+    // One request at a time: every request after the first hits.
+    let mut warm = engine(&model, &tok, 64, 4);
+    for (i, r) in reqs("none").into_iter().enumerate() {
+        let got = run_all(&mut warm, vec![r]);
+        assert_eq!(got[0].tokens, want[i].tokens, "request {i}");
+    }
+    let (query, hit) = warm.verifier.prefix_stats();
+    let shared = (prompts[0].len() - 16) / 64 * 64;
+    eprintln!("sequential: {hit} of {query} prefill tokens from the cache");
+    assert!(hit >= 3 * shared as u64 - 3 * 64, "{hit} {query}");
+    // Speculative decoding over cached blocks: rollbacks of rejected
+    // drafts never touch them (the next plain request still matches).
+    for proposer in ["ngram", "suffix"] {
+        let got = run_all(&mut warm, reqs(proposer));
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.tokens, w.tokens, "{proposer}");
+        }
+    }
+    let again = run_all(&mut warm, reqs("none"));
+    for (g, w) in again.iter().zip(&want) {
+        assert_eq!(g.tokens, w.tokens, "after speculative requests");
+    }
+    // Everything finished: only the cache holds blocks, within its budget.
+    assert!(warm.verifier.prefix_cached_blocks() <= 64);
+    assert_eq!(warm.verifier.num_caches(), 0);
+}
+
+/// A cache of two blocks under prompts of several: least recently used
+/// blocks are evicted, nothing breaks, outputs stay the same.
+#[test]
+fn eviction_under_a_small_budget_keeps_outputs() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let system = system_prompt();
+    let prompts: Vec<Vec<u32>> = ["Name a colour.", "Name a fruit.", "Name a planet."]
+        .iter()
+        .map(|q| chat(&tok, &format!("{q} {system}"), q))
+        .collect();
+    let mut cold = engine(&model, &tok, 0, 1);
+    let mut tiny = engine(&model, &tok, 2, 1);
+    for round in 0..2 {
+        for p in &prompts {
+            let want = run_all(&mut cold, vec![Request::greedy(p.clone(), 12)]);
+            let got = run_all(&mut tiny, vec![Request::greedy(p.clone(), 12)]);
+            assert_eq!(got[0].tokens, want[0].tokens, "round {round}");
+            assert!(tiny.verifier.prefix_cached_blocks() <= 2);
+        }
+    }
+}
