@@ -172,7 +172,11 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             400,
             "max_tokens",
         ),
-        (json!({"prompt": "x", "n": 2}).to_string(), 400, "n = 1"),
+        (
+            json!({"prompt": "x", "n": 99}).to_string(),
+            400,
+            "`n` must be from 1 to 16",
+        ),
         (json!({"prompt": "x", "stop": 7}).to_string(), 400, "stop"),
         (
             json!({"prompt": "x", "stream": "yes"}).to_string(),
@@ -1074,4 +1078,78 @@ fn prefix_cache_serves_shared_system_prompts_with_identical_answers() {
     assert_eq!(answers(&off), with_cache);
     assert_eq!(off.metric("specd_prefix_cache_hit_tokens_total"), 0.0);
     wait_kv_zero(&on);
+}
+
+/// `n` choices per prompt: seeded streams derived from the request seed
+/// (choice 0 is the n = 1 answer), reproducible, in order, streamed too,
+/// with prompt tokens counted once per prompt.
+#[test]
+fn n_choices_are_seeded_reproducible_and_ordered() {
+    let d = Daemon::start(CONFIG, &[]);
+    let chat = |n: u64, t: f64, stream: bool| {
+        json!({"messages": [{"role": "user", "content": "Name an animal."}],
+               "max_tokens": 8, "temperature": t, "seed": 5, "n": n, "stream": stream})
+    };
+    let texts = |v: &serde_json::Value| -> Vec<String> {
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i);
+                c["message"]["content"].as_str().unwrap().to_string()
+            })
+            .collect()
+    };
+    let one = d.post("/v1/chat/completions", &chat(1, 1.0, false)).json();
+    let r = d.post("/v1/chat/completions", &chat(3, 1.0, false));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let three = r.json();
+    let got = texts(&three);
+    assert_eq!(got.len(), 3);
+    assert_eq!(got[0], texts(&one)[0], "choice 0 is the n = 1 answer");
+    assert_eq!(
+        three["usage"]["prompt_tokens"],
+        one["usage"]["prompt_tokens"]
+    );
+    let again = d.post("/v1/chat/completions", &chat(3, 1.0, false)).json();
+    assert_eq!(texts(&again), got, "a seeded request reproduces");
+    assert!(
+        got[1] != got[0] || got[2] != got[0],
+        "choices draw different streams: {got:?}"
+    );
+    // Greedy choices are all the greedy answer.
+    let g = texts(&d.post("/v1/chat/completions", &chat(3, 0.0, false)).json());
+    assert!(g.iter().all(|t| t == &g[0]));
+    // Streamed: chunks carry their choice's index.
+    let r = d.post("/v1/chat/completions", &chat(3, 1.0, true));
+    let mut streamed = vec![String::new(); 3];
+    for ev in r.sse() {
+        let c = &ev["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        streamed[i].push_str(c["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(streamed, got);
+    // Completions: two prompts x two choices, prompt-major.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": ["The sky is", "Water is"], "max_tokens": 6, "temperature": 0, "n": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let c: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(c.len(), 4);
+    assert_eq!((c[0], c[2]), (c[1], c[3]));
+    for bad in [0, 17] {
+        let r = d.post("/v1/chat/completions", &chat(bad, 1.0, false));
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], "n");
+    }
+    wait_kv_zero(&d);
 }

@@ -127,6 +127,18 @@ biased = client.completions.create(
 assert len(set(biased.choices[0].logprobs.tokens)) == 1, biased.choices[0].logprobs.tokens
 print("logit_bias:", repr(biased.choices[0].text))
 
+# n choices: seeded, reproducible, choice 0 is the n = 1 answer.
+def animals(n):
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name an animal."}],
+        max_tokens=8, temperature=1.0, seed=5, n=n,
+    )
+    return [c.message.content for c in r.choices]
+
+three = animals(3)
+assert len(three) == 3 and three == animals(3) and three[0] == animals(1)[0], three
+print("n=3:", three)
+
 # What specd does not implement is refused by name, never ignored.
 for field, kwargs in [
     ("response_format", {"response_format": {"type": "json_object"}}),

@@ -147,3 +147,58 @@ fn eviction_under_a_small_budget_keeps_outputs() {
         }
     }
 }
+
+/// `n > 1`: later choices start from a copy-on-write copy of the first
+/// choice's prompt KV (no second prefill), and give exactly what they give
+/// when they prefill on their own, greedy and sampled, plain and ngram.
+#[test]
+fn forked_choices_share_the_prompt_and_decode_as_if_alone() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let prompt = chat(&tok, &system_prompt(), "Write a haiku about rivers.");
+    let n = 20;
+    let choices = |fork: bool, proposer: &str, e: &mut SyncDriver| -> Vec<Vec<u32>> {
+        let mut ids = Vec::new();
+        for i in 0..3u64 {
+            let req = Request {
+                proposer: Some(proposer.into()),
+                params: specd::sampler::SamplingParams {
+                    temperature: if i == 0 { 0.0 } else { 0.8 },
+                    seed: 7 + i,
+                    ..Default::default()
+                },
+                fork_of: if fork && i > 0 {
+                    ids.first().copied()
+                } else {
+                    None
+                },
+                ..Request::greedy(prompt.clone(), n)
+            };
+            ids.push(e.add(req, None).unwrap());
+        }
+        let mut done = e.run_to_completion().unwrap();
+        done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+        done.into_iter().map(|c| c.tokens).collect()
+    };
+    for proposer in ["none", "ngram"] {
+        let mut alone = engine(&model, &tok, 0, 4);
+        let want = choices(false, proposer, &mut alone);
+        let mut forked = engine(&model, &tok, 0, 4);
+        let got = choices(true, proposer, &mut forked);
+        assert_eq!(got, want, "{proposer}");
+        let saved = alone.verifier.forwarded_tokens() - forked.verifier.forwarded_tokens();
+        eprintln!(
+            "{proposer}: {} tokens forwarded alone, {} forked",
+            alone.verifier.forwarded_tokens(),
+            forked.verifier.forwarded_tokens()
+        );
+        if proposer == "none" {
+            // Exactly the two prompts the forks did not prefill.
+            assert_eq!(saved, 2 * (prompt.len() as u64 - 1));
+        } else {
+            assert!(saved >= 2 * (prompt.len() as u64 - 1) - 2 * n as u64);
+        }
+        assert_eq!(forked.verifier.num_caches(), 0);
+    }
+}

@@ -188,6 +188,7 @@ pub fn run(
                     max_draft: arm.max_draft,
                     arm: Some(arm.name.clone()),
                     logprobs: None,
+                    fork_of: None,
                 };
                 let (mut r, toks) = run_one(&mut engine, req, max_batch_tokens)?;
                 r.prompt_id = p.id.clone();

@@ -228,6 +228,7 @@ fn run_batch(
                 max_draft: Some(a.max_draft),
                 arm: None,
                 logprobs: None,
+                fork_of: None,
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }

@@ -500,7 +500,12 @@ pub fn chat_messages(b: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
 pub struct Parsed {
     pub req: Request,
     pub stream: bool,
+    /// Choices to generate for the prompt (`n`).
+    pub n: usize,
 }
+
+/// Most choices per prompt (`n`).
+pub const MAX_N: usize = 16;
 
 fn rand_seed() -> u64 {
     let t = SystemTime::now()
@@ -530,9 +535,16 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         }
     }
     unimplemented_fields(&c)?;
-    if c.n.is_some_and(|n| n.0 != 1) {
-        return Err(ApiError::bad_field("n", "only n = 1 is supported"));
-    }
+    let n = match c.n {
+        None => 1,
+        Some(UInt(k)) if (1..=MAX_N as u64).contains(&k) => k as usize,
+        Some(UInt(k)) => {
+            return Err(ApiError::bad_field(
+                "n",
+                format!("`n` must be from 1 to {MAX_N}, got {k}"),
+            ))
+        }
+    };
     if c.best_of.is_some_and(|n| n.0 != 1) {
         return Err(ApiError::bad_field(
             "best_of",
@@ -636,8 +648,10 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             max_draft: spec.max_draft.map(|m| m.0 as usize),
             arm,
             logprobs,
+            fork_of: None,
         },
         stream: c.stream.is_some_and(|s| s.0),
+        n,
     })
 }
 

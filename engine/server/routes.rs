@@ -112,36 +112,64 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
         .iter()
         .map(|p| requests::validate(common.clone(), &st, requests::encode(&st, p)?))
         .collect::<Result<Vec<Parsed>, ApiError>>()?;
-    if parsed.len() == 1 {
+    if parsed.len() == 1 && parsed[0].n == 1 {
         let p = parsed.into_iter().next().expect("one prompt");
         return run_request(&st, p, Kind::Completion).await;
     }
-    run_batch(&st, parsed).await
+    run_choices(&st, parsed, Kind::Completion).await
 }
 
-/// Several prompts, each its own sequence (scheduled together), answered
-/// as one choice per prompt in order. If any submission is refused, the
-/// ones already submitted are aborted (their guards drop).
-async fn run_batch(st: &State, parsed: Vec<Parsed>) -> Result<HttpResponse, ApiError> {
+/// Seed of choice `j` of a request seeded `seed` (choice 0 keeps it, so
+/// `n = 1` is unchanged; every choice reproduces with the request seed).
+fn choice_seed(seed: u64, j: usize) -> u64 {
+    seed ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Several choices: `n` per prompt, for one or more prompts, each its own
+/// sequence (scheduled together; a prompt's later choices start from its
+/// first choice's prompt KV), answered in order: choice `i * n + j` is
+/// prompt i's choice j. If any submission is refused, the ones already
+/// submitted are aborted (their guards drop).
+async fn run_choices(
+    st: &State,
+    parsed: Vec<Parsed>,
+    kind: Kind,
+) -> Result<HttpResponse, ApiError> {
     let stream = parsed[0].stream;
     let logprobs = parsed[0].req.logprobs.is_some();
-    let mut parts = Vec::with_capacity(parsed.len());
+    let n = parsed[0].n.max(1);
+    let mut parts = Vec::with_capacity(parsed.len() * n);
     let mut first_id = None;
     for p in parsed {
-        let (id, rx) = st.engine.submit(p.req).await.map_err(ApiError::from)?;
-        first_id.get_or_insert(id);
-        parts.push((
-            rx,
-            AbortGuard {
-                engine: st.engine.clone(),
-                id,
-                armed: true,
-            },
-        ));
+        let mut first_of_prompt = None;
+        for j in 0..n {
+            let mut r = p.req.clone();
+            r.params.seed = choice_seed(p.req.params.seed, j);
+            r.fork_of = first_of_prompt;
+            let (id, rx) = st.engine.submit(r).await.map_err(ApiError::from)?;
+            first_id.get_or_insert(id);
+            first_of_prompt.get_or_insert(id);
+            parts.push((
+                rx,
+                AbortGuard {
+                    engine: st.engine.clone(),
+                    id,
+                    armed: true,
+                },
+            ));
+        }
     }
     let shape = Shape {
-        kind: Kind::Completion,
-        id: format!("cmpl-{}", first_id.unwrap_or(0)),
+        kind,
+        id: format!(
+            "{}-{}",
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            },
+            first_id.unwrap_or(0)
+        ),
         created: now(),
         model: st.model_name.clone(),
         tokenizer: st.tokenizer.clone(),
@@ -178,7 +206,7 @@ async fn run_batch(st: &State, parsed: Vec<Parsed>) -> Result<HttpResponse, ApiE
             }
         }
     }
-    Ok(HttpResponse::Ok().json(shape.full_many(&done)))
+    Ok(HttpResponse::Ok().json(shape.full_many(&done, n)))
 }
 
 async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
@@ -188,6 +216,9 @@ async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, 
     let common: Common = requests::from_body(&body)?;
     let ids = requests::encode_chat(&st, &messages)?;
     let parsed = requests::validate(common, &st, ids)?;
+    if parsed.n > 1 {
+        return run_choices(&st, vec![parsed], Kind::Chat).await;
+    }
     run_request(&st, parsed, Kind::Chat).await
 }
 

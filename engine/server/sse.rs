@@ -177,26 +177,35 @@ impl Shape {
 }
 
 impl Shape {
-    /// One completion response for several prompts: a choice per prompt in
-    /// order; usage and speculation figures summed over them.
-    pub(super) fn full_many(&self, cs: &[Completion]) -> Value {
+    /// One response for several choices (`n` per prompt, prompts in
+    /// order): usage and speculation figures summed over them, prompt
+    /// tokens counted once per prompt.
+    pub(super) fn full_many(&self, cs: &[Completion], n: usize) -> Value {
         let choices: Vec<Value> = cs
             .iter()
             .enumerate()
             .map(|(i, c)| {
                 let logprobs = self.logprobs_json(&c.logprobs, &mut 0);
-                json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)})
+                match self.kind {
+                    Kind::Completion => json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)}),
+                    Kind::Chat => json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs,
+                        "finish_reason": finish_str(c.finish),
+                    }),
+                }
             })
             .collect();
         let mut stats = crate::speculative::SpecStats::default();
         for c in cs {
             stats.add(&c.stats);
         }
-        let prompt: usize = cs.iter().map(|c| c.prompt_tokens).sum();
+        let prompt: usize = cs.iter().step_by(n.max(1)).map(|c| c.prompt_tokens).sum();
         let completion: usize = cs.iter().map(|c| c.tokens.len()).sum();
         json!({
             "id": self.id,
-            "object": "text_completion",
+            "object": if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" },
             "created": self.created,
             "model": self.model,
             "choices": choices,

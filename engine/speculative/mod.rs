@@ -50,6 +50,11 @@ pub struct Request {
     /// model (its raw softmax, before the request's sampling transforms)
     /// with this many most likely alternatives (at most `MAX_TOP_LOGPROBS`).
     pub logprobs: Option<usize>,
+    /// Another choice of the same prompt (`n > 1`): once that request has
+    /// prefilled, this one starts from a copy-on-write copy of its prompt
+    /// KV instead of computing it again (when its proposer reads no hidden
+    /// states; otherwise, or if that request is gone, it prefills).
+    pub fork_of: Option<SeqId>,
 }
 
 /// Most alternatives a request may ask for per token.
@@ -95,6 +100,7 @@ impl Request {
             max_draft: None,
             arm: None,
             logprobs: None,
+            fork_of: None,
         }
     }
 }

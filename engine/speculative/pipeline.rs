@@ -270,6 +270,7 @@ impl Step {
                     hidden_layers: it.hidden_layers.clone(),
                     tree: None,
                     moves: Vec::new(),
+                    fork_from: None,
                 },
                 Work::Decode { last, .. } => {
                     let draft = self.drafts.entry(it.seq).or_default();
@@ -294,6 +295,7 @@ impl Step {
                         hidden_layers: it.hidden_layers.clone(),
                         tree,
                         moves: it.moves.clone(),
+                        fork_from: it.fork_from,
                     }
                 }
             })

@@ -52,6 +52,8 @@ pub struct VerifyItem {
     /// Slot moves applied before the truncation: the previous tree
     /// verify's accepted path, packed after the committed prefix.
     pub moves: Vec<(usize, usize)>,
+    /// A new cache starts as a copy-on-write copy of this sequence's.
+    pub fork_from: Option<SeqId>,
 }
 
 #[derive(Debug, Clone)]
@@ -82,6 +84,8 @@ pub struct TargetRunner {
     /// Prefill tokens that could use the prefix cache, and those it covered.
     prefix_query: u64,
     prefix_hit: u64,
+    /// Tokens fed through target forwards so far.
+    forwarded: u64,
 }
 
 impl TargetRunner {
@@ -93,6 +97,7 @@ impl TargetRunner {
             chains: HashMap::new(),
             prefix_query: 0,
             prefix_hit: 0,
+            forwarded: 0,
         }
     }
 
@@ -106,6 +111,11 @@ impl TargetRunner {
     /// Blocks in the prefix cache (in use or idle).
     pub fn prefix_cached_blocks(&self) -> usize {
         self.prefix.as_ref().map_or(0, PrefixCache::len)
+    }
+
+    /// Tokens fed through target forwards so far (prefill and verify).
+    pub fn forwarded_tokens(&self) -> u64 {
+        self.forwarded
     }
 
     /// (prefill tokens that looked in the prefix cache, tokens it covered).
@@ -164,11 +174,19 @@ impl TargetRunner {
                     .push((it.seq, format!("sequence {}: nothing to verify", it.seq)));
                 continue;
             }
-            let model = &self.model;
-            let c = self
-                .caches
-                .entry(it.seq)
-                .or_insert_with(|| model.new_cache());
+            if !self.caches.contains_key(&it.seq) {
+                // A forked choice starts from its parent's cache (blocks
+                // shared, copy-on-write); the truncation below drops what
+                // the parent has past the prompt.
+                let c = it
+                    .fork_from
+                    .and_then(|p| self.caches.get(&p).cloned())
+                    .unwrap_or_else(|| self.model.new_cache());
+                self.caches.insert(it.seq, c);
+            }
+            let Some(c) = self.caches.get_mut(&it.seq) else {
+                continue;
+            };
             if let Err(e) = c.compact(&it.moves).and_then(|_| c.truncate(it.cache_len)) {
                 resp.failed
                     .push((it.seq, format!("sequence {}: {e}", it.seq)));
@@ -202,6 +220,7 @@ impl TargetRunner {
                     tree: it.tree.as_ref(),
                 })
                 .collect();
+            self.forwarded += inputs.iter().map(|i| i.tokens.len() as u64).sum::<u64>();
             if inputs.is_empty() {
                 Ok(Vec::new())
             } else {

@@ -112,6 +112,9 @@ pub struct Sequence {
     pub pending_moves: Vec<(usize, usize)>,
     /// Tree size policy (tree proposers only).
     pub tree_policy: Option<super::policy::TreePolicy>,
+    /// The sequence whose prompt KV this one copies at its first step
+    /// (a forked choice); cleared once that step commits.
+    pub fork_from: Option<SeqId>,
     finish: Option<FinishReason>,
     /// The request's tracing span (each step's span follows from it).
     pub span: tracing::Span,
@@ -159,6 +162,16 @@ pub struct SeqContext<'a> {
     pub logprobs: Option<usize>,
 }
 
+/// Whether a waiting forked choice can start from its parent's KV.
+enum Fork {
+    /// The parent is still prefilling: wait for it.
+    Wait,
+    /// Copy the parent's cache; this many positions are then cached.
+    From(SeqId, usize),
+    /// Prefill as any request does.
+    No,
+}
+
 /// What one planned sequence does this step.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Work {
@@ -180,6 +193,9 @@ pub struct PlanItem {
     pub moves: Vec<(usize, usize)>,
     /// How the proposer draws siblings (tree drafts).
     pub siblings: super::proposer::SiblingMode,
+    /// Start this sequence's cache as a copy-on-write copy of that
+    /// sequence's (a forked choice's first step).
+    pub fork_from: Option<SeqId>,
 }
 
 /// Bookkeeping the other stages need at the start of a step.
@@ -332,6 +348,7 @@ impl Scheduler {
             hidden_start: 0,
             pending_moves: Vec::new(),
             tree_policy: None,
+            fork_from: None,
             finish: None,
             span: tracing::info_span!("request", id),
             req,
@@ -519,16 +536,32 @@ impl Scheduler {
         &mut self,
         caps: impl Fn(&str) -> Option<&'c Capabilities>,
     ) -> (Vec<PlanItem>, Vec<Want>) {
-        // Admission (FCFS): new sequences start prefilling.
+        // Admission (FCFS): new sequences start prefilling; a forked choice
+        // waits for its parent's prefill, then starts from its prompt KV.
+        let mut deferred = Vec::new();
         while self.running.len() < self.config.max_running {
             let Some(id) = self.waiting.pop_front() else {
                 break;
+            };
+            let fork = match self.fork_source(id, &caps) {
+                Fork::Wait => {
+                    deferred.push(id);
+                    continue;
+                }
+                Fork::From(p, cached) => Some((p, cached)),
+                Fork::No => None,
             };
             let Some(s) = self.seqs.get_mut(&id) else {
                 continue;
             };
             s.status = SeqStatus::Prefill;
             s.cached = 0;
+            s.fork_from = None;
+            if let Some((p, cached)) = fork {
+                s.cached = cached;
+                s.fork_from = Some(p);
+                s.status = SeqStatus::Decoding;
+            }
             s.hidden.clear();
             s.hidden_start = 0;
             s.pending_moves.clear();
@@ -540,6 +573,9 @@ impl Scheduler {
                 .map(|c| super::policy::TreePolicy::new(c.max_draft));
             self.lifecycle.starts.push((id, name, s.tokens.clone()));
             self.running.push(id);
+        }
+        for id in deferred.into_iter().rev() {
+            self.waiting.push_front(id);
         }
         metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
         let mut budget = self.config.max_batch_tokens;
@@ -591,6 +627,7 @@ impl Scheduler {
                 hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
                 moves: s.pending_moves.clone(),
                 siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
+                fork_from: s.fork_from,
             });
             wants.push(Want {
                 seq: id,
@@ -614,6 +651,7 @@ impl Scheduler {
                 hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
                 moves: Vec::new(),
                 siblings: Default::default(),
+                fork_from: None,
             });
             wants.push(Want {
                 seq: id,
@@ -627,6 +665,17 @@ impl Scheduler {
     /// the front of the queue to be recomputed; deferred ones sit out this
     /// step; sequences that can never fit fail.
     pub fn apply_grant(&mut self, items: Vec<PlanItem>, grant: &Grant) -> Vec<PlanItem> {
+        // A forked choice whose parent goes away before the copy prefills
+        // its prompt itself (from the next step).
+        let mut unforked = Vec::new();
+        for s in self.seqs.values_mut() {
+            if s.fork_from.is_some_and(|p| grant.preempted.contains(&p)) {
+                s.fork_from = None;
+                s.cached = 0;
+                s.status = SeqStatus::Prefill;
+                unforked.push(s.id);
+            }
+        }
         for &id in grant.preempted.iter().rev() {
             if let Some(s) = self.seqs.get_mut(&id) {
                 s.status = SeqStatus::Waiting;
@@ -657,8 +706,42 @@ impl Scheduler {
         }
         items
             .into_iter()
-            .filter(|it| grant.granted.contains(&it.seq))
+            .filter(|it| grant.granted.contains(&it.seq) && !unforked.contains(&it.seq))
             .collect()
+    }
+
+    /// Whether waiting sequence `id` may start from its parent's prompt KV.
+    fn fork_source<'c>(&self, id: SeqId, caps: &impl Fn(&str) -> Option<&'c Capabilities>) -> Fork {
+        let Some(s) = self.seqs.get(&id) else {
+            return Fork::No;
+        };
+        let Some(p) = s.req.fork_of else {
+            return Fork::No;
+        };
+        // Recomputed after a preemption, or a proposer that must see the
+        // prompt's hidden states: a prefill of its own.
+        let name = s.proposer.as_deref().unwrap_or("none");
+        if s.preemptions > 0 || caps(name).is_some_and(|c| !c.hidden_layers.is_empty()) {
+            return Fork::No;
+        }
+        let Some(parent) = self.seqs.get(&p) else {
+            return Fork::No;
+        };
+        if parent.prompt_len != s.prompt_len
+            || parent.tokens[..parent.prompt_len] != s.tokens[..s.prompt_len]
+        {
+            return Fork::No;
+        }
+        match parent.status {
+            SeqStatus::Waiting | SeqStatus::Prefill => Fork::Wait,
+            SeqStatus::Decoding
+                if parent.cached >= parent.prefill_target() && parent.fork_from.is_none() =>
+            {
+                Fork::From(p, s.prefill_target())
+            }
+            SeqStatus::Decoding => Fork::Wait,
+            _ => Fork::No,
+        }
     }
 
     /// Lifecycle work the other stages must apply before this step runs.
@@ -697,6 +780,7 @@ impl Scheduler {
             let Some(s) = self.seqs.get_mut(&r.seq) else {
                 continue;
             };
+            s.fork_from = None;
             let st = &mut s.stats;
             st.record_tree(r.drafted, r.depth, r.accepted.accepted);
             if let Some(src) = &r.source {
