@@ -1071,6 +1071,8 @@ fn prefix_cache_serves_shared_system_prompts_with_identical_answers() {
     eprintln!("prefix cache: {hit} of {query} prefill tokens");
     assert!(hit >= 2.0 * 256.0 && hit < query, "{hit} of {query}");
     assert!(on.metric("specd_prefix_cache_blocks") > 0.0);
+    let rate = on.metric("specd_prefix_cache_hit_rate");
+    assert!((rate - hit / query).abs() < 1e-6, "{rate}");
     let off = Daemon::start(
         &CONFIG.replace("[engine]\n", "[engine]\nprefix_cache = false\n"),
         &[],
@@ -1152,4 +1154,93 @@ fn n_choices_are_seeded_reproducible_and_ordered() {
         assert_eq!(r.json()["error"]["param"], "n");
     }
     wait_kv_zero(&d);
+}
+
+/// `echo` on completions: the prompt comes back before the choice, with
+/// its log-probabilities (first token null) when asked; `max_tokens: 0`
+/// gives the prompt alone (the loglikelihood request of evaluation
+/// harnesses). A prompt token's log-probability is exactly the one the
+/// same token gets when it is generated.
+#[test]
+fn echo_returns_the_prompt_with_its_logprobs() {
+    let path = common::smollm_path();
+    let tok = specd::tokenizer::Tokenizer::for_model(&path).unwrap();
+    let d = Daemon::start(CONFIG, &[]);
+    let prompt = "The capital of France is";
+    let gen = d
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}),
+        )
+        .json();
+    let gen_text = gen["choices"][0]["text"].as_str().unwrap().to_string();
+    let gen_lp = gen["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .clone();
+    // The prompt and the generated text, fed back as one prompt of ids.
+    let mut ids = tok.encode_text(prompt, true).unwrap();
+    let n_prompt = ids.len();
+    let gen_ids: Vec<u32> = gen["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let t = t.as_str().unwrap();
+            tok.encode_text(t, false).unwrap()[0]
+        })
+        .collect();
+    ids.extend(&gen_ids);
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let c = &v["choices"][0];
+    assert_eq!(c["text"].as_str().unwrap(), format!("{prompt}{gen_text}"));
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    let lp = &c["logprobs"];
+    let values = lp["token_logprobs"].as_array().unwrap();
+    assert_eq!(values.len(), ids.len());
+    assert!(values[0].is_null() && lp["top_logprobs"][0].is_null());
+    assert!(values[1..].iter().all(|x| x.as_f64().unwrap() <= 0.0));
+    // Bit for bit what generation reported for the same tokens.
+    assert_eq!(&values[n_prompt..], &gen_lp[..]);
+    // With generation: prompt, then the choice.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": true, "logprobs": 2}),
+    );
+    let v = r.json();
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap(),
+        format!("{prompt}{gen_text}")
+    );
+    let values = v["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    assert_eq!(&values[n_prompt..], &gen_lp[..]);
+    // Refused where it cannot be honoured.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "echo": true, "stream": true}),
+    );
+    assert_eq!(
+        (r.status, r.json()["error"]["param"].clone()),
+        (400, json!("echo"))
+    );
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "echo": true}),
+    );
+    assert_eq!(
+        (r.status, r.json()["error"]["param"].clone()),
+        (400, json!("echo"))
+    );
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 0}),
+    );
+    assert_eq!(r.status, 400, "max_tokens 0 without echo: {}", r.body);
 }

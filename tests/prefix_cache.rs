@@ -202,3 +202,53 @@ fn forked_choices_share_the_prompt_and_decode_as_if_alone() {
         assert_eq!(forked.verifier.num_caches(), 0);
     }
 }
+
+/// Under a KV budget too small for the batch (preemptions, recomputes),
+/// with the prefix cache at its default share of that budget: greedy
+/// outputs are those of a roomy engine without a cache.
+#[test]
+fn a_small_kv_budget_preempts_and_evicts_without_changing_outputs() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let system = system_prompt();
+    let prompts: Vec<Vec<u32>> = ["Name a colour.", "Name a fruit.", "Name a planet."]
+        .iter()
+        .map(|q| chat(&tok, &system, q))
+        .collect();
+    let reqs = || -> Vec<Request> {
+        prompts
+            .iter()
+            .map(|p| Request::greedy(p.clone(), 24))
+            .collect()
+    };
+    let mut roomy = engine(&model, &tok, 0, 3);
+    let want = run_all(&mut roomy, reqs());
+    let blocks = prompts[0].len().div_ceil(64) + 1;
+    let drafter = Config::builtin()
+        .build_drafter(&model, Some(tok.clone()))
+        .unwrap();
+    let mut ec = EngineConfig::for_model(&model);
+    ec.scheduler.max_running = 3;
+    ec.scheduler.max_waiting = usize::MAX;
+    // Room for one and a half sequences; the cache gets its default share.
+    ec.kv_blocks = blocks * 3 / 2;
+    ec.prefix_cache_blocks = (ec.kv_blocks / 4).max(1);
+    let mut small = SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter);
+    for round in 0..2 {
+        let got = run_all(&mut small, reqs());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.tokens, w.tokens, "round {round}");
+        }
+    }
+    let preempted: u32 = run_all(&mut small, reqs())
+        .iter()
+        .map(|c| c.preemptions)
+        .sum();
+    eprintln!(
+        "small budget: {} blocks, {preempted} preemptions in the last round, prefix cache {:?}",
+        blocks * 3 / 2,
+        small.verifier.prefix_stats()
+    );
+    assert!(small.verifier.prefix_cached_blocks() <= (blocks * 3 / 2 / 4).max(1));
+}

@@ -189,6 +189,7 @@ pub fn run(
                     arm: Some(arm.name.clone()),
                     logprobs: None,
                     fork_of: None,
+                    prompt_logprobs: None,
                 };
                 let (mut r, toks) = run_one(&mut engine, req, max_batch_tokens)?;
                 r.prompt_id = p.id.clone();

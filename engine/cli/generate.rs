@@ -229,6 +229,7 @@ fn run_batch(
                 arm: None,
                 logprobs: None,
                 fork_of: None,
+                prompt_logprobs: None,
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }

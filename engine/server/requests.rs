@@ -553,7 +553,10 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
     }
     let logprobs = logprobs_wanted(&c)?;
     if c.echo.is_some_and(|e| e.0) {
-        return Err(ApiError::bad_field("echo", "echo is not supported"));
+        return Err(ApiError::bad_field(
+            "echo",
+            "`echo` is only offered on /v1/completions",
+        ));
     }
     let room = st.max_seq_len.saturating_sub(prompt.len());
     let max_tokens = match c.max_tokens.or(c.max_completion_tokens) {
@@ -649,6 +652,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             arm,
             logprobs,
             fork_of: None,
+            prompt_logprobs: None,
         },
         stream: c.stream.is_some_and(|s| s.0),
         n,

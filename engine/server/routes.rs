@@ -10,7 +10,7 @@ use serde_json::{json, Map, Value};
 
 use super::errors::ApiError;
 use super::requests::{self, ChatBody, Common, CompletionBody, Parsed};
-use super::sse::{AbortGuard, Kind, Shape, SseStream};
+use super::sse::{AbortGuard, Echo, Kind, Shape, SseStream};
 use super::AppState;
 use crate::error::SpecdError;
 use crate::speculative::Event;
@@ -64,6 +64,7 @@ async fn run_request(st: &State, parsed: Parsed, kind: Kind) -> Result<HttpRespo
         model: st.model_name.clone(),
         tokenizer: st.tokenizer.clone(),
         logprobs,
+        echo: None,
     };
     let mut guard = AbortGuard {
         engine: st.engine.clone(),
@@ -106,17 +107,56 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
         requests::from_body::<CompletionBody>(&body)?,
         st.tokenizer.vocab_size(),
     )?;
-    let common: Common = requests::from_body(&body)?;
+    let mut common: Common = requests::from_body(&body)?;
+    // echo: each prompt comes back before its choice (with its logprobs
+    // when logprobs are asked); with max_tokens 0, the prompt alone.
+    let echo = common.echo.take().is_some_and(|e| e.0);
+    let drop_generated = echo
+        && matches!(
+            common.max_tokens.or(common.max_completion_tokens),
+            Some(requests::UInt(0))
+        );
+    if echo && common.stream.is_some_and(|s| s.0) {
+        return Err(ApiError::bad_field(
+            "echo",
+            "`echo` with `stream` is not supported; ask without streaming",
+        ));
+    }
+    if drop_generated {
+        common.max_tokens = Some(requests::UInt(1));
+        common.max_completion_tokens = None;
+    }
     // Every prompt is validated before any is submitted.
-    let parsed = prompts
+    let mut parsed = prompts
         .iter()
         .map(|p| requests::validate(common.clone(), &st, requests::encode(&st, p)?))
         .collect::<Result<Vec<Parsed>, ApiError>>()?;
-    if parsed.len() == 1 && parsed[0].n == 1 {
+    if !echo && parsed.len() == 1 && parsed[0].n == 1 {
         let p = parsed.into_iter().next().expect("one prompt");
         return run_request(&st, p, Kind::Completion).await;
     }
-    run_choices(&st, parsed, Kind::Completion).await
+    let echo = echo.then(|| Echo {
+        prompts: prompts
+            .iter()
+            .zip(&parsed)
+            .map(|(p, parsed)| {
+                let text = match p {
+                    requests::PromptIn::Text(s) => s.clone(),
+                    requests::PromptIn::Ids(ids) => {
+                        st.tokenizer.decode(ids, false).unwrap_or_default()
+                    }
+                };
+                (text, parsed.req.prompt.first().copied())
+            })
+            .collect(),
+        drop_generated,
+    });
+    if echo.is_some() {
+        for p in &mut parsed {
+            p.req.prompt_logprobs = p.req.logprobs;
+        }
+    }
+    run_choices(&st, parsed, Kind::Completion, echo).await
 }
 
 /// Seed of choice `j` of a request seeded `seed` (choice 0 keeps it, so
@@ -134,6 +174,7 @@ async fn run_choices(
     st: &State,
     parsed: Vec<Parsed>,
     kind: Kind,
+    echo: Option<Echo>,
 ) -> Result<HttpResponse, ApiError> {
     let stream = parsed[0].stream;
     let logprobs = parsed[0].req.logprobs.is_some();
@@ -174,6 +215,7 @@ async fn run_choices(
         model: st.model_name.clone(),
         tokenizer: st.tokenizer.clone(),
         logprobs,
+        echo,
     };
     if stream {
         return Ok(HttpResponse::Ok()
@@ -217,7 +259,7 @@ async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, 
     let ids = requests::encode_chat(&st, &messages)?;
     let parsed = requests::validate(common, &st, ids)?;
     if parsed.n > 1 {
-        return run_choices(&st, vec![parsed], Kind::Chat).await;
+        return run_choices(&st, vec![parsed], Kind::Chat, None).await;
     }
     run_request(&st, parsed, Kind::Chat).await
 }

@@ -54,6 +54,17 @@ pub(super) struct Shape {
     pub(super) tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
     /// Whether the request asked for logprobs.
     pub(super) logprobs: bool,
+    /// Completions with `echo`: each prompt comes back before its choices.
+    pub(super) echo: Option<Echo>,
+}
+
+/// What `echo` puts before each choice: the prompt's text and first token
+/// (whose log-probability is null: nothing predicts it), per prompt.
+pub(super) struct Echo {
+    pub(super) prompts: Vec<(String, Option<u32>)>,
+    /// `max_tokens: 0`: the prompt alone (the engine still decoded one
+    /// token, which is dropped).
+    pub(super) drop_generated: bool,
 }
 
 impl Shape {
@@ -62,6 +73,17 @@ impl Shape {
     /// (tokens, token_logprobs, top_logprobs, text_offset, counted in
     /// characters from `*offset`, which advances). `null` unless asked.
     fn logprobs_json(&self, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+        self.logprobs_with_lead(None, lps.iter(), offset)
+    }
+
+    /// `logprobs_json` after an unpredicted `lead` token (completions'
+    /// echoed first prompt token: null log-probability, null alternatives).
+    fn logprobs_with_lead<'a>(
+        &self,
+        lead: Option<u32>,
+        lps: impl Iterator<Item = &'a TokenLogprob> + Clone,
+        offset: &mut usize,
+    ) -> Value {
         if !self.logprobs {
             return Value::Null;
         }
@@ -73,7 +95,6 @@ impl Shape {
         match self.kind {
             Kind::Chat => {
                 let content: Vec<Value> = lps
-                    .iter()
                     .map(|lp| {
                         let (s, b) = piece(lp.token);
                         let top: Vec<Value> = lp
@@ -94,12 +115,20 @@ impl Shape {
                 let mut values = Vec::new();
                 let mut tops = Vec::new();
                 let mut offsets = Vec::new();
+                if let Some(t) = lead {
+                    let (s, _) = piece(t);
+                    offsets.push(*offset);
+                    *offset += s.chars().count();
+                    tokens.push(s);
+                    values.push(None);
+                    tops.push(Value::Null);
+                }
                 for lp in lps {
                     let (s, _) = piece(lp.token);
                     offsets.push(*offset);
                     *offset += s.chars().count();
                     tokens.push(s);
-                    values.push(lp.logprob);
+                    values.push(Some(lp.logprob));
                     let top: serde_json::Map<String, Value> = lp
                         .top
                         .iter()
@@ -186,9 +215,26 @@ impl Shape {
             .enumerate()
             .map(|(i, c)| {
                 let logprobs = self.logprobs_json(&c.logprobs, &mut 0);
-                match self.kind {
-                    Kind::Completion => json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)}),
-                    Kind::Chat => json!({
+                match (self.kind, &self.echo) {
+                    (Kind::Completion, Some(e)) => {
+                        let (prompt, first) = e.prompts.get(i / n.max(1)).cloned().unwrap_or_default();
+                        let generated: &[TokenLogprob] =
+                            if e.drop_generated { &[] } else { &c.logprobs };
+                        let logprobs = self.logprobs_with_lead(
+                            first,
+                            c.prompt_logprobs.iter().chain(generated),
+                            &mut 0,
+                        );
+                        let text = if e.drop_generated {
+                            prompt
+                        } else {
+                            prompt + &c.text
+                        };
+                        let finish = if e.drop_generated { "length" } else { finish_str(c.finish) };
+                        json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                    }
+                    (Kind::Completion, None) => json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)}),
+                    (Kind::Chat, _) => json!({
                         "index": i,
                         "message": {"role": "assistant", "content": c.text},
                         "logprobs": logprobs,
@@ -202,7 +248,11 @@ impl Shape {
             stats.add(&c.stats);
         }
         let prompt: usize = cs.iter().step_by(n.max(1)).map(|c| c.prompt_tokens).sum();
-        let completion: usize = cs.iter().map(|c| c.tokens.len()).sum();
+        let completion: usize = if self.echo.as_ref().is_some_and(|e| e.drop_generated) {
+            0
+        } else {
+            cs.iter().map(|c| c.tokens.len()).sum()
+        };
         json!({
             "id": self.id,
             "object": if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" },

@@ -55,6 +55,9 @@ pub struct Request {
     /// KV instead of computing it again (when its proposer reads no hidden
     /// states; otherwise, or if that request is gone, it prefills).
     pub fork_of: Option<SeqId>,
+    /// Also report the prompt tokens' log-probabilities (from the second
+    /// token on) with this many alternatives (`echo` with `logprobs`).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Most alternatives a request may ask for per token.
@@ -74,7 +77,11 @@ impl Request {
                 "max_tokens must be at least 1".into(),
             ));
         }
-        if self.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+        if self
+            .logprobs
+            .or(self.prompt_logprobs)
+            .is_some_and(|k| k > MAX_TOP_LOGPROBS)
+        {
             return Err(SpecdError::InvalidRequest(format!(
                 "top_logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token"
             )));
@@ -101,6 +108,7 @@ impl Request {
             arm: None,
             logprobs: None,
             fork_of: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -247,6 +255,8 @@ pub struct Completion {
     pub preemptions: u32,
     /// One per generated token when the request asked for logprobs.
     pub logprobs: Vec<TokenLogprob>,
+    /// One per prompt token after the first, when the request asked.
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 /// A generated token's log-probability under the target model's raw
@@ -287,6 +297,9 @@ impl TokenLogprob {
 }
 
 /// Streamed to a request's client.
+// `Finished` is the large variant and is sent once per request; boxing it
+// would cost an allocation for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// Newly committed tokens and the text they completed (may be empty

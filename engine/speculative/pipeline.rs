@@ -266,11 +266,16 @@ impl Step {
                     seq: it.seq,
                     cache_len: it.cache_len,
                     tokens: tokens.clone(),
-                    logits: Logits::None,
+                    logits: if it.prompt_logprobs.is_some() {
+                        Logits::All
+                    } else {
+                        Logits::None
+                    },
                     hidden_layers: it.hidden_layers.clone(),
                     tree: None,
                     moves: Vec::new(),
                     fork_from: None,
+                    prompt_logprobs: it.prompt_logprobs.clone(),
                 },
                 Work::Decode { last, .. } => {
                     let draft = self.drafts.entry(it.seq).or_default();
@@ -296,6 +301,7 @@ impl Step {
                         tree,
                         moves: it.moves.clone(),
                         fork_from: it.fork_from,
+                        prompt_logprobs: None,
                     }
                 }
             })
@@ -379,6 +385,7 @@ impl Step {
                         prefilled.push(PrefillResult {
                             seq: it.seq,
                             tokens: t.len(),
+                            logprobs: out.prompt_logprobs,
                             hidden: out.hidden,
                         });
                     }

@@ -13,17 +13,24 @@
 //!   speculative rollback or a diverging sequence never changes what
 //!   another holder reads.
 //! - Beyond `capacity` entries, the least recently used entries that no
-//!   cache holds are evicted; an entry in use is never evicted. An evicted
-//!   parent leaves its descendants unreachable; they are evicted in turn
-//!   as they age.
+//!   cache holds are evicted; an entry in use is never evicted. Using an
+//!   entry uses its ancestors too (a prefix is only reachable through
+//!   them), and among equally recent entries the deepest goes first, so a
+//!   parent never goes before its children and a long prompt is trimmed
+//!   from its end.
 
 use std::collections::HashMap;
 
 use crate::model::SharedBlock;
 
+/// (parent entry id, the block's tokens).
+type Key = (u64, Vec<u32>);
+
 #[derive(Debug)]
 struct Entry {
     id: u64,
+    parent: u64,
+    depth: u32,
     block: SharedBlock,
     used: u64,
 }
@@ -32,6 +39,8 @@ struct Entry {
 pub struct PrefixCache {
     capacity: usize,
     map: HashMap<(u64, Vec<u32>), Entry>,
+    /// Entry id -> its key.
+    keys: HashMap<u64, (u64, Vec<u32>)>,
     next_id: u64,
     tick: u64,
 }
@@ -42,6 +51,7 @@ impl PrefixCache {
         Self {
             capacity,
             map: HashMap::new(),
+            keys: HashMap::new(),
             next_id: 1,
             tick: 0,
         }
@@ -59,31 +69,58 @@ impl PrefixCache {
     /// id (the parent of the next block).
     pub fn lookup(&mut self, parent: u64, tokens: &[u32]) -> Option<(u64, SharedBlock)> {
         self.tick += 1;
+        let e = self.map.get(&(parent, tokens.to_vec()))?;
+        let found = (e.id, e.block.clone());
+        self.used(found.0);
+        Some(found)
+    }
+
+    /// Mark entry `id` and its ancestors used now.
+    fn used(&mut self, mut id: u64) {
         let tick = self.tick;
-        let e = self.map.get_mut(&(parent, tokens.to_vec()))?;
-        e.used = tick;
-        Some((e.id, e.block.clone()))
+        while let Some(key) = self.keys.get(&id) {
+            let Some(e) = self.map.get_mut(key) else {
+                break;
+            };
+            if e.used >= tick {
+                break;
+            }
+            e.used = tick;
+            id = e.parent;
+        }
     }
 
     /// Remember `block` as the one after `parent` with `tokens`; returns
     /// its id (the existing entry's if one is there already).
     pub fn insert(&mut self, parent: u64, tokens: Vec<u32>, block: SharedBlock) -> u64 {
         self.tick += 1;
-        let tick = self.tick;
-        if let Some(e) = self.map.get_mut(&(parent, tokens.clone())) {
-            e.used = tick;
-            return e.id;
+        if let Some(id) = self.map.get(&(parent, tokens.clone())).map(|e| e.id) {
+            self.used(id);
+            return id;
         }
         let id = self.next_id;
         self.next_id += 1;
+        if parent != 0 && !self.keys.contains_key(&parent) {
+            // The parent was evicted: nothing could reach this block.
+            return id;
+        }
+        let depth = self
+            .keys
+            .get(&parent)
+            .and_then(|k| self.map.get(k))
+            .map_or(0, |p| p.depth + 1);
+        self.keys.insert(id, (parent, tokens.clone()));
         self.map.insert(
             (parent, tokens),
             Entry {
                 id,
+                parent,
+                depth,
                 block,
-                used: tick,
+                used: 0,
             },
         );
+        self.used(id);
         if self.map.len() > self.capacity {
             self.evict();
         }
@@ -102,18 +139,37 @@ impl PrefixCache {
     /// back to 7/8 of its capacity (or nothing more can go).
     fn evict(&mut self) {
         let target = self.capacity - self.capacity / 8;
-        let mut free: Vec<(u64, (u64, Vec<u32>))> = self
+        let mut free: Vec<(u64, std::cmp::Reverse<u32>, Key)> = self
             .map
             .iter()
             .filter(|(_, e)| e.block.other_holders() == 0)
-            .map(|(k, e)| (e.used, k.clone()))
+            .map(|(k, e)| (e.used, std::cmp::Reverse(e.depth), k.clone()))
             .collect();
-        free.sort_unstable_by_key(|(used, _)| *used);
-        for (_, k) in free {
+        free.sort_unstable_by_key(|a| (a.0, a.1));
+        for (_, _, k) in free {
             if self.map.len() <= target {
                 break;
             }
-            self.map.remove(&k);
+            if let Some(e) = self.map.remove(&k) {
+                self.keys.remove(&e.id);
+            }
+        }
+        // Entries whose parent went are unreachable: drop them too.
+        loop {
+            let orphans: Vec<(u64, Vec<u32>)> = self
+                .map
+                .iter()
+                .filter(|(_, e)| e.parent != 0 && !self.keys.contains_key(&e.parent))
+                .map(|(k, _)| k.clone())
+                .collect();
+            if orphans.is_empty() {
+                break;
+            }
+            for k in orphans {
+                if let Some(e) = self.map.remove(&k) {
+                    self.keys.remove(&e.id);
+                }
+            }
         }
     }
 
@@ -159,6 +215,29 @@ mod tests {
         // Inserting the same block again keeps one entry.
         assert_eq!(p.insert(0, vec![1, 2], c.share_block(0).unwrap()), a);
         assert_eq!(p.len(), 2);
+    }
+
+    /// A chain inserted block by block is trimmed from its end: its root
+    /// is as recent as its leaf, and deeper blocks go first.
+    #[test]
+    fn a_prefix_is_trimmed_from_its_end() {
+        let mut p = PrefixCache::new(4);
+        let mut parent = 0;
+        // Each block is in use (by its cache) while it goes in, as in the
+        // runner.
+        for t in 0..6u32 {
+            let c = cache_with_blocks(1);
+            parent = p.insert(parent, vec![t, t], c.share_block(0).unwrap());
+        }
+        assert!(p.len() <= 4);
+        // The first blocks are still reachable from the start.
+        let mut at = 0;
+        for t in 0..3u32 {
+            at = p
+                .lookup(at, &[t, t])
+                .map(|x| x.0)
+                .unwrap_or_else(|| panic!("block {t} evicted"));
+        }
     }
 
     #[test]

@@ -54,6 +54,10 @@ pub struct VerifyItem {
     pub moves: Vec<(usize, usize)>,
     /// A new cache starts as a copy-on-write copy of this sequence's.
     pub fork_from: Option<SeqId>,
+    /// Prefill with prompt logprobs: (alternatives, the token each fed
+    /// position predicts); the forward then keeps every row's logits and
+    /// the runner reduces them to log-probabilities.
+    pub prompt_logprobs: Option<(usize, Vec<u32>)>,
 }
 
 #[derive(Debug, Clone)]
@@ -62,6 +66,8 @@ pub struct VerifyOut {
     pub logits: Vec<f32>,
     pub rows: usize,
     pub hidden: Vec<(usize, Vec<f32>)>,
+    /// Log-probabilities of the tokens a prefill's positions predict.
+    pub prompt_logprobs: Vec<super::TokenLogprob>,
 }
 
 /// Stage 4 output: one result per verified item, or why it failed.
@@ -273,11 +279,28 @@ impl TargetRunner {
                                 Some(hidden.swap_remove(k))
                             })
                             .collect();
+                        let mut logits = o.logits;
+                        let prompt_logprobs = match &it.prompt_logprobs {
+                            Some((k, next)) if o.rows == next.len() && o.rows > 0 => {
+                                let v = logits.len() / o.rows;
+                                let lps = next
+                                    .iter()
+                                    .enumerate()
+                                    .map(|(r, &t)| {
+                                        super::TokenLogprob::of(&logits[r * v..(r + 1) * v], t, *k)
+                                    })
+                                    .collect();
+                                logits = Vec::new();
+                                lps
+                            }
+                            _ => Vec::new(),
+                        };
                         VerifyOut {
                             seq: it.seq,
-                            logits: o.logits,
+                            logits,
                             rows: o.rows,
                             hidden,
+                            prompt_logprobs,
                         }
                     })
                     .collect();
@@ -347,6 +370,8 @@ impl TargetRunner {
         metrics::counter!("specd_prefix_cache_hit_tokens_total").increment(skip as u64);
         self.prefix_query += it.tokens.len() as u64;
         self.prefix_hit += skip as u64;
+        metrics::gauge!("specd_prefix_cache_hit_rate")
+            .set(self.prefix_hit as f64 / self.prefix_query.max(1) as f64);
         if let Some(ch) = self.chains.get_mut(&it.seq) {
             ch.parent = parent;
             ch.blocks = blocks;

@@ -92,6 +92,9 @@ pub struct Sequence {
     pub preemptions: u32,
     /// Log-probabilities of the generated tokens (when requested).
     pub logprobs: Vec<super::TokenLogprob>,
+    /// Log-probabilities of the prompt tokens (when requested), filled as
+    /// the prefill goes; restarted when a preemption restarts it.
+    pub prompt_logprobs: Vec<super::TokenLogprob>,
     /// Running estimate of this sequence's per-draft acceptance rate.
     pub acceptance_ema: f64,
     /// Decode steps since the last draft (for probing when drafting paused).
@@ -196,6 +199,9 @@ pub struct PlanItem {
     /// Start this sequence's cache as a copy-on-write copy of that
     /// sequence's (a forked choice's first step).
     pub fork_from: Option<SeqId>,
+    /// Prefill: report the log-probabilities of these tokens (the ones
+    /// each fed position predicts) with this many alternatives.
+    pub prompt_logprobs: Option<(usize, Vec<u32>)>,
 }
 
 /// Bookkeeping the other stages need at the start of a step.
@@ -242,6 +248,8 @@ pub struct Observed {
 pub struct PrefillResult {
     pub seq: SeqId,
     pub tokens: usize,
+    /// Log-probabilities of the tokens these positions predict, if asked.
+    pub logprobs: Vec<super::TokenLogprob>,
     /// Hidden states of every prefilled row.
     pub hidden: Vec<(usize, Vec<f32>)>,
 }
@@ -338,6 +346,7 @@ impl Scheduler {
             },
             preemptions: 0,
             logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
             acceptance_ema: 0.5,
             steps_without_draft: 0,
             proposer,
@@ -495,6 +504,7 @@ impl Scheduler {
                 stats: SpecStats::default(),
                 preemptions: 0,
                 logprobs: Vec::new(),
+                prompt_logprobs: Vec::new(),
             };
         };
         Completion {
@@ -509,6 +519,7 @@ impl Scheduler {
             },
             preemptions: s.preemptions,
             logprobs: s.logprobs.clone(),
+            prompt_logprobs: s.prompt_logprobs.clone(),
         }
     }
 
@@ -557,6 +568,7 @@ impl Scheduler {
             s.status = SeqStatus::Prefill;
             s.cached = 0;
             s.fork_from = None;
+            s.prompt_logprobs.clear();
             if let Some((p, cached)) = fork {
                 s.cached = cached;
                 s.fork_from = Some(p);
@@ -628,6 +640,7 @@ impl Scheduler {
                 moves: s.pending_moves.clone(),
                 siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
                 fork_from: s.fork_from,
+                prompt_logprobs: None,
             });
             wants.push(Want {
                 seq: id,
@@ -652,6 +665,10 @@ impl Scheduler {
                 moves: Vec::new(),
                 siblings: Default::default(),
                 fork_from: None,
+                prompt_logprobs: s
+                    .req
+                    .prompt_logprobs
+                    .map(|k| (k, s.tokens[s.cached + 1..s.cached + n + 1].to_vec())),
             });
             wants.push(Want {
                 seq: id,
@@ -721,7 +738,10 @@ impl Scheduler {
         // Recomputed after a preemption, or a proposer that must see the
         // prompt's hidden states: a prefill of its own.
         let name = s.proposer.as_deref().unwrap_or("none");
-        if s.preemptions > 0 || caps(name).is_some_and(|c| !c.hidden_layers.is_empty()) {
+        if s.preemptions > 0
+            || s.req.prompt_logprobs.is_some()
+            || caps(name).is_some_and(|c| !c.hidden_layers.is_empty())
+        {
             return Fork::No;
         }
         let Some(parent) = self.seqs.get(&p) else {
@@ -771,6 +791,7 @@ impl Scheduler {
         let mut out = Committed::default();
         for r in prefilled {
             if let Some(s) = self.seqs.get_mut(&r.seq) {
+                s.prompt_logprobs.extend(r.logprobs);
                 s.append_hidden(r.hidden, r.tokens);
                 s.cached += r.tokens;
                 out.lens.push((r.seq, s.cached));
