@@ -544,22 +544,29 @@ impl Head {
         }
     }
 
-    /// One layer step over `pos.len()` rows (of any sequences). Row r has
-    /// hidden input `g[r]` (h wide; for EAGLE-1 the fused `fc(cat[e, f])`),
-    /// token embedding `e[r]` (EAGLE-3 only) and position `pos[r]`; it
-    /// attends to the entries `sees[r]` names, in order, then to itself.
-    /// Returns the outputs `y` (pre-norm) and the rows' own keys and values
-    /// (to keep in a cache or throw away).
-    pub fn step(
-        &self,
-        stores: &[&KvStore],
-        g: &[f32],
-        e: &[f32],
-        pos: &[usize],
-        sees: &[Vec<Src>],
-    ) -> (Vec<f32>, KvStore) {
+    /// The keys and values `step` would cache for these rows, without the
+    /// rest of the layer: for rows of the history whose outputs nobody
+    /// reads (only the cache entries are needed). Same bits as `step`'s.
+    pub fn kv_rows(&self, g: &[f32], e: &[f32], pos: &[usize]) -> KvStore {
         let c = &self.cfg;
-        let (h, rows) = (c.hidden, pos.len());
+        let rows = pos.len();
+        let u = self.attn_input(g, e, rows);
+        let mut act = Activations::new(self.path);
+        act.prepare(&u, rows, c.attn_in(), wants_q8(&self.wk));
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        matmul_many(&act, &[&self.wk, &self.wv], &mut [&mut k, &mut v]);
+        let kvd = c.kv_dim();
+        for r in 0..rows {
+            self.rope(&mut k[r * kvd..(r + 1) * kvd], pos[r]);
+        }
+        KvStore { k, v, dim: kvd }
+    }
+
+    /// The attention input of each row: EAGLE-3 `[norm(e); norm(g)]`,
+    /// EAGLE-1 `g` itself.
+    fn attn_input(&self, g: &[f32], e: &[f32], rows: usize) -> Vec<f32> {
+        let c = &self.cfg;
+        let h = c.hidden;
         let ai = c.attn_in();
         let mut u = vec![0f32; rows * ai];
         match c.variant {
@@ -585,6 +592,27 @@ impl Head {
             }
             Variant::Eagle1 => u.copy_from_slice(g),
         }
+        u
+    }
+
+    /// One layer step over `pos.len()` rows (of any sequences). Row r has
+    /// hidden input `g[r]` (h wide; for EAGLE-1 the fused `fc(cat[e, f])`),
+    /// token embedding `e[r]` (EAGLE-3 only) and position `pos[r]`; it
+    /// attends to the entries `sees[r]` names, in order, then to itself.
+    /// Returns the outputs `y` (pre-norm) and the rows' own keys and values
+    /// (to keep in a cache or throw away).
+    pub fn step(
+        &self,
+        stores: &[&KvStore],
+        g: &[f32],
+        e: &[f32],
+        pos: &[usize],
+        sees: &[Vec<Src>],
+    ) -> (Vec<f32>, KvStore) {
+        let c = &self.cfg;
+        let (h, rows) = (c.hidden, pos.len());
+        let ai = c.attn_in();
+        let u = self.attn_input(g, e, rows);
         let mut act = Activations::new(self.path);
         act.prepare(&u, rows, ai, wants_q8(&self.wq));
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());

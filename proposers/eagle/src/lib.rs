@@ -262,42 +262,60 @@ impl Eagle {
             return Ok(());
         }
         let mut stores: Vec<&KvStore> = Vec::new();
-        let (mut g_in, mut toks, mut pos, mut sees) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut g_in, mut toks, mut pos) = (Vec::new(), Vec::new(), Vec::new());
         let mut feats = Vec::new();
-        for (si, (i, ready)) in rows.iter().enumerate() {
+        for (i, ready) in &rows {
             let s = &batch[*i];
             let st = &self.seqs[&s.seq];
             stores.push(&st.cache);
-            let first = pos.len();
-            for (j, (p, f)) in ready.iter().enumerate() {
+            for (p, f) in ready {
                 feats.extend_from_slice(f);
                 toks.push(s.tokens[p + 1]);
                 pos.push(*p);
-                let mut see = vec![Src::Range {
-                    store: si,
-                    start: 0,
-                    end: st.cache.len(),
-                }];
-                see.extend((first..first + j).map(Src::Own));
-                sees.push(see);
             }
         }
         let e = self.embed(&toks)?;
         g_in.extend(self.hidden_in(&e, &feats, pos.len(), true));
-        let (y, own) = self.head.step(&stores, &g_in, &e, &pos, &sees);
-        drop(stores);
-        // Roots: the last row of each sequence.
+        // Every new row's cache entry, then the layer only for each
+        // sequence's last row (the root to draft from): the history rows'
+        // outputs are never read.
+        let kv = self.head.kv_rows(&g_in, &e, &pos);
+        let ew = e.len() / pos.len().max(1);
+        let gw = g_in.len() / pos.len().max(1);
         let mut last_rows = Vec::new();
         let mut r = 0;
         for (_, ready) in &rows {
             r += ready.len();
             last_rows.push(r - 1);
         }
-        let mut ylast = Vec::with_capacity(last_rows.len() * self.head.cfg.hidden);
-        for &lr in &last_rows {
-            ylast.extend_from_slice(&y[lr * h..(lr + 1) * h]);
+        let kv_store = stores.len();
+        stores.push(&kv);
+        let (mut g_last, mut e_last, mut pos_last, mut sees_last) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut first = 0;
+        for (si, &lr) in last_rows.iter().enumerate() {
+            g_last.extend_from_slice(&g_in[lr * gw..(lr + 1) * gw]);
+            e_last.extend_from_slice(&e[lr * ew..(lr + 1) * ew]);
+            pos_last.push(pos[lr]);
+            sees_last.push(vec![
+                Src::Range {
+                    store: si,
+                    start: 0,
+                    end: stores[si].len(),
+                },
+                Src::Range {
+                    store: kv_store,
+                    start: first,
+                    end: lr,
+                },
+            ]);
+            first = lr + 1;
         }
+        let (ylast, _) = self
+            .head
+            .step(&stores, &g_last, &e_last, &pos_last, &sees_last);
+        drop(stores);
+        let own = kv;
         let logits = self.logits(&ylast, last_rows.len())?;
         let lw = logits.len() / last_rows.len().max(1);
         let mut r0 = 0;
