@@ -111,6 +111,14 @@ lp = c.choices[0].logprobs
 assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 8
 print("completion logprobs:", lp.tokens[:3], lp.token_logprobs[:3])
 
+# echo + max_tokens 0: the prompt scored, nothing generated.
+e = client.completions.create(model=model, prompt="The sky is blue", max_tokens=0, echo=True, logprobs=1)
+elp = e.choices[0].logprobs
+assert e.choices[0].text == "The sky is blue" and "".join(elp.tokens) == "The sky is blue", e
+assert elp.token_logprobs[0] is None and all(x <= 0 for x in elp.token_logprobs[1:])
+assert e.usage.completion_tokens == 0
+print("echo:", list(zip(elp.tokens, elp.token_logprobs)))
+
 # Batched prompts: one choice per prompt, in order.
 prompts = ["def add(a, b):", "The capital of France is"]
 b = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0)
