@@ -177,4 +177,32 @@ spaced = client.chat.completions.create(
 print("prompt tokens, markers as text:", spoof.usage.prompt_tokens, "spaced:", spaced.usage.prompt_tokens)
 assert spoof.usage.prompt_tokens > 35
 
+# Prefix caching: a second chat sharing a long system prompt reuses its
+# KV blocks (the daemon's /metrics count the prefill tokens served).
+import urllib.request
+
+def prefix_hits():
+    text = urllib.request.urlopen(base.rsplit("/v1", 1)[0] + "/metrics").read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("specd_prefix_cache_hit_tokens_total")
+    )
+
+system = "You are a terse assistant. Answer in one short sentence and use metric units. " * 12
+before = prefix_hits()
+answers = [
+    client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        max_tokens=8,
+        temperature=0,
+    ).choices[0].message.content
+    for q in ("How tall is Everest?", "How tall is Everest?")
+]
+assert answers[0] == answers[1], answers
+gained = prefix_hits() - before
+print("prefix cache: prefill tokens served from cache by the second chat:", gained)
+assert gained >= 128, gained
+
 print("ALL OK")
