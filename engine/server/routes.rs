@@ -47,59 +47,6 @@ fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiError> {
     }
 }
 
-async fn run_request(st: &State, parsed: Parsed, kind: Kind) -> Result<HttpResponse, ApiError> {
-    let logprobs = parsed.req.logprobs.is_some();
-    let (id, mut rx) = st.engine.submit(parsed.req).await.map_err(ApiError::from)?;
-    let shape = Shape {
-        kind,
-        id: format!(
-            "{}-{id}",
-            if kind == Kind::Chat {
-                "chatcmpl"
-            } else {
-                "cmpl"
-            }
-        ),
-        created: now(),
-        model: st.model_name.clone(),
-        tokenizer: st.tokenizer.clone(),
-        logprobs,
-        echo: None,
-    };
-    let mut guard = AbortGuard {
-        engine: st.engine.clone(),
-        id,
-        armed: true,
-    };
-    if parsed.stream {
-        return Ok(HttpResponse::Ok()
-            .content_type("text/event-stream")
-            .insert_header(("Cache-Control", "no-cache"))
-            .streaming(SseStream::new(vec![(rx, guard)], shape)));
-    }
-    loop {
-        match rx.recv().await {
-            Some(Event::Tokens { .. }) => {}
-            Some(Event::Finished(c)) => {
-                guard.armed = false;
-                return Ok(HttpResponse::Ok().json(shape.full(&c)));
-            }
-            Some(Event::Error(e)) => {
-                guard.armed = false;
-                return Err(ApiError::status(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    e,
-                ));
-            }
-            None => {
-                guard.armed = false;
-                return Err(ApiError::from(SpecdError::EngineStopped));
-            }
-        }
-    }
-}
-
 async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
     let body = requests::body_object(&body)?;
@@ -131,10 +78,6 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
         .iter()
         .map(|p| requests::validate(common.clone(), &st, requests::encode(&st, p)?))
         .collect::<Result<Vec<Parsed>, ApiError>>()?;
-    if !echo && parsed.len() == 1 && parsed[0].n == 1 {
-        let p = parsed.into_iter().next().expect("one prompt");
-        return run_request(&st, p, Kind::Completion).await;
-    }
     let echo = echo.then(|| Echo {
         prompts: prompts
             .iter()
@@ -165,7 +108,7 @@ fn choice_seed(seed: u64, j: usize) -> u64 {
     seed ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-/// Several choices: `n` per prompt, for one or more prompts, each its own
+/// A request's choices: `n` per prompt, for one or more prompts, each its own
 /// sequence (scheduled together; a prompt's later choices start from its
 /// first choice's prompt KV), answered in order: choice `i * n + j` is
 /// prompt i's choice j. If any submission is refused, the ones already
@@ -258,10 +201,7 @@ async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, 
     let common: Common = requests::from_body(&body)?;
     let ids = requests::encode_chat(&st, &messages)?;
     let parsed = requests::validate(common, &st, ids)?;
-    if parsed.n > 1 {
-        return run_choices(&st, vec![parsed], Kind::Chat, None).await;
-    }
-    run_request(&st, parsed, Kind::Chat).await
+    run_choices(&st, vec![parsed], Kind::Chat, None).await
 }
 
 async fn models(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {

@@ -17,17 +17,22 @@ use crate::speculative::actors::{Abort, EngineHandle};
 use crate::speculative::{Completion, Event, SeqId, TokenLogprob};
 
 pub(super) fn usage(c: &Completion) -> Value {
+    usage_of(c.prompt_tokens, c.tokens.len(), &c.stats)
+}
+
+/// `usage`: token counts and the speculation figures of `stats`.
+fn usage_of(prompt: usize, completion: usize, stats: &crate::speculative::SpecStats) -> Value {
     json!({
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.tokens.len(),
-        "total_tokens": c.prompt_tokens + c.tokens.len(),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         "speculation": {
-            "proposer": c.stats.proposer,
-            "drafted_tokens": c.stats.drafted,
-            "accepted_tokens": c.stats.accepted,
-            "verify_steps": c.stats.verify_steps,
-            "acceptance_rate": c.stats.acceptance_rate(),
-            "mean_accepted_length": c.stats.mean_accepted_len(),
+            "proposer": stats.proposer,
+            "drafted_tokens": stats.drafted,
+            "accepted_tokens": stats.accepted,
+            "verify_steps": stats.verify_steps,
+            "acceptance_rate": stats.acceptance_rate(),
+            "mean_accepted_length": stats.mean_accepted_len(),
         }
     })
 }
@@ -180,29 +185,6 @@ impl Shape {
         }
         v
     }
-
-    pub(super) fn full(&self, c: &Completion) -> Value {
-        let logprobs = self.logprobs_json(&c.logprobs, &mut 0);
-        let choice = match self.kind {
-            Kind::Completion => {
-                json!({"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)})
-            }
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs,
-                "finish_reason": finish_str(c.finish),
-            }),
-        };
-        json!({
-            "id": self.id,
-            "object": if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" },
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage(c),
-        })
-    }
 }
 
 impl Shape {
@@ -247,6 +229,10 @@ impl Shape {
         for c in cs {
             stats.add(&c.stats);
         }
+        stats.proposer = cs
+            .first()
+            .map(|c| c.stats.proposer.clone())
+            .unwrap_or_default();
         let prompt: usize = cs.iter().step_by(n.max(1)).map(|c| c.prompt_tokens).sum();
         let completion: usize = if self.echo.as_ref().is_some_and(|e| e.drop_generated) {
             0
@@ -259,19 +245,7 @@ impl Shape {
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "speculation": {
-                    "proposer": cs.first().map(|c| c.stats.proposer.clone()).unwrap_or_default(),
-                    "drafted_tokens": stats.drafted,
-                    "accepted_tokens": stats.accepted,
-                    "verify_steps": stats.verify_steps,
-                    "acceptance_rate": stats.acceptance_rate(),
-                    "mean_accepted_length": stats.mean_accepted_len(),
-                }
-            },
+            "usage": usage_of(prompt, completion, &stats),
         })
     }
 }

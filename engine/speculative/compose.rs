@@ -503,7 +503,6 @@ mod tests {
         len: usize,
         when: Option<u32>,
         layers: Vec<usize>,
-        calls: usize,
         /// Drafting calls (max_draft > 0), shared with the test.
         asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
         /// (position, first value of the first layer) of every row seen.
@@ -524,7 +523,6 @@ mod tests {
                 len,
                 when,
                 layers,
-                calls: 0,
                 asked: Default::default(),
                 rows: Default::default(),
             }
@@ -560,7 +558,6 @@ mod tests {
                     if b.max_draft == 0 {
                         return Draft::default();
                     }
-                    self.calls += 1;
                     self.asked
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if self.when.is_some_and(|w| b.tokens.last() != Some(&w)) {
@@ -598,29 +595,25 @@ mod tests {
         }
     }
 
+    /// A composite of two members (asked in this order) with their costs,
+    /// over a 16-token vocabulary and hidden width 2.
+    fn pair(a: (&str, Box<dyn Proposer>, f64), b: (&str, Box<dyn Proposer>, f64)) -> Compose {
+        let spec = |(name, proposer, cost): (&str, Box<dyn Proposer>, f64)| MemberSpec {
+            name: name.into(),
+            proposer,
+            cost,
+        };
+        Compose::new("hybrid", vec![spec(a), spec(b)], 16, 2, 0.1).unwrap()
+    }
+
     #[test]
     fn picks_the_cheap_member_when_it_pays_and_labels_drafts() {
         let cheap = Fake::new("cheap", 7, 4, Some(1), vec![]);
         let dear = Fake::new("dear", 9, 3, None, vec![]);
-        let mut c = Compose::new(
-            "hybrid",
-            vec![
-                MemberSpec {
-                    name: "cheap".into(),
-                    proposer: Box::new(cheap),
-                    cost: 0.0,
-                },
-                MemberSpec {
-                    name: "dear".into(),
-                    proposer: Box::new(dear),
-                    cost: 0.3,
-                },
-            ],
-            16,
-            2,
-            0.1,
-        )
-        .unwrap();
+        let mut c = pair(
+            ("cheap", Box::new(cheap), 0.0),
+            ("dear", Box::new(dear), 0.3),
+        );
         let p = SamplingParams::default();
         // The cheap member matches (last token 1): its draft is taken, and
         // once its drafts are accepted the dear one is not even asked.
@@ -654,25 +647,10 @@ mod tests {
         let cheap = Fake::new("cheap", 7, 4, None, vec![]);
         let dear = Fake::new("dear", 9, 4, None, vec![]);
         let asked = dear.asked.clone();
-        let mut c = Compose::new(
-            "hybrid",
-            vec![
-                MemberSpec {
-                    name: "cheap".into(),
-                    proposer: Box::new(cheap),
-                    cost: 0.0,
-                },
-                MemberSpec {
-                    name: "dear".into(),
-                    proposer: Box::new(dear),
-                    cost: 5.0,
-                },
-            ],
-            16,
-            2,
-            0.1,
-        )
-        .unwrap();
+        let mut c = pair(
+            ("cheap", Box::new(cheap), 0.0),
+            ("dear", Box::new(dear), 5.0),
+        );
         let p = SamplingParams::default();
         let steps = 400;
         for _ in 0..steps {
@@ -690,25 +668,10 @@ mod tests {
         let cheap = Fake::new("cheap", 7, 4, None, vec![]);
         let feat = Fake::new("feat", 9, 2, None, vec![3]);
         let seen = feat.rows.clone();
-        let mut c = Compose::new(
-            "hybrid",
-            vec![
-                MemberSpec {
-                    name: "cheap".into(),
-                    proposer: Box::new(cheap),
-                    cost: 0.0,
-                },
-                MemberSpec {
-                    name: "feat".into(),
-                    proposer: Box::new(feat),
-                    cost: 5.0,
-                },
-            ],
-            16,
-            2,
-            0.1,
-        )
-        .unwrap();
+        let mut c = pair(
+            ("cheap", Box::new(cheap), 0.0),
+            ("feat", Box::new(feat), 5.0),
+        );
         assert_eq!(c.capabilities().hidden_layers, vec![3]);
         let p = SamplingParams::default();
         let mut pos = 0usize;
@@ -763,25 +726,10 @@ mod tests {
             }
             fn finish(&mut self, _: SeqId) {}
         }
-        let mut c = Compose::new(
-            "hybrid",
-            vec![
-                MemberSpec {
-                    name: "one".into(),
-                    proposer: Box::new(Fake::new("one", 5, 2, None, vec![])),
-                    cost: 0.0,
-                },
-                MemberSpec {
-                    name: "sparse".into(),
-                    proposer: Box::new(Sparse),
-                    cost: 0.0,
-                },
-            ],
-            16,
-            2,
-            0.1,
-        )
-        .unwrap();
+        let mut c = pair(
+            ("one", Box::new(Fake::new("one", 5, 2, None, vec![])), 0.0),
+            ("sparse", Box::new(Sparse), 0.0),
+        );
         assert_eq!(c.capabilities().q_kind, QKind::Sparse);
         let p = SamplingParams {
             temperature: 0.8,
