@@ -17,6 +17,17 @@ fn engine(
     prefix_blocks: usize,
     running: usize,
 ) -> SyncDriver {
+    engine_with_kv(model, tok, prefix_blocks, running, None)
+}
+
+/// `engine` with a KV budget of `kv_blocks` (default: roomy).
+fn engine_with_kv(
+    model: &Arc<Model>,
+    tok: &Arc<Tokenizer>,
+    prefix_blocks: usize,
+    running: usize,
+    kv_blocks: Option<usize>,
+) -> SyncDriver {
     let drafter = Config::builtin()
         .build_drafter(model, Some(tok.clone()))
         .unwrap();
@@ -24,6 +35,9 @@ fn engine(
     ec.scheduler.max_running = running;
     ec.scheduler.max_waiting = usize::MAX;
     ec.prefix_cache_blocks = prefix_blocks;
+    if let Some(b) = kv_blocks {
+        ec.kv_blocks = b;
+    }
     SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter)
 }
 
@@ -225,16 +239,9 @@ fn a_small_kv_budget_preempts_and_evicts_without_changing_outputs() {
     let mut roomy = engine(&model, &tok, 0, 3);
     let want = run_all(&mut roomy, reqs());
     let blocks = prompts[0].len().div_ceil(64) + 1;
-    let drafter = Config::builtin()
-        .build_drafter(&model, Some(tok.clone()))
-        .unwrap();
-    let mut ec = EngineConfig::for_model(&model);
-    ec.scheduler.max_running = 3;
-    ec.scheduler.max_waiting = usize::MAX;
     // Room for one and a half sequences; the cache gets its default share.
-    ec.kv_blocks = blocks * 3 / 2;
-    ec.prefix_cache_blocks = (ec.kv_blocks / 4).max(1);
-    let mut small = SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter);
+    let kv = blocks * 3 / 2;
+    let mut small = engine_with_kv(&model, &tok, (kv / 4).max(1), 3, Some(kv));
     for round in 0..2 {
         let got = run_all(&mut small, reqs());
         for (g, w) in got.iter().zip(&want) {
@@ -246,9 +253,8 @@ fn a_small_kv_budget_preempts_and_evicts_without_changing_outputs() {
         .map(|c| c.preemptions)
         .sum();
     eprintln!(
-        "small budget: {} blocks, {preempted} preemptions in the last round, prefix cache {:?}",
-        blocks * 3 / 2,
+        "small budget: {kv} blocks, {preempted} preemptions in the last round, prefix cache {:?}",
         small.verifier.prefix_stats()
     );
-    assert!(small.verifier.prefix_cached_blocks() <= (blocks * 3 / 2 / 4).max(1));
+    assert!(small.verifier.prefix_cached_blocks() <= (kv / 4).max(1));
 }

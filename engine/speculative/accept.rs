@@ -176,11 +176,20 @@ impl<'a> Residual<'a> {
         let n = self.p.ids.len();
         let u = rng.next_f64() * self.mass;
         let mut cum = 0.0;
-        for k in 0..n {
-            cum += self.weight(k);
-            if u < cum {
-                return self.p.ids[k];
-            }
+        // p itself (plain decoding, or no rejection changed it) or the
+        // lowered weights: one loop each, no per-entry branch.
+        let hit = match &self.w {
+            None => self.p.probs.iter().position(|&x| {
+                cum += f64::from(x);
+                u < cum
+            }),
+            Some(w) => w.iter().position(|&x| {
+                cum += x;
+                u < cum
+            }),
+        };
+        if let Some(k) = hit {
+            return self.p.ids[k];
         }
         // Rounding at the top end: the last token with mass.
         (0..n)

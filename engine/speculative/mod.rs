@@ -276,9 +276,13 @@ impl TokenLogprob {
         let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
         let lse = f64::from(max) + sum.ln();
         let lp = |t: u32| (f64::from(row[t as usize]) - lse) as f32;
-        let mut best: Vec<u32> = (0..row.len() as u32).collect();
+        let k = top.min(row.len());
+        let mut best: Vec<u32> = if k == 0 {
+            Vec::new()
+        } else {
+            (0..row.len() as u32).collect()
+        };
         let by = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
-        let k = top.min(best.len());
         if k > 0 && k < best.len() {
             best.select_nth_unstable_by(k - 1, by);
         }
