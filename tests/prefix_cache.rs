@@ -258,3 +258,49 @@ fn a_small_kv_budget_preempts_and_evicts_without_changing_outputs() {
     );
     assert!(small.verifier.prefix_cached_blocks() <= (kv / 4).max(1));
 }
+
+/// Forked choices under a KV budget that preempts (choices are evicted
+/// and recomputed, then prefill themselves): every choice still gives
+/// what it gives alone.
+#[test]
+fn forked_choices_survive_preemption() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let prompt = chat(&tok, &system_prompt(), "Name three rivers.");
+    let reqs = || -> Vec<Request> {
+        (0..4u64)
+            .map(|i| Request {
+                params: specd::sampler::SamplingParams {
+                    temperature: 0.9,
+                    seed: 11 + i,
+                    ..Default::default()
+                },
+                ..Request::greedy(prompt.clone(), 40)
+            })
+            .collect()
+    };
+    let mut roomy = engine(&model, &tok, 0, 4);
+    let want: Vec<Vec<u32>> = run_all(&mut roomy, reqs())
+        .into_iter()
+        .map(|c| c.tokens)
+        .collect();
+    let kv = prompt.len().div_ceil(64) * 2;
+    let mut small = engine_with_kv(&model, &tok, 0, 4, Some(kv));
+    let mut ids = Vec::new();
+    for r in reqs() {
+        // Choices after the first fork the first one's prompt.
+        let r = Request {
+            fork_of: ids.first().copied(),
+            ..r
+        };
+        ids.push(small.add(r, None).unwrap());
+    }
+    let mut done = small.run_to_completion().unwrap();
+    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+    let preempted: u32 = done.iter().map(|c| c.preemptions).sum();
+    eprintln!("{kv} blocks: {preempted} preemptions");
+    let got: Vec<Vec<u32>> = done.into_iter().map(|c| c.tokens).collect();
+    assert_eq!(got, want);
+    assert!(preempted > 0, "the budget must force preemptions");
+}
