@@ -98,10 +98,37 @@ pub struct ProposerConfig {
     /// drafted token; default `engine.draft_cost`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub compose: Vec<String>,
+    /// Where the plugin runs: `none` (in the daemon's process, the
+    /// default) or `process` (a `specd plugin-host` child that is replaced
+    /// if it crashes, exits or misses `propose_timeout_ms`).
+    #[serde(default, skip_serializing_if = "Isolation::is_none")]
+    pub isolation: Isolation,
+    /// Deadline of one propose exchange with a plugin-host child
+    /// (`isolation = "process"` only; default 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub propose_timeout_ms: Option<u64>,
     /// Passed to the plugin as TOML.
     #[serde(default)]
     pub options: toml::Table,
 }
+
+/// Where a plugin runs.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    #[default]
+    None,
+    Process,
+}
+
+impl Isolation {
+    pub fn is_none(&self) -> bool {
+        *self == Isolation::None
+    }
+}
+
+/// Default `propose_timeout_ms`.
+pub const DEFAULT_PROPOSE_TIMEOUT_MS: u64 = 1000;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -309,6 +336,24 @@ impl Config {
                     p.name
                 ));
             }
+            if p.propose_timeout_ms.is_some() && p.isolation != Isolation::Process {
+                return err(format!(
+                    "proposer `{}`: propose_timeout_ms needs isolation = \"process\" (an in-process plugin cannot be interrupted)",
+                    p.name
+                ));
+            }
+            if p.propose_timeout_ms == Some(0) {
+                return err(format!(
+                    "proposer `{}`: propose_timeout_ms must be at least 1",
+                    p.name
+                ));
+            }
+            if !p.compose.is_empty() && p.isolation != Isolation::None {
+                return err(format!(
+                    "proposer `{}`: a composed proposer runs in the daemon; set `isolation` on its members",
+                    p.name
+                ));
+            }
             if !p.compose.is_empty() && (p.plugin.is_some() || p.path.is_some()) {
                 return err(format!(
                     "proposer `{}`: a composed proposer (`compose`) has no `plugin` or `path`",
@@ -500,14 +545,38 @@ impl Config {
             None => plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)
                 .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?,
         };
-        let lib = plugins::load_library(&path)
-            .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?;
         let mut options = p.options.clone();
         if let Some(m) = p.max_draft {
             options
                 .entry("max_draft")
                 .or_insert(toml::Value::Integer(m as i64));
         }
+        if p.isolation == Isolation::Process {
+            // The library is loaded only by the child, never by the daemon.
+            let spec = plugins::ProcessSpec {
+                name: p.name.clone(),
+                exe: plugins::plugin_host_exe()?,
+                library: path.canonicalize().map_err(|e| {
+                    SpecdError::Plugin(format!(
+                        "proposer `{}`: {}: cannot open: {e}",
+                        p.name,
+                        path.display()
+                    ))
+                })?,
+                options: toml::to_string(&options).map_err(|e| {
+                    SpecdError::Plugin(format!("proposer `{}`: options: {e}", p.name))
+                })?,
+                dims: plugins::TargetDims::of(&model.config),
+                model: self.model_path().ok(),
+                propose_timeout: std::time::Duration::from_millis(
+                    p.propose_timeout_ms.unwrap_or(DEFAULT_PROPOSE_TIMEOUT_MS),
+                ),
+                init_timeout: std::time::Duration::from_secs(30),
+            };
+            return Ok(Box::new(plugins::ProcessProposer::spawn(spec)?));
+        }
+        let lib = plugins::load_library(&path)
+            .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?;
         Ok(Box::new(PluginProposer::create(
             &p.name,
             lib,

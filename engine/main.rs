@@ -37,6 +37,14 @@ enum Cmd {
     },
     /// Serve the OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// The child process of a proposer with `isolation = "process"`
+    /// (started by the daemon; not for direct use).
+    #[command(hide = true)]
+    PluginHost {
+        /// The daemon's Unix socket.
+        #[arg(long)]
+        socket: std::path::PathBuf,
+    },
     /// Fetch the default model into $SPECD_HOME (default ~/.cache/specd);
     /// a cached copy whose SHA-256 matches is kept.
     FetchModel {
@@ -48,7 +56,12 @@ enum Cmd {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        // Warnings (a poisoned proposer, a plugin host that died) show
+        // unless RUST_LOG says otherwise.
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Cli::parse()) {
@@ -65,5 +78,6 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Ab(a) => cli::ab::run(a),
         Cmd::Distill { what } => cli::distill::run(what),
         Cmd::BenchModel(a) => cli::bench::run(a),
+        Cmd::PluginHost { socket } => Ok(specd::plugins::host::serve(&socket)?),
     }
 }

@@ -5,7 +5,8 @@
 //! before it reads a pointer.
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
 use specd_plugin_abi as abi;
 
@@ -13,11 +14,66 @@ use super::library::abi_string;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
-/// What the host offers plugins through `HostApi`.
+/// What the host offers plugins through `HostApi`: the target model and
+/// tokenizer, given up front (in-process) or loaded from `loader` on the
+/// first callback that needs them (a plugin-host child process, where a
+/// plugin that never calls `embed`/`lm_head`/`token_text` never pays for a
+/// second copy of the model).
 pub(super) struct HostCtx {
     pub proposer: String,
-    pub model: Option<Arc<Model>>,
-    pub tokenizer: Option<Arc<Tokenizer>>,
+    target: OnceLock<Target>,
+    loader: Option<PathBuf>,
+}
+
+/// The target model and tokenizer, either of which may be missing.
+type Target = (Option<Arc<Model>>, Option<Arc<Tokenizer>>);
+
+impl HostCtx {
+    pub fn new(
+        proposer: &str,
+        model: Option<Arc<Model>>,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Self {
+        Self {
+            proposer: proposer.to_string(),
+            target: OnceLock::from((model, tokenizer)),
+            loader: None,
+        }
+    }
+
+    /// Load the model and tokenizer at `path` when first needed.
+    pub fn lazy(proposer: &str, path: Option<PathBuf>) -> Self {
+        Self {
+            proposer: proposer.to_string(),
+            target: OnceLock::new(),
+            loader: path,
+        }
+    }
+
+    fn target(&self) -> &Target {
+        self.target.get_or_init(|| {
+            let Some(path) = &self.loader else {
+                return (None, None);
+            };
+            let model = crate::model::load_model(path, 1)
+                .map(Arc::new)
+                .map_err(|e| tracing::error!(proposer = %self.proposer, "plugin host: loading {}: {e}", path.display()))
+                .ok();
+            let tok = Tokenizer::for_model(path)
+                .map(Arc::new)
+                .map_err(|e| tracing::error!(proposer = %self.proposer, "plugin host: tokenizer of {}: {e}", path.display()))
+                .ok();
+            (model, tok)
+        })
+    }
+
+    pub fn model(&self) -> Option<&Arc<Model>> {
+        self.target().0.as_ref()
+    }
+
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.target().1.as_ref()
+    }
 }
 
 /// Run a host callback body, turning a panic into `default`: a panic must
@@ -83,7 +139,7 @@ pub(super) unsafe extern "C" fn host_embed(
         }
         // SAFETY: as in `host_log`.
         let ctx = unsafe { &*(ctx as *const HostCtx) };
-        let Some(m) = &ctx.model else { return 0 };
+        let Some(m) = ctx.model() else { return 0 };
         let h = m.config.hidden;
         // Checked before any pointer is read: `n * h` may overflow.
         match n.checked_mul(h) {
@@ -123,7 +179,7 @@ pub(super) unsafe extern "C" fn host_lm_head(
         }
         // SAFETY: as in `host_log`.
         let ctx = unsafe { &*(ctx as *const HostCtx) };
-        let Some(m) = &ctx.model else { return 0 };
+        let Some(m) = ctx.model() else { return 0 };
         let (h, v) = (m.config.hidden, m.config.vocab_size);
         let (Some(need), Some(input)) = (rows.checked_mul(v), rows.checked_mul(h)) else {
             return 0;
@@ -160,7 +216,7 @@ pub(super) unsafe extern "C" fn host_token_text(
         }
         // SAFETY: as in `host_log`.
         let ctx = unsafe { &*(ctx as *const HostCtx) };
-        let Some(text) = ctx.tokenizer.as_ref().and_then(|t| t.id_to_token(token)) else {
+        let Some(text) = ctx.tokenizer().and_then(|t| t.id_to_token(token)) else {
             return 0;
         };
         if out.is_null() || text.len() > cap {

@@ -13,10 +13,28 @@ use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::Distribution;
 use crate::speculative::proposer::{
-    Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind, SiblingMode,
+    Capabilities, Draft, DraftQ, ProposeInput, Proposer, ProposerInfo, QKind, SiblingMode,
 };
 use crate::speculative::SeqId;
 use crate::tokenizer::Tokenizer;
+
+/// The target model's sizes a plugin instance is told about.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TargetDims {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub layers: usize,
+}
+
+impl TargetDims {
+    pub fn of(c: &crate::model::ModelConfig) -> Self {
+        Self {
+            vocab: c.vocab_size,
+            hidden: c.hidden,
+            layers: c.layers,
+        }
+    }
+}
 
 /// A plugin instance as an engine `Proposer`.
 pub struct PluginProposer {
@@ -25,6 +43,7 @@ pub struct PluginProposer {
     inst: abi::Instance,
     caps: abi::Capabilities,
     vocab: usize,
+    hidden: usize,
     // Boxed so the pointers handed to the plugin stay put.
     _host: Box<abi::HostApi>,
     _ctx: Box<HostCtx>,
@@ -67,14 +86,44 @@ impl PluginProposer {
         model: Option<Arc<Model>>,
         tokenizer: Option<Arc<Tokenizer>>,
     ) -> Result<Self> {
-        let vocab = model.as_ref().map(|m| m.config.vocab_size).unwrap_or(0);
-        let hidden = model.as_ref().map(|m| m.config.hidden).unwrap_or(0);
-        let layers = model.as_ref().map(|m| m.config.layers).unwrap_or(0);
-        let ctx = Box::new(HostCtx {
-            proposer: name.to_string(),
-            model,
-            tokenizer,
-        });
+        let dims = model
+            .as_ref()
+            .map(|m| TargetDims::of(&m.config))
+            .unwrap_or_default();
+        Self::create_with(
+            name,
+            lib,
+            options,
+            dims,
+            HostCtx::new(name, model, tokenizer),
+        )
+    }
+
+    /// Like `create`, for a plugin-host child: the target's sizes are given
+    /// and the model at `model_path` is loaded only if a callback needs it.
+    pub fn create_lazy(
+        name: &str,
+        lib: Arc<PluginLibrary>,
+        options: &toml::Table,
+        dims: TargetDims,
+        model_path: Option<std::path::PathBuf>,
+    ) -> Result<Self> {
+        Self::create_with(name, lib, options, dims, HostCtx::lazy(name, model_path))
+    }
+
+    fn create_with(
+        name: &str,
+        lib: Arc<PluginLibrary>,
+        options: &toml::Table,
+        dims: TargetDims,
+        ctx: HostCtx,
+    ) -> Result<Self> {
+        let TargetDims {
+            vocab,
+            hidden,
+            layers,
+        } = dims;
+        let ctx = Box::new(ctx);
         let host = Box::new(abi::HostApi {
             struct_size: abi::size_of::<abi::HostApi>(),
             vocab_size: vocab as u32,
@@ -130,6 +179,7 @@ impl PluginProposer {
             inst,
             caps,
             vocab,
+            hidden,
             _host: host,
             _ctx: ctx,
             bufs: Buffers::default(),
@@ -187,6 +237,18 @@ impl Proposer for PluginProposer {
         &self.name
     }
 
+    fn info(&self) -> ProposerInfo {
+        ProposerInfo {
+            plugin: self.lib.name.clone(),
+            version: self.lib.version.clone(),
+            build_id: self.lib.build_id.clone(),
+            path: Some(self.lib.path.display().to_string()),
+            isolation: "none".into(),
+            state: "healthy".into(),
+            ..ProposerInfo::default()
+        }
+    }
+
     fn capabilities(&self) -> Capabilities {
         let c = &self.caps;
         Capabilities {
@@ -233,12 +295,7 @@ impl Proposer for PluginProposer {
             abi::Q_FULL => self.vocab,
             _ => 0,
         };
-        let width = self
-            ._ctx
-            .model
-            .as_ref()
-            .map(|m| m.config.hidden)
-            .unwrap_or(0);
+        let width = self.hidden;
         // Every declared layer, in declaration order, one block each.
         let hidden: Vec<Vec<f32>> = batch
             .iter()

@@ -13,20 +13,30 @@
 //!   which the `Drafter` turns into poisoning (plain decoding), never a lost
 //!   request.
 //!
+//! - Under `isolation = "process"` the library is never loaded into the
+//!   daemon: a `specd plugin-host` child loads it, and a child that dies or
+//!   hangs is replaced while its sequences decode plainly (`process`).
+//!
 //! Rooms: `library` (load and validate a cdylib), `callbacks` (the
 //! `HostApi` the host gives every instance), `instance` (a plugin instance
-//! as an engine `Proposer`); this file finds libraries by name.
+//! as an engine `Proposer`), `wire` (the plugin-host protocol), `process`
+//! (the daemon's side of a plugin-host child), `host` (the child's side);
+//! this file finds libraries by name.
 
 use std::path::PathBuf;
 
 use crate::error::{Result, SpecdError};
 
 mod callbacks;
+pub mod host;
 mod instance;
 mod library;
+pub mod process;
+pub mod wire;
 
-pub use instance::PluginProposer;
+pub use instance::{PluginProposer, TargetDims};
 pub use library::{load_library, PluginLibrary};
+pub use process::{plugin_host_exe, ProcessProposer, ProcessSpec};
 
 /// The directories searched for plugins by name: `extra` (from config),
 /// `$SPECD_PLUGIN_PATH`, then the running executable's directory and its

@@ -335,6 +335,29 @@ impl Proposer for Compose {
         self.caps.clone()
     }
 
+    /// `compose(a, b)`; process isolation, restarts and failures summed
+    /// over the members; restarting while any member is.
+    fn info(&self) -> super::proposer::ProposerInfo {
+        let members: Vec<_> = self.members.iter().map(|m| m.proposer.info()).collect();
+        let names: Vec<&str> = self.members.iter().map(|m| m.name.as_str()).collect();
+        let isolated = members.iter().any(|i| i.isolation == "process");
+        super::proposer::ProposerInfo {
+            plugin: format!("compose({})", names.join(", ")),
+            isolation: if isolated { "process" } else { "none" }.into(),
+            state: if members.iter().any(|i| i.state != "healthy") {
+                "restarting"
+            } else {
+                "healthy"
+            }
+            .into(),
+            restarts: members.iter().map(|i| i.restarts).sum(),
+            crashes: members.iter().map(|i| i.crashes).sum(),
+            timeouts: members.iter().map(|i| i.timeouts).sum(),
+            last_failure: members.iter().find_map(|i| i.last_failure.clone()),
+            ..Default::default()
+        }
+    }
+
     fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String> {
         self.seqs.remove(&seq);
         for m in &mut self.members {

@@ -156,11 +156,45 @@ pub struct ProposeInput<'a> {
     pub hidden_start: usize,
 }
 
+/// What the admin listing (`GET /v1/admin/proposers`) says about a
+/// proposer instance.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct ProposerInfo {
+    /// The plugin's own name (a built-in's name, or `compose`).
+    pub plugin: String,
+    pub version: String,
+    pub build_id: String,
+    /// The library it was loaded from.
+    pub path: Option<String>,
+    /// `none` (in the daemon's process) or `process` (a plugin-host child).
+    pub isolation: String,
+    /// `healthy`, `restarting` (a child is being replaced) or `poisoned`.
+    pub state: String,
+    /// The plugin host's process id (process isolation).
+    pub pid: Option<u32>,
+    pub restarts: u64,
+    pub crashes: u64,
+    pub timeouts: u64,
+    /// From a child's failure to its replacement's first answer.
+    pub last_recovery_ms: Option<f64>,
+    pub last_failure: Option<String>,
+}
+
 /// A drafting strategy. Implementations live in the engine (built-ins and
 /// test proposers) or behind the plugin ABI.
 pub trait Proposer: Send {
     fn name(&self) -> &str;
     fn capabilities(&self) -> Capabilities;
+    /// What to list about this instance (defaults: an in-process proposer
+    /// named after itself, healthy).
+    fn info(&self) -> ProposerInfo {
+        ProposerInfo {
+            plugin: self.name().to_string(),
+            isolation: "none".into(),
+            state: "healthy".into(),
+            ..ProposerInfo::default()
+        }
+    }
     /// A sequence starts (or restarts after preemption) with `prompt`.
     fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String>;
     /// Draft for every sequence in `batch` in one call.
