@@ -112,6 +112,21 @@ pub struct ProposerConfig {
     pub options: toml::Table,
 }
 
+/// What a reload does (see `Config::plan_reload`).
+#[derive(Debug, Clone, Default)]
+pub struct ReloadPlan {
+    /// The config to run with afterwards.
+    pub merged: Config,
+    /// Unchanged proposers (their instances stay).
+    pub keep: Vec<String>,
+    /// New names, and changed ones (fresh instances of both are built).
+    pub added: Vec<String>,
+    pub replaced: Vec<String>,
+    pub removed: Vec<String>,
+    /// Sections the file changed that a reload does not apply.
+    pub not_applied: Vec<String>,
+}
+
 /// Where a plugin runs.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -156,6 +171,9 @@ pub struct ServerSection {
     /// they spell, so a client cannot forge a system or assistant turn.
     /// Only for trusted deployments.
     pub parse_special_tokens: bool,
+    /// Serve `/v1/admin/*` (proposer listing and reload; behind the API
+    /// key when one is set). Off: 404.
+    pub admin: bool,
 }
 
 /// One traffic-split arm.
@@ -180,6 +198,7 @@ impl Default for ServerSection {
             split: Vec::new(),
             parse_special_tokens: false,
             shadow: Vec::new(),
+            admin: true,
         }
     }
 }
@@ -326,6 +345,12 @@ impl Config {
         for p in &self.proposer {
             if p.name == "none" || p.name.is_empty() {
                 return err(format!("proposer name `{}` is reserved", p.name));
+            }
+            if p.name.contains('@') {
+                return err(format!(
+                    "proposer name `{}`: `@` is reserved (it marks instances retired by a reload)",
+                    p.name
+                ));
             }
             if !seen.insert(p.name.as_str()) {
                 return err(format!("proposer `{}` is defined twice", p.name));
@@ -652,6 +677,102 @@ impl Config {
         s.adaptive_draft = self.engine.adaptive_draft;
         s.draft_cost = self.engine.draft_cost;
         s.default_proposer = Some(self.engine.default_proposer.clone()).filter(|p| p != "none");
+    }
+
+    /// Plan a reload from `new` (the config file read again): what a reload
+    /// may change is taken from it (`[[proposer]]`, `[plugins]`, `[[route]]`,
+    /// `[server] split` and `allow_request_proposer`, `[engine]
+    /// default_proposer`), everything else stays as running (`self`), and
+    /// sections of `new` that differ from `file_before` (the file as last
+    /// applied) in anything else are listed as not applied. The merged
+    /// config is validated as a whole: an invalid one is an error and
+    /// changes nothing.
+    pub fn plan_reload(&self, file_before: &Config, new: &Config) -> Result<ReloadPlan> {
+        let mut merged = self.clone();
+        merged.proposer = new.proposer.clone();
+        merged.plugins = new.plugins.clone();
+        merged.route = new.route.clone();
+        merged.server.split = new.server.split.clone();
+        merged.server.allow_request_proposer = new.server.allow_request_proposer;
+        merged.engine.default_proposer = new.engine.default_proposer.clone();
+        merged.source = new.source.clone();
+        let file = new
+            .source
+            .as_ref()
+            .map(|s| s.display().to_string())
+            .unwrap_or_default();
+        merged.validate(&file).map_err(|e| match e {
+            SpecdError::Config { file, msg } if msg.starts_with("server.shadow") => {
+                SpecdError::Config {
+                    file,
+                    msg: format!(
+                        "{msg} (shadow proposers are not reloaded: keep them, or restart)"
+                    ),
+                }
+            }
+            e => e,
+        })?;
+        // What stays as running although the file changed it.
+        let mut not_applied = Vec::new();
+        let (mut a, mut b) = (file_before.clone(), new.clone());
+        for c in [&mut a, &mut b] {
+            c.proposer.clear();
+            c.plugins = Default::default();
+            c.route.clear();
+            c.server.split.clear();
+            c.server.allow_request_proposer = true;
+            c.engine.default_proposer.clear();
+            c.source = None;
+        }
+        if a.model != b.model {
+            not_applied.push("[model]".to_string());
+        }
+        if a.engine != b.engine {
+            not_applied.push("[engine] (other than default_proposer)".to_string());
+        }
+        if a.server.shadow != b.server.shadow {
+            not_applied.push("[server] shadow".to_string());
+        }
+        a.server.shadow.clear();
+        b.server.shadow.clear();
+        if a.server != b.server {
+            not_applied.push("[server] (other than split and allow_request_proposer)".to_string());
+        }
+        if a.ab != b.ab {
+            not_applied.push("[ab]".to_string());
+        }
+        let plugins_same = self.plugins == merged.plugins;
+        let same = |n: &str| -> bool {
+            let (Some(o), Some(p)) = (
+                self.proposer.iter().find(|p| p.name == n),
+                merged.proposer.iter().find(|p| p.name == n),
+            ) else {
+                return false;
+            };
+            o == p && (plugins_same || (p.path.is_some() && p.compose.is_empty()))
+        };
+        let mut plan = ReloadPlan {
+            not_applied,
+            ..Default::default()
+        };
+        for p in &merged.proposer {
+            let unchanged = same(&p.name) && p.compose.iter().all(|m| same(m));
+            if unchanged {
+                plan.keep.push(p.name.clone());
+            } else if self.proposer.iter().any(|o| o.name == p.name) {
+                plan.replaced.push(p.name.clone());
+            } else {
+                plan.added.push(p.name.clone());
+            }
+        }
+        plan.removed = self
+            .proposer
+            .iter()
+            .filter(|o| !merged.proposer.iter().any(|p| p.name == o.name))
+            .map(|o| o.name.clone())
+            .collect();
+        plan.merged = merged;
+        Ok(plan)
     }
 
     /// The proposer for requests to `model` that name none.

@@ -206,3 +206,212 @@ isolation = "process"
         "nothing was accepted: the comparison is empty"
     );
 }
+
+/// A config whose proposers are `tables` (name, plugin, extra lines).
+fn proposers_config(extra: &str, tables: &[(&str, &str, &str)]) -> String {
+    let mut c =
+        format!("[engine]\nmax_running = 16\nmax_batch_tokens = 512\nmax_draft = 4\n{extra}");
+    for (name, plugin, more) in tables {
+        c.push_str(&format!(
+            "\n[[proposer]]\nname = \"{name}\"\nplugin = \"{plugin}\"\n{more}\n"
+        ));
+    }
+    c
+}
+
+fn listing(d: &Daemon) -> Vec<serde_json::Value> {
+    let r = d.request("GET", "/v1/admin/proposers", None, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["data"].as_array().unwrap().clone()
+}
+
+fn live_names(d: &Daemon) -> Vec<String> {
+    let mut v: Vec<String> = listing(d)
+        .iter()
+        .filter(|p| p["role"] == "live")
+        .map(|p| p["name"].as_str().unwrap().to_string())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn reload_under_load_swaps_proposers_between_steps_and_loses_nothing() {
+    let lib = crashy();
+    let first = proposers_config("", &[("ngram", "ngram", ""), ("spare", "suffix", "")]);
+    let d = Daemon::start(&first, &[]);
+    let prompt = |i: usize| format!("{} Again: {}", PROMPTS[i % 3], PROMPTS[i % 3]);
+    let plain: Vec<String> = (0..3)
+        .map(|i| {
+            let r = d.post("/v1/completions", &json!({"prompt": prompt(i), "max_tokens": 96, "temperature": 0, "ignore_eos": true, "speculation": {"proposer": "none"}}));
+            r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    // Streams on `ngram` and `spare` while the config changes under them.
+    let before = d.metric("specd_generated_tokens_total");
+    let handles: Vec<_> = (0..12)
+        .map(|i| {
+            let (addr, p) = (d.addr.clone(), prompt(i));
+            let prop = if i % 2 == 0 { "ngram" } else { "spare" };
+            std::thread::spawn(move || {
+                let body = json!({"prompt": p, "max_tokens": 96, "temperature": 0, "stream": true,
+                                  "ignore_eos": true, "speculation": {"proposer": prop}});
+                let r = common::http(
+                    &addr,
+                    "POST",
+                    "/v1/completions",
+                    Some(&body.to_string()),
+                    &[],
+                );
+                assert_eq!(r.status, 200, "{}", r.body);
+                assert!(r.body.ends_with("data: [DONE]\n\n"), "{}", r.body);
+                let text: String = r
+                    .sse()
+                    .iter()
+                    .map(|c| c["choices"][0]["text"].as_str().unwrap_or("").to_string())
+                    .collect();
+                (i, prop, text)
+            })
+        })
+        .collect();
+    let t = Instant::now();
+    while d.metric("specd_generated_tokens_total") < before + 24.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the streams never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // ngram changes (max_draft 2, in a plugin-host child), spare goes,
+    // fresh comes and becomes the default route.
+    let second = format!(
+        "{}\n[[proposer]]\nname = \"fresh\"\npath = \"{lib}\"\n",
+        proposers_config(
+            "default_proposer = \"fresh\"\n",
+            &[("ngram", "ngram", "max_draft = 2\nisolation = \"process\"")],
+        )
+    );
+    std::fs::write(d.config_path(), &second).unwrap();
+    let r = d.request("POST", "/v1/admin/proposers/reload", None, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let rep = r.json();
+    assert_eq!(rep["replaced"], json!(["ngram"]), "{rep}");
+    assert_eq!(rep["added"], json!(["fresh"]), "{rep}");
+    assert_eq!(rep["removed"], json!(["spare"]), "{rep}");
+    assert_eq!(rep["not_applied"], json!([]), "{rep}");
+    let moved =
+        rep["retired_sequences"].as_u64().unwrap() + rep["orphaned_sequences"].as_u64().unwrap();
+    for h in handles {
+        let (i, prop, text) = h.join().unwrap();
+        assert_eq!(
+            text,
+            plain[i % 3],
+            "request {i} on `{prop}` changed across the reload"
+        );
+    }
+    assert!(moved > 0, "the reload met no running sequence: {rep}");
+    assert_eq!(live_names(&d), ["fresh", "ngram"]);
+    let rows = listing(&d);
+    let ngram = rows.iter().find(|p| p["name"] == "ngram").unwrap();
+    assert_eq!(ngram["isolation"], "process", "{ngram}");
+    assert_eq!(ngram["max_draft"], 2, "{ngram}");
+    assert_eq!(ngram["state"], "healthy", "{ngram}");
+    assert!(ngram["pid"].as_u64().is_some(), "{ngram}");
+    let fresh = rows.iter().find(|p| p["name"] == "fresh").unwrap();
+    assert_eq!(fresh["plugin"], "crashy", "{fresh}");
+    assert!(
+        rows.iter().all(|p| p["role"] != "retired"),
+        "retired instances outlived their sequences: {rows:?}"
+    );
+    // New requests: the new set, the new default route; `spare` is gone.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": prompt(0), "max_tokens": 96, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(r.json()["usage"]["speculation"]["proposer"], "fresh");
+    assert_eq!(r.json()["choices"][0]["text"], plain[0]);
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2, "speculation": {"proposer": "spare"}}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    // Invalid reloads change nothing and say why.
+    for (bad, why) in [
+        ("[[proposer]\nname = ", "TOML parse error"),
+        (
+            proposers_config("", &[("ngram", "no-such-plugin", "")]).as_str(),
+            "unknown plugin 'no-such-plugin'",
+        ),
+        (
+            proposers_config("", &[("x", "ngram", "propose_timeout_ms = 5")]).as_str(),
+            "propose_timeout_ms needs isolation",
+        ),
+        (
+            proposers_config("", &[("a@b", "ngram", "")]).as_str(),
+            "`@` is reserved",
+        ),
+    ] {
+        std::fs::write(d.config_path(), bad).unwrap();
+        let r = d.request("POST", "/v1/admin/proposers/reload", None, &[]);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body.contains(why), "`{why}` not in: {}", r.body);
+        assert_eq!(live_names(&d), ["fresh", "ngram"]);
+    }
+    // SIGHUP reloads the same way.
+    let third = proposers_config("", &[("ngram", "ngram", ""), ("viahup", "suffix", "")]);
+    std::fs::write(d.config_path(), &third).unwrap();
+    let pid = d.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t = Instant::now();
+    while live_names(&d) != ["ngram", "viahup"] {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "SIGHUP never reloaded: {:?}",
+            live_names(&d)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(d
+        .stderr
+        .lock()
+        .unwrap()
+        .contains("SIGHUP: proposers reloaded"));
+    let r = d.post("/v1/completions", &json!({"prompt": prompt(1), "max_tokens": 96, "temperature": 0, "ignore_eos": true, "speculation": {"proposer": "viahup"}}));
+    assert_eq!(r.json()["choices"][0]["text"], plain[1]);
+    let t = Instant::now();
+    while d.metric("specd_kv_used_blocks") != 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(20), "KV never freed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn admin_endpoints_need_the_api_key_and_vanish_when_disabled() {
+    let d = Daemon::start(
+        &proposers_config("", &[("ngram", "ngram", "")]),
+        &[("SPECD_API_KEY", "sesame")],
+    );
+    for (method, path) in [
+        ("GET", "/v1/admin/proposers"),
+        ("POST", "/v1/admin/proposers/reload"),
+    ] {
+        assert_eq!(d.request(method, path, None, &[]).status, 401);
+    }
+    let auth = [("Authorization", "Bearer sesame")];
+    let r = d.request("GET", "/v1/admin/proposers", None, &auth);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["data"][0]["name"], "ngram");
+    assert_eq!(r.json()["data"][0]["isolation"], "none");
+    drop(d);
+    let d = Daemon::start("[server]\nadmin = false\n", &[]);
+    for (method, path) in [
+        ("GET", "/v1/admin/proposers"),
+        ("POST", "/v1/admin/proposers/reload"),
+    ] {
+        assert_eq!(d.request(method, path, None, &[]).status, 404);
+    }
+}

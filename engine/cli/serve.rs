@@ -34,6 +34,7 @@ pub struct ServeArgs {
 
 pub fn run(a: ServeArgs) -> Result<()> {
     let mut cfg = load_config(&a.config)?;
+    let file_cfg = cfg.clone();
     if let Some(h) = a.host {
         cfg.server.host = h;
     }
@@ -92,7 +93,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::for_model(&model_path)?);
     let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
-    let proposers = drafter.names();
     let ec = cfg.engine_config(&model);
     let model_name = cfg.model.name.clone().unwrap_or_else(|| {
         model_path
@@ -111,27 +111,26 @@ pub fn run(a: ServeArgs) -> Result<()> {
         cfg.server.shutdown_grace_secs,
         cfg.server.max_body_bytes,
     );
-    let max_seq_len = model.config.max_seq_len;
     actix_web::rt::System::new().block_on(async move {
         let engine = EngineHandle::start(EngineParts {
-            model,
+            model: model.clone(),
             tokenizer: Some(tok.clone()),
             config: ec,
             drafter,
         });
         let watched = engine.clone();
-        let state = actix_web::web::Data::new(specd::server::AppState {
-            engine,
-            tokenizer: tok,
-            model_name: model_name.clone(),
-            config: cfg,
-            max_seq_len,
-            api_key,
-            metrics: Some(metrics),
-            ready: std::sync::atomic::AtomicBool::new(true),
-            proposers,
-            split_rng: std::sync::Mutex::new(specd::sampler::Rng::new(0x5eed)),
-        });
+        let state =
+            actix_web::web::Data::new(specd::server::AppState::new(specd::server::AppParts {
+                engine,
+                model,
+                tokenizer: tok,
+                model_name: model_name.clone(),
+                config: cfg,
+                file_config: file_cfg,
+                api_key,
+                metrics: Some(metrics),
+            }));
+        reload_on_sighup(state.clone());
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new()
                 .app_data(state.clone())
@@ -184,6 +183,36 @@ fn watchdog(
         }
     });
     out
+}
+
+/// SIGHUP: re-read the config file's proposers and routing, as
+/// `POST /v1/admin/proposers/reload` does; the outcome goes to the log.
+fn reload_on_sighup(state: actix_web::web::Data<specd::server::AppState>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        eprintln!("specd: cannot listen for SIGHUP; reload with POST /v1/admin/proposers/reload");
+        return;
+    };
+    actix_web::rt::spawn(async move {
+        while hup.recv().await.is_some() {
+            match specd::server::admin::reload(&state).await {
+                Ok(r) => eprintln!(
+                    "specd: SIGHUP: proposers reloaded (generation {}; added {:?}, replaced {:?}, removed {:?}; {} sequences finish on replaced instances){}",
+                    r.generation,
+                    r.added,
+                    r.replaced,
+                    r.removed,
+                    r.retired_sequences,
+                    if r.not_applied.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; not applied (restart): {}", r.not_applied.join(", "))
+                    }
+                ),
+                Err(e) => eprintln!("specd: SIGHUP: reload refused, nothing changed: {}", e.message),
+            }
+        }
+    });
 }
 
 /// Where a config came from, for messages.

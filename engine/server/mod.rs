@@ -14,14 +14,19 @@
 //! - Usage in every response (and the final SSE chunk) comes from the
 //!   engine's `Completion`, the same numbers the metrics count.
 //! - `/health` and `/ready` ping the engine and answer 503 once it failed.
+//! - The routing config (`AppState::config`) is swapped whole by a reload
+//!   (`admin`), after the engine accepted the new proposer set; a request
+//!   reads one snapshot of it.
 
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use crate::config::Config;
+use crate::model::Model;
 use crate::speculative::actors::EngineHandle;
 use crate::tokenizer::Tokenizer;
 
+pub mod admin;
 pub mod errors;
 pub mod requests;
 mod routes;
@@ -33,14 +38,71 @@ pub use routes::{default_service, routes};
 /// Shared server state.
 pub struct AppState {
     pub engine: EngineHandle,
+    /// The target (reloads build proposers against it).
+    pub model: Arc<Model>,
     pub tokenizer: Arc<Tokenizer>,
     pub model_name: String,
-    pub config: Config,
+    /// The running config (with command-line overrides); replaced by a
+    /// reload.
+    config: RwLock<Arc<Config>>,
+    /// The config file as last applied (a reload compares against it).
+    file_config: RwLock<Arc<Config>>,
     pub max_seq_len: usize,
     pub api_key: Option<String>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub ready: AtomicBool,
-    pub proposers: Vec<String>,
     /// Draws traffic-split arms.
     pub split_rng: std::sync::Mutex<crate::sampler::Rng>,
+    /// One reload at a time.
+    reload_lock: tokio::sync::Mutex<()>,
+}
+
+/// What `AppState::new` needs.
+pub struct AppParts {
+    pub engine: EngineHandle,
+    pub model: Arc<Model>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub model_name: String,
+    /// What runs (command-line overrides applied).
+    pub config: Config,
+    /// The config file as read.
+    pub file_config: Config,
+    pub api_key: Option<String>,
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+}
+
+impl AppState {
+    pub fn new(p: AppParts) -> Self {
+        Self {
+            engine: p.engine,
+            max_seq_len: p.model.config.max_seq_len,
+            model: p.model,
+            tokenizer: p.tokenizer,
+            model_name: p.model_name,
+            config: RwLock::new(Arc::new(p.config)),
+            file_config: RwLock::new(Arc::new(p.file_config)),
+            api_key: p.api_key,
+            metrics: p.metrics,
+            ready: AtomicBool::new(true),
+            split_rng: std::sync::Mutex::new(crate::sampler::Rng::new(0x5eed)),
+            reload_lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// A snapshot of the running config.
+    pub fn config(&self) -> Arc<Config> {
+        self.config
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Routable proposer names.
+    pub fn proposers(&self) -> Vec<String> {
+        self.config()
+            .proposer
+            .iter()
+            .map(|p| p.name.clone())
+            .collect()
+    }
 }

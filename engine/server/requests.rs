@@ -612,20 +612,22 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         Some(Stop::Many(v)) => v,
     };
     let spec = c.speculation.unwrap_or_default();
+    let config = st.config();
     let mut proposer = None;
     if let Some(p) = spec.proposer {
-        if !st.config.server.allow_request_proposer {
+        if !config.server.allow_request_proposer {
             return Err(ApiError::bad_field(
                 "speculation.proposer",
                 "this server does not allow choosing the proposer per request",
             ));
         }
-        if p != "none" && !st.proposers.contains(&p) {
+        let names = st.proposers();
+        if p != "none" && !names.contains(&p) {
             return Err(ApiError::bad_field(
                 "speculation.proposer",
                 format!(
                     "unknown proposer `{p}` (available: none, {})",
-                    st.proposers.join(", ")
+                    names.join(", ")
                 ),
             ));
         }
@@ -635,9 +637,9 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
     // then the model's route (or the engine default).
     let (proposer, arm) = match proposer {
         Some(p) => (p, None),
-        None => match pick_split(st) {
+        None => match pick_split(st, &config) {
             Some(sp) => (sp.proposer.clone(), Some(sp.name.clone())),
-            None => (st.config.route(&st.model_name).to_string(), None),
+            None => (config.route(&st.model_name).to_string(), None),
         },
     };
     Ok(Parsed {
@@ -660,8 +662,11 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
 }
 
 /// A weighted random traffic-split arm, if splits are configured.
-fn pick_split(st: &AppState) -> Option<&crate::config::Split> {
-    let splits = &st.config.server.split;
+fn pick_split<'c>(
+    st: &AppState,
+    config: &'c crate::config::Config,
+) -> Option<&'c crate::config::Split> {
+    let splits = &config.server.split;
     let total: f64 = splits.iter().map(|s| s.weight).sum();
     if splits.is_empty() || total <= 0.0 {
         return None;
@@ -688,7 +693,7 @@ fn pick_split(st: &AppState) -> Option<&crate::config::Split> {
 pub fn encode(st: &AppState, prompt: &PromptIn) -> Result<Vec<u32>, ApiError> {
     let ids = match prompt {
         PromptIn::Ids(ids) => ids.clone(),
-        PromptIn::Text(text) if st.config.server.parse_special_tokens => {
+        PromptIn::Text(text) if st.config().server.parse_special_tokens => {
             st.tokenizer.encode(text, true).map_err(ApiError::from)?
         }
         PromptIn::Text(text) => st
@@ -704,7 +709,7 @@ pub fn encode(st: &AppState, prompt: &PromptIn) -> Result<Vec<u32>, ApiError> {
 pub fn encode_chat(st: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
     let ids = st
         .tokenizer
-        .encode_chat(messages, true, st.config.server.parse_special_tokens)
+        .encode_chat(messages, true, st.config().server.parse_special_tokens)
         .map_err(ApiError::from)?;
     check_prompt(st, ids)
 }

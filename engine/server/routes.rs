@@ -24,7 +24,7 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiError> {
+pub(super) fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiError> {
     let Some(key) = &st.api_key else {
         return Ok(());
     };
@@ -227,7 +227,7 @@ async fn speculation_stats(req: HttpRequest, st: State) -> Result<HttpResponse, 
     Ok(HttpResponse::Ok().json(json!({
         "arms": arms,
         "shadows": shadows,
-        "splits": st.config.server.split,
+        "splits": st.config().server.split,
     })))
 }
 
@@ -296,7 +296,15 @@ pub fn routes(cfg: &mut web::ServiceConfig, body_limit: usize) {
         .route("/v1/speculation/stats", web::get().to(speculation_stats))
         .route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
-        .route("/metrics", web::get().to(metrics_text));
+        .route("/metrics", web::get().to(metrics_text))
+        .route(
+            "/v1/admin/proposers",
+            web::get().to(super::admin::list_proposers),
+        )
+        .route(
+            "/v1/admin/proposers/reload",
+            web::post().to(super::admin::reload_proposers),
+        );
 }
 
 /// Default handler for unknown paths.

@@ -17,6 +17,10 @@
 //!   every live request ends with an error event, `EngineHealth` records the
 //!   failure (so `/health` and `/ready` answer 503) and the daemon exits
 //!   non-zero for its supervisor to restart it.
+//! - A reload (`Reload`) is applied between steps: the scheduler renames the
+//!   sequences whose proposer is replaced to the old instance's retired key
+//!   and updates its capability map, then sends `Swap` to the draft actor,
+//!   whose mailbox orders it before the next step's draft request.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -27,7 +31,7 @@ use actix::prelude::*;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::accept::Acceptor;
-use super::drafter::Drafter;
+use super::drafter::{Drafter, ProposerListing, ProposerSet};
 use super::driver::EngineConfig;
 use super::kv_manager::Grant;
 use super::kv_manager::{KvManager, Pool, PoolUsage};
@@ -136,6 +140,33 @@ impl Handler<GetShadowStats> for DraftActor {
     }
 }
 
+/// Replace the proposer set (see `Drafter::swap`).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Swap {
+    pub set: ProposerSet,
+    pub retire: Vec<(SeqId, String)>,
+}
+
+impl Handler<Swap> for DraftActor {
+    type Result = ();
+    fn handle(&mut self, msg: Swap, _: &mut Self::Context) {
+        self.drafter.swap(msg.set, &msg.retire);
+    }
+}
+
+/// Every proposer, for `GET /v1/admin/proposers`.
+#[derive(Message)]
+#[rtype(result = "Vec<ProposerListing>")]
+pub struct ListProposers;
+
+impl Handler<ListProposers> for DraftActor {
+    type Result = MessageResult<ListProposers>;
+    fn handle(&mut self, _: ListProposers, _: &mut Self::Context) -> Self::Result {
+        MessageResult(self.drafter.list())
+    }
+}
+
 // ------------------------------------------------------------ sample
 
 pub struct SamplerActor {
@@ -225,6 +256,32 @@ pub struct SchedulerActor {
     step: Option<Step>,
     steps: u64,
     health: Arc<EngineHealth>,
+    /// Names a reload removed: requests already routed to one decode
+    /// plainly instead of failing.
+    removed: std::collections::HashSet<String>,
+    /// Reloads applied so far (the retired keys' suffix).
+    generation: u64,
+    /// A reload that arrived during a step, applied when it commits.
+    pending_reload: Vec<(Reload, tokio::sync::oneshot::Sender<ReloadOutcome>)>,
+}
+
+/// Swap in a new proposer set between steps.
+#[derive(Message)]
+#[rtype(result = "std::result::Result<ReloadOutcome, String>")]
+pub struct Reload {
+    pub set: ProposerSet,
+    /// Every routable name after the reload.
+    pub names: Vec<String>,
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ReloadOutcome {
+    pub generation: u64,
+    /// Running sequences that keep a replaced instance until they end.
+    pub retired_sequences: usize,
+    /// Running sequences whose proposer was removed (now plain).
+    pub orphaned_sequences: usize,
 }
 
 impl Actor for SchedulerActor {
@@ -272,12 +329,32 @@ impl Handler<Submit> for SchedulerActor {
         if self.health.failure().is_some() {
             return Err(SpecdError::EngineStopped);
         }
-        let caps = &self.caps;
-        let id = self
-            .scheduler
-            .add(msg.req, Some(msg.sink), |n| caps.contains_key(n))?;
+        let (caps, removed) = (&self.caps, &self.removed);
+        let id = self.scheduler.add(msg.req, Some(msg.sink), |n| {
+            (caps.contains_key(n) && !n.contains('@')) || removed.contains(n)
+        })?;
         self.kick(ctx);
         Ok(id)
+    }
+}
+
+impl Handler<Reload> for SchedulerActor {
+    type Result = ResponseFuture<std::result::Result<ReloadOutcome, String>>;
+    fn handle(&mut self, msg: Reload, ctx: &mut Self::Context) -> Self::Result {
+        if self.health.failure().is_some() {
+            return Box::pin(async { Err("the engine has failed".to_string()) });
+        }
+        if self.step.is_none() {
+            let out = self.apply_reload(msg);
+            self.kick(ctx);
+            return Box::pin(async move { Ok(out) });
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.pending_reload.push((msg, tx));
+        Box::pin(async move {
+            rx.await
+                .map_err(|_| "the engine stopped before the reload".to_string())
+        })
     }
 }
 
@@ -309,9 +386,75 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> std::result::Result<T, Strin
 }
 
 impl SchedulerActor {
+    /// Apply a reload now (no step in flight).
+    fn apply_reload(&mut self, msg: Reload) -> ReloadOutcome {
+        self.generation += 1;
+        let gen = self.generation;
+        let Reload { set, names } = msg;
+        let replaced: std::collections::HashSet<String> =
+            set.proposers.iter().map(|p| p.name().to_string()).collect();
+        let mut out = ReloadOutcome {
+            generation: gen,
+            ..Default::default()
+        };
+        let mut retire = Vec::new();
+        for (seq, key) in self.scheduler.running_proposers() {
+            if replaced.contains(&key) && self.caps.contains_key(&key) {
+                let to = format!("{key}@{gen}");
+                if let Some(c) = self.caps.get(&key).cloned() {
+                    self.caps.insert(to.clone(), c);
+                }
+                self.scheduler.retire(seq, &to);
+                retire.push((seq, to));
+                out.retired_sequences += 1;
+            } else if !names.contains(&key) && !key.contains('@') {
+                out.orphaned_sequences += 1;
+            }
+        }
+        for n in self.caps.keys() {
+            if !n.contains('@') && !names.contains(n) {
+                self.removed.insert(n.clone());
+            }
+        }
+        for n in &names {
+            self.removed.remove(n);
+        }
+        // Capabilities: kept names as they were, new instances', retired.
+        let mut caps: HashMap<String, Capabilities> = self
+            .caps
+            .iter()
+            .filter(|(k, _)| (set.keep.contains(k) && !replaced.contains(*k)) || k.contains('@'))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for p in &set.proposers {
+            caps.insert(p.name().to_string(), p.capabilities());
+        }
+        // Retired keys nobody drafts with any more.
+        let in_use: std::collections::HashSet<String> = self
+            .scheduler
+            .running_proposers()
+            .into_iter()
+            .map(|(_, k)| k)
+            .collect();
+        caps.retain(|k, _| !k.contains('@') || in_use.contains(k));
+        self.caps = caps;
+        self.draft.do_send(Swap { set, retire });
+        out
+    }
+
+    /// Reloads that waited for the step to commit.
+    fn apply_pending_reloads(&mut self) {
+        for (msg, tx) in std::mem::take(&mut self.pending_reload) {
+            let out = self.apply_reload(msg);
+            let _ = tx.send(out);
+        }
+    }
+
     /// The engine cannot go on: fail everything and record why.
     fn fatal(&mut self, why: String) {
         self.step = None;
+        // Waiting reloads hear that the engine stopped.
+        self.pending_reload.clear();
         self.health.fail(&why);
         let msg = format!("engine failed: {why}");
         let _ = catch_unwind(AssertUnwindSafe(|| self.scheduler.fail_all(&msg)));
@@ -434,6 +577,7 @@ impl SchedulerActor {
         };
         // Ordered before the next step's grant (same sender, same mailbox).
         self.kv.do_send(lens);
+        self.apply_pending_reloads();
         self.kick(ctx);
     }
 }
@@ -519,6 +663,9 @@ impl EngineHandle {
             step: None,
             steps: 0,
             health: health.clone(),
+            removed: Default::default(),
+            generation: 0,
+            pending_reload: Vec::new(),
         }
         .start();
         Self {
@@ -569,6 +716,23 @@ impl EngineHandle {
             Ok(Err(e)) => Err(format!("the scheduler is gone ({e})")),
             Err(_) => Err(format!("the scheduler did not answer within {timeout:?}")),
         }
+    }
+
+    /// Swap in a new proposer set between steps (see `Reload`).
+    pub async fn reload(
+        &self,
+        set: ProposerSet,
+        names: Vec<String>,
+    ) -> std::result::Result<ReloadOutcome, String> {
+        self.scheduler
+            .send(Reload { set, names })
+            .await
+            .map_err(|e| format!("the scheduler is gone ({e})"))?
+    }
+
+    /// Every proposer the draft stage holds.
+    pub async fn proposers(&self) -> Option<Vec<ProposerListing>> {
+        self.draft.send(ListProposers).await.ok()
     }
 
     pub async fn kv_usage(&self) -> Option<PoolUsage> {

@@ -61,9 +61,51 @@ impl Shadow {
     }
 }
 
+/// A new set of proposers for `Drafter::swap` (a reload).
+pub struct ProposerSet {
+    /// New instances: added proposers, and replacements of changed ones.
+    pub proposers: Vec<Box<dyn Proposer>>,
+    /// Names whose current instance stays as it is (unchanged config).
+    pub keep: Vec<String>,
+}
+
+impl std::fmt::Debug for ProposerSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProposerSet")
+            .field(
+                "proposers",
+                &self.proposers.iter().map(|p| p.name()).collect::<Vec<_>>(),
+            )
+            .field("keep", &self.keep)
+            .finish()
+    }
+}
+
+/// One row of `Drafter::list`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ProposerListing {
+    pub name: String,
+    /// `live` (routable), `retired` (a replaced instance finishing its
+    /// sequences) or `shadow`.
+    pub role: &'static str,
+    pub live_sequences: usize,
+    pub max_draft: usize,
+    pub tree: bool,
+    pub hidden_layers: Vec<usize>,
+    #[serde(flatten)]
+    pub info: super::proposer::ProposerInfo,
+    pub poisoned: Option<String>,
+}
+
 /// Owns the proposers; one `propose` call per proposer per step.
+///
+/// Slots are keyed by proposer name; a reload (`swap`) that replaces a
+/// proposer with running sequences moves the old instance to a retired key
+/// (`name@generation`) that those sequences keep until they finish.
 pub struct Drafter {
     slots: HashMap<String, Slot>,
+    /// Keys of retired slots (dropped with their last sequence).
+    retired: std::collections::HashSet<String>,
     seqs: HashMap<SeqId, String>,
     shadows: Vec<Shadow>,
     /// The target's vocabulary size (drafted ids must fall below it).
@@ -97,6 +139,7 @@ impl Drafter {
     pub fn new() -> Self {
         Self {
             slots: HashMap::new(),
+            retired: Default::default(),
             seqs: HashMap::new(),
             shadows: Vec::new(),
             vocab: None,
@@ -147,8 +190,110 @@ impl Drafter {
         );
     }
 
+    /// Swap in a new set of proposers between steps (a reload): `keep`
+    /// names keep their instance; every other current proposer is dropped,
+    /// except one replaced while sequences still draft with it, which is
+    /// retired under the key `retire` names for it (`(seq, key)` pairs,
+    /// chosen by the scheduler, which plans with the same keys). Sequences
+    /// of a removed proposer decode plainly from the next step. Returns the
+    /// capabilities of every slot afterwards (retired ones included).
+    pub fn swap(
+        &mut self,
+        set: ProposerSet,
+        retire: &[(SeqId, String)],
+    ) -> HashMap<String, Capabilities> {
+        let mut old = std::mem::take(&mut self.slots);
+        let mut slots = HashMap::new();
+        for n in &set.keep {
+            if let Some(s) = old.remove(n) {
+                slots.insert(n.clone(), s);
+            }
+        }
+        for (seq, key) in retire {
+            let Some(name) = self.seqs.get(seq).cloned() else {
+                continue;
+            };
+            if let Some(s) = old.remove(&name) {
+                slots.insert(key.clone(), s);
+                self.retired.insert(key.clone());
+            }
+            if slots.contains_key(key) {
+                self.seqs.insert(*seq, key.clone());
+            }
+        }
+        // Retired slots from earlier reloads stay with their sequences.
+        for k in self.retired.iter() {
+            if let Some(s) = old.remove(k) {
+                slots.insert(k.clone(), s);
+            }
+        }
+        for p in set.proposers {
+            let caps = p.capabilities();
+            slots.insert(
+                p.name().to_string(),
+                Slot {
+                    proposer: p,
+                    caps,
+                    poisoned: None,
+                },
+            );
+        }
+        // Whatever is left in `old` was replaced or removed: dropped here,
+        // on the draft thread, between steps.
+        drop(old);
+        self.slots = slots;
+        self.slots
+            .iter()
+            .map(|(k, s)| (k.clone(), s.caps.clone()))
+            .collect()
+    }
+
+    /// Every proposer (live, retired, shadow) for the admin listing.
+    pub fn list(&self) -> Vec<ProposerListing> {
+        let row = |name: &str, role, slot: &Slot, live| {
+            let mut info = slot.proposer.info();
+            if slot.poisoned.is_some() {
+                info.state = "poisoned".into();
+            }
+            ProposerListing {
+                name: name.to_string(),
+                role,
+                live_sequences: live,
+                max_draft: slot.caps.max_draft,
+                tree: slot.caps.tree,
+                hidden_layers: slot.caps.hidden_layers.clone(),
+                info,
+                poisoned: slot.poisoned.clone(),
+            }
+        };
+        let mut out: Vec<ProposerListing> = self
+            .slots
+            .iter()
+            .map(|(k, slot)| {
+                let live = self.seqs.values().filter(|v| *v == k).count();
+                let role = if self.retired.contains(k) {
+                    "retired"
+                } else {
+                    "live"
+                };
+                row(k, role, slot, live)
+            })
+            .collect();
+        out.sort_by(|a, b| (a.role, &a.name).cmp(&(b.role, &b.name)));
+        for sh in &self.shadows {
+            out.push(row(&sh.name, "shadow", &sh.slot, sh.log.len()));
+        }
+        out
+    }
+
+    /// Routable proposer names (retired instances excluded).
     pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.slots.keys().cloned().collect();
+        let mut v: Vec<String> = self
+            .slots
+            .keys()
+            .filter(|k| !self.retired.contains(*k))
+            .cloned()
+            .collect();
         v.sort();
         v
     }
@@ -410,18 +555,124 @@ impl Drafter {
         let Some(name) = self.seqs.remove(&seq) else {
             return;
         };
-        let Some(slot) = self.slots.get_mut(name.as_str()) else {
-            return;
+        if let Some(slot) = self.slots.get_mut(name.as_str()) {
+            if slot.poisoned.is_none() {
+                let r = catch_unwind(AssertUnwindSafe(|| {
+                    slot.proposer.finish(seq);
+                    Ok::<(), String>(())
+                }));
+                if let Some(why) = failure("finish", r) {
+                    Self::poison(slot, &name, why);
+                }
+            }
+        }
+        // A retired instance goes with its last sequence.
+        if self.retired.contains(&name) && !self.seqs.values().any(|v| *v == name) {
+            self.retired.remove(&name);
+            self.slots.remove(&name);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::speculative::proposer::DraftQ;
+
+    /// Drafts `token` for every sequence; counts its calls.
+    struct Fixed {
+        name: String,
+        token: u32,
+        max_draft: usize,
+    }
+
+    impl Proposer for Fixed {
+        fn name(&self) -> &str {
+            &self.name
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                max_draft: self.max_draft,
+                ..Capabilities::default()
+            }
+        }
+        fn start(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+            Ok(())
+        }
+        fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+            Ok(batch
+                .iter()
+                .map(|_| Draft {
+                    tokens: vec![self.token],
+                    q: vec![DraftQ::OneHot],
+                    ..Draft::default()
+                })
+                .collect())
+        }
+        fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+            Ok(())
+        }
+        fn finish(&mut self, _: SeqId) {}
+    }
+
+    fn fixed(name: &str, token: u32, max_draft: usize) -> Box<dyn Proposer> {
+        Box::new(Fixed {
+            name: name.into(),
+            token,
+            max_draft,
+        })
+    }
+
+    fn draft_of(d: &mut Drafter, seq: SeqId) -> Vec<u32> {
+        let params = crate::sampler::SamplingParams::default();
+        let toks = [1u32, 2, 3];
+        let input = ProposeInput {
+            seq,
+            tokens: &toks,
+            max_draft: 4,
+            params: &params,
+            hidden: &[],
+            hidden_start: 0,
         };
-        if slot.poisoned.is_some() {
-            return;
+        d.propose(&[input]).remove(0).tokens
+    }
+
+    #[test]
+    fn a_swap_keeps_unchanged_instances_retires_replaced_ones_and_orphans_removed_ones() {
+        let mut d = Drafter::new();
+        d.add(fixed("a", 10, 4));
+        d.add(fixed("b", 20, 4));
+        d.add(fixed("c", 30, 4));
+        for (seq, name) in [(1, "a"), (2, "b"), (3, "c")] {
+            d.start(seq, name, &[1, 2, 3]);
         }
-        let r = catch_unwind(AssertUnwindSafe(|| {
-            slot.proposer.finish(seq);
-            Ok::<(), String>(())
-        }));
-        if let Some(why) = failure("finish", r) {
-            Self::poison(slot, &name, why);
-        }
+        // a unchanged, b replaced (seq 2 keeps the old one as b@1), c
+        // removed, d added.
+        let caps = d.swap(
+            ProposerSet {
+                proposers: vec![fixed("b", 21, 2), fixed("d", 40, 4)],
+                keep: vec!["a".into()],
+            },
+            &[(2, "b@1".into())],
+        );
+        let mut keys: Vec<_> = caps.keys().cloned().collect();
+        keys.sort();
+        assert_eq!(keys, ["a", "b", "b@1", "d"]);
+        assert_eq!(caps["b"].max_draft, 2);
+        assert_eq!(caps["b@1"].max_draft, 4);
+        assert_eq!(d.names(), ["a", "b", "d"]);
+        assert_eq!(draft_of(&mut d, 1), [10], "a keeps its instance");
+        assert_eq!(draft_of(&mut d, 2), [20], "seq 2 keeps the replaced b");
+        assert!(draft_of(&mut d, 3).is_empty(), "c was removed: plain");
+        d.start(4, "b", &[1]);
+        assert_eq!(draft_of(&mut d, 4), [21], "a new sequence gets the new b");
+        let roles: Vec<_> = d.list().iter().map(|l| (l.name.clone(), l.role)).collect();
+        assert!(roles.contains(&("b@1".into(), "retired")), "{roles:?}");
+        // The retired instance goes with its last sequence.
+        d.finish(2);
+        assert!(d.capabilities("b@1").is_none());
+        assert!(d.list().iter().all(|l| l.role != "retired"));
+        d.finish(3);
+        assert_eq!(draft_of(&mut d, 1), [10]);
     }
 }

@@ -387,6 +387,26 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Running sequences and the proposer key each drafts with.
+    pub fn running_proposers(&self) -> Vec<(SeqId, String)> {
+        self.running
+            .iter()
+            .filter_map(|id| {
+                let s = self.seqs.get(id)?;
+                Some((*id, s.proposer.clone()?))
+            })
+            .collect()
+    }
+
+    /// A reload replaced `seq`'s proposer: the sequence keeps drafting with
+    /// the old instance, now under `key`, until it ends or is preempted (a
+    /// restart is admitted with the proposer it asked for).
+    pub fn retire(&mut self, seq: SeqId, key: &str) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.proposer = Some(key.to_string());
+        }
+    }
+
     /// Nothing to run and nothing left for the other stages to hear about.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty()
@@ -578,7 +598,11 @@ impl Scheduler {
             s.hidden_start = 0;
             s.pending_moves.clear();
             // Every sequence starts in the drafter (plain ones too: shadow
-            // proposers score all traffic).
+            // proposers score all traffic), with the proposer it asked for
+            // (not a retired instance it drafted with before a preemption).
+            if s.proposer.is_some() {
+                s.proposer = Some(s.stats.proposer.clone());
+            }
             let name = s.proposer.clone().unwrap_or_else(|| "none".into());
             s.tree_policy = caps(&name)
                 .filter(|c| c.tree)

@@ -547,6 +547,12 @@ impl Daemon {
         }
     }
 
+    /// The config file the daemon was started with (a test may rewrite it
+    /// and ask for a reload).
+    pub fn config_path(&self) -> PathBuf {
+        self._dir.0.join("specd.toml")
+    }
+
     pub fn request(
         &self,
         method: &str,
