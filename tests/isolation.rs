@@ -175,6 +175,15 @@ plugin = "suffix"
 name = "suffix-process"
 plugin = "suffix"
 isolation = "process"
+[[proposer]]
+name = "eagle"
+plugin = "eagle"
+options = { mode = "tree", max_draft = 8, depth = 5, top_k = 2 }
+[[proposer]]
+name = "eagle-process"
+plugin = "eagle"
+isolation = "process"
+options = { mode = "tree", max_draft = 8, depth = 5, top_k = 2 }
 "#,
         &[],
     );

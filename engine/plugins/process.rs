@@ -302,7 +302,12 @@ impl ProcessProposer {
                 metrics::counter!("specd_proposer_timeouts_total", "proposer" => name.clone())
                     .increment(1);
                 self.info.timeouts += 1;
-                format!("{what} missed its deadline; killed ({status})")
+                let ms = match *what {
+                    "propose" => self.spec.propose_timeout,
+                    _ => self.spec.init_timeout,
+                }
+                .as_millis();
+                format!("{what} missed its deadline of {ms} ms; the plugin host was {status}")
             }
             Failure::Died(m) => {
                 metrics::counter!("specd_proposer_crashes_total", "proposer" => name.clone())
@@ -314,7 +319,7 @@ impl ProcessProposer {
                 metrics::counter!("specd_proposer_crashes_total", "proposer" => name.clone())
                     .increment(1);
                 self.info.crashes += 1;
-                format!("protocol error ({m}); killed ({status})")
+                format!("protocol error ({m}); the plugin host was {status}")
             }
         };
         tracing::warn!(
@@ -471,16 +476,23 @@ impl ProcessProposer {
 
     /// A restarted child answered its init: replay the live sequences.
     fn came_up(&mut self, info: ProposerInfo) {
-        let Conn::Initializing { child, stream, .. } = std::mem::replace(
+        let Conn::Initializing {
+            child,
+            stream,
+            since: spawned,
+            ..
+        } = std::mem::replace(
             &mut self.conn,
             Conn::Down {
                 until: Instant::now(),
             },
-        ) else {
+        )
+        else {
             return;
         };
         let now = Instant::now();
         let recovery = self.outage.take().map(|t| now - t);
+        self.info.last_start_ms = Some((now - spawned).as_secs_f64() * 1e3);
         self.info.pid = info.pid;
         self.info.state = "healthy".into();
         self.info.restarts += 1;
@@ -492,6 +504,7 @@ impl ProcessProposer {
             proposer = %self.spec.name,
             pid = info.pid,
             recovery_ms = self.info.last_recovery_ms,
+            start_ms = self.info.last_start_ms,
             replayed = self.live.len() - self.orphans.len(),
             "plugin host restarted"
         );

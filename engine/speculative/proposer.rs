@@ -175,8 +175,11 @@ pub struct ProposerInfo {
     pub restarts: u64,
     pub crashes: u64,
     pub timeouts: u64,
-    /// From a child's failure to its replacement's first answer.
+    /// From a child's failure to its replacement's first answer (the
+    /// backoff included).
     pub last_recovery_ms: Option<f64>,
+    /// From starting the replacement child to its first answer.
+    pub last_start_ms: Option<f64>,
     pub last_failure: Option<String>,
 }
 
