@@ -146,7 +146,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
         let running = server.run();
         let failed = watchdog(watched, running.handle());
-        running.await.context("server")?;
+        let served = running.await.context("server");
+        specd::plugins::process::remove_socket_dir();
+        served?;
         if let Some(why) = failed.get() {
             anyhow::bail!("the engine failed and cannot recover: {why}");
         }

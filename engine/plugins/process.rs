@@ -140,19 +140,45 @@ impl std::fmt::Debug for ProcessProposer {
     }
 }
 
-fn socket_path(name: &str) -> PathBuf {
+/// Remove this process's socket directory (at shutdown).
+pub fn remove_socket_dir() {
+    let _ = std::fs::remove_dir_all(socket_dir());
+}
+
+fn socket_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("specd-{}-plugin-hosts", std::process::id()))
+}
+
+/// A fresh socket path in this daemon's private directory (mode 0700, so
+/// no other user can connect in the child's place).
+fn socket_path(name: &str) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
+    let dir = socket_dir();
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            // Ours only if it is a directory nobody else can enter.
+            let m = std::fs::symlink_metadata(&dir)?;
+            if !m.is_dir() || m.permissions().mode() & 0o077 != 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{} exists and is not private", dir.display()),
+                ));
+            }
+        }
+        Err(e) => return Err(e),
+    }
     let clean: String = name
         .chars()
         .filter(|c| c.is_ascii_alphanumeric())
         .take(16)
         .collect();
-    std::env::temp_dir().join(format!(
-        "specd-{}-{clean}-{}.sock",
-        std::process::id(),
+    Ok(dir.join(format!(
+        "{clean}-{}.sock",
         N.fetch_add(1, Ordering::Relaxed)
-    ))
+    )))
 }
 
 /// An exit status in words: the signal's name when it was killed.
@@ -178,7 +204,7 @@ pub fn describe_status(s: &ExitStatus) -> String {
 }
 
 fn spawn(spec: &ProcessSpec) -> std::io::Result<(Child, UnixListener, PathBuf)> {
-    let sock = socket_path(&spec.name);
+    let sock = socket_path(&spec.name)?;
     let _ = std::fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock)?;
     listener.set_nonblocking(true)?;
@@ -689,6 +715,8 @@ impl Drop for ProcessProposer {
                 kill(&mut child);
             }
         }
+        // Removed once empty (the last isolated proposer gone).
+        let _ = std::fs::remove_dir(socket_dir());
     }
 }
 
