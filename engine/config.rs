@@ -50,8 +50,15 @@ pub struct EngineSection {
     /// does not pay).
     pub adaptive_draft: bool,
     /// Verify cost of one extra drafted token relative to a one-token
-    /// forward, for the adaptive policy (measure with `specd bench-model`).
+    /// forward, for the adaptive policy (measure with `specd bench-model`):
+    /// the price with `draft_pricing = "fixed"`, and the prior until the
+    /// engine has measured its own verify costs.
     pub draft_cost: f64,
+    /// `measured` (default): price drafted tokens from verify times the
+    /// engine measures on this machine at each step's batch size, so
+    /// speculation backs off as load makes verification compute-bound;
+    /// `fixed`: always `draft_cost`.
+    pub draft_pricing: DraftPricing,
     /// Reuse the KV blocks of prompt prefixes across requests.
     pub prefix_cache: bool,
     /// Most cached prefix blocks (0: a quarter of the KV budget).
@@ -68,6 +75,7 @@ impl Default for EngineSection {
             default_proposer: "none".into(),
             adaptive_draft: true,
             draft_cost: 0.10,
+            draft_pricing: DraftPricing::Measured,
             prefix_cache: true,
             prefix_cache_blocks: 0,
         }
@@ -110,6 +118,15 @@ pub struct ProposerConfig {
     /// Passed to the plugin as TOML.
     #[serde(default)]
     pub options: toml::Table,
+}
+
+/// How the adaptive policy prices a drafted token.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftPricing {
+    #[default]
+    Measured,
+    Fixed,
 }
 
 /// What a reload does (see `Config::plan_reload`).
@@ -234,6 +251,10 @@ pub struct ArmConfig {
     pub name: String,
     pub proposer: String,
     pub max_draft: Option<usize>,
+    /// Override `[engine] draft_pricing` for this arm (to compare pricing
+    /// policies in one run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_pricing: Option<DraftPricing>,
 }
 
 /// The `[ab]` section of a config.
@@ -261,6 +282,11 @@ pub struct AbSection {
     pub bootstrap: usize,
     #[serde(default)]
     pub arm: Vec<ArmConfig>,
+    /// A concurrency sweep instead of one-at-a-time requests: for each
+    /// point, every arm runs all prompts with that many in flight on a
+    /// fresh engine (fresh proposers), reporting aggregate tok/s.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub concurrency: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -676,6 +702,7 @@ impl Config {
         s.max_draft = self.engine.max_draft;
         s.adaptive_draft = self.engine.adaptive_draft;
         s.draft_cost = self.engine.draft_cost;
+        s.measured_pricing = self.engine.draft_pricing == DraftPricing::Measured;
         s.default_proposer = Some(self.engine.default_proposer.clone()).filter(|p| p != "none");
     }
 

@@ -35,6 +35,10 @@ fn engine_with_kv(
     ec.scheduler.max_running = running;
     ec.scheduler.max_waiting = usize::MAX;
     ec.prefix_cache_blocks = prefix_blocks;
+    // Draft lengths from each sequence's acceptance alone (not from timed
+    // verify costs), so sampled runs that should match token for token
+    // draft the same.
+    ec.scheduler.measured_pricing = false;
     if let Some(b) = kv_blocks {
         ec.kv_blocks = b;
     }

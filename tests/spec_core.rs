@@ -150,6 +150,49 @@ fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
     }
 }
 
+/// Drafts priced from measured verify times (`draft_pricing =
+/// "measured"`, the daemon's default): draft lengths now depend on timing,
+/// outputs must not. A concurrent batch with the adaptive policy on stays
+/// token for token equal to plain decoding, and the scheduler has learned
+/// a finite, non-negative price.
+#[test]
+fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let texts = [
+        "def fibonacci(n):",
+        "The three primary colors are",
+        "List: 1, 2, 3, 1, 2, 3, 1, 2, 3,",
+        "Once upon a time",
+    ];
+    let ps: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tok.encode(t, false).unwrap())
+        .collect();
+    let n = 48;
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain(&model, p, n)).collect();
+    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    let oracle = OracleProposer::new(answers, 0.3, 5, model.config.vocab_size as u32);
+    let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 4, None);
+    e.scheduler.config.adaptive_draft = true;
+    e.scheduler.config.measured_pricing = true;
+    let reqs = ps
+        .iter()
+        .map(|p| Request {
+            proposer: Some("oracle".into()),
+            ..Request::greedy(p.clone(), n)
+        })
+        .collect();
+    let done = run_all(&mut e, reqs);
+    for (c, w) in done.iter().zip(&want) {
+        assert_eq!(&c.tokens, w);
+    }
+    assert!(done.iter().map(|c| c.stats.drafted).sum::<u64>() > 0);
+    let price = e.scheduler.mean_draft_price().unwrap();
+    assert!(price.is_finite() && price >= 0.0, "{price}");
+}
+
 fn sampled_pairs(
     model: &Arc<Model>,
     prompt: &[u32],

@@ -10,8 +10,12 @@
 //! - Greedy arms are compared token for token with the plain arm; any
 //!   mismatch is a losslessness failure reported with the prompt id.
 //!
+//! - A concurrency sweep (`sweep`) runs every (point, arm) on a fresh
+//!   engine and compares every greedy output with plain decoding.
+//!
 //! Rooms: `datasets` (loaders), `run` (the run loop), `stats` (summaries
-//! and the losslessness check), `report` (JSON, Markdown, HTML).
+//! and the losslessness check), `report` (JSON, Markdown, HTML), `sweep`
+//! (aggregate throughput at several concurrencies).
 
 use std::collections::BTreeMap;
 
@@ -24,6 +28,7 @@ mod datasets;
 mod report;
 mod run;
 mod stats;
+mod sweep;
 
 pub use datasets::{
     evaluation_texts, limit_per_category, load_humaneval, load_jsonl, load_spec_bench, Prompt,
@@ -32,6 +37,7 @@ pub use datasets::{
 pub use report::{html, markdown, write_outputs};
 pub use run::run;
 pub use stats::{greedy_mismatches, summarize};
+pub use sweep::{sweep, sweep_markdown, write_sweep, SweepReport, SweepRow};
 
 /// One request's measurements.
 #[derive(Debug, Clone, Serialize)]

@@ -91,15 +91,9 @@ fn run_one(
 }
 
 /// Run the A/B described by `cfg.ab` over `prompts`.
-pub fn run(
-    cfg: &Config,
-    ab: &AbSection,
-    model: Arc<Model>,
-    tok: Arc<Tokenizer>,
-    prompts: &[Prompt],
-    chat: bool,
-) -> Result<AbReport> {
-    ab.sampling.validate()?;
+/// The configured arms, with a plain arm first unless one is configured;
+/// and the plain arm's name.
+pub(super) fn arms_with_plain(ab: &AbSection) -> (Vec<ArmConfig>, String) {
     let mut arms = ab.arm.clone();
     let plain = match arms.iter().find(|a| a.proposer == "none") {
         Some(a) => a.name.clone(),
@@ -110,11 +104,60 @@ pub fn run(
                     name: "plain".into(),
                     proposer: "none".into(),
                     max_draft: None,
+                    draft_pricing: None,
                 },
             );
             "plain".into()
         }
     };
+    (arms, plain)
+}
+
+/// Every arm names a loaded proposer (or none).
+pub(super) fn check_arms(
+    arms: &[ArmConfig],
+    drafter: &crate::speculative::drafter::Drafter,
+) -> Result<()> {
+    for a in arms {
+        if a.proposer != "none" && !drafter.has(&a.proposer) {
+            return Err(SpecdError::InvalidRequest(format!(
+                "arm `{}`: unknown proposer `{}`",
+                a.name, a.proposer
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Token ids of every prompt (through the chat template with `chat`).
+pub(super) fn encode_prompts(
+    tok: &Tokenizer,
+    prompts: &[Prompt],
+    chat: bool,
+) -> Result<Vec<Vec<u32>>> {
+    prompts
+        .iter()
+        .map(|p| {
+            if chat {
+                let t = tok.apply_chat_template(&[ChatMessage::user(p.text.clone())], true)?;
+                tok.encode(&t, false)
+            } else {
+                tok.encode(&p.text, true)
+            }
+        })
+        .collect()
+}
+
+pub fn run(
+    cfg: &Config,
+    ab: &AbSection,
+    model: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    prompts: &[Prompt],
+    chat: bool,
+) -> Result<AbReport> {
+    ab.sampling.validate()?;
+    let (arms, plain) = arms_with_plain(ab);
     // Proposers keep state across requests (the suffix proposer's global
     // tree learns every output); each repeat gets fresh instances, or a
     // later repeat would draft from the identical greedy output of an
@@ -134,27 +177,10 @@ pub fn run(
         ))
     };
     let mut engine = fresh_engine()?;
-    let drafter = &engine.drafter;
-    for a in &arms {
-        if a.proposer != "none" && !drafter.has(&a.proposer) {
-            return Err(SpecdError::InvalidRequest(format!(
-                "arm `{}`: unknown proposer `{}`",
-                a.name, a.proposer
-            )));
-        }
-    }
+    check_arms(&arms, &engine.drafter)?;
     let max_batch_tokens = engine.scheduler.config.max_batch_tokens;
-    let encoded: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            if chat {
-                let t = tok.apply_chat_template(&[ChatMessage::user(p.text.clone())], true)?;
-                tok.encode(&t, false)
-            } else {
-                tok.encode(&p.text, true)
-            }
-        })
-        .collect::<Result<_>>()?;
+    let measured = engine.scheduler.config.measured_pricing;
+    let encoded = encode_prompts(&tok, prompts, chat)?;
     let total = (prompts.len() * ab.repeats * arms.len()) as u64;
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
@@ -191,6 +217,9 @@ pub fn run(
                     fork_of: None,
                     prompt_logprobs: None,
                 };
+                engine.scheduler.config.measured_pricing = arm
+                    .draft_pricing
+                    .map_or(measured, |p| p == crate::config::DraftPricing::Measured);
                 let (mut r, toks) = run_one(&mut engine, req, max_batch_tokens)?;
                 r.prompt_id = p.id.clone();
                 r.category = p.category.clone();

@@ -32,6 +32,11 @@ pub struct AbArgs {
     /// Output directory for results.json, summary.md, report.html.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// A concurrency sweep instead of one request at a time: aggregate
+    /// tok/s of every arm at each of these (e.g. 1,4,16,64), each on a
+    /// fresh engine (overrides [ab] concurrency).
+    #[arg(long, value_delimiter = ',')]
+    pub concurrency: Option<Vec<usize>>,
     #[arg(long)]
     pub model: Option<PathBuf>,
     #[arg(long)]
@@ -68,6 +73,9 @@ pub fn run(a: AbArgs) -> Result<()> {
     if let Some(o) = a.out {
         s.out_dir = o;
     }
+    if let Some(c) = a.concurrency {
+        s.concurrency = c;
+    }
     let prompts = match s.dataset.as_str() {
         "spec_bench" => ab::load_spec_bench(s.path.as_deref())?,
         "humaneval" => ab::load_humaneval(s.path.as_deref())?,
@@ -96,6 +104,21 @@ pub fn run(a: AbArgs) -> Result<()> {
         s.repeats,
         s.max_tokens
     );
+    if !s.concurrency.is_empty() {
+        let report = ab::sweep(&cfg, &s, model, tok, &prompts, chat, &s.concurrency)?;
+        let files = ab::write_sweep(&report, &s.out_dir)?;
+        print!("{}", ab::sweep_markdown(&report));
+        for f in files {
+            eprintln!("wrote {}", f.display());
+        }
+        if !report.mismatches.is_empty() {
+            anyhow::bail!(
+                "{} losslessness failure(s): greedy output differs from plain decoding",
+                report.mismatches.len()
+            );
+        }
+        return Ok(());
+    }
     let report = ab::run(&cfg, &s, model, tok, &prompts, chat)?;
     let files = ab::write_outputs(&report, &s.out_dir)?;
     print!("{}", ab::markdown(&report));

@@ -320,6 +320,15 @@ impl Step {
         for (id, why) in &resp.failed {
             sched.fail(*id, why);
         }
+        // Decode-only steps (every fed position computed logits) teach the
+        // scheduler what a forward of this many tokens costs here.
+        let decodes = self
+            .items
+            .iter()
+            .filter(|i| matches!(i.work, Work::Decode { .. }))
+            .count();
+        let decode_only = decodes > 0 && decodes == self.items.len() && resp.failed.is_empty();
+        sched.record_verify(self.report.batch_tokens, decodes, resp.seconds, decode_only);
         self.outs = resp.outs.into_iter().map(|o| (o.seq, o)).collect();
         let mut items = Vec::new();
         for it in &self.items {
@@ -527,11 +536,13 @@ impl TargetRunner {
                 VerifyResponse {
                     outs: Vec::new(),
                     failed: ids.into_iter().map(|id| (id, why.clone())).collect(),
+                    seconds: 0.0,
                 }
             }
         };
-        metrics::histogram!("specd_verify_seconds", "proposer" => req.label)
-            .record(t.elapsed().as_secs_f64());
+        let mut resp = resp;
+        resp.seconds = t.elapsed().as_secs_f64();
+        metrics::histogram!("specd_verify_seconds", "proposer" => req.label).record(resp.seconds);
         resp
     }
 }

@@ -23,6 +23,115 @@ pub fn choose_draft_len(alpha: f64, cap: usize, cost: f64) -> usize {
     best.0
 }
 
+/// What a verify forward costs on this machine, as a function of the
+/// tokens it feeds, learned online from decode steps (every fed position
+/// computes logits). Drafted tokens are then priced by what they add to the
+/// step they join, relative to each sequence's share of that step: at
+/// batch 1 that is the memory-bound `(t(1 + k) - t(1)) / k / t(1)`, at
+/// batch 16 the marginal token costs a larger share, so speculation that
+/// pays alone can stop paying under load.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyCostModel {
+    /// EMA of the step time (seconds) by tokens fed; `None`: never seen.
+    times: Vec<Option<f64>>,
+}
+
+impl VerifyCostModel {
+    /// Weight of a new observation in its EMA.
+    const ALPHA: f64 = 0.2;
+
+    /// A model for steps of up to `max_tokens` tokens.
+    pub fn new(max_tokens: usize) -> Self {
+        Self {
+            times: vec![None; max_tokens.max(1) + 1],
+        }
+    }
+
+    /// A decode-only step that fed `tokens` took `seconds`.
+    pub fn record(&mut self, tokens: usize, seconds: f64) {
+        if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        let Some(slot) = self.times.get_mut(tokens) else {
+            return;
+        };
+        *slot = Some(match *slot {
+            Some(t) => (1.0 - Self::ALPHA) * t + Self::ALPHA * seconds,
+            None => seconds,
+        });
+    }
+
+    /// Estimated seconds for a step feeding `n` tokens: measured, linearly
+    /// interpolated between the nearest measured sizes, or extrapolated
+    /// from the two nearest on one side; `None` without enough data.
+    pub fn time(&self, n: usize) -> Option<f64> {
+        let n = n.min(self.times.len() - 1);
+        if let Some(t) = self.times.get(n).copied().flatten() {
+            return Some(t);
+        }
+        let below: Vec<(usize, f64)> = (1..n)
+            .rev()
+            .filter_map(|i| self.times[i].map(|t| (i, t)))
+            .take(2)
+            .collect();
+        let above: Vec<(usize, f64)> = (n + 1..self.times.len())
+            .filter_map(|i| self.times[i].map(|t| (i, t)))
+            .take(2)
+            .collect();
+        let line = |(x0, y0): (usize, f64), (x1, y1): (usize, f64)| {
+            let slope = (y1 - y0) / (x1 as f64 - x0 as f64);
+            (y0 + slope * (n as f64 - x0 as f64)).max(y0.min(y1) * 0.5)
+        };
+        match (below.first(), above.first(), below.get(1), above.get(1)) {
+            (Some(&b), Some(&a), _, _) => Some(line(b, a)),
+            (Some(&b0), None, Some(&b1), _) => Some(line(b1, b0)),
+            (None, Some(&a0), _, Some(&a1)) => Some(line(a0, a1)),
+            _ => None,
+        }
+    }
+
+    /// The verify cost of one drafted token in a step of `batch` decoding
+    /// sequences that drafts `extra` tokens in all, relative to one
+    /// sequence's share of the step without drafts: slope / (t(batch) /
+    /// batch), the slope and t(batch) from a least-squares line through
+    /// the measured sizes in `batch..=batch + extra` (widened to the
+    /// nearest measured size on each side when fewer than two fall inside),
+    /// so one noisy size does not swing the price. `None` until two sizes
+    /// are known (the caller falls back to a fixed prior).
+    pub fn draft_cost(&self, batch: usize, extra: usize) -> Option<f64> {
+        let (b, e) = (batch.max(1), extra.max(1));
+        let last = self.times.len() - 1;
+        let (lo, hi) = (b.min(last), (b + e).min(last));
+        let mut pts: Vec<(f64, f64)> = (lo..=hi)
+            .filter_map(|n| self.times[n].map(|t| (n as f64, t)))
+            .collect();
+        if pts.len() < 2 {
+            if let Some(n) = (1..lo).rev().find(|&n| self.times[n].is_some()) {
+                pts.push((n as f64, self.times[n]?));
+            }
+            if let Some(n) = (hi + 1..=last).find(|&n| self.times[n].is_some()) {
+                pts.push((n as f64, self.times[n]?));
+            }
+        }
+        if pts.len() < 2 {
+            return None;
+        }
+        let k = pts.len() as f64;
+        let mx = pts.iter().map(|p| p.0).sum::<f64>() / k;
+        let my = pts.iter().map(|p| p.1).sum::<f64>() / k;
+        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+        if sxx <= 0.0 {
+            return None;
+        }
+        let slope = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
+        let base = my + slope * (b as f64 - mx);
+        if base <= 0.0 || !base.is_finite() {
+            return None;
+        }
+        Some((slope.max(0.0) / (base / b as f64)).max(0.0))
+    }
+}
+
 /// The node budget of tree proposers, learned per sequence.
 ///
 /// Budgets are powers of two up to the proposer's cap (and the cap). For
@@ -112,6 +221,54 @@ mod tests {
         // Free verification: always the cap (for any positive acceptance).
         assert_eq!(choose_draft_len(0.3, 5, 0.0), 5);
         assert_eq!(choose_draft_len(0.9, 0, 0.1), 0);
+    }
+
+    #[test]
+    fn verify_costs_are_learned_interpolated_and_priced_by_batch() {
+        let mut m = VerifyCostModel::new(128);
+        assert_eq!(m.draft_cost(1, 4), None, "nothing measured yet");
+        // A machine where a step costs 10 ms + 0.5 ms per token up to 16
+        // tokens (memory-bound), then 1.5 ms per token (compute-bound).
+        let t = |n: usize| {
+            if n <= 16 {
+                0.010 + 0.0005 * n as f64
+            } else {
+                0.018 + 0.0015 * (n - 16) as f64
+            }
+        };
+        for n in [1, 2, 3, 5, 8, 16, 20, 32, 48, 64] {
+            for _ in 0..5 {
+                m.record(n, t(n));
+            }
+        }
+        // Measured sizes are exact; others interpolate; past the data they
+        // extrapolate from the last two.
+        assert!((m.time(8).unwrap() - t(8)).abs() < 1e-12);
+        assert!((m.time(4).unwrap() - t(4)).abs() < 1e-9);
+        assert!((m.time(40).unwrap() - t(40)).abs() < 1e-9);
+        assert!((m.time(80).unwrap() - t(80)).abs() < 1e-9);
+        // Alone, a drafted token costs 0.5 / 10.5 of the step.
+        let alone = m.draft_cost(1, 4).unwrap();
+        assert!((alone - 0.0005 / 0.0105).abs() < 1e-6, "{alone}");
+        // Sixteen sequences drafting 16 tokens: each token adds 1.5 ms to
+        // a step whose per-sequence share is 18 / 16 ms.
+        let loaded = m.draft_cost(16, 16).unwrap();
+        assert!((loaded - 0.0015 / (0.018 / 16.0)).abs() < 1e-6, "{loaded}");
+        assert!(loaded > 20.0 * alone);
+        // At that price only near-certain drafts pay.
+        assert_eq!(choose_draft_len(0.6, 8, loaded), 0);
+        assert!(choose_draft_len(0.6, 8, alone) >= 3);
+        // One noisy size does not swing the price: the line fits them all.
+        let mut noisy = m.clone();
+        noisy.record(24, t(24) * 1.3);
+        let p = noisy.draft_cost(16, 16).unwrap();
+        assert!((p / loaded - 1.0).abs() < 0.25, "{p} vs {loaded}");
+        // Garbage is ignored.
+        m.record(0, 1.0);
+        m.record(4, f64::NAN);
+        m.record(4, -1.0);
+        m.record(1000, 1.0);
+        assert!((m.time(4).unwrap() - t(4)).abs() < 1e-9);
     }
 
     #[test]

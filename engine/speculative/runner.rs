@@ -76,6 +76,8 @@ pub struct VerifyResponse {
     pub outs: Vec<VerifyOut>,
     /// Sequences the verifier could not run, and why.
     pub failed: Vec<(SeqId, String)>,
+    /// Wall time of the stage (the scheduler's cost model learns from it).
+    pub seconds: f64,
 }
 
 /// The verify stage's struct: owns the target model's per-sequence caches

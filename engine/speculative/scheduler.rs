@@ -22,7 +22,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::accept::Accepted;
 use super::kv_manager::{Grant, Want};
-use super::policy::choose_draft_len;
+use super::policy::{choose_draft_len, VerifyCostModel};
 use super::proposer::Capabilities;
 use super::{Completion, Event, Request, SeqId, SpecStats};
 use crate::error::{Result, SpecdError};
@@ -48,8 +48,16 @@ pub struct SchedulerConfig {
     /// `choose_draft_len`); off: always draft the cap.
     pub adaptive_draft: bool,
     /// Verify cost of one extra drafted token, relative to a one-token
-    /// forward (`specd bench-model` measures it: (cost(k+1) - 1) / k).
+    /// forward (`specd bench-model` measures it: (cost(k+1) - 1) / k): the
+    /// price with `measured_pricing` off, and until the cost model has
+    /// seen enough steps.
     pub draft_cost: f64,
+    /// Price drafted tokens from verify times measured on this machine at
+    /// the step's batch size (`VerifyCostModel`), not one constant, when
+    /// two or more sequences decode. Draft lengths then depend on timing:
+    /// a seeded sampled request in a batch may draw different (equally
+    /// distributed) tokens run to run; off, they depend on acceptance only.
+    pub measured_pricing: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -64,6 +72,7 @@ impl Default for SchedulerConfig {
             max_waiting: 1024,
             adaptive_draft: true,
             draft_cost: 0.10,
+            measured_pricing: false,
         }
     }
 }
@@ -279,12 +288,18 @@ pub struct Scheduler {
     deferred_aborts: Vec<SeqId>,
     /// Live totals per A/B arm.
     arms: std::collections::BTreeMap<String, super::SpecStats>,
+    /// Verify time by tokens fed, learned from decode steps.
+    cost: VerifyCostModel,
+    /// Tokens drafted in the last decode-only step (the next one's
+    /// estimate).
+    last_extra: usize,
+    /// Sum and count of the draft prices of planned steps.
+    prices: (f64, u64),
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, tokenizer: Option<Arc<Tokenizer>>) -> Self {
         Self {
-            config,
             tokenizer,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
@@ -295,7 +310,48 @@ impl Scheduler {
             in_step: false,
             deferred_aborts: Vec::new(),
             arms: Default::default(),
+            cost: VerifyCostModel::new(config.max_batch_tokens),
+            last_extra: 0,
+            prices: (0.0, 0),
+            config,
         }
+    }
+
+    /// A verify forward fed `tokens` tokens for `decodes` decoding
+    /// sequences in `seconds`; `decode_only`: no prefill chunk shared it
+    /// (every fed position computed logits), so it calibrates the model.
+    pub fn record_verify(
+        &mut self,
+        tokens: usize,
+        decodes: usize,
+        seconds: f64,
+        decode_only: bool,
+    ) {
+        if decode_only {
+            self.cost.record(tokens, seconds);
+            self.last_extra = tokens.saturating_sub(decodes);
+        }
+    }
+
+    /// Mean price of a drafted token over the steps planned so far.
+    pub fn mean_draft_price(&self) -> Option<f64> {
+        (self.prices.1 > 0).then(|| self.prices.0 / self.prices.1 as f64)
+    }
+
+    /// The verify cost of a drafted token in a step of `batch` decoding
+    /// sequences, relative to a sequence's share of the step: measured
+    /// (see `VerifyCostModel::draft_cost`) or the configured constant.
+    ///
+    /// A sequence decoding alone is priced at the constant: its draft
+    /// lengths then depend only on its own acceptance, so a seeded sampled
+    /// request gives the same tokens run after run (measured times vary).
+    pub fn draft_price(&self, batch: usize) -> f64 {
+        if !self.config.measured_pricing || batch < 2 {
+            return self.config.draft_cost;
+        }
+        self.cost
+            .draft_cost(batch, self.last_extra.max(1))
+            .unwrap_or(self.config.draft_cost)
     }
 
     /// Validate and queue a request. `known` tells whether a proposer name
@@ -629,6 +685,22 @@ impl Scheduler {
                 }
             }
         }
+        let decoding = self
+            .running
+            .iter()
+            .filter(|id| {
+                self.seqs
+                    .get(id)
+                    .is_some_and(|s| s.status == SeqStatus::Decoding)
+            })
+            .count();
+        let price = self.draft_price(decoding);
+        if self.config.adaptive_draft && decoding > 0 {
+            metrics::gauge!("specd_draft_token_price").set(price);
+            self.prices.0 += price;
+            self.prices.1 += 1;
+        }
+        let mut extra = 0;
         for &id in &self.running {
             let Some(s) = self.seqs.get(&id) else {
                 continue;
@@ -647,15 +719,18 @@ impl Scheduler {
                 k = match (&s.tree_policy, pcaps) {
                     // Trees: the node budget whose measured accepted length
                     // pays best for its verify cost.
-                    (Some(tp), Some(c)) if c.tree => tp.choose(k, self.config.draft_cost),
-                    _ => choose_draft_len(s.acceptance_ema, k, self.config.draft_cost),
+                    (Some(tp), Some(c)) if c.tree => tp.choose(k, price),
+                    _ => choose_draft_len(s.acceptance_ema, k, price),
                 };
-                // Keep learning while paused: probe with one draft now and then.
-                if k == 0 && s.steps_without_draft >= 8 {
+                // Keep learning while paused: probe with one draft now and
+                // then, less often as drafts get dearer (under load).
+                let every = (8.0 * (price / self.config.draft_cost.max(1e-3)).max(1.0)).min(128.0);
+                if k == 0 && s.steps_without_draft as f64 >= every {
                     k = 1;
                 }
             }
             budget -= 1 + k;
+            extra += k;
             items.push(PlanItem {
                 seq: id,
                 cache_len: s.cached,
@@ -699,6 +774,7 @@ impl Scheduler {
                 len: s.cached + n,
             });
         }
+        let _ = extra;
         (items, wants)
     }
 
