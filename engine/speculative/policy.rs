@@ -32,13 +32,15 @@ pub fn choose_draft_len(alpha: f64, cap: usize, cost: f64) -> usize {
 /// pays alone can stop paying under load.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VerifyCostModel {
-    /// EMA of the step time (seconds) by tokens fed; `None`: never seen.
-    times: Vec<Option<f64>>,
+    /// Mean step time (seconds) by tokens fed, and how many steps it has
+    /// seen (a running mean for the first `WINDOW` steps, then an EMA that
+    /// follows the machine); `None`: never seen.
+    times: Vec<Option<(f64, u32)>>,
 }
 
 impl VerifyCostModel {
-    /// Weight of a new observation in its EMA.
-    const ALPHA: f64 = 0.2;
+    /// Steps after which a size's mean becomes an EMA of weight 1/WINDOW.
+    const WINDOW: u32 = 20;
 
     /// A model for steps of up to `max_tokens` tokens.
     pub fn new(max_tokens: usize) -> Self {
@@ -56,9 +58,18 @@ impl VerifyCostModel {
             return;
         };
         *slot = Some(match *slot {
-            Some(t) => (1.0 - Self::ALPHA) * t + Self::ALPHA * seconds,
-            None => seconds,
+            Some((t, n)) => {
+                let n = n.saturating_add(1);
+                let w = 1.0 / f64::from(n.min(Self::WINDOW));
+                ((1.0 - w) * t + w * seconds, n)
+            }
+            None => (seconds, 1),
         });
+    }
+
+    /// The measured mean at exactly `n` tokens.
+    fn at(&self, n: usize) -> Option<f64> {
+        self.times.get(n).copied().flatten().map(|(t, _)| t)
     }
 
     /// Estimated seconds for a step feeding `n` tokens: measured, linearly
@@ -66,16 +77,16 @@ impl VerifyCostModel {
     /// from the two nearest on one side; `None` without enough data.
     pub fn time(&self, n: usize) -> Option<f64> {
         let n = n.min(self.times.len() - 1);
-        if let Some(t) = self.times.get(n).copied().flatten() {
+        if let Some(t) = self.at(n) {
             return Some(t);
         }
         let below: Vec<(usize, f64)> = (1..n)
             .rev()
-            .filter_map(|i| self.times[i].map(|t| (i, t)))
+            .filter_map(|i| self.at(i).map(|t| (i, t)))
             .take(2)
             .collect();
         let above: Vec<(usize, f64)> = (n + 1..self.times.len())
-            .filter_map(|i| self.times[i].map(|t| (i, t)))
+            .filter_map(|i| self.at(i).map(|t| (i, t)))
             .take(2)
             .collect();
         let line = |(x0, y0): (usize, f64), (x1, y1): (usize, f64)| {
@@ -93,37 +104,36 @@ impl VerifyCostModel {
     /// The verify cost of one drafted token in a step of `batch` decoding
     /// sequences that drafts `extra` tokens in all, relative to one
     /// sequence's share of the step without drafts: slope / (t(batch) /
-    /// batch), the slope and t(batch) from a least-squares line through
-    /// the measured sizes in `batch..=batch + extra` (widened to the
-    /// nearest measured size on each side when fewer than two fall inside),
-    /// so one noisy size does not swing the price. `None` until two sizes
-    /// are known (the caller falls back to a fixed prior).
+    /// batch). Slope and t(batch) come from a least-squares line through
+    /// the measured sizes around the step (`batch - w ..= batch + extra +
+    /// w`, `w = max(4, batch / 2)`), each weighted by its steps (up to
+    /// `WINDOW`), so no single noisy size swings the price. `None` until
+    /// two sizes there are known (the caller falls back to a fixed prior).
     pub fn draft_cost(&self, batch: usize, extra: usize) -> Option<f64> {
         let (b, e) = (batch.max(1), extra.max(1));
         let last = self.times.len() - 1;
-        let (lo, hi) = (b.min(last), (b + e).min(last));
-        let mut pts: Vec<(f64, f64)> = (lo..=hi)
-            .filter_map(|n| self.times[n].map(|t| (n as f64, t)))
+        let w = (b / 2).max(4);
+        let (lo, hi) = (b.saturating_sub(w).max(1).min(last), (b + e + w).min(last));
+        let pts: Vec<(f64, f64, f64)> = (lo..=hi)
+            .filter_map(|n| {
+                self.times[n].map(|(t, c)| (n as f64, t, f64::from(c.min(Self::WINDOW))))
+            })
             .collect();
-        if pts.len() < 2 {
-            if let Some(n) = (1..lo).rev().find(|&n| self.times[n].is_some()) {
-                pts.push((n as f64, self.times[n]?));
-            }
-            if let Some(n) = (hi + 1..=last).find(|&n| self.times[n].is_some()) {
-                pts.push((n as f64, self.times[n]?));
-            }
-        }
         if pts.len() < 2 {
             return None;
         }
-        let k = pts.len() as f64;
-        let mx = pts.iter().map(|p| p.0).sum::<f64>() / k;
-        let my = pts.iter().map(|p| p.1).sum::<f64>() / k;
-        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+        let sw: f64 = pts.iter().map(|p| p.2).sum();
+        let mx = pts.iter().map(|p| p.2 * p.0).sum::<f64>() / sw;
+        let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / sw;
+        let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 - mx).powi(2)).sum();
         if sxx <= 0.0 {
             return None;
         }
-        let slope = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
+        let slope = pts
+            .iter()
+            .map(|p| p.2 * (p.0 - mx) * (p.1 - my))
+            .sum::<f64>()
+            / sxx;
         let base = my + slope * (b as f64 - mx);
         if base <= 0.0 || !base.is_finite() {
             return None;
@@ -227,13 +237,13 @@ mod tests {
     fn verify_costs_are_learned_interpolated_and_priced_by_batch() {
         let mut m = VerifyCostModel::new(128);
         assert_eq!(m.draft_cost(1, 4), None, "nothing measured yet");
-        // A machine where a step costs 10 ms + 0.5 ms per token up to 16
+        // A machine where a step costs 10 ms + 0.5 ms per token up to 8
         // tokens (memory-bound), then 1.5 ms per token (compute-bound).
         let t = |n: usize| {
-            if n <= 16 {
+            if n <= 8 {
                 0.010 + 0.0005 * n as f64
             } else {
-                0.018 + 0.0015 * (n - 16) as f64
+                0.014 + 0.0015 * (n - 8) as f64
             }
         };
         for n in [1, 2, 3, 5, 8, 16, 20, 32, 48, 64] {
@@ -251,10 +261,10 @@ mod tests {
         let alone = m.draft_cost(1, 4).unwrap();
         assert!((alone - 0.0005 / 0.0105).abs() < 1e-6, "{alone}");
         // Sixteen sequences drafting 16 tokens: each token adds 1.5 ms to
-        // a step whose per-sequence share is 18 / 16 ms.
+        // a step whose per-sequence share is 26 / 16 ms.
         let loaded = m.draft_cost(16, 16).unwrap();
-        assert!((loaded - 0.0015 / (0.018 / 16.0)).abs() < 1e-6, "{loaded}");
-        assert!(loaded > 20.0 * alone);
+        assert!((loaded - 0.0015 / (0.026 / 16.0)).abs() < 1e-6, "{loaded}");
+        assert!(loaded > 15.0 * alone);
         // At that price only near-certain drafts pay.
         assert_eq!(choose_draft_len(0.6, 8, loaded), 0);
         assert!(choose_draft_len(0.6, 8, alone) >= 3);
@@ -263,6 +273,12 @@ mod tests {
         noisy.record(24, t(24) * 1.3);
         let p = noisy.draft_cost(16, 16).unwrap();
         assert!((p / loaded - 1.0).abs() < 0.25, "{p} vs {loaded}");
+        // A size's mean follows the machine, slowly.
+        let mut drift = m.clone();
+        for _ in 0..200 {
+            drift.record(16, t(16) * 2.0);
+        }
+        assert!((drift.time(16).unwrap() / t(16) - 2.0).abs() < 0.01);
         // Garbage is ignored.
         m.record(0, 1.0);
         m.record(4, f64::NAN);
