@@ -27,6 +27,56 @@ pub struct ModelBench {
     pub kv_bytes: usize,
     /// Peak resident set of the process (Linux `VmHWM`), if known.
     pub peak_rss_bytes: Option<usize>,
+    /// Memory read bandwidth with the model's thread count (GB/s, best of
+    /// several passes over a buffer far larger than the caches).
+    pub read_gb_s: f64,
+    /// Read bandwidth re-reading a buffer the size of the weights (GB/s):
+    /// what decode, which reads every weight once per token, can reach
+    /// with whatever share of the weights the caches hold.
+    pub weights_read_gb_s: f64,
+    /// The decode rate that reading the weights once per token at
+    /// `weights_read_gb_s` allows (tok/s): decode's memory-bound ceiling.
+    pub decode_limit_tok_s: f64,
+}
+
+/// Read bandwidth of this machine with `threads` threads: the best of
+/// `passes` timed sums over `bytes` of memory (each thread its own slice).
+pub fn read_bandwidth(threads: usize, bytes: usize, passes: usize) -> f64 {
+    let words = (bytes / 8).max(1 << 16);
+    let buf: Vec<u64> = (0..words as u64)
+        .map(|i| i.wrapping_mul(0x9E37_79B9))
+        .collect();
+    let threads = threads.max(1);
+    let chunk = words.div_ceil(threads);
+    let mut best = 0.0f64;
+    for _ in 0..passes.max(1) {
+        let t = Instant::now();
+        let total: u64 = std::thread::scope(|sc| {
+            let hs: Vec<_> = buf
+                .chunks(chunk)
+                .map(|part| {
+                    sc.spawn(move || {
+                        // Four independent sums, so the adds keep up with
+                        // the loads and the loop stays memory-bound.
+                        let mut acc = [0u64; 4];
+                        for q in part.chunks_exact(4) {
+                            for j in 0..4 {
+                                acc[j] = acc[j].wrapping_add(q[j]);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0u64, |a, b| a.wrapping_add(b))
+        });
+        std::hint::black_box(total);
+        let gb_s = (words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        best = best.max(gb_s);
+    }
+    best
 }
 
 /// Peak resident set size of this process, from `/proc/self/status`.
@@ -85,6 +135,11 @@ pub fn bench_model(
         model.forward_one(&mut c, &[tok], Logits::Last)?;
     }
     let decode_tok_s = decode as f64 / t.elapsed().as_secs_f64();
+    // What reading the weights once per token allows here: a buffer of
+    // their size re-read (caches help as much as they help decode), and
+    // 512 MiB (memory alone), with the model's threads.
+    let weights_read_gb_s = read_bandwidth(model.threads(), model.weight_bytes(), 9);
+    let read_gb_s = read_bandwidth(model.threads(), 512 << 20, 5);
 
     // Verify cost at a fixed context: forward k tokens, roll back, repeat;
     // the k values are interleaved per repetition to cancel drift.
@@ -163,6 +218,9 @@ pub fn bench_model(
         weight_bytes: model.weight_bytes(),
         kv_bytes,
         peak_rss_bytes: peak_rss_bytes(),
+        read_gb_s,
+        weights_read_gb_s,
+        decode_limit_tok_s: weights_read_gb_s * 1e9 / model.weight_bytes().max(1) as f64,
     })
 }
 

@@ -115,23 +115,42 @@ fn greedy_oracle_is_lossless_on_the_tiny_model_in_a_concurrent_batch() {
     assert!((mals[2] - 1.0).abs() < 1e-9, "{mals:?}");
 }
 
-#[test]
-fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
+/// SmolLM2, its tokenizer, `texts` encoded, their `n`-token plain greedy
+/// continuations, and (prompt, continuation) pairs for an oracle.
+#[allow(clippy::type_complexity)]
+fn smollm_answers(
+    texts: &[&str],
+    n: usize,
+) -> (
+    Arc<Model>,
+    Arc<Tokenizer>,
+    Vec<Vec<u32>>,
+    Vec<Vec<u32>>,
+    Vec<(Vec<u32>, Vec<u32>)>,
+) {
     let path = common::smollm_path();
     let model = Arc::new(load_model(&path, 2).unwrap());
     let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
-    let texts = [
-        "def fibonacci(n):",
-        "The three primary colors are",
-        "<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>assistant\n",
-    ];
     let ps: Vec<Vec<u32>> = texts
         .iter()
         .map(|t| tok.encode(t, false).unwrap())
         .collect();
-    let n = 32;
     let want: Vec<Vec<u32>> = ps.iter().map(|p| plain(&model, p, n)).collect();
-    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    let answers = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    (model, tok, ps, want, answers)
+}
+
+#[test]
+fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
+    let n = 32;
+    let (model, tok, ps, want, answers) = smollm_answers(
+        &[
+            "def fibonacci(n):",
+            "The three primary colors are",
+            "<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>assistant\n",
+        ],
+        n,
+    );
     for rate in [0.0, 0.3, 1.0] {
         let oracle = OracleProposer::new(answers.clone(), rate, 5, model.config.vocab_size as u32);
         let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 3, None);
@@ -157,22 +176,16 @@ fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
 /// a finite, non-negative price.
 #[test]
 fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
-    let path = common::smollm_path();
-    let model = Arc::new(load_model(&path, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
-    let texts = [
-        "def fibonacci(n):",
-        "The three primary colors are",
-        "List: 1, 2, 3, 1, 2, 3, 1, 2, 3,",
-        "Once upon a time",
-    ];
-    let ps: Vec<Vec<u32>> = texts
-        .iter()
-        .map(|t| tok.encode(t, false).unwrap())
-        .collect();
     let n = 48;
-    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain(&model, p, n)).collect();
-    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    let (model, tok, ps, want, answers) = smollm_answers(
+        &[
+            "def fibonacci(n):",
+            "The three primary colors are",
+            "List: 1, 2, 3, 1, 2, 3, 1, 2, 3,",
+            "Once upon a time",
+        ],
+        n,
+    );
     let oracle = OracleProposer::new(answers, 0.3, 5, model.config.vocab_size as u32);
     let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 4, None);
     e.scheduler.config.adaptive_draft = true;

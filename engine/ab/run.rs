@@ -129,6 +129,35 @@ pub(super) fn check_arms(
     Ok(())
 }
 
+/// The request `arm` makes for prompt `ids`: the section's sampling with
+/// its seed offset by `seed_offset` (the same for every arm), up to
+/// `max_tokens` within the model's context.
+pub(super) fn arm_request(
+    ab: &AbSection,
+    ids: &[u32],
+    arm: &ArmConfig,
+    seed_offset: u64,
+    model: &Model,
+) -> Request {
+    let room = model.config.max_seq_len.saturating_sub(ids.len());
+    Request {
+        prompt: ids.to_vec(),
+        params: SamplingParams {
+            seed: ab.sampling.seed.wrapping_add(seed_offset),
+            ..ab.sampling.clone()
+        },
+        max_tokens: ab.max_tokens.min(room),
+        stop: Vec::new(),
+        ignore_eos: false,
+        proposer: Some(arm.proposer.clone()),
+        max_draft: arm.max_draft,
+        arm: Some(arm.name.clone()),
+        logprobs: None,
+        fork_of: None,
+        prompt_logprobs: None,
+    }
+}
+
 /// Token ids of every prompt (through the chat template with `chat`).
 pub(super) fn encode_prompts(
     tok: &Tokenizer,
@@ -200,23 +229,7 @@ pub fn run(
             for k in 0..n {
                 // Rotate the arm order prompt by prompt (and repeat by repeat).
                 let arm = &arms[(i + rep + k) % n];
-                let room = model.config.max_seq_len.saturating_sub(ids.len());
-                let req = Request {
-                    prompt: ids.clone(),
-                    params: SamplingParams {
-                        seed: ab.sampling.seed.wrapping_add(i as u64 * 7919 + rep as u64),
-                        ..ab.sampling.clone()
-                    },
-                    max_tokens: ab.max_tokens.min(room),
-                    stop: Vec::new(),
-                    ignore_eos: false,
-                    proposer: Some(arm.proposer.clone()),
-                    max_draft: arm.max_draft,
-                    arm: Some(arm.name.clone()),
-                    logprobs: None,
-                    fork_of: None,
-                    prompt_logprobs: None,
-                };
+                let req = arm_request(ab, ids, arm, i as u64 * 7919 + rep as u64, &model);
                 engine.scheduler.config.measured_pricing = arm
                     .draft_pricing
                     .map_or(measured, |p| p == crate::config::DraftPricing::Measured);

@@ -16,14 +16,14 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::run::{arms_with_plain, check_arms, encode_prompts};
+use super::run::{arm_request, arms_with_plain, check_arms, encode_prompts};
 use super::{Mismatch, Prompt};
 use crate::config::{AbSection, Config, DraftPricing};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::SamplingParams;
 use crate::speculative::driver::{EngineConfig, SyncDriver};
-use crate::speculative::{Request, SeqId};
+use crate::speculative::SeqId;
 use crate::tokenizer::Tokenizer;
 
 /// One arm at one concurrency.
@@ -222,27 +222,8 @@ fn run_point(
     let t0 = Instant::now();
     while next < encoded.len() || !in_flight.is_empty() {
         while in_flight.len() < c && next < encoded.len() {
-            let ids = &encoded[next];
-            let room = model.config.max_seq_len.saturating_sub(ids.len());
-            let id = engine.add(
-                Request {
-                    prompt: ids.clone(),
-                    params: SamplingParams {
-                        seed: ab.sampling.seed.wrapping_add(next as u64 * 7919),
-                        ..ab.sampling.clone()
-                    },
-                    max_tokens: ab.max_tokens.min(room),
-                    stop: Vec::new(),
-                    ignore_eos: false,
-                    proposer: Some(arm.proposer.clone()),
-                    max_draft: arm.max_draft,
-                    arm: Some(arm.name.clone()),
-                    logprobs: None,
-                    fork_of: None,
-                    prompt_logprobs: None,
-                },
-                None,
-            )?;
+            let req = arm_request(ab, &encoded[next], arm, next as u64 * 7919, model);
+            let id = engine.add(req, None)?;
             in_flight.insert(id, next);
             next += 1;
         }
@@ -278,14 +259,14 @@ fn run_point(
     ))
 }
 
-/// The sweep as Markdown: aggregate tok/s and the ratio to plain, one row
-/// per arm, one column per concurrency.
-pub fn sweep_markdown(r: &SweepReport) -> String {
-    let mut s = format!(
-        "# Concurrency sweep: {} ({} prompts, {} repeat(s), max_tokens {}, temperature {}, {} threads)\n\n",
-        r.dataset, r.prompts, r.repeats, r.max_tokens, r.sampling.temperature, r.threads
-    );
-    s += "Aggregate tok/s (ratio to plain at the same concurrency); every (point, arm) on a fresh engine.\n\n| arm |";
+/// A Markdown table: one row per arm (in first-seen order, those `keep`
+/// accepts), one column per concurrency, each cell from `cell`.
+fn sweep_table(
+    r: &SweepReport,
+    keep: impl Fn(&SweepRow) -> bool,
+    cell: impl Fn(&SweepRow) -> String,
+) -> String {
+    let mut s = String::from("| arm |");
     for c in &r.points {
         s += &format!(" {c} |");
     }
@@ -295,7 +276,7 @@ pub fn sweep_markdown(r: &SweepReport) -> String {
     }
     s += "\n";
     let mut arms: Vec<&str> = Vec::new();
-    for row in &r.rows {
+    for row in r.rows.iter().filter(|x| keep(x)) {
         if !arms.contains(&row.arm.as_str()) {
             arms.push(&row.arm);
         }
@@ -304,48 +285,45 @@ pub fn sweep_markdown(r: &SweepReport) -> String {
         s += &format!("| {a} |");
         for c in &r.points {
             match r.rows.iter().find(|x| x.arm == a && x.concurrency == *c) {
-                Some(x) => s += &format!(" {:.1} ({:.2}x) |", x.tok_per_s, x.vs_plain),
+                Some(x) => s += &format!(" {} |", cell(x)),
                 None => s += " |",
             }
         }
         s += "\n";
     }
-    s += "\nDrafted tokens per verify step / acceptance / mean price of a drafted token (verify cost relative to a sequence's share of the step) / share of wall time in the draft stage:\n\n| arm |";
-    for c in &r.points {
-        s += &format!(" {c} |");
-    }
-    s += "\n|---|";
-    for _ in &r.points {
-        s += "---|";
-    }
-    s += "\n";
-    let mut arms2: Vec<&str> = Vec::new();
-    for row in &r.rows {
-        if !arms2.contains(&row.arm.as_str()) && row.drafted + row.verify_steps > 0 {
-            arms2.push(&row.arm);
-        }
-    }
-    for a in arms2 {
-        s += &format!("| {a} |");
-        for c in &r.points {
-            match r.rows.iter().find(|x| x.arm == a && x.concurrency == *c) {
-                Some(x) => {
-                    let per = x.drafted as f64 / x.verify_steps.max(1) as f64;
-                    let acc = x.accepted as f64 / x.drafted.max(1) as f64;
-                    let price = x
-                        .mean_draft_price
-                        .map(|p| format!("{p:.3}"))
-                        .unwrap_or_else(|| "-".into());
-                    s += &format!(
-                        " {per:.2} / {acc:.2} / {price} / {:.1}% |",
-                        100.0 * x.draft_share
-                    );
-                }
-                None => s += " |",
-            }
-        }
-        s += "\n";
-    }
+    s
+}
+
+/// The sweep as Markdown: aggregate tok/s and the ratio to plain, then the
+/// drafting figures behind them.
+pub fn sweep_markdown(r: &SweepReport) -> String {
+    let mut s = format!(
+        "# Concurrency sweep: {} ({} prompts, {} repeat(s), max_tokens {}, temperature {}, {} threads)\n\n",
+        r.dataset, r.prompts, r.repeats, r.max_tokens, r.sampling.temperature, r.threads
+    );
+    s += "Aggregate tok/s (ratio to plain at the same concurrency); every (point, arm) on a fresh engine.\n\n";
+    s += &sweep_table(
+        r,
+        |_| true,
+        |x| format!("{:.1} ({:.2}x)", x.tok_per_s, x.vs_plain),
+    );
+    s += "\nDrafted tokens per verify step / acceptance / mean price of a drafted token (verify cost relative to a sequence's share of the step) / share of wall time in the draft stage:\n\n";
+    s += &sweep_table(
+        r,
+        |x| x.drafted + x.verify_steps > 0,
+        |x| {
+            let per = x.drafted as f64 / x.verify_steps.max(1) as f64;
+            let acc = x.accepted as f64 / x.drafted.max(1) as f64;
+            let price = x
+                .mean_draft_price
+                .map(|p| format!("{p:.3}"))
+                .unwrap_or_else(|| "-".into());
+            format!(
+                "{per:.2} / {acc:.2} / {price} / {:.1}%",
+                100.0 * x.draft_share
+            )
+        },
+    );
     s += "\n";
     if r.sampling.is_greedy() {
         if r.mismatches.is_empty() {

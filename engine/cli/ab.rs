@@ -107,28 +107,22 @@ pub fn run(a: AbArgs) -> Result<()> {
     if !s.concurrency.is_empty() {
         let report = ab::sweep(&cfg, &s, model, tok, &prompts, chat, &s.concurrency)?;
         let files = ab::write_sweep(&report, &s.out_dir)?;
-        print!("{}", ab::sweep_markdown(&report));
-        for f in files {
-            eprintln!("wrote {}", f.display());
-        }
-        if !report.mismatches.is_empty() {
-            anyhow::bail!(
-                "{} losslessness failure(s): greedy output differs from plain decoding",
-                report.mismatches.len()
-            );
-        }
-        return Ok(());
+        return finish(ab::sweep_markdown(&report), files, report.mismatches.len());
     }
     let report = ab::run(&cfg, &s, model, tok, &prompts, chat)?;
     let files = ab::write_outputs(&report, &s.out_dir)?;
-    print!("{}", ab::markdown(&report));
+    finish(ab::markdown(&report), files, report.mismatches.len())
+}
+
+/// Print the summary and the files written; fail on any greedy mismatch.
+fn finish(summary: String, files: Vec<PathBuf>, mismatches: usize) -> Result<()> {
+    print!("{summary}");
     for f in files {
         eprintln!("wrote {}", f.display());
     }
-    if !report.mismatches.is_empty() {
+    if mismatches > 0 {
         anyhow::bail!(
-            "{} losslessness failure(s): greedy output differs from plain decoding",
-            report.mismatches.len()
+            "{mismatches} losslessness failure(s): greedy output differs from plain decoding"
         );
     }
     Ok(())

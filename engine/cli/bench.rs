@@ -141,8 +141,15 @@ fn print_model(path: &std::path::Path, b: &specd::bench::ModelBench) {
         b.prefill_tokens, b.prefill_tok_s
     );
     println!(
-        "decode  ({} tokens): {:.1} tok/s",
-        b.decode_tokens, b.decode_tok_s
+        "decode  ({} tokens): {:.1} tok/s, {:.0}% of the {:.1} tok/s limit of reading the {:.1} MiB of weights once per token ({:.1} GB/s re-reading a buffer that size with {} threads; {:.1} GB/s streaming 512 MiB)",
+        b.decode_tokens,
+        b.decode_tok_s,
+        100.0 * b.decode_tok_s / b.decode_limit_tok_s.max(1e-9),
+        b.decode_limit_tok_s,
+        b.weight_bytes as f64 / (1 << 20) as f64,
+        b.weights_read_gb_s,
+        b.threads,
+        b.read_gb_s
     );
     println!(
         "verify cost at context {} (all-position logits):",
