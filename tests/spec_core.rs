@@ -89,13 +89,7 @@ fn greedy_oracle_is_lossless_on_the_tiny_model_in_a_concurrent_batch() {
     for rate in [0.0, 0.3, 1.0] {
         let oracle = OracleProposer::new(answers.clone(), rate, 6, TINY.vocab as u32);
         let mut e = engine(&model, None, vec![Box::new(oracle)], 4, None);
-        let reqs = ps
-            .iter()
-            .map(|p| Request {
-                proposer: Some("oracle".into()),
-                ..Request::greedy(p.clone(), n)
-            })
-            .collect();
+        let reqs = oracle_requests(&ps, n);
         let done = run_all(&mut e, reqs);
         for (c, w) in done.iter().zip(&want) {
             assert_eq!(
@@ -113,6 +107,16 @@ fn greedy_oracle_is_lossless_on_the_tiny_model_in_a_concurrent_batch() {
     assert!(mals[0] > 4.0, "{mals:?}");
     assert!(mals[0] > mals[1] && mals[1] > mals[2], "{mals:?}");
     assert!((mals[2] - 1.0).abs() < 1e-9, "{mals:?}");
+}
+
+/// Greedy requests of `n` tokens for `ps`, drafted by the oracle.
+fn oracle_requests(ps: &[Vec<u32>], n: usize) -> Vec<Request> {
+    ps.iter()
+        .map(|p| Request {
+            proposer: Some("oracle".into()),
+            ..Request::greedy(p.clone(), n)
+        })
+        .collect()
 }
 
 /// SmolLM2, its tokenizer, `texts` encoded, their `n`-token plain greedy
@@ -154,13 +158,7 @@ fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
     for rate in [0.0, 0.3, 1.0] {
         let oracle = OracleProposer::new(answers.clone(), rate, 5, model.config.vocab_size as u32);
         let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 3, None);
-        let reqs = ps
-            .iter()
-            .map(|p| Request {
-                proposer: Some("oracle".into()),
-                ..Request::greedy(p.clone(), n)
-            })
-            .collect();
+        let reqs = oracle_requests(&ps, n);
         let done = run_all(&mut e, reqs);
         for (c, w) in done.iter().zip(&want) {
             assert_eq!(&c.tokens, w, "error rate {rate}");
@@ -190,13 +188,7 @@ fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
     let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 4, None);
     e.scheduler.config.adaptive_draft = true;
     e.scheduler.config.measured_pricing = true;
-    let reqs = ps
-        .iter()
-        .map(|p| Request {
-            proposer: Some("oracle".into()),
-            ..Request::greedy(p.clone(), n)
-        })
-        .collect();
+    let reqs = oracle_requests(&ps, n);
     let done = run_all(&mut e, reqs);
     for (c, w) in done.iter().zip(&want) {
         assert_eq!(&c.tokens, w);
