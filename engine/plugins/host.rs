@@ -67,6 +67,10 @@ pub fn serve(socket: &Path) -> Result<()> {
     }
 }
 
+fn no_instance() -> String {
+    "plugin host: no instance yet (init first)".to_string()
+}
+
 impl Host {
     /// Run every command of a frame; the first failure is the answer (later
     /// commands still run, as they would in process).
@@ -116,9 +120,7 @@ impl Host {
     }
 
     fn proposer(&mut self) -> std::result::Result<&mut PluginProposer, String> {
-        self.proposer
-            .as_mut()
-            .ok_or_else(|| "plugin host: no instance yet (init first)".to_string())
+        self.proposer.as_mut().ok_or_else(no_instance)
     }
 
     fn lifecycle(&mut self, cmd: u8, r: &mut Reader<'_>) -> std::result::Result<(), String> {
@@ -192,10 +194,8 @@ impl Host {
                 hidden_start: s.hidden_start,
             })
             .collect();
-        let p = self
-            .proposer
-            .as_mut()
-            .ok_or_else(|| "plugin host: no instance yet (init first)".to_string())?;
+        // A field borrow (not `self.proposer()`): `batch` borrows `seqs`.
+        let p = self.proposer.as_mut().ok_or_else(no_instance)?;
         let drafts = if batch.is_empty() {
             Vec::new()
         } else {

@@ -551,16 +551,15 @@ impl ProcessProposer {
         };
     }
 
-    /// Send the queued commands followed by whatever `tail` appends; the
-    /// reply (starting after its status byte) is in `self.reply`.
-    fn call(
-        &mut self,
-        tail: impl FnOnce(&mut Writer),
-    ) -> std::result::Result<Option<usize>, String> {
+    /// Send the queued commands followed by whatever `tail` appends.
+    /// `Ok(true)`: the answer follows the status byte in `self.reply`;
+    /// `Ok(false)`: no child answered (it was given up); `Err`: the plugin
+    /// reported an error.
+    fn call(&mut self, tail: impl FnOnce(&mut Writer)) -> std::result::Result<bool, String> {
         tail(&mut self.queued);
         let Conn::Up { stream, .. } = &mut self.conn else {
             self.queued.clear();
-            return Ok(None);
+            return Ok(false);
         };
         let res = exchange(
             stream,
@@ -571,19 +570,19 @@ impl ProcessProposer {
         self.queued.clear();
         match res {
             Ok(()) => match self.reply.first() {
-                Some(&wire::REPLY_OK) => Ok(Some(1)),
+                Some(&wire::REPLY_OK) => Ok(true),
                 Some(&wire::REPLY_ERR) => {
                     let mut r = Reader::new(&self.reply[1..]);
                     Err(r.str().unwrap_or_else(|e| e))
                 }
                 _ => {
                     self.fail(Failure::Protocol("empty reply".into()));
-                    Ok(None)
+                    Ok(false)
                 }
             },
             Err(f) => {
                 self.fail(f);
-                Ok(None)
+                Ok(false)
             }
         }
     }
@@ -674,7 +673,7 @@ fn read_reply(
     stream
         .set_read_timeout(Some(timeout))
         .map_err(|e| Failure::Died(e.to_string()))?;
-    match wire::read_frame(&mut ReadAll(stream), reply) {
+    match wire::read_frame(stream, reply) {
         Ok(true) => Ok(()),
         Ok(false) => Err(Failure::Died("hung up".into())),
         Err(e) => match e.kind() {
@@ -684,15 +683,6 @@ fn read_reply(
             std::io::ErrorKind::InvalidData => Err(Failure::Protocol(e.to_string())),
             _ => Err(Failure::Died(format!("hung up ({e})"))),
         },
-    }
-}
-
-/// `Read` for a borrowed stream.
-struct ReadAll<'a>(&'a mut UnixStream);
-
-impl Read for ReadAll<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.0.read(buf)
     }
 }
 
@@ -774,10 +764,10 @@ impl Proposer for ProcessProposer {
                 }
             }
         })?;
-        let Some(at) = got else {
+        if !got {
             return Ok(out);
-        };
-        let mut r = Reader::new(&self.reply[at..]);
+        }
+        let mut r = Reader::new(&self.reply[1..]);
         let parsed: std::result::Result<Vec<Draft>, String> = (|| {
             let n = r.u32()? as usize;
             if n != asked.len() {

@@ -700,7 +700,6 @@ impl Scheduler {
             self.prices.0 += price;
             self.prices.1 += 1;
         }
-        let mut extra = 0;
         for &id in &self.running {
             let Some(s) = self.seqs.get(&id) else {
                 continue;
@@ -730,7 +729,6 @@ impl Scheduler {
                 }
             }
             budget -= 1 + k;
-            extra += k;
             items.push(PlanItem {
                 seq: id,
                 cache_len: s.cached,
@@ -774,7 +772,6 @@ impl Scheduler {
                 len: s.cached + n,
             });
         }
-        let _ = extra;
         (items, wants)
     }
 
