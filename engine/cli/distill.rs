@@ -14,6 +14,51 @@ pub enum DistillCmd {
     /// Train an EAGLE-3 draft head for a target by self-distillation
     /// (written in the public EAGLE-3 layout).
     Eagle(EagleArgs),
+    /// Train Medusa-1 heads for a frozen target by self-distillation
+    /// (public Medusa tensor names; read out through the target's head).
+    Medusa(MedusaArgs),
+}
+
+#[derive(Args)]
+pub struct MedusaArgs {
+    /// Target model (default: the embedded SmolLM2).
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// Output directory: config.json and model.safetensors (the heads),
+    /// train/ (samples, final-normed states, checkpoint); training resumes
+    /// from a checkpoint found there, and reuses samples and states a
+    /// `distill eagle` run left in a train/ directory copied there.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Residual blocks per head.
+    #[arg(long, default_value_t = 1)]
+    pub layers: usize,
+    /// Rows of the output (most frequent response tokens).
+    #[arg(long, default_value_t = 4096)]
+    pub draft_vocab: usize,
+    #[arg(long, default_value_t = 3.0)]
+    pub epochs: f64,
+    #[arg(long, default_value_t = 2e-3)]
+    pub lr: f64,
+    /// Tokens per training batch.
+    #[arg(long, default_value_t = 4096)]
+    pub batch_tokens: usize,
+    /// Target-generated response tokens to train on.
+    #[arg(long, default_value_t = 240000)]
+    pub gen_tokens: usize,
+    #[arg(long, default_value_t = 25)]
+    pub checkpoint_every: usize,
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+    /// Stop after this many steps (the schedule stays that of --epochs).
+    #[arg(long, default_value_t = 0)]
+    pub stop_after: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 #[derive(Args)]
@@ -148,13 +193,41 @@ pub fn run(what: DistillCmd) -> Result<()> {
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
             specd::distill::eagle::distill_eagle(&target, &a.out, &cfg, threads)?;
-            let weights = a.out.join("model.safetensors");
-            println!(
-                "{}  sha256 {}",
-                weights.display(),
-                specd::distill::eagle::sha256_file(&weights)?
-            );
-            Ok(())
+            print_weights(&a.out)
+        }
+        DistillCmd::Medusa(a) => {
+            let target = match a.target {
+                Some(t) => t,
+                None => specd::fetch::ensure_default_model()?,
+            };
+            let cfg = specd::distill::medusa::MedusaTrainConfig {
+                heads: a.heads,
+                layers: a.layers,
+                draft_vocab: a.draft_vocab,
+                epochs: a.epochs,
+                lr: a.lr,
+                batch_tokens: a.batch_tokens,
+                gen_tokens: a.gen_tokens,
+                checkpoint_every: a.checkpoint_every,
+                warmup: a.warmup,
+                stop_after: a.stop_after,
+                seed: a.seed,
+                ..Default::default()
+            };
+            let threads = a.threads.unwrap_or_else(model::llama::default_threads);
+            specd::distill::medusa::distill_medusa(&target, &a.out, &cfg, threads)?;
+            print_weights(&a.out)
         }
     }
+}
+
+/// Print a trained head's weights file and its SHA-256.
+fn print_weights(out: &std::path::Path) -> Result<()> {
+    let weights = out.join("model.safetensors");
+    println!(
+        "{}  sha256 {}",
+        weights.display(),
+        specd::distill::eagle::sha256_file(&weights)?
+    );
+    Ok(())
 }

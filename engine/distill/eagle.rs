@@ -137,18 +137,18 @@ pub fn feature_layers(l: usize) -> Vec<usize> {
 }
 
 /// Recorded target hidden states of every sample, row per token.
-struct Features {
+pub(super) struct Features {
     /// Hidden index -> `rows x h` (the final-normed state under the
     /// target's layer count).
-    layers: HashMap<usize, Vec<f32>>,
+    pub(super) layers: HashMap<usize, Vec<f32>>,
     /// Target argmax per row (the token the target predicts next).
-    argmax: Vec<u32>,
+    pub(super) argmax: Vec<u32>,
     /// First row of each sample.
-    offsets: Vec<usize>,
+    pub(super) offsets: Vec<usize>,
 }
 
 impl Features {
-    fn layer(&self, l: usize) -> &[f32] {
+    pub(super) fn layer(&self, l: usize) -> &[f32] {
         self.layers.get(&l).map(Vec::as_slice).unwrap_or(&[])
     }
 }
@@ -164,7 +164,7 @@ fn argmax_of(f: &TensorFile) -> Result<Vec<u32>> {
 
 /// Run every sample through the target once, recording the hidden states
 /// of `layers` (cached at `path`; a cache holding them is reused).
-fn extract_features(
+pub(super) fn extract_features(
     target: &Model,
     samples: &[Sample],
     layers: &[usize],
@@ -302,7 +302,12 @@ fn extract_features(
 }
 
 /// The `n` most frequent response tokens (EOS ids always in), ascending.
-fn choose_draft_vocab(samples: &[Sample], n: usize, vocab: usize, eos: &[u32]) -> Vec<u32> {
+pub(super) fn choose_draft_vocab(
+    samples: &[Sample],
+    n: usize,
+    vocab: usize,
+    eos: &[u32],
+) -> Vec<u32> {
     let mut counts = vec![0u64; vocab];
     for s in samples {
         for &t in &s.tokens[s.prompt_len..] {
@@ -599,7 +604,7 @@ pub fn reference_logits(
 }
 
 /// The target's token embeddings, `vocab x hidden` f32 (frozen).
-fn embedding_table(target: &Model) -> Vec<f32> {
+pub(super) fn embedding_table(target: &Model) -> Vec<f32> {
     let (vocab, h) = (target.config.vocab_size, target.config.hidden);
     let mut emb = vec![0f32; vocab * h];
     for r in 0..vocab {
@@ -692,7 +697,7 @@ impl Corpus<'_> {
 
 /// Batches of sample indices: similar lengths together, `batch_tokens`
 /// padded tokens at most, in a seeded random order.
-fn plan_batches(
+pub(super) fn plan_batches(
     samples: &[Sample],
     idx: &[usize],
     batch_tokens: usize,
@@ -737,20 +742,26 @@ pub struct EagleState {
 }
 
 fn lr_at(cfg: &EagleConfig, step: usize, steps: usize) -> f64 {
-    let warm = cfg.warmup.min(steps / 10).max(1);
+    cosine_lr(cfg.lr, cfg.warmup, step, steps)
+}
+
+/// Linear warm-up over `warmup` steps (at most a tenth of the run), then
+/// cosine decay to 5% of `lr`.
+pub(super) fn cosine_lr(lr: f64, warmup: usize, step: usize, steps: usize) -> f64 {
+    let warm = warmup.min(steps / 10).max(1);
     if step < warm {
-        cfg.lr * (step + 1) as f64 / warm as f64
+        lr * (step + 1) as f64 / warm as f64
     } else {
         let p = (step - warm) as f64 / (steps - warm).max(1) as f64;
-        cfg.lr * (0.05 + 0.95 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
+        lr * (0.05 + 0.95 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
     }
 }
 
 /// AdamW whose moments are saved with the checkpoint.
-struct AdamW {
-    m: HashMap<&'static str, Tensor>,
-    v: HashMap<&'static str, Tensor>,
-    t: usize,
+pub(super) struct AdamW {
+    pub(super) m: HashMap<String, Tensor>,
+    pub(super) v: HashMap<String, Tensor>,
+    pub(super) t: usize,
 }
 
 impl AdamW {
@@ -758,16 +769,26 @@ impl AdamW {
     const B2: f64 = 0.95;
     const WD: f64 = 0.0;
 
-    fn step(
+    pub(super) fn new() -> Self {
+        Self {
+            m: HashMap::new(),
+            v: HashMap::new(),
+            t: 0,
+        }
+    }
+
+    /// One update of the parameters `p` from `grads`, their global norm
+    /// clipped to `clip`; returns the norm before clipping.
+    pub(super) fn step<'a>(
         &mut self,
-        net: &Net,
+        p: impl Iterator<Item = (&'a str, &'a Var)> + Clone,
         grads: &candle_core::backprop::GradStore,
         lr: f64,
         clip: f64,
     ) -> candle_core::Result<f64> {
         self.t += 1;
         let mut sq = 0f64;
-        for var in net.p.values() {
+        for (_, var) in p.clone() {
             if let Some(g) = grads.get(var.as_tensor()) {
                 sq += f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?);
             }
@@ -778,7 +799,7 @@ impl AdamW {
             1.0 - Self::B1.powi(self.t as i32),
             1.0 - Self::B2.powi(self.t as i32),
         );
-        for (name, var) in &net.p {
+        for (name, var) in p {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
@@ -791,14 +812,14 @@ impl AdamW {
             let w = var.as_tensor();
             let next = ((w * (1.0 - lr * Self::WD))? - (upd * lr)?)?;
             var.set(&next)?;
-            self.m.insert(name, m);
-            self.v.insert(name, v);
+            self.m.insert(name.to_string(), m);
+            self.v.insert(name.to_string(), v);
         }
         Ok(norm)
     }
 }
 
-fn tensor_vec(t: &Tensor) -> Result<Vec<f32>> {
+pub(super) fn tensor_vec(t: &Tensor) -> Result<Vec<f32>> {
     t.flatten_all()
         .and_then(|t| t.to_dtype(DType::F32))
         .and_then(|t| t.to_vec1::<f32>())
@@ -1004,11 +1025,7 @@ pub fn distill_eagle(
             .collect()
     };
     let mut p = HashMap::new();
-    let mut opt = AdamW {
-        m: HashMap::new(),
-        v: HashMap::new(),
-        t: 0,
-    };
+    let mut opt = AdamW::new();
     for (name, shape) in &shapes {
         let n: usize = shape.iter().product();
         let init: Vec<f32> = if let Some((_, f)) = &resumed {
@@ -1022,7 +1039,7 @@ pub fn distill_eagle(
             for (map, pre) in [(&mut opt.m, "adam_m."), (&mut opt.v, "adam_v.")] {
                 let v = f.f32(&format!("{pre}{name}")).map_err(serr)?;
                 map.insert(
-                    *name,
+                    name.to_string(),
                     Tensor::from_vec(v, shape.as_slice(), &dev).map_err(cerr)?,
                 );
             }
@@ -1123,7 +1140,7 @@ pub fn distill_eagle(
                 TensorData::F32(tensor_vec(net.w(name))?),
             ));
             for (map, pre) in [(&opt.m, "adam_m."), (&opt.v, "adam_v.")] {
-                let v = match map.get(name) {
+                let v = match map.get(*name) {
                     Some(x) => tensor_vec(x)?,
                     None => vec![0.0; shape.iter().product()],
                 };
@@ -1175,8 +1192,13 @@ pub fn distill_eagle(
         let batch = corpus.batch(&plan[step % per_epoch], cfg.ttt_steps, cfg.max_len);
         let (loss, st) = net.forward(&batch).map_err(cerr)?;
         let grads = loss.backward().map_err(cerr)?;
-        opt.step(&net, &grads, lr_at(cfg, step, steps), cfg.clip)
-            .map_err(cerr)?;
+        opt.step(
+            net.p.iter().map(|(k, v)| (*k, v)),
+            &grads,
+            lr_at(cfg, step, steps),
+            cfg.clip,
+        )
+        .map_err(cerr)?;
         let l = loss.to_scalar::<f32>().map_err(cerr)?;
         if state.first_loss.is_nan() {
             state.first_loss = l;

@@ -16,6 +16,7 @@
 
 pub mod draft;
 pub mod eagle;
+pub mod medusa;
 
 use std::path::Path;
 use std::sync::Arc;

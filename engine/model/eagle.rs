@@ -91,7 +91,7 @@ pub struct Head {
     path: KernelPath,
 }
 
-fn cfg_usize(cfg: &serde_json::Value, key: &str, file: &Path) -> Result<usize, String> {
+pub(crate) fn cfg_usize(cfg: &serde_json::Value, key: &str, file: &Path) -> Result<usize, String> {
     cfg.get(key)
         .and_then(|v| v.as_u64())
         .map(|v| v as usize)
@@ -100,34 +100,34 @@ fn cfg_usize(cfg: &serde_json::Value, key: &str, file: &Path) -> Result<usize, S
 
 /// Tensors of a safetensors file, by name, with errors that name the
 /// file, the tensor and the expected shape.
-struct Tensors {
-    file: TensorFile,
+pub(crate) struct Tensors {
+    pub(crate) file: TensorFile,
     /// Matrices to Q8_0 (the fast path) or kept in f32 (exact reference).
-    quantize: bool,
+    pub(crate) quantize: bool,
 }
 
 impl Tensors {
-    fn load(file: &Path, quantize: bool) -> Result<Self, String> {
+    pub(crate) fn load(file: &Path, quantize: bool) -> Result<Self, String> {
         Ok(Self {
             file: TensorFile::read(file)?,
             quantize,
         })
     }
 
-    fn find<'a>(&self, names: &[&'a str]) -> Option<&'a str> {
+    pub(crate) fn find<'a>(&self, names: &[&'a str]) -> Option<&'a str> {
         names.iter().copied().find(|n| self.file.has(n))
     }
 
-    fn has(&self, name: &str) -> bool {
+    pub(crate) fn has(&self, name: &str) -> bool {
         self.file.has(name)
     }
 
-    fn path(&self) -> String {
+    pub(crate) fn path(&self) -> String {
         self.file.path.display().to_string()
     }
 
     /// A float tensor of exactly `shape`, as f32.
-    fn get(&self, names: &[&str], shape: &[usize]) -> Result<Vec<f32>, String> {
+    pub(crate) fn get(&self, names: &[&str], shape: &[usize]) -> Result<Vec<f32>, String> {
         let name = self.find(names).ok_or_else(|| {
             format!(
                 "{}: missing tensor `{}` (expected shape {shape:?})",
@@ -145,7 +145,12 @@ impl Tensors {
         self.file.f32(name)
     }
 
-    fn matrix(&self, names: &[&str], rows: usize, cols: usize) -> Result<QMatrix, String> {
+    pub(crate) fn matrix(
+        &self,
+        names: &[&str],
+        rows: usize,
+        cols: usize,
+    ) -> Result<QMatrix, String> {
         let v = self.get(names, &[rows, cols])?;
         let m = QMatrix::from_f32(rows, cols, v);
         if !self.quantize {
@@ -154,6 +159,65 @@ impl Tensors {
         // Q8_0 for the kernels' integer path when the width allows.
         Ok(m.to_q8_0().unwrap_or(m))
     }
+}
+
+/// The head's weights file in `dir`: the first of `preferred` present,
+/// else any `*.safetensors`.
+pub(crate) fn find_weights(dir: &Path, preferred: &[&str]) -> Result<std::path::PathBuf, String> {
+    preferred
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.is_file())
+        .or_else(|| {
+            let mut all: Vec<_> = std::fs::read_dir(dir)
+                .ok()?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            all.sort();
+            all.into_iter().next()
+        })
+        .ok_or_else(|| format!("{}: no *.safetensors file", dir.display()))
+}
+
+/// Draft id -> target id from the `d2t` tensor (offsets: draft id `i` is
+/// target id `i + d2t[i]`); the identity when the draft vocabulary is the
+/// target's and the file has no `d2t`.
+pub(crate) fn read_d2t(
+    t: &Tensors,
+    weights: &Path,
+    draft_vocab: usize,
+    target_vocab: usize,
+) -> Result<Vec<u32>, String> {
+    if draft_vocab == target_vocab && !t.has("d2t") {
+        return Ok((0..target_vocab as u32).collect());
+    }
+    if !t.has("d2t") {
+        return Err(format!(
+            "{}: missing tensor `d2t` (expected shape [{draft_vocab}])",
+            weights.display()
+        ));
+    }
+    let dims = t.file.shape("d2t").unwrap_or(&[]);
+    if dims != [draft_vocab] {
+        return Err(format!(
+            "{}: tensor `d2t` has shape {dims:?}, expected [{draft_vocab}]",
+            weights.display()
+        ));
+    }
+    let off = t.file.i64("d2t")?;
+    let mut ids = Vec::with_capacity(draft_vocab);
+    for (i, o) in off.iter().enumerate() {
+        let id = i as i64 + o;
+        if id < 0 || id as usize >= target_vocab {
+            return Err(format!(
+                "{}: tensor `d2t` maps draft id {i} to {id}, outside the target's vocabulary of {target_vocab}",
+                weights.display()
+            ));
+        }
+        ids.push(id as u32);
+    }
+    Ok(ids)
 }
 
 impl Head {
@@ -181,17 +245,7 @@ impl Head {
             .map_err(|e| format!("{}: {e}", cfg_path.display()))?;
         let cj: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
-        let weights = ["model.safetensors", "pytorch_model.safetensors"]
-            .iter()
-            .map(|f| dir.join(f))
-            .find(|p| p.is_file())
-            .or_else(|| {
-                std::fs::read_dir(dir)
-                    .ok()?
-                    .filter_map(|e| e.ok().map(|e| e.path()))
-                    .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            })
-            .ok_or_else(|| format!("{}: no *.safetensors file", dir.display()))?;
+        let weights = find_weights(dir, &["model.safetensors", "pytorch_model.safetensors"])?;
         let t = Tensors::load(&weights, quantize)?;
         Self::build(
             &cj,
@@ -399,36 +453,7 @@ impl Head {
             Variant::Eagle3 => {
                 let norm = t.get(&["norm.weight"], &[hidden])?;
                 let lm_head = t.matrix(&["lm_head.weight"], draft_vocab, hidden)?;
-                let d2t: Vec<u32> = if draft_vocab == target_vocab && !t.has("d2t") {
-                    (0..target_vocab as u32).collect()
-                } else {
-                    if !t.has("d2t") {
-                        return Err(format!(
-                            "{}: missing tensor `d2t` (expected shape [{draft_vocab}])",
-                            weights.display()
-                        ));
-                    }
-                    let dims = t.file.shape("d2t").unwrap_or(&[]);
-                    if dims != [draft_vocab] {
-                        return Err(format!(
-                            "{}: tensor `d2t` has shape {dims:?}, expected [{draft_vocab}]",
-                            weights.display()
-                        ));
-                    }
-                    let off = t.file.i64("d2t")?;
-                    let mut ids = Vec::with_capacity(draft_vocab);
-                    for (i, o) in off.iter().enumerate() {
-                        let id = i as i64 + o;
-                        if id < 0 || id as usize >= target_vocab {
-                            return Err(format!(
-                                "{}: tensor `d2t` maps draft id {i} to {id}, outside the target's vocabulary of {target_vocab}",
-                                weights.display()
-                            ));
-                        }
-                        ids.push(id as u32);
-                    }
-                    ids
-                };
+                let d2t = read_d2t(t, weights, draft_vocab, target_vocab)?;
                 (Some(norm), Some(lm_head), d2t)
             }
             Variant::Eagle1 => (None, None, (0..target_vocab as u32).collect()),

@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod kv;
 pub mod llama;
 pub mod load;
+pub mod medusa;
 pub mod tensor_file;
 
 pub use kernels::{QMatrix, WeightFormat};

@@ -324,6 +324,21 @@ impl FromOption for String {
     }
 }
 
+impl FromOption for Vec<Vec<usize>> {
+    const EXPECTED: &'static str = "an array of arrays of non-negative integers";
+    fn from_value(v: &toml::Value) -> Option<Self> {
+        v.as_array()?
+            .iter()
+            .map(|row| {
+                row.as_array()?
+                    .iter()
+                    .map(|x| x.as_integer().and_then(|i| usize::try_from(i).ok()))
+                    .collect()
+            })
+            .collect()
+    }
+}
+
 impl Options {
     /// Parse the options table the host passed as TOML text.
     pub fn parse(text: &str) -> Result<Self, String> {
