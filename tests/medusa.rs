@@ -701,3 +701,68 @@ fn the_shipped_heads_are_lossless_and_accepted_on_smollm2() {
         );
     }
 }
+
+/// The shipped heads read directly (no engine): on the target's own greedy
+/// continuation of a prompt, head `k` at position `p` predicts token
+/// `p + k + 2` well above chance (the figures go into the closing notes:
+/// how often a head is right where the heads before it were is what a
+/// chain draft needs).
+#[test]
+fn the_shipped_heads_predict_the_targets_own_continuation() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Tokenizer::for_model(&path).unwrap();
+    let (h, v) = (model.config.hidden, model.config.vocab_size);
+    let dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("proposers/medusa/heads/smollm2-135m-instruct");
+    let mut head = MedusaHead::load_with(&dir, h, v, false).unwrap();
+    head.attach_target_output(target_head_rows(&model, &head.d2t))
+        .unwrap();
+    let mut hits = vec![0usize; head.cfg.heads];
+    let mut chained = vec![0usize; head.cfg.heads];
+    let mut rows = 0usize;
+    for text in [
+        "Explain how a refrigerator keeps food cold.",
+        "Write a short story about a lighthouse keeper.",
+        "Give three tips for learning a new language.",
+    ] {
+        let chat = tok
+            .apply_chat_template(&[specd::tokenizer::ChatMessage::user(text)], true)
+            .unwrap();
+        let prompt = tok.encode(&chat, false).unwrap();
+        let mut r = Request::greedy(prompt.clone(), 120);
+        r.ignore_eos = true;
+        let out = generate(&model, None, &r, |_| {}).unwrap().tokens;
+        let all: Vec<u32> = prompt.iter().chain(&out).copied().collect();
+        let x = final_states(&model, &all);
+        let k = head.cfg.heads;
+        // Rows whose predictions all fall inside the response.
+        let first = prompt.len() - 1;
+        let last = all.len() - k - 1;
+        let n = last - first;
+        let logits = head.logits(&x[first * h..last * h], n).unwrap();
+        let dv = head.cfg.draft_vocab;
+        for r in 0..n {
+            let p = first + r;
+            let mut all_right = true;
+            for kk in 0..k {
+                let l = &logits[(kk * n + r) * dv..(kk * n + r + 1) * dv];
+                let best = specd::sampler::argmax(l) as usize;
+                let right = head.d2t[best] == all[p + kk + 2];
+                hits[kk] += usize::from(right);
+                all_right &= right;
+                chained[kk] += usize::from(all_right);
+            }
+            rows += 1;
+        }
+    }
+    let acc: Vec<f64> = hits.iter().map(|&x| x as f64 / rows as f64).collect();
+    let cond: Vec<f64> = (1..chained.len())
+        .map(|k| chained[k] as f64 / chained[k - 1].max(1) as f64)
+        .collect();
+    eprintln!("{rows} rows: acceptance@1 per head {acc:.3?}; head k right given heads < k right {cond:.3?}");
+    // Validation (training-distribution prompts) says 0.30 / 0.15; on these
+    // chat prompts about 0.19 / 0.09 (as Spec-Bench sees). Untrained heads
+    // (or heads fed the wrong state) stay near 0.02.
+    assert!(acc[0] > 0.12 && acc[1] > 0.05, "{acc:?}");
+}

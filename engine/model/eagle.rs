@@ -30,6 +30,11 @@ use super::QMatrix;
 pub enum Variant {
     Eagle1,
     Eagle3,
+    /// A DeepSeek-V3-style multi-token-prediction module (`model::mtp`):
+    /// `x = eh_proj(cat[enorm(e), hnorm(f)])` on the final-normed state,
+    /// one standard pre-norm decoder layer, then its own norm and output
+    /// head (or the target's).
+    Mtp,
 }
 
 #[derive(Debug, Clone)]
@@ -60,7 +65,7 @@ impl HeadConfig {
     pub fn attn_in(&self) -> usize {
         match self.variant {
             Variant::Eagle3 => 2 * self.hidden,
-            Variant::Eagle1 => self.hidden,
+            Variant::Eagle1 | Variant::Mtp => self.hidden,
         }
     }
 }
@@ -86,6 +91,8 @@ pub struct Head {
     pub lm_head: Option<QMatrix>,
     /// Draft id -> target id.
     pub d2t: Vec<u32>,
+    /// MTP's `enorm` and `hnorm`.
+    pub mtp_norms: Option<(Vec<f32>, Vec<f32>)>,
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     path: KernelPath,
@@ -287,7 +294,7 @@ impl Head {
         )
     }
 
-    fn build(
+    pub(crate) fn build(
         cj: &serde_json::Value,
         cfg_path: &Path,
         weights: &Path,
@@ -325,18 +332,22 @@ impl Head {
                 cfg_path.display()
             ));
         }
-        let variant =
-            if t.has("midlayer.self_attn.q_proj.weight") || t.has("layers.0.hidden_norm.weight") {
-                Variant::Eagle3
-            } else {
-                Variant::Eagle1
-            };
+        let variant = if t.has("enorm.weight") {
+            Variant::Mtp
+        } else if t.has("midlayer.self_attn.q_proj.weight") || t.has("layers.0.hidden_norm.weight")
+        {
+            Variant::Eagle3
+        } else {
+            Variant::Eagle1
+        };
         // The decoder layer's tensors: `midlayer.*` (EAGLE-3; some EAGLE-3
         // exports say `layers.0.*`) or `layers.0.*` (EAGLE-1).
         let p = |n: &str| -> [String; 2] {
             match variant {
                 Variant::Eagle3 => [format!("midlayer.{n}"), format!("layers.0.{n}")],
-                Variant::Eagle1 => [format!("layers.0.{n}"), format!("layers.0.{n}")],
+                Variant::Eagle1 | Variant::Mtp => {
+                    [format!("layers.0.{n}"), format!("layers.0.{n}")]
+                }
             }
         };
         fn names(v: &[String; 2]) -> Vec<&str> {
@@ -384,7 +395,7 @@ impl Head {
                     .unwrap_or(target_vocab);
                 (fl, dv)
             }
-            Variant::Eagle1 => (vec![target_layers], target_vocab),
+            Variant::Eagle1 | Variant::Mtp => (vec![target_layers], target_vocab),
         };
         if let Some(v) = cj.get("vocab_size").and_then(|v| v.as_u64()) {
             if v as usize != target_vocab {
@@ -416,7 +427,7 @@ impl Head {
         let (qd, kvd, ai) = (heads * head_dim, cfg.kv_dim(), cfg.attn_in());
         let fc_in = match variant {
             Variant::Eagle3 => cfg.feature_layers.len() * target_hidden,
-            Variant::Eagle1 => 2 * hidden,
+            Variant::Eagle1 | Variant::Mtp => 2 * hidden,
         };
         let fc = t.matrix(&["fc.weight"], hidden, fc_in)?;
         let fc_bias = if t.has("fc.bias") {
@@ -433,6 +444,12 @@ impl Head {
             }
         };
         let input_norm = vec_opt("input_layernorm.weight")?;
+        if variant == Variant::Mtp && input_norm.is_none() {
+            return Err(format!(
+                "{}: missing tensor `layers.0.input_layernorm.weight` (expected shape [{hidden}])",
+                weights.display()
+            ));
+        }
         let hidden_norm = vec_opt("hidden_norm.weight")?;
         if variant == Variant::Eagle3 && (input_norm.is_none() || hidden_norm.is_none()) {
             return Err(format!(
@@ -457,6 +474,23 @@ impl Head {
                 (Some(norm), Some(lm_head), d2t)
             }
             Variant::Eagle1 => (None, None, (0..target_vocab as u32).collect()),
+            Variant::Mtp => {
+                let norm = t.get(&["norm.weight"], &[hidden])?;
+                let lm_head = if t.has("lm_head.weight") {
+                    Some(t.matrix(&["lm_head.weight"], target_vocab, hidden)?)
+                } else {
+                    None
+                };
+                (Some(norm), lm_head, (0..target_vocab as u32).collect())
+            }
+        };
+        let mtp_norms = if variant == Variant::Mtp {
+            Some((
+                t.get(&["enorm.weight"], &[hidden])?,
+                t.get(&["hnorm.weight"], &[hidden])?,
+            ))
+        } else {
+            None
         };
         Ok(Head::new(
             cfg,
@@ -470,7 +504,49 @@ impl Head {
             [gate, up, down],
             lm_head,
             d2t,
-        ))
+        )
+        .with_mtp_norms(mtp_norms))
+    }
+
+    /// The MTP module's input norms (`enorm`, `hnorm`).
+    pub fn with_mtp_norms(mut self, norms: Option<(Vec<f32>, Vec<f32>)>) -> Self {
+        self.mtp_norms = norms;
+        self
+    }
+
+    /// The fused hidden input of rows with embeddings `e` and states `x`
+    /// (both `rows x h`) for EAGLE-1 (`fc(cat[e, x]) + bias`) and MTP
+    /// (`eh_proj(cat[enorm(e), hnorm(x)])`).
+    pub fn fuse_pair(&self, e: &[f32], x: &[f32], rows: usize) -> Vec<f32> {
+        let h = self.cfg.hidden;
+        let (e, x) = match &self.mtp_norms {
+            Some((en, hn)) => {
+                let (mut a, mut b) = (vec![0f32; e.len()], vec![0f32; x.len()]);
+                rms_norm(e, en, self.cfg.rms_eps, &mut a);
+                rms_norm(x, hn, self.cfg.rms_eps, &mut b);
+                (std::borrow::Cow::Owned(a), std::borrow::Cow::Owned(b))
+            }
+            None => (std::borrow::Cow::Borrowed(e), std::borrow::Cow::Borrowed(x)),
+        };
+        let mut cat = vec![0f32; rows * 2 * h];
+        for r in 0..rows {
+            cat[r * 2 * h..r * 2 * h + h].copy_from_slice(&e[r * h..(r + 1) * h]);
+            cat[r * 2 * h + h..(r + 1) * 2 * h].copy_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        self.fuse(&cat, rows)
+    }
+
+    /// What the target's output head reads when the head has none of its
+    /// own: MTP's own final norm of `y`; EAGLE-1's `y` itself.
+    pub fn for_target_head(&self, y: &[f32]) -> Vec<f32> {
+        match &self.norm {
+            Some(n) if self.lm_head.is_none() => {
+                let mut out = vec![0f32; y.len()];
+                rms_norm(y, n, self.cfg.rms_eps, &mut out);
+                out
+            }
+            _ => y.to_vec(),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -516,6 +592,7 @@ impl Head {
             down,
             lm_head,
             d2t,
+            mtp_norms: None,
             rope_cos,
             rope_sin,
             path: KernelPath::best(),
@@ -616,6 +693,12 @@ impl Head {
                 }
             }
             Variant::Eagle1 => u.copy_from_slice(g),
+            Variant::Mtp => rms_norm(
+                g,
+                self.input_norm.as_deref().unwrap_or(&[]),
+                c.rms_eps,
+                &mut u,
+            ),
         }
         u
     }
@@ -708,8 +791,10 @@ impl Head {
         (a, own)
     }
 
-    /// Draft-vocabulary logits of outputs `y` (EAGLE-3: own norm and head).
-    /// `None` for EAGLE-1, whose logits come from the target's head.
+    /// Draft-vocabulary logits of outputs `y` (own norm and head: EAGLE-3,
+    /// MTP with `shared_head.head`). `None` when the logits come from the
+    /// target's head (EAGLE-1; MTP without a head of its own, after
+    /// `for_target_head`).
     pub fn logits(&self, y: &[f32], rows: usize) -> Option<Vec<f32>> {
         let head = self.lm_head.as_ref()?;
         let mut yn = vec![0f32; y.len()];

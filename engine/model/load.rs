@@ -100,7 +100,11 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
         vocab_size,
         hidden,
         intermediate: need("feed_forward_length")? as usize,
-        layers: need("block_count")? as usize,
+        // llama.cpp counts multi-token-prediction layers (`model::mtp`) in
+        // the block count; the main model stops before them.
+        layers: need("block_count")?
+            .saturating_sub(md_u32(md, &format!("{arch}.nextn_predict_layers")).unwrap_or(0))
+            as usize,
         heads,
         kv_heads,
         head_dim,

@@ -15,6 +15,7 @@ pub mod kv;
 pub mod llama;
 pub mod load;
 pub mod medusa;
+pub mod mtp;
 pub mod tensor_file;
 
 pub use kernels::{QMatrix, WeightFormat};

@@ -59,6 +59,37 @@ impl TensorFile {
         self.tensors.contains_key(name)
     }
 
+    /// An empty set of tensors (`path` names it in errors).
+    pub fn empty(path: &Path) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            tensors: HashMap::new(),
+        }
+    }
+
+    /// Add (or replace) an F32 tensor.
+    pub fn insert_f32(&mut self, name: &str, shape: Vec<usize>, data: &[f32]) {
+        self.tensors.insert(
+            name.to_string(),
+            Raw {
+                dtype: Dtype::F32,
+                shape,
+                bytes: data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            },
+        );
+    }
+
+    /// Move tensor `from` of `other` in under the name `to`.
+    pub fn take_from(&mut self, other: &mut TensorFile, from: &str, to: &str) -> bool {
+        match other.tensors.remove(from) {
+            Some(raw) => {
+                self.tensors.insert(to.to_string(), raw);
+                true
+            }
+            None => false,
+        }
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)
     }

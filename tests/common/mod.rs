@@ -189,6 +189,22 @@ pub fn write_tiny_gguf_tokens(
     arch: &str,
     prefix: &str,
 ) {
+    write_tiny_gguf_with(path, s, seed, dtype, arch, prefix, Vec::new(), Vec::new())
+}
+
+/// As `write_tiny_gguf_tokens`, plus `extra` tensors (GGUF names, written
+/// as given: matrices in `dtype`) and metadata (`extra_md` replaces keys).
+#[allow(clippy::too_many_arguments)]
+pub fn write_tiny_gguf_with(
+    path: &Path,
+    s: &TinySpec,
+    seed: u64,
+    dtype: GgmlDType,
+    arch: &str,
+    prefix: &str,
+    extra: Vec<(String, Vec<usize>, Vec<f32>)>,
+    extra_md: Vec<(String, Value)>,
+) {
     let hf = tiny_weights(s, seed);
     let rename = |n: &str| -> String {
         n.replace("model.embed_tokens.weight", "token_embd.weight")
@@ -207,10 +223,12 @@ pub fn write_tiny_gguf_tokens(
     };
     let qt: Vec<(String, QTensor)> = hf
         .iter()
+        .map(|(n, sh, d)| (rename(n), sh, d))
+        .chain(extra.iter().map(|(n, sh, d)| (n.clone(), sh, d)))
         .map(|(n, sh, d)| {
             let t = tensor(sh, d);
             let dt = if sh.len() == 2 { dtype } else { GgmlDType::F32 };
-            (rename(n), QTensor::quantize(&t, dt).unwrap())
+            (n, QTensor::quantize(&t, dt).unwrap())
         })
         .collect();
     let hd = (s.hidden / s.heads) as u32;
@@ -255,6 +273,11 @@ pub fn write_tiny_gguf_tokens(
         ),
         ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
     ];
+    let mut md = md;
+    for (k, v) in extra_md {
+        md.retain(|(key, _)| *key != k);
+        md.push((k, v));
+    }
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = qt.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).unwrap();

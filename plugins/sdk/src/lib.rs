@@ -363,6 +363,13 @@ impl Options {
         }
     }
 
+    /// Set `key` to a string `value` unless it is present.
+    pub fn set_default(&mut self, key: &str, value: &str) {
+        self.table
+            .entry(key.to_string())
+            .or_insert_with(|| toml::Value::String(value.to_string()));
+    }
+
     /// Fail on keys outside `known`, naming the first unknown one.
     pub fn reject_unknown(&self, known: &[&str]) -> Result<(), String> {
         match self.table.keys().find(|k| !known.contains(&k.as_str())) {

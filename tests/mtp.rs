@@ -1,0 +1,440 @@
+//! MTP: modules shipped inside a target (safetensors `model.layers.{N}.*`
+//! in an extra shard, GGUF `blk.{N}.nextn.*` with llama.cpp's permuted
+//! query/key rows) load to the same module and name their errors, the
+//! main model stops before the MTP layer, and the `mtp` plugin is
+//! lossless: greedy identity (chains and trees, own output head or the
+//! target's) and the sampled distribution (chi-square, with a lossy
+//! control).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::GgmlDType;
+use common::{TempDir, TinySpec, TINY};
+use specd::config::Config;
+use specd::generate::generate;
+use specd::model::eagle::{Src, Variant};
+use specd::model::mtp::load_mtp;
+use specd::model::tensor_file::{self, TensorData};
+use specd::model::{load_model, Model};
+use specd::sampler::SamplingParams;
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::{Completion, Request};
+
+fn rand(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// The MTP layer's tensors, Hugging Face names after `model.layers.{N}.`.
+fn mtp_weights(s: &TinySpec, seed: u64, own_head: bool) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut sd = seed;
+    let (h, hd) = (s.hidden, s.hidden / s.heads);
+    let (q, kv, f) = (s.heads * hd, s.kv_heads * hd, s.intermediate);
+    let mut w = Vec::new();
+    let norm = |sd: &mut u64| -> Vec<f32> { rand(h, sd, 0.1).iter().map(|x| 1.0 + x).collect() };
+    for n in ["enorm.weight", "hnorm.weight", "input_layernorm.weight"] {
+        let v = norm(&mut sd);
+        w.push((n.to_string(), vec![h], v));
+    }
+    for (n, shape, scale) in [
+        ("eh_proj.weight", vec![h, 2 * h], 0.15),
+        ("self_attn.q_proj.weight", vec![q, h], 0.2),
+        ("self_attn.k_proj.weight", vec![kv, h], 0.2),
+        ("self_attn.v_proj.weight", vec![kv, h], 0.2),
+        ("self_attn.o_proj.weight", vec![h, q], 0.2),
+        ("mlp.gate_proj.weight", vec![f, h], 0.2),
+        ("mlp.up_proj.weight", vec![f, h], 0.2),
+        ("mlp.down_proj.weight", vec![h, f], 0.2),
+    ] {
+        let n_el = shape.iter().product();
+        w.push((n.to_string(), shape, rand(n_el, &mut sd, scale)));
+    }
+    for n in ["post_attention_layernorm.weight", "shared_head.norm.weight"] {
+        let v = norm(&mut sd);
+        w.push((n.to_string(), vec![h], v));
+    }
+    if own_head {
+        w.push((
+            "shared_head.head.weight".into(),
+            vec![s.vocab, h],
+            rand(s.vocab * h, &mut sd, 0.5),
+        ));
+    }
+    w
+}
+
+/// A safetensors target whose MTP layer sits in its own shard, as large
+/// published targets split it; `edit` may change the MTP tensors or the
+/// config.
+fn st_target(
+    dir: &Path,
+    s: &TinySpec,
+    own_head: bool,
+    edit: impl Fn(&mut Vec<(String, Vec<usize>, Vec<f32>)>, &mut serde_json::Value),
+) -> PathBuf {
+    common::write_tiny_safetensors(dir, s, 3);
+    let cfg_path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["num_nextn_predict_layers"] = 1.into();
+    let mut w = mtp_weights(s, 9, own_head);
+    edit(&mut w, &mut cfg);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let t: Vec<(String, Vec<usize>, TensorData)> = w
+        .into_iter()
+        .map(|(n, sh, d)| {
+            (
+                format!("model.layers.{}.{n}", s.layers),
+                sh,
+                TensorData::F32(d),
+            )
+        })
+        .collect();
+    tensor_file::write(&dir.join("model-mtp.safetensors"), &t).unwrap();
+    dir.to_path_buf()
+}
+
+/// llama.cpp's query/key row permutation (HF halves -> interleaved pairs).
+fn permute(w: &[f32], rows: usize, cols: usize, hd: usize) -> Vec<f32> {
+    let mut out = vec![0f32; w.len()];
+    for h in 0..rows / hd {
+        for i in 0..hd / 2 {
+            for (src, dst) in [(i, 2 * i), (hd / 2 + i, 2 * i + 1)] {
+                let (a, b) = ((h * hd + src) * cols, (h * hd + dst) * cols);
+                out[b..b + cols].copy_from_slice(&w[a..a + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// The same target as GGUF, the MTP layer as llama.cpp writes it: block
+/// count including it, `nextn_predict_layers`, `blk.{N}.nextn.*`.
+fn gguf_target(path: &Path, s: &TinySpec, own_head: bool, dtype: GgmlDType) -> PathBuf {
+    let n = s.layers;
+    let hd = s.hidden / s.heads;
+    let extra = mtp_weights(s, 9, own_head)
+        .into_iter()
+        .map(|(name, sh, d)| {
+            let gg = match name.as_str() {
+                "enorm.weight" | "hnorm.weight" | "eh_proj.weight" => format!("nextn.{name}"),
+                "shared_head.norm.weight" => "nextn.shared_head_norm.weight".into(),
+                "shared_head.head.weight" => "nextn.shared_head_head.weight".into(),
+                "input_layernorm.weight" => "attn_norm.weight".into(),
+                "post_attention_layernorm.weight" => "ffn_norm.weight".into(),
+                "self_attn.q_proj.weight" => "attn_q.weight".into(),
+                "self_attn.k_proj.weight" => "attn_k.weight".into(),
+                "self_attn.v_proj.weight" => "attn_v.weight".into(),
+                "self_attn.o_proj.weight" => "attn_output.weight".into(),
+                "mlp.gate_proj.weight" => "ffn_gate.weight".into(),
+                "mlp.up_proj.weight" => "ffn_up.weight".into(),
+                "mlp.down_proj.weight" => "ffn_down.weight".into(),
+                other => panic!("{other}"),
+            };
+            let d = if gg == "attn_q.weight" || gg == "attn_k.weight" {
+                permute(&d, sh[0], sh[1], hd)
+            } else {
+                d
+            };
+            (format!("blk.{n}.{gg}"), sh, d)
+        })
+        .collect();
+    common::write_tiny_gguf_with(
+        path,
+        s,
+        3,
+        dtype,
+        "llama",
+        "t",
+        extra,
+        vec![
+            ("llama.block_count".into(), Value::U32(n as u32 + 1)),
+            ("llama.nextn_predict_layers".into(), Value::U32(1)),
+        ],
+    );
+    path.to_path_buf()
+}
+
+const S: TinySpec = TinySpec { layers: 3, ..TINY };
+
+#[test]
+fn mtp_layers_load_from_safetensors_shards_and_gguf_alike() {
+    let tmp = TempDir::new("mtp-load");
+    let st = st_target(&tmp.0.join("st"), &S, true, |_, _| {});
+    let gg = gguf_target(&tmp.0.join("t.gguf"), &S, true, GgmlDType::F32);
+    let (h, v) = (S.hidden, S.vocab);
+    let a = load_mtp(&st, None, h, v, S.layers, false).unwrap();
+    let b = load_mtp(&gg, None, h, v, S.layers, false).unwrap();
+    assert_eq!(a.cfg.variant, Variant::Mtp);
+    assert_eq!(
+        a.cfg.feature_layers,
+        vec![S.layers],
+        "the final-normed state"
+    );
+    assert!(a.lm_head.is_some() && a.mtp_norms.is_some());
+    // The main model stops before the MTP layer in both formats.
+    assert_eq!(load_model(&gg, 1).unwrap().config.layers, S.layers);
+    assert_eq!(load_model(&st, 1).unwrap().config.layers, S.layers);
+    // Same module: two chained steps over the same rows agree.
+    let mut sd = 5;
+    let (e, f) = (rand(3 * h, &mut sd, 1.0), rand(3 * h, &mut sd, 1.0));
+    let pos = [0usize, 1, 2];
+    let sees: Vec<Vec<Src>> = (0..3).map(|r| (0..r).map(Src::Own).collect()).collect();
+    let out = |m: &specd::model::eagle::Head| {
+        let g = m.fuse_pair(&e, &f, 3);
+        let (y, _) = m.step(&[], &g, &e, &pos, &sees);
+        m.logits(&y, 3).unwrap()
+    };
+    let (la, lb) = (out(&a), out(&b));
+    let d = common::max_abs_diff(&la, &lb);
+    assert!(d < 1e-4, "safetensors and GGUF modules differ by {d}");
+    // Without `shared_head.head` the target's head reads the normed state.
+    let nohead = st_target(&tmp.0.join("nohead"), &S, false, |_, _| {});
+    let c = load_mtp(&nohead, None, h, v, S.layers, false).unwrap();
+    assert!(c.lm_head.is_none() && c.logits(&e, 3).is_none());
+    assert_ne!(c.for_target_head(&e), e, "shared_head.norm applies");
+}
+
+#[test]
+fn mtp_load_errors_name_file_tensor_and_shape() {
+    let tmp = TempDir::new("mtp-errors");
+    let (h, v) = (S.hidden, S.vocab);
+    let n = S.layers;
+    let err = |p: &Path| load_mtp(p, None, h, v, S.layers, true).unwrap_err();
+    let missing = st_target(&tmp.0.join("missing"), &S, true, |w, _| {
+        w.retain(|x| x.0 != "mlp.gate_proj.weight")
+    });
+    let e = err(&missing);
+    assert!(
+        e.contains("missing")
+            && e.contains(&format!("`model.layers.{n}.mlp.gate_proj.weight`"))
+            && e.contains("[128, 64]"),
+        "{e}"
+    );
+    let shape = st_target(&tmp.0.join("shape"), &S, true, |w, _| {
+        let t = w.iter_mut().find(|x| x.0 == "eh_proj.weight").unwrap();
+        t.1 = vec![h, h];
+        t.2.truncate(h * h);
+    });
+    let e = err(&shape);
+    assert!(
+        e.contains("model-mtp.safetensors")
+            && e.contains(&format!("`model.layers.{n}.eh_proj.weight`"))
+            && e.contains("[64, 64]")
+            && e.contains("[64, 128]"),
+        "{e}"
+    );
+    let vocab = st_target(&tmp.0.join("vocab"), &S, true, |w, _| {
+        let t = w
+            .iter_mut()
+            .find(|x| x.0 == "shared_head.head.weight")
+            .unwrap();
+        t.1 = vec![v + 4, h];
+        t.2.resize((v + 4) * h, 0.0);
+    });
+    let e = err(&vocab);
+    assert!(
+        e.contains("shared_head.head.weight") && e.contains("[100, 64]") && e.contains("[96, 64]"),
+        "{e}"
+    );
+    let none = st_target(&tmp.0.join("none"), &S, true, |_, c| {
+        c.as_object_mut()
+            .unwrap()
+            .remove("num_nextn_predict_layers");
+    });
+    let e = err(&none);
+    assert!(
+        e.contains("config.json") && e.contains("no MTP layers") && e.contains("`layer`"),
+        "{e}"
+    );
+    // Naming a layer that is not there.
+    let e = load_mtp(&none, Some(7), h, v, S.layers, true).unwrap_err();
+    assert!(
+        e.contains("`model.layers.7.enorm.weight`") && e.contains("no MTP layer 7"),
+        "{e}"
+    );
+    let good = st_target(&tmp.0.join("good"), &S, true, |_, _| {});
+    let e = load_mtp(&good, None, 32, v, S.layers, true).unwrap_err();
+    assert!(e.contains("hidden size 64") && e.contains("32"), "{e}");
+    // GGUF: a target without nextn layers, and one missing a tensor.
+    let plain = tmp.0.join("plain.gguf");
+    common::write_tiny_gguf(&plain, &S, 3, GgmlDType::Q8_0, "llama");
+    let e = err(&plain);
+    assert!(
+        e.contains("plain.gguf") && e.contains("nextn_predict_layers is 0"),
+        "{e}"
+    );
+    let e = load_mtp(&plain, Some(n), h, v, S.layers, true).unwrap_err();
+    assert!(
+        e.contains(&format!("`blk.{n}.nextn.enorm.weight`")) && e.contains("[64]"),
+        "{e}"
+    );
+}
+
+// ------------------------------------------------------------ the plugin
+
+fn mtp_config(model: &Path, extra: &str) -> Config {
+    Config::parse(
+        &format!(
+            "[[proposer]]\nname = \"mtp\"\nplugin = \"mtp\"\n[proposer.options]\nmodel = \"{0}\"\ndepth = 3\n{extra}\n\
+             [[proposer]]\nname = \"mtp-tree\"\nplugin = \"mtp\"\n[proposer.options]\nmodel = \"{0}\"\nmode = \"tree\"\nmax_draft = 8\ndepth = 3\ntop_k = 2\n{extra}\n",
+            model.display()
+        ),
+        None,
+    )
+    .unwrap()
+}
+
+fn engine(model: &Arc<Model>, cfg: &Config, running: usize) -> SyncDriver {
+    let drafter = cfg.build_drafter(model, None).unwrap();
+    let mut ec = EngineConfig::for_model(model);
+    ec.scheduler.max_running = running;
+    ec.scheduler.max_draft = 8;
+    ec.scheduler.max_waiting = usize::MAX;
+    ec.scheduler.adaptive_draft = false;
+    SyncDriver::new(model.clone(), None, ec, drafter)
+}
+
+fn run_all(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
+    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
+    let mut done = e.run_to_completion().unwrap();
+    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+    done
+}
+
+fn greedy_identity(target: &Path) {
+    let model = Arc::new(load_model(target, 2).unwrap());
+    let cfg = mtp_config(target, "");
+    let mut e = engine(&model, &cfg, 16);
+    let ps: Vec<Vec<u32>> = vec![vec![5, 9, 13, 2], vec![1, 2, 3], vec![40, 41, 7, 7, 7]];
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| {
+            let mut r = Request::greedy(p.clone(), 30);
+            r.ignore_eos = true;
+            generate(&model, None, &r, |_| {}).unwrap().tokens
+        })
+        .collect();
+    let names = ["mtp", "mtp-tree", "none"];
+    let reqs = names
+        .iter()
+        .flat_map(|name| {
+            ps.iter().map(move |p| Request {
+                proposer: Some(name.to_string()),
+                ignore_eos: true,
+                ..Request::greedy(p.clone(), 30)
+            })
+        })
+        .collect();
+    let done = run_all(&mut e, reqs);
+    for (i, c) in done.iter().enumerate() {
+        assert_eq!(c.tokens, want[i % ps.len()], "{} differs", c.stats.proposer);
+    }
+    for name in ["mtp", "mtp-tree"] {
+        assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
+        let drafted: u64 = done
+            .iter()
+            .filter(|c| c.stats.proposer == name)
+            .map(|c| c.stats.drafted)
+            .sum();
+        assert!(drafted > 0, "{name} never drafted");
+    }
+}
+
+#[test]
+fn mtp_greedy_is_plain_decoding() {
+    let tmp = TempDir::new("mtp-greedy");
+    // Own output head, from a safetensors target.
+    greedy_identity(&st_target(&tmp.0.join("st"), &S, true, |_, _| {}));
+    // The target's output head, from a quantized GGUF target.
+    greedy_identity(&gguf_target(
+        &tmp.0.join("t.gguf"),
+        &S,
+        false,
+        GgmlDType::Q8_0,
+    ));
+}
+
+/// Counts of the first two sampled tokens, and drafts accepted per request.
+fn pairs(
+    model: &Arc<Model>,
+    cfg: &Config,
+    name: &str,
+    prompt: &[u32],
+    params: &SamplingParams,
+    n: usize,
+) -> (Vec<u64>, f64) {
+    let v = model.config.vocab_size;
+    let mut e = engine(model, cfg, 64);
+    let reqs = (0..n)
+        .map(|i| Request {
+            params: SamplingParams {
+                seed: 7000 + i as u64,
+                ..params.clone()
+            },
+            proposer: Some(name.into()),
+            ignore_eos: true,
+            ..Request::greedy(prompt.to_vec(), 3)
+        })
+        .collect();
+    let done = run_all(&mut e, reqs);
+    assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
+    let mut counts = vec![0u64; v * v];
+    for c in &done {
+        counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+    }
+    let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+    (counts, accepted as f64 / n as f64)
+}
+
+#[test]
+fn mtp_sampling_keeps_the_target_distribution() {
+    let tmp = TempDir::new("mtp-chi2");
+    let spec = TinySpec { vocab: 12, ..S };
+    let target = st_target(&tmp.0.join("st"), &spec, true, |_, _| {});
+    let model = Arc::new(load_model(&target, 2).unwrap());
+    let prompt = [3u32, 7, 1, 9];
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = common::exact_first_two(&model, &prompt, &params);
+    let n: usize = std::env::var("MTP_CHI_N")
+        .ok()
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(12000);
+    let good = mtp_config(&target, "");
+    for name in ["mtp", "mtp-tree"] {
+        let (counts, acc) = pairs(&model, &good, name, &prompt, &params, n);
+        let (stat, df) = common::chi_square(&counts, &exact);
+        let crit = common::chi2_crit_999(df);
+        eprintln!("{name}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
+        assert!(
+            stat < crit,
+            "{name}: sampling is biased: chi2 {stat} > {crit}"
+        );
+        assert!(
+            acc > 0.2,
+            "{name}: drafts must be accepted often enough to matter: {acc}"
+        );
+    }
+    // The control: pruning sampled trees by their own probabilities.
+    let lossy = mtp_config(&target, "test_control = \"rerank_sampled\"");
+    let (bad, _) = pairs(&model, &lossy, "mtp-tree", &prompt, &params, n);
+    let (bstat, bdf) = common::chi_square(&bad, &exact);
+    eprintln!("mtp-tree with rerank_sampled: chi2 {bstat:.1} (df {bdf})");
+    assert!(
+        bstat > 1.5 * common::chi2_crit_999(bdf),
+        "the test cannot tell the lossy rerank apart: {bstat}"
+    );
+}
