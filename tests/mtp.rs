@@ -438,3 +438,148 @@ fn mtp_sampling_keeps_the_target_distribution() {
         "the test cannot tell the lossy rerank apart: {bstat}"
     );
 }
+
+// ------------------------------------------------------------ training
+
+/// `distill mtp` on a tiny target: the loss falls, the module is written
+/// as the target's next layer (DeepSeek-V3 names, a draft vocabulary with
+/// `d2t`), loads through the same loader as shipped MTP layers, and the
+/// loaded module computes what the training graph computed (two chained
+/// steps).
+#[test]
+fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
+    use specd::distill::eagle::{distill_eagle, reference_logits, EagleConfig};
+    use specd::model::tensor_file::TensorFile;
+    let tmp = TempDir::new("mtp-distill");
+    let deep = TinySpec { layers: 8, ..TINY };
+    let target = tmp.0.join("target.gguf");
+    common::write_tiny_gguf(&target, &deep, 11, GgmlDType::Q8_0, "llama");
+    let out = tmp.0.join("module");
+    let mut sd = 3u64;
+    let prompts: Vec<Vec<u32>> = (0..60)
+        .map(|_| {
+            rand(5, &mut sd, 1.0)
+                .into_iter()
+                .map(|x| ((x + 1.0) * 0.5 * (deep.vocab - 1) as f32) as u32)
+                .collect()
+        })
+        .collect();
+    let cfg = EagleConfig {
+        mtp: true,
+        draft_vocab: 64,
+        intermediate: 96,
+        ttt_steps: 3,
+        max_len: 96,
+        batch_tokens: 384,
+        epochs: 4.0,
+        lr: 3e-3,
+        warmup: 5,
+        checkpoint_every: 10,
+        val_fraction: 0.1,
+        gen_tokens: 2400,
+        gen_max_tokens: 48,
+        concurrency: 8,
+        prompt_ids: prompts,
+        ..Default::default()
+    };
+    let st = distill_eagle(&target, &out, &cfg, 2).unwrap();
+    assert!(st.loss < st.first_loss, "{} -> {}", st.first_loss, st.loss);
+    let f = TensorFile::read(&out.join("model.safetensors")).unwrap();
+    let h = deep.hidden;
+    assert_eq!(
+        f.shape("model.layers.8.eh_proj.weight"),
+        Some(&[h, 2 * h][..])
+    );
+    assert_eq!(
+        f.shape("model.layers.8.shared_head.head.weight"),
+        Some(&[64, h][..])
+    );
+    assert_eq!(f.shape("d2t"), Some(&[64][..]));
+    let model = load_model(&target, 2).unwrap();
+    let v = model.config.vocab_size;
+    let head = load_mtp(&out, None, h, v, deep.layers, false).unwrap();
+    assert_eq!(head.cfg.variant, Variant::Mtp);
+    assert_eq!(head.cfg.draft_vocab, 64);
+    // The target's final-normed states of a sequence.
+    let tokens: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % v as u32).collect();
+    let mut c = model.new_cache();
+    let fin = model
+        .forward(
+            &mut [specd::model::ForwardInput {
+                cache: &mut c,
+                tokens: &tokens,
+                logits: specd::model::Logits::None,
+                tree: None,
+            }],
+            &[deep.layers],
+        )
+        .unwrap()
+        .pop()
+        .unwrap()
+        .hidden[0]
+        .1
+        .clone();
+    let reference = reference_logits(&out, &model, &tokens, &fin, 2).unwrap();
+    let embed = |ts: &[u32]| -> Vec<f32> {
+        let mut e = vec![0f32; ts.len() * h];
+        for (i, &t) in ts.iter().enumerate() {
+            model
+                .weights
+                .embed
+                .dequantize_row(t as usize, &mut e[i * h..(i + 1) * h]);
+        }
+        e
+    };
+    let dv = head.cfg.draft_vocab;
+    // Step 0: (state of p, token p+1) at position p, causal.
+    let n = tokens.len() - 1;
+    let e = embed(&tokens[1..]);
+    let g = head.fuse_pair(&e, &fin[..n * h], n);
+    let pos: Vec<usize> = (0..n).collect();
+    let sees: Vec<Vec<Src>> = (0..n).map(|r| (0..r).map(Src::Own).collect()).collect();
+    let (y0, keys) = head.step(&[], &g, &e, &pos, &sees);
+    let l0 = head.logits(&y0, n).unwrap();
+    let d0 = common::max_abs_diff(&l0, &reference[0][..n * dv]);
+    // Step 1: the module's own output and token p+2 at position p+1.
+    let m = n - 1;
+    let e1 = embed(&tokens[2..]);
+    let g1 = head.fuse_pair(&e1, &y0[..m * h], m);
+    let pos1: Vec<usize> = (1..=m).collect();
+    let sees1: Vec<Vec<Src>> = (0..m)
+        .map(|p| {
+            vec![Src::Range {
+                store: 0,
+                start: 0,
+                end: p + 1,
+            }]
+        })
+        .collect();
+    let (y1, _) = head.step(&[&keys], &g1, &e1, &pos1, &sees1);
+    let l1 = head.logits(&y1, m).unwrap();
+    let d1 = common::max_abs_diff(&l1, &reference[1][..m * dv]);
+    let scale = l0.iter().fold(0f32, |a, x| a.max(x.abs()));
+    eprintln!(
+        "inference vs training graph: step 0 {d0:.2e}, step 1 {d1:.2e} (logits up to {scale:.2})"
+    );
+    assert!(
+        d0 < 2e-3 * scale.max(1.0) && d1 < 2e-3 * scale.max(1.0),
+        "{d0} {d1}"
+    );
+    // And the plugin drafts with it losslessly.
+    let model = Arc::new(model);
+    let cfg = mtp_config(&out, "");
+    let mut e = engine(&model, &cfg, 8);
+    let p = vec![4u32, 8, 15, 16];
+    let mut r = Request::greedy(p.clone(), 30);
+    r.ignore_eos = true;
+    let want = generate(&model, None, &r, |_| {}).unwrap().tokens;
+    let done = run_all(
+        &mut e,
+        vec![Request {
+            proposer: Some("mtp".into()),
+            ..r
+        }],
+    );
+    assert_eq!(done[0].tokens, want);
+    assert!(done[0].stats.drafted > 0);
+}

@@ -14,6 +14,11 @@ pub enum DistillCmd {
     /// Train an EAGLE-3 draft head for a target by self-distillation
     /// (written in the public EAGLE-3 layout).
     Eagle(EagleArgs),
+    /// Train a multi-token-prediction module for a target without one
+    /// (written as the target's next layer in the DeepSeek-V3 MTP names,
+    /// for the `mtp` plugin); the options are `eagle`'s (feature layers
+    /// aside: MTP reads the final-normed state).
+    Mtp(EagleArgs),
     /// Train Medusa-1 heads for a frozen target by self-distillation
     /// (public Medusa tensor names; read out through the target's head).
     Medusa(MedusaArgs),
@@ -170,31 +175,8 @@ pub fn run(what: DistillCmd) -> Result<()> {
             println!("{}", out.display());
             Ok(())
         }
-        DistillCmd::Eagle(a) => {
-            let target = match a.target {
-                Some(t) => t,
-                None => specd::fetch::ensure_default_model()?,
-            };
-            let cfg = specd::distill::eagle::EagleConfig {
-                draft_vocab: a.draft_vocab,
-                intermediate: a.intermediate,
-                ttt_steps: a.ttt_steps,
-                epochs: a.epochs,
-                lr: a.lr,
-                batch_tokens: a.batch_tokens,
-                gen_tokens: a.gen_tokens,
-                checkpoint_every: a.checkpoint_every,
-                warmup: a.warmup,
-                stop_after: a.stop_after,
-                fc_identity: !a.fc_random,
-                feature_layers: a.feature_layers,
-                seed: a.seed,
-                ..Default::default()
-            };
-            let threads = a.threads.unwrap_or_else(model::llama::default_threads);
-            specd::distill::eagle::distill_eagle(&target, &a.out, &cfg, threads)?;
-            print_weights(&a.out)
-        }
+        DistillCmd::Eagle(a) => run_eagle(a, false),
+        DistillCmd::Mtp(a) => run_eagle(a, true),
         DistillCmd::Medusa(a) => {
             let target = match a.target {
                 Some(t) => t,
@@ -230,4 +212,33 @@ fn print_weights(out: &std::path::Path) -> Result<()> {
         specd::distill::eagle::sha256_file(&weights)?
     );
     Ok(())
+}
+
+/// `distill eagle`, or `distill mtp` (`mtp`: the same trainer and options,
+/// an MTP module instead of an EAGLE-3 head).
+fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
+    let target = match a.target {
+        Some(t) => t,
+        None => specd::fetch::ensure_default_model()?,
+    };
+    let cfg = specd::distill::eagle::EagleConfig {
+        draft_vocab: a.draft_vocab,
+        intermediate: a.intermediate,
+        ttt_steps: a.ttt_steps,
+        epochs: a.epochs,
+        lr: a.lr,
+        batch_tokens: a.batch_tokens,
+        gen_tokens: a.gen_tokens,
+        checkpoint_every: a.checkpoint_every,
+        warmup: a.warmup,
+        stop_after: a.stop_after,
+        fc_identity: !a.fc_random,
+        feature_layers: a.feature_layers,
+        seed: a.seed,
+        mtp,
+        ..Default::default()
+    };
+    let threads = a.threads.unwrap_or_else(model::llama::default_threads);
+    specd::distill::eagle::distill_eagle(&target, &a.out, &cfg, threads)?;
+    print_weights(&a.out)
 }

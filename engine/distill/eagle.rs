@@ -86,6 +86,12 @@ pub struct EagleConfig {
     /// state).
     #[serde(default)]
     pub feature_layers: Vec<usize>,
+    /// Train a multi-token-prediction module (`model::mtp`) instead of an
+    /// EAGLE-3 head: `eh_proj(cat[enorm(e), hnorm(f)])` on the final-normed
+    /// state, a pre-norm decoder layer, `shared_head.norm` and a head over
+    /// the draft vocabulary; written as a target's MTP layer.
+    #[serde(default)]
+    pub mtp: bool,
     #[serde(skip)]
     pub prompt_ids: Vec<Vec<u32>>,
 }
@@ -117,6 +123,7 @@ impl Default for EagleConfig {
             stop_after: 0,
             fc_identity: true,
             feature_layers: Vec::new(),
+            mtp: false,
             prompt_ids: Vec::new(),
         }
     }
@@ -372,6 +379,51 @@ fn param_shapes(
     ]
 }
 
+/// The MTP module's trainable tensors (the names after
+/// `model.layers.{N}.`; `shared_head.head` over the draft vocabulary).
+const MTP_PARAM_NAMES: [&str; 14] = [
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "shared_head.norm.weight",
+    "shared_head.head.weight",
+];
+
+fn mtp_param_shapes(
+    h: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    f: usize,
+    dv: usize,
+) -> Vec<(&'static str, Vec<usize>)> {
+    MTP_PARAM_NAMES
+        .iter()
+        .map(|&n| {
+            let shape = match n {
+                "eh_proj.weight" => vec![h, 2 * h],
+                "self_attn.q_proj.weight" => vec![nh * hd, h],
+                "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![nkv * hd, h],
+                "self_attn.o_proj.weight" => vec![h, nh * hd],
+                "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![f, h],
+                "mlp.down_proj.weight" => vec![h, f],
+                "shared_head.head.weight" => vec![dv, h],
+                _ => vec![h],
+            };
+            (n, shape)
+        })
+        .collect()
+}
+
 const EPS: f64 = 1e-5;
 
 fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
@@ -392,6 +444,8 @@ struct Net {
     nh: usize,
     nkv: usize,
     hd: usize,
+    /// The MTP module's graph (`MTP_PARAM_NAMES`) instead of EAGLE-3's.
+    mtp: bool,
 }
 
 /// One batch, as host arrays (row = b * t + p).
@@ -449,7 +503,13 @@ impl Net {
         let (b, t, h) = (batch.b, batch.t, self.h);
         let nl = batch.feats.len() / (b * t * h);
         let feats = Tensor::from_slice(&batch.feats, (b, t, nl * h), &dev)?;
-        let mut g = feats.broadcast_matmul(&self.w("fc.weight").t()?)?;
+        // EAGLE-3: g = fc(features), fed its own output at later steps.
+        // MTP: the state f (the target's, then the module's own output).
+        let mut g = if self.mtp {
+            feats
+        } else {
+            feats.broadcast_matmul(&self.w("fc.weight").t()?)?
+        };
         let mask_tt: Vec<f32> = (0..t)
             .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
             .collect();
@@ -460,19 +520,35 @@ impl Net {
         for (k, sd) in batch.steps.iter().enumerate() {
             let ids = Tensor::from_slice(&sd.ids, b * t, &dev)?;
             let e = self.embed.index_select(&ids, 0)?.reshape((b, t, h))?;
-            let u = Tensor::cat(
-                &[
-                    &rms(&e, self.w("midlayer.input_layernorm.weight"))?,
-                    &rms(&g, self.w("midlayer.hidden_norm.weight"))?,
-                ],
-                D::Minus1,
-            )?;
-            let proj = |name: &str, n: usize| -> candle_core::Result<Tensor> {
-                self.heads(&u.broadcast_matmul(&self.w(name).t()?)?, n)
+            let (x, u) = if self.mtp {
+                let cat = Tensor::cat(
+                    &[
+                        &rms(&e, self.w("enorm.weight"))?,
+                        &rms(&g, self.w("hnorm.weight"))?,
+                    ],
+                    D::Minus1,
+                )?;
+                let x = cat.broadcast_matmul(&self.w("eh_proj.weight").t()?)?;
+                let u = rms(&x, self.w("input_layernorm.weight"))?;
+                (x, u)
+            } else {
+                let u = Tensor::cat(
+                    &[
+                        &rms(&e, self.w("midlayer.input_layernorm.weight"))?,
+                        &rms(&g, self.w("midlayer.hidden_norm.weight"))?,
+                    ],
+                    D::Minus1,
+                )?;
+                (g.clone(), u)
             };
-            let q = self.rope(&proj("midlayer.self_attn.q_proj.weight", self.nh)?, k)?;
-            let kk = self.rope(&proj("midlayer.self_attn.k_proj.weight", self.nkv)?, k)?;
-            let vv = proj("midlayer.self_attn.v_proj.weight", self.nkv)?;
+            let pre = if self.mtp { "" } else { "midlayer." };
+            let wn = |n: &str| self.w(&format!("{pre}{n}"));
+            let proj = |name: &str, n: usize| -> candle_core::Result<Tensor> {
+                self.heads(&u.broadcast_matmul(&wn(name).t()?)?, n)
+            };
+            let q = self.rope(&proj("self_attn.q_proj.weight", self.nh)?, k)?;
+            let kk = self.rope(&proj("self_attn.k_proj.weight", self.nkv)?, k)?;
+            let vv = proj("self_attn.v_proj.weight", self.nkv)?;
             keys.push((kk, vv));
             let (k0, v0) = &keys[0];
             let mut parts = vec![(q.matmul(&k0.t()?)? * scale)?.broadcast_add(&causal)?];
@@ -485,18 +561,22 @@ impl Net {
                 o = (o + att.narrow(D::Minus1, t + j - 1, 1)?.broadcast_mul(vj)?)?;
             }
             let o = o.transpose(1, 2)?.reshape((b, t, self.nh * self.hd))?;
-            let a = (&g + o.broadcast_matmul(&self.w("midlayer.self_attn.o_proj.weight").t()?)?)?;
-            let an = rms(&a, self.w("midlayer.post_attention_layernorm.weight"))?;
+            let a = (&x + o.broadcast_matmul(&wn("self_attn.o_proj.weight").t()?)?)?;
+            let an = rms(&a, wn("post_attention_layernorm.weight"))?;
             let gate = an
-                .broadcast_matmul(&self.w("midlayer.mlp.gate_proj.weight").t()?)?
+                .broadcast_matmul(&wn("mlp.gate_proj.weight").t()?)?
                 .silu()?;
-            let up = an.broadcast_matmul(&self.w("midlayer.mlp.up_proj.weight").t()?)?;
-            let y = (&a
-                + (gate * up)?.broadcast_matmul(&self.w("midlayer.mlp.down_proj.weight").t()?)?)?;
+            let up = an.broadcast_matmul(&wn("mlp.up_proj.weight").t()?)?;
+            let y = (&a + (gate * up)?.broadcast_matmul(&wn("mlp.down_proj.weight").t()?)?)?;
+            let (norm, head) = if self.mtp {
+                ("shared_head.norm.weight", "shared_head.head.weight")
+            } else {
+                ("norm.weight", "lm_head.weight")
+            };
             out.push(
-                rms(&y, self.w("norm.weight"))?
+                rms(&y, self.w(norm))?
                     .reshape((b * t, h))?
-                    .matmul(&self.w("lm_head.weight").t()?)?,
+                    .matmul(&self.w(head).t()?)?,
             );
             g = y;
         }
@@ -553,13 +633,22 @@ pub fn reference_logits(
     let f = TensorFile::read(&head_dir.join("model.safetensors")).map_err(serr)?;
     let dev = Device::Cpu;
     let (h, vocab) = (tc.hidden, tc.vocab_size);
+    // An MTP module (`distill mtp`) stores its tensors as the target's
+    // layer `num_hidden_layers`.
+    let mtp = f.names().any(|n| n.ends_with(".eh_proj.weight"));
+    let (names, prefix): (&[&'static str], String) = if mtp {
+        (&MTP_PARAM_NAMES, format!("model.layers.{}.", tc.layers))
+    } else {
+        (&PARAM_NAMES, String::new())
+    };
     let mut p = HashMap::new();
-    for name in PARAM_NAMES {
+    for &name in names {
+        let full = format!("{prefix}{name}");
         let shape = f
-            .shape(name)
-            .ok_or_else(|| serr(format!("missing tensor `{name}`")))?
+            .shape(&full)
+            .ok_or_else(|| serr(format!("missing tensor `{full}`")))?
             .to_vec();
-        let v = f.f32(name).map_err(serr)?;
+        let v = f.f32(&full).map_err(serr)?;
         let t = Tensor::from_vec(v, shape, &dev).map_err(cerr)?;
         p.insert(name, Var::from_tensor(&t).map_err(cerr)?);
     }
@@ -576,6 +665,7 @@ pub fn reference_logits(
         nh: tc.heads,
         nkv: tc.kv_heads,
         hd,
+        mtp,
     };
     let t = tokens.len();
     let steps = (0..ttt)
@@ -837,10 +927,16 @@ fn export(
     layers: &[usize],
 ) -> Result<PathBuf> {
     let tc = &target.config;
+    // MTP: the module as the target's layer `num_hidden_layers`.
+    let prefix = if cfg.mtp {
+        format!("model.layers.{}.", tc.layers)
+    } else {
+        String::new()
+    };
     let mut tensors = Vec::new();
     for (name, shape) in shapes {
         tensors.push((
-            name.to_string(),
+            format!("{prefix}{name}"),
             shape.clone(),
             TensorData::F16(tensor_vec(net.w(name))?),
         ));
@@ -855,10 +951,30 @@ fn export(
         t2d[t as usize] = true;
     }
     tensors.push(("d2t".into(), vec![vocab_ids.len()], TensorData::I64(d2t)));
-    tensors.push(("t2d".into(), vec![tc.vocab_size], TensorData::Bool(t2d)));
+    if !cfg.mtp {
+        tensors.push(("t2d".into(), vec![tc.vocab_size], TensorData::Bool(t2d)));
+    }
     let weights = out.join("model.safetensors");
     tensor_file::write(&weights, &tensors).map_err(serr)?;
-    let config = serde_json::json!({
+    let config = if cfg.mtp {
+        serde_json::json!({
+            "architectures": ["SpecdMtpModule"],
+            "hidden_size": tc.hidden,
+            "num_attention_heads": net.nh,
+            "num_key_value_heads": net.nkv,
+            "head_dim": net.hd,
+            "intermediate_size": cfg.intermediate,
+            // The module is the layer after the target's last.
+            "num_hidden_layers": tc.layers,
+            "num_nextn_predict_layers": 1,
+            "rms_norm_eps": EPS,
+            "rope_theta": tc.rope_theta,
+            "vocab_size": tc.vocab_size,
+            "draft_vocab_size": vocab_ids.len(),
+            "torch_dtype": "float16",
+        })
+    } else {
+        serde_json::json!({
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": tc.hidden,
@@ -875,7 +991,8 @@ fn export(
         "torch_dtype": "float16",
         // The public convention: the residual stream entering these layers.
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers.iter().map(|l| l + 1).collect::<Vec<_>>()},
-    });
+        })
+    };
     std::fs::write(
         out.join("config.json"),
         serde_json::to_string_pretty(&config).unwrap_or_default(),
@@ -904,7 +1021,9 @@ pub fn distill_eagle(
     let tok = Arc::new(Tokenizer::for_model(target_path)?);
     let tc = target.config.clone();
     let (h, vocab) = (tc.hidden, tc.vocab_size);
-    let layers = if cfg.feature_layers.is_empty() {
+    let layers = if cfg.mtp {
+        vec![tc.layers]
+    } else if cfg.feature_layers.is_empty() {
         feature_layers(tc.layers)
     } else {
         cfg.feature_layers.clone()
@@ -997,7 +1116,11 @@ pub fn distill_eagle(
         head_w.dequantize_row(t as usize, &mut th[i * h..(i + 1) * h]);
     }
     let (nh, nkv, hd) = (tc.heads, tc.kv_heads, tc.head_dim);
-    let shapes = param_shapes(h, nh, nkv, hd, cfg.intermediate, nl, dv);
+    let shapes = if cfg.mtp {
+        mtp_param_shapes(h, nh, nkv, hd, cfg.intermediate, dv)
+    } else {
+        param_shapes(h, nh, nkv, hd, cfg.intermediate, nl, dv)
+    };
     let (cos, sin) = rope_tables(cfg.max_len + cfg.ttt_steps + 1, hd, tc.rope_theta)?;
 
     // Parameters: fresh (fc reads the high layer as identity, lm_head and
@@ -1046,6 +1169,18 @@ pub fn distill_eagle(
             f.f32(name).map_err(serr)?
         } else {
             match *name {
+                // MTP: x = hnorm(f) at first (identity on the state's
+                // half), so step 0 starts as a logit lens.
+                "eh_proj.weight" if cfg.fc_identity => {
+                    let mut w = gauss(n, 0.0005);
+                    for r in 0..h {
+                        w[r * 2 * h + h + r] += 1.0;
+                    }
+                    w
+                }
+                "eh_proj.weight" => gauss(n, (1.0 / (2 * h) as f64).sqrt() as f32),
+                "shared_head.head.weight" => th.clone(),
+                "self_attn.o_proj.weight" | "mlp.down_proj.weight" => gauss(n, 0.002),
                 "fc.weight" if cfg.fc_identity => {
                     let mut w = gauss(n, 0.0005);
                     // Identity on the last (highest) feature layer.
@@ -1077,6 +1212,7 @@ pub fn distill_eagle(
         nh,
         nkv,
         hd,
+        mtp: cfg.mtp,
     };
     let corpus = Corpus {
         samples: &samples,

@@ -395,7 +395,14 @@ impl Head {
                     .unwrap_or(target_vocab);
                 (fl, dv)
             }
-            Variant::Eagle1 | Variant::Mtp => (vec![target_layers], target_vocab),
+            Variant::Eagle1 => (vec![target_layers], target_vocab),
+            // A specd extension: an MTP head over a draft vocabulary.
+            Variant::Mtp => (
+                vec![target_layers],
+                cj.get("draft_vocab_size")
+                    .and_then(|v| v.as_u64())
+                    .map_or(target_vocab, |v| v as usize),
+            ),
         };
         if let Some(v) = cj.get("vocab_size").and_then(|v| v.as_u64()) {
             if v as usize != target_vocab {
@@ -477,11 +484,12 @@ impl Head {
             Variant::Mtp => {
                 let norm = t.get(&["norm.weight"], &[hidden])?;
                 let lm_head = if t.has("lm_head.weight") {
-                    Some(t.matrix(&["lm_head.weight"], target_vocab, hidden)?)
+                    Some(t.matrix(&["lm_head.weight"], draft_vocab, hidden)?)
                 } else {
                     None
                 };
-                (Some(norm), lm_head, (0..target_vocab as u32).collect())
+                let d2t = read_d2t(t, weights, draft_vocab, target_vocab)?;
+                (Some(norm), lm_head, d2t)
             }
         };
         let mtp_norms = if variant == Variant::Mtp {

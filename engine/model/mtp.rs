@@ -167,6 +167,11 @@ pub fn load_mtp(
     } else {
         from_gguf(src, layer, target_vocab)?
     };
+    let draft_vocab = if file.has("d2t") {
+        file.shape("d2t").map_or(0, |s| s.iter().product())
+    } else {
+        target_vocab
+    };
     if dims.hidden != target_hidden {
         return Err(format!(
             "{label}: hidden size {} does not match the target's {target_hidden}",
@@ -183,6 +188,7 @@ pub fn load_mtp(
         "rms_norm_eps": dims.rms_eps,
         "rope_theta": dims.rope_theta,
         "vocab_size": target_vocab,
+        "draft_vocab_size": draft_vocab,
     });
     let t = Tensors { file, quantize };
     let path = PathBuf::from(&label);
@@ -256,18 +262,24 @@ fn from_safetensors(
     if shards.is_empty() {
         return Err(format!("{}: no *.safetensors file", dir.display()));
     }
+    // A specd extension (modules `distill mtp` writes): the output head
+    // over a draft vocabulary, with `d2t` as EAGLE-3 heads have it.
+    let out_rows = cfg_num(&cj, "draft_vocab_size").map_or(target_vocab, |v| v as usize);
     let prefix = format!("model.layers.{n}.");
     let mut out = TensorFile::empty(dir);
     let mut found: Vec<Option<PathBuf>> = vec![None; TENSORS.len()];
     for shard in &shards {
         let mut f = TensorFile::read(shard)?;
+        if f.has("d2t") {
+            out.take_from(&mut f, "d2t", "d2t");
+        }
         if !f.names().any(|x| x.starts_with(&prefix)) {
             continue;
         }
         for (i, (ours, theirs, _, _)) in TENSORS.iter().enumerate() {
             let name = format!("{prefix}{theirs}");
             if let Some(shape) = f.shape(&name).map(<[usize]>::to_vec) {
-                let want = dims.shape(TENSORS[i].3, target_vocab);
+                let want = dims.shape(TENSORS[i].3, out_rows);
                 if shape != want {
                     return Err(format!(
                         "{}: tensor `{name}` has shape {shape:?}, expected {want:?}",
@@ -279,13 +291,19 @@ fn from_safetensors(
             }
         }
     }
+    if out_rows != target_vocab && !out.has("d2t") {
+        return Err(format!(
+            "{}: missing tensor `d2t` (expected shape [{out_rows}]; config.json gives draft_vocab_size {out_rows})",
+            dir.display()
+        ));
+    }
     // Everything but the own output head is required.
     for (i, (_, theirs, _, shape)) in TENSORS.iter().enumerate() {
         if found[i].is_none() && *theirs != "shared_head.head.weight" {
             return Err(format!(
                 "{}: missing tensor `{prefix}{theirs}` (expected shape {:?}){}",
                 dir.display(),
-                dims.shape(*shape, target_vocab),
+                dims.shape(*shape, out_rows),
                 if i == 0 {
                     format!(
                         " in any of {} safetensors file(s): no MTP layer {n}",
