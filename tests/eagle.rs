@@ -21,7 +21,6 @@ use specd::model::eagle::{Head, Src, Variant};
 use specd::model::tensor_file::{self, TensorData, TensorFile};
 use specd::model::{load_model, Logits, Model};
 use specd::sampler::SamplingParams;
-use specd::speculative::driver::{EngineConfig, SyncDriver};
 use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
@@ -472,35 +471,13 @@ fn eagle_config(head: &Path, tree_nodes: usize, extra: &str, hybrid: &str) -> Co
     .unwrap()
 }
 
-fn engine(
-    model: &Arc<Model>,
-    tok: Option<Arc<Tokenizer>>,
-    cfg: &Config,
-    running: usize,
-) -> SyncDriver {
-    let drafter = cfg.build_drafter(model, tok.clone()).unwrap();
-    let mut ec = EngineConfig::for_model(model);
-    ec.scheduler.max_running = running;
-    ec.scheduler.max_draft = 16;
-    ec.scheduler.max_waiting = usize::MAX;
-    ec.scheduler.adaptive_draft = false;
-    SyncDriver::new(model.clone(), tok, ec, drafter)
-}
-
-fn run_all(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
-    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
-    let mut done = e.run_to_completion().unwrap();
-    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
-    done
-}
-
 #[test]
 fn eagle_greedy_is_plain_decoding_batched_with_other_proposers() {
     let (target, out) = trained();
     let model = Arc::new(load_model(target, 2).unwrap());
     let tok = Arc::new(Tokenizer::for_model(target).unwrap());
     let cfg = eagle_config(out, 12, "", "costs = { eagle-chain = 0.2 }");
-    let mut e = engine(&model, Some(tok), &cfg, 16);
+    let mut e = common::plugin_engine(&model, Some(tok), &cfg, 16, 16);
     // Prompts the head never saw.
     let ps = prompts(DEEP.vocab as u32, 4, 77);
     let want: Vec<Vec<u32>> = ps
@@ -521,7 +498,7 @@ fn eagle_greedy_is_plain_decoding_batched_with_other_proposers() {
             })
         })
         .collect();
-    let done = run_all(&mut e, reqs);
+    let done = common::run_all(&mut e, reqs);
     for (i, c) in done.iter().enumerate() {
         assert_eq!(
             c.tokens,
@@ -587,12 +564,12 @@ fn eagle1_heads_draft_losslessly_through_the_target_output_head() {
         None,
     )
     .unwrap();
-    let mut e = engine(&model, None, &cfg, 4);
+    let mut e = common::plugin_engine(&model, None, &cfg, 4, 16);
     let p = vec![5u32, 9, 13, 2];
     let mut r = Request::greedy(p.clone(), 30);
     r.ignore_eos = true;
     let want = generate(&model, None, &r, |_| {}).unwrap().tokens;
-    let done = run_all(
+    let done = common::run_all(
         &mut e,
         vec![Request {
             proposer: Some("e1".into()),
@@ -614,7 +591,7 @@ fn pairs(
     n: usize,
 ) -> (Vec<u64>, f64) {
     let v = model.config.vocab_size;
-    let mut e = engine(model, None, cfg, 64);
+    let mut e = common::plugin_engine(model, None, cfg, 64, 16);
     let reqs = (0..n)
         .map(|i| Request {
             params: SamplingParams {
@@ -626,7 +603,7 @@ fn pairs(
             ..Request::greedy(prompt.to_vec(), 3)
         })
         .collect();
-    let done = run_all(&mut e, reqs);
+    let done = common::run_all(&mut e, reqs);
     assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
     let mut counts = vec![0u64; v * v];
     for c in &done {
@@ -711,7 +688,7 @@ fn the_shipped_head_is_lossless_and_accepted_on_smollm2() {
     let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
     let cfg =
         Config::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/eagle.toml")).unwrap();
-    let mut e = engine(&model, Some(tok.clone()), &cfg, 12);
+    let mut e = common::plugin_engine(&model, Some(tok.clone()), &cfg, 12, 16);
     let texts = [
         "Explain why the sky is blue in two sentences.",
         "Write a Python function that checks whether a string is a palindrome.",
@@ -747,7 +724,7 @@ fn the_shipped_head_is_lossless_and_accepted_on_smollm2() {
             })
         })
         .collect();
-    let done = run_all(&mut e, reqs);
+    let done = common::run_all(&mut e, reqs);
     let plain = &done[3 * prompts.len()..];
     for (i, c) in done.iter().enumerate() {
         assert_eq!(

@@ -22,22 +22,10 @@ use specd::model::medusa::{MedusaHead, Output};
 use specd::model::tensor_file::{self, TensorData, TensorFile};
 use specd::model::{load_model, Logits, Model};
 use specd::sampler::SamplingParams;
-use specd::speculative::driver::{EngineConfig, SyncDriver};
-use specd::speculative::{Completion, Request};
+use specd::speculative::Request;
 use specd::tokenizer::Tokenizer;
 
 // ------------------------------------------------------------ layout
-
-fn rand(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            *seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
 
 type Tensors = Vec<(String, Vec<usize>, TensorData)>;
 
@@ -59,18 +47,18 @@ fn write_public(
             t.push((
                 format!("{k}.{j}.linear.weight"),
                 vec![h, h],
-                TensorData::F16(rand(h * h, &mut sd, 0.1)),
+                TensorData::F16(common::lcg_vec(&mut sd, h * h, 0.1)),
             ));
             t.push((
                 format!("{k}.{j}.linear.bias"),
                 vec![h],
-                TensorData::F16(rand(h, &mut sd, 0.1)),
+                TensorData::F16(common::lcg_vec(&mut sd, h, 0.1)),
             ));
         }
         t.push((
             format!("{k}.{layers}.weight"),
             vec![vocab, h],
-            TensorData::F16(rand(vocab * h, &mut sd, 0.3)),
+            TensorData::F16(common::lcg_vec(&mut sd, vocab * h, 0.3)),
         ));
     }
     let mut config = serde_json::json!({
@@ -122,7 +110,7 @@ fn the_public_layout_loads_and_names_its_errors() {
     assert_eq!(m.d2t, (0..v as u32).collect::<Vec<_>>());
     // Two rows through every head, against the definition.
     let mut sd = 7;
-    let x = rand(2 * h, &mut sd, 1.0);
+    let x = common::lcg_vec(&mut sd, 2 * h, 1.0);
     let got = m.logits(&x, 2).unwrap();
     for k in 0..3 {
         for r in 0..2 {
@@ -244,7 +232,7 @@ fn prompts(vocab: u32, n: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut s = seed;
     (0..n)
         .map(|_| {
-            rand(5, &mut s, 1.0)
+            common::lcg_vec(&mut s, 5, 1.0)
                 .into_iter()
                 .map(|x| ((x + 1.0) * 0.5 * (vocab - 1) as f32) as u32)
                 .collect()
@@ -390,28 +378,6 @@ fn medusa_config(head: &Path, extra: &str) -> Config {
     .unwrap()
 }
 
-fn engine(
-    model: &Arc<Model>,
-    tok: Option<Arc<Tokenizer>>,
-    cfg: &Config,
-    running: usize,
-) -> SyncDriver {
-    let drafter = cfg.build_drafter(model, tok.clone()).unwrap();
-    let mut ec = EngineConfig::for_model(model);
-    ec.scheduler.max_running = running;
-    ec.scheduler.max_draft = 16;
-    ec.scheduler.max_waiting = usize::MAX;
-    ec.scheduler.adaptive_draft = false;
-    SyncDriver::new(model.clone(), tok, ec, drafter)
-}
-
-fn run_all(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
-    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
-    let mut done = e.run_to_completion().unwrap();
-    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
-    done
-}
-
 /// Greedy requests of every named proposer on `ps` reproduce plain
 /// decoding; returns (drafted, accepted) per name.
 fn greedy_identity(
@@ -421,7 +387,7 @@ fn greedy_identity(
     ps: &[Vec<u32>],
     n: usize,
 ) -> Vec<(u64, u64)> {
-    let mut e = engine(model, None, cfg, 16);
+    let mut e = common::plugin_engine(model, None, cfg, 16, 16);
     let want: Vec<Vec<u32>> = ps
         .iter()
         .map(|p| {
@@ -440,7 +406,7 @@ fn greedy_identity(
             })
         })
         .collect();
-    let done = run_all(&mut e, reqs);
+    let done = common::run_all(&mut e, reqs);
     for (i, c) in done.iter().enumerate() {
         assert_eq!(
             c.tokens,
@@ -529,38 +495,6 @@ fn bad_medusa_options_name_the_problem() {
     }
 }
 
-/// Counts of the first two sampled tokens.
-fn pairs(
-    model: &Arc<Model>,
-    cfg: &Config,
-    name: &str,
-    prompt: &[u32],
-    params: &SamplingParams,
-    n: usize,
-) -> (Vec<u64>, f64) {
-    let v = model.config.vocab_size;
-    let mut e = engine(model, None, cfg, 64);
-    let reqs = (0..n)
-        .map(|i| Request {
-            params: SamplingParams {
-                seed: 9000 + i as u64,
-                ..params.clone()
-            },
-            proposer: Some(name.into()),
-            ignore_eos: true,
-            ..Request::greedy(prompt.to_vec(), 3)
-        })
-        .collect();
-    let done = run_all(&mut e, reqs);
-    assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
-    let mut counts = vec![0u64; v * v];
-    for c in &done {
-        counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
-    }
-    let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
-    (counts, accepted as f64 / n as f64)
-}
-
 #[test]
 fn medusa_sampling_keeps_the_target_distribution() {
     let tmp = TempDir::new("medusa-chi2");
@@ -596,7 +530,8 @@ fn medusa_sampling_keeps_the_target_distribution() {
     };
     let good = cfg_for("");
     for name in ["tree", "chain"] {
-        let (counts, acc) = pairs(&model, &good, name, &prompt, &params, n);
+        let (counts, acc) =
+            common::first_two_counts(&model, &good, name, &prompt, &params, n, 9000);
         let (stat, df) = common::chi_square(&counts, &exact);
         let crit = common::chi2_crit_999(df);
         eprintln!("{name}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
@@ -612,7 +547,7 @@ fn medusa_sampling_keeps_the_target_distribution() {
     // The control: drafting q's most likely tokens instead of drawing them
     // (what a "typical" or greedy-candidate shortcut does) is lossy.
     let lossy = cfg_for("test_control = \"top_tokens_sampled\"");
-    let (bad, _) = pairs(&model, &lossy, "chain", &prompt, &params, n);
+    let (bad, _) = common::first_two_counts(&model, &lossy, "chain", &prompt, &params, n, 9000);
     let (bstat, bdf) = common::chi_square(&bad, &exact);
     eprintln!("chain with test_control top_tokens_sampled: chi2 {bstat:.1} (df {bdf})");
     assert!(
@@ -636,21 +571,15 @@ fn the_shipped_heads_are_lossless_and_accepted_on_smollm2() {
     let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
     let cfg =
         Config::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/medusa.toml")).unwrap();
-    let mut e = engine(&model, Some(tok.clone()), &cfg, 12);
-    let texts = [
-        "Explain why the sky is blue in two sentences.",
-        "Write a Python function that checks whether a string is a palindrome.",
-        "List four uses of copper.",
-    ];
-    let prompts: Vec<Vec<u32>> = texts
-        .iter()
-        .map(|t| {
-            let chat = tok
-                .apply_chat_template(&[specd::tokenizer::ChatMessage::user(t.to_string())], true)
-                .unwrap();
-            tok.encode(&chat, false).unwrap()
-        })
-        .collect();
+    let mut e = common::plugin_engine(&model, Some(tok.clone()), &cfg, 12, 16);
+    let prompts = common::chat_prompts(
+        &tok,
+        &[
+            "Explain why the sky is blue in two sentences.",
+            "Write a Python function that checks whether a string is a palindrome.",
+            "List four uses of copper.",
+        ],
+    );
     let n = 48;
     let names = ["medusa", "medusa-chain", "hybrid", "none"];
     let reqs: Vec<Request> = names
@@ -664,7 +593,7 @@ fn the_shipped_heads_are_lossless_and_accepted_on_smollm2() {
             })
         })
         .collect();
-    let done = run_all(&mut e, reqs);
+    let done = common::run_all(&mut e, reqs);
     let plain = &done[3 * prompts.len()..];
     for (i, c) in done.iter().enumerate() {
         let want = &plain[i % prompts.len()];

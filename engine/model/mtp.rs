@@ -162,11 +162,72 @@ pub fn load_mtp(
     target_layers: usize,
     quantize: bool,
 ) -> Result<Head, String> {
-    let (mut file, dims, label) = if src.is_dir() {
-        from_safetensors(src, layer, target_vocab)?
+    let (file, dims, label) = if src.is_dir() {
+        let cfg_path = src.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path)
+            .map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        let mut shards: Vec<PathBuf> = std::fs::read_dir(src)
+            .map_err(|e| format!("{}: {e}", src.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        shards.sort();
+        let shards = shards.iter().map(|p| (p.clone(), None)).collect();
+        from_safetensors(src, &text, shards, layer, target_vocab)?
     } else {
         from_gguf(src, layer, target_vocab)?
     };
+    build(
+        file,
+        dims,
+        label,
+        target_hidden,
+        target_vocab,
+        target_layers,
+        quantize,
+    )
+}
+
+/// As `load_mtp` for a module held in memory: config.json text and one
+/// safetensors file's bytes (`label` names them in errors), matrices in
+/// Q8_0. For modules compiled into a plugin.
+pub fn load_mtp_bytes(
+    label: &str,
+    config: &str,
+    weights: &[u8],
+    target_hidden: usize,
+    target_vocab: usize,
+    target_layers: usize,
+) -> Result<Head, String> {
+    let dir = Path::new(label);
+    let shard = dir.join("model.safetensors");
+    let (file, dims, label) = from_safetensors(
+        dir,
+        config,
+        vec![(shard, Some(weights))],
+        None,
+        target_vocab,
+    )?;
+    build(
+        file,
+        dims,
+        label,
+        target_hidden,
+        target_vocab,
+        target_layers,
+        true,
+    )
+}
+
+fn build(
+    mut file: TensorFile,
+    dims: Dims,
+    label: String,
+    target_hidden: usize,
+    target_vocab: usize,
+    target_layers: usize,
+    quantize: bool,
+) -> Result<Head, String> {
     let draft_vocab = if file.has("d2t") {
         file.shape("d2t").map_or(0, |s| s.iter().product())
     } else {
@@ -207,16 +268,18 @@ fn cfg_num(cj: &serde_json::Value, key: &str) -> Option<f64> {
     cj.get(key).and_then(|v| v.as_f64())
 }
 
+/// The module's tensors from config.json text and safetensors shards (a
+/// path, and the bytes when they are in memory already).
 fn from_safetensors(
     dir: &Path,
+    text: &str,
+    shards: Vec<(PathBuf, Option<&[u8]>)>,
     layer: Option<usize>,
     target_vocab: usize,
 ) -> Result<(TensorFile, Dims, String), String> {
     let cfg_path = dir.join("config.json");
-    let text =
-        std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     let cj: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        serde_json::from_str(text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     let need = |key: &str| -> Result<usize, String> {
         cfg_num(&cj, key)
             .map(|v| v as usize)
@@ -253,12 +316,6 @@ fn from_safetensors(
         rms_eps: cfg_num(&cj, "rms_norm_eps").unwrap_or(1e-6),
         rope_theta: cfg_num(&cj, "rope_theta").unwrap_or(10000.0),
     };
-    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    shards.sort();
     if shards.is_empty() {
         return Err(format!("{}: no *.safetensors file", dir.display()));
     }
@@ -268,8 +325,11 @@ fn from_safetensors(
     let prefix = format!("model.layers.{n}.");
     let mut out = TensorFile::empty(dir);
     let mut found: Vec<Option<PathBuf>> = vec![None; TENSORS.len()];
-    for shard in &shards {
-        let mut f = TensorFile::read(shard)?;
+    for (shard, bytes) in &shards {
+        let mut f = match bytes {
+            Some(b) => TensorFile::from_bytes(shard, b)?,
+            None => TensorFile::read(shard)?,
+        };
         if f.has("d2t") {
             out.take_from(&mut f, "d2t", "d2t");
         }

@@ -39,7 +39,8 @@ pub const TINY: TinySpec = TinySpec {
     max_seq: 256,
 };
 
-fn lcg_vec(seed: &mut u64, n: usize, scale: f32) -> Vec<f32> {
+/// Seeded uniform values in [-scale, scale).
+pub fn lcg_vec(seed: &mut u64, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| {
             *seed = seed
@@ -698,6 +699,87 @@ fn dechunk(mut s: &str) -> String {
         s = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
     }
     out
+}
+
+// ------------------------------------------------------------ head plugins
+
+/// An engine over `cfg`'s proposers as the head-plugin tests use it: no
+/// adaptive drafting (every step drafts what the plugin offers), an
+/// unbounded queue.
+pub fn plugin_engine(
+    model: &std::sync::Arc<specd::model::Model>,
+    tok: Option<std::sync::Arc<specd::tokenizer::Tokenizer>>,
+    cfg: &specd::config::Config,
+    running: usize,
+    max_draft: usize,
+) -> specd::speculative::driver::SyncDriver {
+    let drafter = cfg.build_drafter(model, tok.clone()).unwrap();
+    let mut ec = specd::speculative::driver::EngineConfig::for_model(model);
+    ec.scheduler.max_running = running;
+    ec.scheduler.max_draft = max_draft;
+    ec.scheduler.max_waiting = usize::MAX;
+    ec.scheduler.adaptive_draft = false;
+    specd::speculative::driver::SyncDriver::new(model.clone(), tok, ec, drafter)
+}
+
+/// Run `reqs` to completion; completions in request order.
+pub fn run_all(
+    e: &mut specd::speculative::driver::SyncDriver,
+    reqs: Vec<specd::speculative::Request>,
+) -> Vec<specd::speculative::Completion> {
+    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
+    let mut done = e.run_to_completion().unwrap();
+    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+    done
+}
+
+/// Counts of the first two sampled tokens of `n` seeded requests (seeds
+/// from `seed0`) through proposer `name`, and the drafts accepted per
+/// request.
+pub fn first_two_counts(
+    model: &std::sync::Arc<specd::model::Model>,
+    cfg: &specd::config::Config,
+    name: &str,
+    prompt: &[u32],
+    params: &specd::sampler::SamplingParams,
+    n: usize,
+    seed0: u64,
+) -> (Vec<u64>, f64) {
+    use specd::speculative::Request;
+    let v = model.config.vocab_size;
+    let mut e = plugin_engine(model, None, cfg, 64, 16);
+    let reqs = (0..n)
+        .map(|i| Request {
+            params: specd::sampler::SamplingParams {
+                seed: seed0 + i as u64,
+                ..params.clone()
+            },
+            proposer: Some(name.into()),
+            ignore_eos: true,
+            ..Request::greedy(prompt.to_vec(), 3)
+        })
+        .collect();
+    let done = run_all(&mut e, reqs);
+    assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
+    let mut counts = vec![0u64; v * v];
+    for c in &done {
+        counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+    }
+    let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+    (counts, accepted as f64 / n as f64)
+}
+
+/// `texts` as chat-templated user turns, encoded.
+pub fn chat_prompts(tok: &specd::tokenizer::Tokenizer, texts: &[&str]) -> Vec<Vec<u32>> {
+    texts
+        .iter()
+        .map(|t| {
+            let chat = tok
+                .apply_chat_template(&[specd::tokenizer::ChatMessage::user(*t)], true)
+                .unwrap();
+            tok.encode(&chat, false).unwrap()
+        })
+        .collect()
 }
 
 // ------------------------------------------------------------ statistics

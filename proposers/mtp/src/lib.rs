@@ -9,15 +9,16 @@
 //! hold: every token is drawn from the q reported for it, and sampled
 //! trees never prune by drawn values.
 //!
-//! Options: `model` (required: the target's safetensors directory or GGUF
-//! file holding the MTP layers, or a module's directory), `layer` (the MTP
+//! Options: `model` (the target's safetensors directory or GGUF file
+//! holding the MTP layers, or a module's directory; default: the module
+//! built into the plugin for SmolLM2-135M-Instruct), `layer` (the MTP
 //! layer's index; default the first past the main model), and the eagle
 //! plugin's `mode` ("chain" default | "tree"), `max_draft`, `depth`,
 //! `top_k`, `seed`.
 
 use std::path::PathBuf;
 
-use specd::model::mtp::load_mtp;
+use specd::model::mtp::{load_mtp, load_mtp_bytes};
 use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
 // The eagle plugin's drafting machinery, compiled in (it exports nothing).
@@ -28,6 +29,33 @@ mod drafter;
 use drafter::{Eagle, DRAFT_OPTIONS};
 
 pub struct Mtp(Eagle);
+
+#[cfg(feature = "builtin-module")]
+mod builtin {
+    pub const CONFIG: &str = include_str!("../modules/smollm2-135m-instruct/config.json");
+    pub const WEIGHTS: &[u8] = include_bytes!("../modules/smollm2-135m-instruct/model.safetensors");
+}
+
+/// The module trained for SmolLM2-135M-Instruct, compiled in (used when
+/// `model` is unset).
+fn builtin_module(host: &Host, layers: usize) -> Result<specd::model::eagle::Head, String> {
+    #[cfg(feature = "builtin-module")]
+    {
+        load_mtp_bytes(
+            "builtin:smollm2-135m-instruct",
+            builtin::CONFIG,
+            builtin::WEIGHTS,
+            host.hidden_size(),
+            host.vocab_size(),
+            layers,
+        )
+    }
+    #[cfg(not(feature = "builtin-module"))]
+    {
+        let _ = (host, layers, load_mtp_bytes);
+        Err("option `model`: the target's safetensors directory or GGUF file holding the MTP layers (or a module's directory) is required (this build has no built-in module)".into())
+    }
+}
 
 impl Plugin for Mtp {
     const NAME: &'static str = "mtp";
@@ -42,28 +70,29 @@ impl Plugin for Mtp {
         known.extend(["model", "layer"]);
         o.reject_unknown(&known)?;
         let raw = o.get("model", String::new())?;
-        if raw.is_empty() {
-            return Err("option `model`: the target's safetensors directory or GGUF file holding the MTP layers (or a module's directory) is required".into());
-        }
-        let path = match (raw.strip_prefix("~/"), std::env::var_os("HOME")) {
-            (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
-            _ => PathBuf::from(&raw),
-        };
-        let layer = match o.get("layer", -1i64)? {
-            l if l < 0 => None,
-            l => Some(l as usize),
-        };
         let layers = host.n_layers().ok_or(
             "the host does not say how many layers the target has (ABI 2.1 or later needed)",
         )?;
-        let head = load_mtp(
-            &path,
-            layer,
-            host.hidden_size(),
-            host.vocab_size(),
-            layers,
-            true,
-        )?;
+        let head = if raw.is_empty() {
+            builtin_module(&host, layers)?
+        } else {
+            let path = match (raw.strip_prefix("~/"), std::env::var_os("HOME")) {
+                (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+                _ => PathBuf::from(&raw),
+            };
+            let layer = match o.get("layer", -1i64)? {
+                l if l < 0 => None,
+                l => Some(l as usize),
+            };
+            load_mtp(
+                &path,
+                layer,
+                host.hidden_size(),
+                host.vocab_size(),
+                layers,
+                true,
+            )?
+        };
         // Chains unless asked otherwise: one module step per depth.
         let mut opts = o.clone();
         opts.set_default("mode", "chain");
