@@ -17,23 +17,11 @@ use common::{TempDir, TinySpec, TINY};
 use specd::config::Config;
 use specd::generate::generate;
 use specd::model::eagle::{Src, Variant};
+use specd::model::load_model;
 use specd::model::mtp::load_mtp;
 use specd::model::tensor_file::{self, TensorData};
-use specd::model::{load_model, Model};
 use specd::sampler::SamplingParams;
-use specd::speculative::driver::{EngineConfig, SyncDriver};
-use specd::speculative::{Completion, Request};
-
-fn rand(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            *seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
+use specd::speculative::Request;
 
 /// The MTP layer's tensors, Hugging Face names after `model.layers.{N}.`.
 fn mtp_weights(s: &TinySpec, seed: u64, own_head: bool) -> Vec<(String, Vec<usize>, Vec<f32>)> {
@@ -41,7 +29,12 @@ fn mtp_weights(s: &TinySpec, seed: u64, own_head: bool) -> Vec<(String, Vec<usiz
     let (h, hd) = (s.hidden, s.hidden / s.heads);
     let (q, kv, f) = (s.heads * hd, s.kv_heads * hd, s.intermediate);
     let mut w = Vec::new();
-    let norm = |sd: &mut u64| -> Vec<f32> { rand(h, sd, 0.1).iter().map(|x| 1.0 + x).collect() };
+    let norm = |sd: &mut u64| -> Vec<f32> {
+        common::lcg_vec(sd, h, 0.1)
+            .iter()
+            .map(|x| 1.0 + x)
+            .collect()
+    };
     for n in ["enorm.weight", "hnorm.weight", "input_layernorm.weight"] {
         let v = norm(&mut sd);
         w.push((n.to_string(), vec![h], v));
@@ -57,7 +50,7 @@ fn mtp_weights(s: &TinySpec, seed: u64, own_head: bool) -> Vec<(String, Vec<usiz
         ("mlp.down_proj.weight", vec![h, f], 0.2),
     ] {
         let n_el = shape.iter().product();
-        w.push((n.to_string(), shape, rand(n_el, &mut sd, scale)));
+        w.push((n.to_string(), shape, common::lcg_vec(&mut sd, n_el, scale)));
     }
     for n in ["post_attention_layernorm.weight", "shared_head.norm.weight"] {
         let v = norm(&mut sd);
@@ -67,7 +60,7 @@ fn mtp_weights(s: &TinySpec, seed: u64, own_head: bool) -> Vec<(String, Vec<usiz
         w.push((
             "shared_head.head.weight".into(),
             vec![s.vocab, h],
-            rand(s.vocab * h, &mut sd, 0.5),
+            common::lcg_vec(&mut sd, s.vocab * h, 0.5),
         ));
     }
     w
@@ -187,7 +180,10 @@ fn mtp_layers_load_from_safetensors_shards_and_gguf_alike() {
     assert_eq!(load_model(&st, 1).unwrap().config.layers, S.layers);
     // Same module: two chained steps over the same rows agree.
     let mut sd = 5;
-    let (e, f) = (rand(3 * h, &mut sd, 1.0), rand(3 * h, &mut sd, 1.0));
+    let (e, f) = (
+        common::lcg_vec(&mut sd, 3 * h, 1.0),
+        common::lcg_vec(&mut sd, 3 * h, 1.0),
+    );
     let pos = [0usize, 1, 2];
     let sees: Vec<Vec<Src>> = (0..3).map(|r| (0..r).map(Src::Own).collect()).collect();
     let out = |m: &specd::model::eagle::Head| {
@@ -295,27 +291,10 @@ fn mtp_config(model: &Path, extra: &str) -> Config {
     .unwrap()
 }
 
-fn engine(model: &Arc<Model>, cfg: &Config, running: usize) -> SyncDriver {
-    let drafter = cfg.build_drafter(model, None).unwrap();
-    let mut ec = EngineConfig::for_model(model);
-    ec.scheduler.max_running = running;
-    ec.scheduler.max_draft = 8;
-    ec.scheduler.max_waiting = usize::MAX;
-    ec.scheduler.adaptive_draft = false;
-    SyncDriver::new(model.clone(), None, ec, drafter)
-}
-
-fn run_all(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
-    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
-    let mut done = e.run_to_completion().unwrap();
-    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
-    done
-}
-
 fn greedy_identity(target: &Path) {
     let model = Arc::new(load_model(target, 2).unwrap());
     let cfg = mtp_config(target, "");
-    let mut e = engine(&model, &cfg, 16);
+    let mut e = common::plugin_engine(&model, None, &cfg, 16, 8);
     let ps: Vec<Vec<u32>> = vec![vec![5, 9, 13, 2], vec![1, 2, 3], vec![40, 41, 7, 7, 7]];
     let want: Vec<Vec<u32>> = ps
         .iter()
@@ -336,7 +315,7 @@ fn greedy_identity(target: &Path) {
             })
         })
         .collect();
-    let done = run_all(&mut e, reqs);
+    let done = common::run_all(&mut e, reqs);
     for (i, c) in done.iter().enumerate() {
         assert_eq!(c.tokens, want[i % ps.len()], "{} differs", c.stats.proposer);
     }
@@ -365,38 +344,6 @@ fn mtp_greedy_is_plain_decoding() {
     ));
 }
 
-/// Counts of the first two sampled tokens, and drafts accepted per request.
-fn pairs(
-    model: &Arc<Model>,
-    cfg: &Config,
-    name: &str,
-    prompt: &[u32],
-    params: &SamplingParams,
-    n: usize,
-) -> (Vec<u64>, f64) {
-    let v = model.config.vocab_size;
-    let mut e = engine(model, cfg, 64);
-    let reqs = (0..n)
-        .map(|i| Request {
-            params: SamplingParams {
-                seed: 7000 + i as u64,
-                ..params.clone()
-            },
-            proposer: Some(name.into()),
-            ignore_eos: true,
-            ..Request::greedy(prompt.to_vec(), 3)
-        })
-        .collect();
-    let done = run_all(&mut e, reqs);
-    assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
-    let mut counts = vec![0u64; v * v];
-    for c in &done {
-        counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
-    }
-    let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
-    (counts, accepted as f64 / n as f64)
-}
-
 #[test]
 fn mtp_sampling_keeps_the_target_distribution() {
     let tmp = TempDir::new("mtp-chi2");
@@ -415,7 +362,8 @@ fn mtp_sampling_keeps_the_target_distribution() {
         .unwrap_or(12000);
     let good = mtp_config(&target, "");
     for name in ["mtp", "mtp-tree"] {
-        let (counts, acc) = pairs(&model, &good, name, &prompt, &params, n);
+        let (counts, acc) =
+            common::first_two_counts(&model, &good, name, &prompt, &params, n, 9000);
         let (stat, df) = common::chi_square(&counts, &exact);
         let crit = common::chi2_crit_999(df);
         eprintln!("{name}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
@@ -430,7 +378,7 @@ fn mtp_sampling_keeps_the_target_distribution() {
     }
     // The control: pruning sampled trees by their own probabilities.
     let lossy = mtp_config(&target, "test_control = \"rerank_sampled\"");
-    let (bad, _) = pairs(&model, &lossy, "mtp-tree", &prompt, &params, n);
+    let (bad, _) = common::first_two_counts(&model, &lossy, "mtp-tree", &prompt, &params, n, 9000);
     let (bstat, bdf) = common::chi_square(&bad, &exact);
     eprintln!("mtp-tree with rerank_sampled: chi2 {bstat:.1} (df {bdf})");
     assert!(
@@ -458,7 +406,7 @@ fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
     let mut sd = 3u64;
     let prompts: Vec<Vec<u32>> = (0..60)
         .map(|_| {
-            rand(5, &mut sd, 1.0)
+            common::lcg_vec(&mut sd, 5, 1.0)
                 .into_iter()
                 .map(|x| ((x + 1.0) * 0.5 * (deep.vocab - 1) as f32) as u32)
                 .collect()
@@ -568,12 +516,12 @@ fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
     // And the plugin drafts with it losslessly.
     let model = Arc::new(model);
     let cfg = mtp_config(&out, "");
-    let mut e = engine(&model, &cfg, 8);
+    let mut e = common::plugin_engine(&model, None, &cfg, 8, 8);
     let p = vec![4u32, 8, 15, 16];
     let mut r = Request::greedy(p.clone(), 30);
     r.ignore_eos = true;
     let want = generate(&model, None, &r, |_| {}).unwrap().tokens;
-    let done = run_all(
+    let done = common::run_all(
         &mut e,
         vec![Request {
             proposer: Some("mtp".into()),
@@ -582,4 +530,72 @@ fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
     );
     assert_eq!(done[0].tokens, want);
     assert!(done[0].stats.drafted > 0);
+}
+
+// ------------------------------------------------------------ SmolLM2
+
+/// The shipped module on the default target, through `configs/mtp.toml`
+/// (the module built into the plugin): chains, trees and the hybrid
+/// batched with plain sequences reproduce plain decoding token for token
+/// (and the target's logprobs bit for bit), and the module's drafts are
+/// accepted (it was trained for this target).
+#[test]
+fn the_shipped_module_is_lossless_and_accepted_on_smollm2() {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(specd::tokenizer::Tokenizer::for_model(&path).unwrap());
+    let cfg =
+        Config::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/mtp.toml")).unwrap();
+    let mut e = common::plugin_engine(&model, Some(tok.clone()), &cfg, 12, 8);
+    let prompts = common::chat_prompts(
+        &tok,
+        &[
+            "Explain why the sky is blue in two sentences.",
+            "Write a Python function that checks whether a string is a palindrome.",
+            "List four uses of copper.",
+        ],
+    );
+    let n = 48;
+    let names = ["mtp", "mtp-tree", "hybrid", "none"];
+    let reqs: Vec<Request> = names
+        .iter()
+        .flat_map(|name| {
+            prompts.iter().map(move |p| Request {
+                proposer: Some(name.to_string()),
+                ignore_eos: true,
+                logprobs: Some(2),
+                ..Request::greedy(p.clone(), n)
+            })
+        })
+        .collect();
+    let done = common::run_all(&mut e, reqs);
+    let plain = &done[3 * prompts.len()..];
+    for (i, c) in done.iter().enumerate() {
+        let want = &plain[i % prompts.len()];
+        assert_eq!(
+            c.tokens, want.tokens,
+            "{} differs from plain decoding",
+            c.stats.proposer
+        );
+        assert_eq!(c.logprobs, want.logprobs, "{}", c.stats.proposer);
+    }
+    for name in ["mtp", "mtp-tree", "hybrid"] {
+        let mut s = specd::speculative::SpecStats::default();
+        for c in done.iter().filter(|c| c.stats.proposer == name) {
+            s.add(&c.stats);
+        }
+        eprintln!(
+            "{name}: mean accepted length {:.2}, {}/{} drafted tokens accepted",
+            s.mean_accepted_len(),
+            s.accepted,
+            s.drafted
+        );
+        assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
+        let floor = if name == "hybrid" { 1.05 } else { 1.12 };
+        assert!(
+            s.mean_accepted_len() > floor,
+            "{name}: the shipped module must be accepted: {:.2}",
+            s.mean_accepted_len()
+        );
+    }
 }
