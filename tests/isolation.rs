@@ -184,12 +184,37 @@ name = "eagle-process"
 plugin = "eagle"
 isolation = "process"
 options = { mode = "tree", max_draft = 8, depth = 5, top_k = 2 }
+[[proposer]]
+name = "medusa"
+plugin = "medusa"
+[[proposer]]
+name = "medusa-process"
+plugin = "medusa"
+isolation = "process"
+[[proposer]]
+name = "mtp"
+plugin = "mtp"
+options = { mode = "tree", max_draft = 8, depth = 4, top_k = 2 }
+[[proposer]]
+name = "mtp-process"
+plugin = "mtp"
+isolation = "process"
+options = { mode = "tree", max_draft = 8, depth = 4, top_k = 2 }
 "#,
         &[],
     );
     let mut accepted = 0;
     for (i, p) in PROMPTS.iter().enumerate() {
-        for pair in [["ngram", "ngram-process"], ["suffix", "suffix-process"]] {
+        // The head-based plugins call back for embeddings and the output
+        // head from the child (which loads the target for them); their
+        // sampled q is sparse over a draft vocabulary.
+        for pair in [
+            ["ngram", "ngram-process"],
+            ["suffix", "suffix-process"],
+            ["eagle", "eagle-process"],
+            ["medusa", "medusa-process"],
+            ["mtp", "mtp-process"],
+        ] {
             let run = |prop: &str| {
                 let r = d.post(
                     "/v1/completions",

@@ -181,7 +181,10 @@ impl Eagle {
         })
     }
 
-    fn state(&mut self, seq: u64) -> &mut SeqState {
+    /// The sequence's state; its draw stream is seeded from the plugin's
+    /// `seed` and the request's (not the sequence id), so a seeded request
+    /// drafts, and so decodes, the same every time.
+    fn state(&mut self, seq: u64, req_seed: u64) -> &mut SeqState {
         let dim = self.head.cfg.kv_dim();
         let seed = self.seed;
         self.seqs.entry(seq).or_insert_with(|| SeqState {
@@ -189,7 +192,7 @@ impl Eagle {
             pairs: 0,
             pending: Vec::new(),
             root: None,
-            rng: Rng::new(seed ^ seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+            rng: Rng::new(seed ^ req_seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
         })
     }
 
@@ -249,7 +252,7 @@ impl Eagle {
                 ));
             }
             let n = s.tokens.len();
-            let st = self.state(s.seq);
+            let st = self.state(s.seq, s.seed);
             let start = s.hidden_start as usize;
             if s.hidden_rows > 0 && start < st.pairs {
                 // Positions seen again (the host recomputed them): restart

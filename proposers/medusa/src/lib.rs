@@ -471,7 +471,9 @@ impl Plugin for Medusa {
             let row = s.layer(0)[r * h..(r + 1) * h].to_vec();
             let st = self.seqs.entry(s.seq).or_insert_with(|| SeqState {
                 root: None,
-                rng: Rng::new(seed ^ s.seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                // Seeded from the request's seed (not the sequence id): a
+                // seeded request drafts, and so decodes, the same every time.
+                rng: Rng::new(seed ^ s.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
             });
             st.root = Some((s.hidden_start as usize + r, row));
         }
