@@ -782,6 +782,77 @@ pub fn chat_prompts(tok: &specd::tokenizer::Tokenizer, texts: &[&str]) -> Vec<Ve
         .collect()
 }
 
+/// A shipped head or module on SmolLM2 through `config` (a path under the
+/// repository): greedy chat requests of each of `names` and of plain
+/// decoding, batched together, equal plain decoding token for token and
+/// in their logprobs bit for bit; each named proposer is not poisoned and
+/// its mean accepted length is above `floor(name)`.
+pub fn shipped_is_lossless_and_accepted(
+    config: &str,
+    names: &[&str],
+    max_draft: usize,
+    floor: impl Fn(&str) -> f64,
+) {
+    use specd::speculative::Request;
+    let path = smollm_path();
+    let model = std::sync::Arc::new(specd::model::load_model(&path, 2).unwrap());
+    let tok = std::sync::Arc::new(specd::tokenizer::Tokenizer::for_model(&path).unwrap());
+    let cfg =
+        specd::config::Config::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join(config)).unwrap();
+    let mut e = plugin_engine(&model, Some(tok.clone()), &cfg, 12, max_draft);
+    let prompts = chat_prompts(
+        &tok,
+        &[
+            "Explain why the sky is blue in two sentences.",
+            "Write a Python function that checks whether a string is a palindrome.",
+            "List four uses of copper.",
+        ],
+    );
+    let n = 48;
+    let reqs: Vec<Request> = names
+        .iter()
+        .chain(&["none"])
+        .flat_map(|name| {
+            prompts.iter().map(move |p| Request {
+                proposer: Some(name.to_string()),
+                ignore_eos: true,
+                logprobs: Some(2),
+                ..Request::greedy(p.clone(), n)
+            })
+        })
+        .collect();
+    let done = run_all(&mut e, reqs);
+    let plain = &done[names.len() * prompts.len()..];
+    for (i, c) in done.iter().enumerate() {
+        let want = &plain[i % prompts.len()];
+        assert_eq!(
+            c.tokens, want.tokens,
+            "{} differs from plain decoding",
+            c.stats.proposer
+        );
+        assert_eq!(c.logprobs.len(), n);
+        assert_eq!(c.logprobs, want.logprobs, "{}", c.stats.proposer);
+    }
+    for &name in names {
+        let mut s = specd::speculative::SpecStats::default();
+        for c in done.iter().filter(|c| c.stats.proposer == name) {
+            s.add(&c.stats);
+        }
+        eprintln!(
+            "{name}: mean accepted length {:.2}, {}/{} drafted tokens accepted",
+            s.mean_accepted_len(),
+            s.accepted,
+            s.drafted,
+        );
+        assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
+        assert!(
+            s.mean_accepted_len() > floor(name),
+            "{name}: the shipped head must be accepted: {:.2}",
+            s.mean_accepted_len()
+        );
+    }
+}
+
 // ------------------------------------------------------------ statistics
 
 /// Exact joint distribution of the first two generated tokens.
