@@ -106,6 +106,13 @@ pub struct ProposerConfig {
     /// drafted token; default `engine.draft_cost`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub compose: Vec<String>,
+    /// What drafting one token costs this proposer itself, relative to a
+    /// one-token target forward (a draft model's or head's own forward);
+    /// the adaptive policy adds it to the token's verify cost, so a
+    /// proposer stops drafting where its acceptance does not pay for both.
+    /// Default 0 (lookup proposers cost next to nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_cost: Option<f64>,
     /// Where the plugin runs: `none` (in the daemon's process, the
     /// default) or `process` (a `specd plugin-host` child that is replaced
     /// if it crashes, exits or misses `propose_timeout_ms`).
@@ -387,6 +394,14 @@ impl Config {
                     p.name
                 ));
             }
+            if let Some(c) = p.token_cost {
+                if !c.is_finite() || c < 0.0 {
+                    return err(format!(
+                        "proposer `{}`: token_cost must be a finite number >= 0 (a fraction of a one-token target forward), got {c}",
+                        p.name
+                    ));
+                }
+            }
             if p.propose_timeout_ms.is_some() && p.isolation != Isolation::Process {
                 return err(format!(
                     "proposer `{}`: propose_timeout_ms needs isolation = \"process\" (an in-process plugin cannot be interrupted)",
@@ -551,8 +566,24 @@ impl Config {
     }
 
     /// A fresh instance of the proposer `p` (a composed one builds fresh
-    /// instances of its members).
+    /// instances of its members), carrying its configured `token_cost`.
     pub fn build_proposer(
+        &self,
+        p: &ProposerConfig,
+        model: &Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Result<Box<dyn Proposer>> {
+        let inner = self.build_bare_proposer(p, model, tokenizer)?;
+        Ok(match p.token_cost {
+            Some(c) if c > 0.0 => Box::new(crate::speculative::proposer::Priced {
+                inner,
+                token_cost: c,
+            }),
+            _ => inner,
+        })
+    }
+
+    fn build_bare_proposer(
         &self,
         p: &ProposerConfig,
         model: &Arc<Model>,

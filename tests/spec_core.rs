@@ -198,6 +198,73 @@ fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
     assert!(price.is_finite() && price >= 0.0, "{price}");
 }
 
+/// A proposer's own drafting cost (`[[proposer]] token_cost`) joins the
+/// verify price: the same drafts at 0.3 acceptance pay when drafting is
+/// free, and stop (bar the policy's rare probes) when each drafted token
+/// costs the proposer 0.4 of a target forward. Output is plain decoding's
+/// either way.
+#[test]
+fn a_costly_proposer_stops_drafting_where_its_acceptance_does_not_pay() {
+    let n = 48;
+    let (model, tok, ps, want, answers) =
+        smollm_answers(&["def fibonacci(n):", "The three primary colors are"], n);
+    let drafted = |token_cost: f64| {
+        let oracle = OracleProposer::new(answers.clone(), 0.7, 4, model.config.vocab_size as u32);
+        let p: Box<dyn Proposer> = Box::new(specd::speculative::proposer::Priced {
+            inner: Box::new(oracle),
+            token_cost,
+        });
+        // One sequence at a time: the verify price is the configured 0.10.
+        let mut e = engine(&model, Some(tok.clone()), vec![p], 1, None);
+        e.scheduler.config.adaptive_draft = true;
+        e.scheduler.config.draft_cost = 0.10;
+        let done = run_all(&mut e, oracle_requests(&ps, n));
+        for (c, w) in done.iter().zip(&want) {
+            assert_eq!(&c.tokens, w);
+        }
+        done.iter().map(|c| c.stats.drafted).sum::<u64>()
+    };
+    let (free, costly) = (drafted(0.0), drafted(0.4));
+    assert!(free >= 20, "free drafts must pay at 0.3 acceptance: {free}");
+    assert!(
+        costly * 4 <= free,
+        "a costly proposer must mostly stop drafting: {costly} vs {free}"
+    );
+}
+
+/// A costly proposer that is never right: once its acceptance estimate
+/// has fallen, the policy only probes, and each rejected probe doubles the
+/// wait before the next, so 96 more tokens cost it only a handful of drafts
+/// (without the back-off, 11: one every 8 steps).
+#[test]
+fn rejected_probes_of_a_costly_proposer_back_off() {
+    let (model, tok, ps, _, answers) = smollm_answers(&["Once upon a time"], 160);
+    let drafted = |n: usize| {
+        let oracle = OracleProposer::new(answers.clone(), 1.0, 4, model.config.vocab_size as u32);
+        // A small own cost: the probe interval stays the configured 8
+        // steps (cost / draft_cost rounds to 1), only the back-off differs.
+        let p: Box<dyn Proposer> = Box::new(specd::speculative::proposer::Priced {
+            inner: Box::new(oracle),
+            token_cost: 0.001,
+        });
+        let mut e = engine(&model, Some(tok.clone()), vec![p], 1, None);
+        e.scheduler.config.adaptive_draft = true;
+        e.scheduler.config.draft_cost = 0.10;
+        let mut reqs = oracle_requests(&ps, n);
+        reqs[0].ignore_eos = true;
+        let done = run_all(&mut e, reqs);
+        assert_eq!(done[0].stats.accepted, 0);
+        done[0].stats.drafted
+    };
+    let (early, late) = (drafted(64), drafted(160));
+    assert!(early > 0, "the policy starts out drafting");
+    assert!(
+        late - early <= 5,
+        "probes must back off: {} drafts in the last 96 tokens",
+        late - early
+    );
+}
+
 fn sampled_pairs(
     model: &Arc<Model>,
     prompt: &[u32],

@@ -272,6 +272,8 @@ impl Proposer for PluginProposer {
             } else {
                 SiblingMode::WithoutReplacement
             },
+            // Set by the host's configuration (`speculative::proposer::Priced`).
+            token_cost: 0.0,
         }
     }
 

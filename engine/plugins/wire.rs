@@ -241,6 +241,8 @@ impl<'a> Reader<'a> {
             } else {
                 SiblingMode::WithoutReplacement
             },
+            // The host's configuration, not the plugin's to declare.
+            token_cost: 0.0,
         })
     }
 
@@ -347,6 +349,7 @@ mod tests {
             tree: true,
             max_depth: 5,
             siblings: SiblingMode::Iid,
+            token_cost: 0.0,
         };
         let mut w = Writer::default();
         w.caps(&caps);

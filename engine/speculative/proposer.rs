@@ -54,6 +54,14 @@ pub struct Capabilities {
     pub max_depth: usize,
     /// How siblings are drawn (trees only).
     pub siblings: SiblingMode,
+    /// What drafting one token costs the proposer itself, relative to a
+    /// one-token target forward (`[[proposer]] token_cost`; 0 for lookup
+    /// proposers). The adaptive policy adds it to a drafted token's verify
+    /// cost, so a proposer whose own model costs more than its acceptance
+    /// earns stops drafting. A configured constant, not a measurement: a
+    /// seeded request's draft lengths, and so its tokens, must not depend
+    /// on timing.
+    pub token_cost: f64,
 }
 
 impl Default for Capabilities {
@@ -65,6 +73,7 @@ impl Default for Capabilities {
             tree: false,
             max_depth: 16,
             siblings: SiblingMode::default(),
+            token_cost: 0.0,
         }
     }
 }
@@ -216,6 +225,48 @@ pub trait Proposer: Send {
         self.observe(seq, committed)
     }
     fn finish(&mut self, seq: SeqId);
+}
+
+/// A proposer with its configured own drafting cost
+/// (`Capabilities::token_cost`); everything else passes through.
+pub struct Priced {
+    pub inner: Box<dyn Proposer>,
+    pub token_cost: f64,
+}
+
+impl Proposer for Priced {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            token_cost: self.token_cost,
+            ..self.inner.capabilities()
+        }
+    }
+    fn info(&self) -> ProposerInfo {
+        self.inner.info()
+    }
+    fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String> {
+        self.inner.start(seq, prompt)
+    }
+    fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+        self.inner.propose(batch)
+    }
+    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> Result<(), String> {
+        self.inner.observe(seq, committed)
+    }
+    fn observe_path(
+        &mut self,
+        seq: SeqId,
+        committed: &[u32],
+        path: &[usize],
+    ) -> Result<(), String> {
+        self.inner.observe_path(seq, committed, path)
+    }
+    fn finish(&mut self, seq: SeqId) {
+        self.inner.finish(seq)
+    }
 }
 
 /// Tolerance on the total mass of a reported q.

@@ -108,6 +108,10 @@ pub struct Sequence {
     pub acceptance_ema: f64,
     /// Decode steps since the last draft (for probing when drafting paused).
     pub steps_without_draft: u32,
+    /// Consecutive probes (drafts after a pause) of which nothing was
+    /// accepted: for a proposer with its own cost (`token_cost`), each
+    /// doubles the wait before the next (up to 16x).
+    pub probe_misses: u32,
     /// Proposer in use (`None`: plain decoding).
     pub proposer: Option<String>,
     stop: StopBuffer,
@@ -405,6 +409,7 @@ impl Scheduler {
             prompt_logprobs: Vec::new(),
             acceptance_ema: 0.5,
             steps_without_draft: 0,
+            probe_misses: 0,
             proposer,
             stop: StopBuffer::new(req.stop.clone()),
             detok: StreamDecoder::new(),
@@ -715,15 +720,24 @@ impl Scheduler {
                 .max_draft_for(s, pcaps.map(|c| c.max_draft))
                 .min(budget - 1);
             if self.config.adaptive_draft && k > 0 {
+                // A drafted token costs its share of the verify plus what
+                // the proposer spends drafting it.
+                let own = pcaps.map_or(0.0, |c| c.token_cost);
+                let cost = price + own;
                 k = match (&s.tree_policy, pcaps) {
                     // Trees: the node budget whose measured accepted length
                     // pays best for its verify cost.
-                    (Some(tp), Some(c)) if c.tree => tp.choose(k, price),
-                    _ => choose_draft_len(s.acceptance_ema, k, price),
+                    (Some(tp), Some(c)) if c.tree => tp.choose(k, cost),
+                    _ => choose_draft_len(s.acceptance_ema, k, cost),
                 };
                 // Keep learning while paused: probe with one draft now and
-                // then, less often as drafts get dearer (under load).
-                let every = (8.0 * (price / self.config.draft_cost.max(1e-3)).max(1.0)).min(128.0);
+                // then, less often as drafts get dearer (under load, or a
+                // costly proposer). A proposer with its own cost also
+                // backs off after each probe that missed (a lookup's probe
+                // costs only its verify, and its matches come and go).
+                let backoff = if own > 0.0 { s.probe_misses.min(4) } else { 0 };
+                let every = (8.0 * (cost / self.config.draft_cost.max(1e-3)).max(1.0)).min(128.0)
+                    * f64::from(1u32 << backoff);
                 if k == 0 && s.steps_without_draft as f64 >= every {
                     k = 1;
                 }
@@ -908,6 +922,14 @@ impl Scheduler {
                 // Acceptance per drafted depth (a chain's depth is its length).
                 let rate = r.accepted.accepted as f64 / r.depth.max(1) as f64;
                 s.acceptance_ema = 0.7 * s.acceptance_ema + 0.3 * rate;
+                if s.steps_without_draft > 0 {
+                    // A draft after a pause: a probe.
+                    s.probe_misses = if r.accepted.accepted == 0 {
+                        s.probe_misses.saturating_add(1)
+                    } else {
+                        0
+                    };
+                }
                 s.steps_without_draft = 0;
                 if let Some(tp) = &mut s.tree_policy {
                     tp.record(r.drafted, r.accepted.accepted);
