@@ -119,3 +119,85 @@ fn training_prompts_share_no_8gram_with_any_evaluation_set() {
         assert!(!eval.contains(text));
     }
 }
+
+#[test]
+fn compact_distill_learns_the_target_and_its_draft_is_lossless() {
+    let dir = TempDir::new("distill-compact");
+    let target = dir.0.join("target.gguf");
+    common::write_tiny_gguf(&target, &TINY, 4, GgmlDType::Q8_0, "llama");
+    let out = dir.0.join("draft");
+    let st = common::train_tiny_compact(&target, &out, 48, 40);
+    assert_eq!(st.step, 40);
+    assert!(
+        st.loss < st.first_loss,
+        "training must lower the loss: {} -> {}",
+        st.first_loss,
+        st.loss
+    );
+    // Resume continues from the checkpoint and keeps the history.
+    let st2 = common::train_tiny_compact(&target, &out, 48, 50);
+    assert_eq!((st2.step, st2.first_loss), (50, st.first_loss));
+    // The compact layout: no embedding table, a 48-row head, d2t mapping
+    // each row to a distinct target id; the config says how to read it.
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["embed_from_target"], true);
+    assert_eq!(cfg["draft_vocab_size"], 48);
+    assert_eq!(cfg["vocab_size"], TINY.vocab);
+    assert_eq!(cfg["target_hidden_size"], TINY.hidden);
+    let f = specd::model::tensor_file::TensorFile::read(&out.join("model.safetensors")).unwrap();
+    assert!(!f.has("model.embed_tokens.weight"));
+    assert_eq!(f.shape("lm_head.weight"), Some(&[48, 32][..]));
+    assert_eq!(
+        f.shape("model.embed_proj.weight"),
+        Some(&[32, TINY.hidden][..])
+    );
+    let ids: std::collections::HashSet<i64> = f
+        .i64("d2t")
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, d)| i as i64 + d)
+        .collect();
+    assert_eq!(ids.len(), 48);
+    assert!(ids.iter().all(|&t| (0..TINY.vocab as i64).contains(&t)));
+    // Through the draft plugin: greedy output is plain decoding's, batched
+    // with plain requests, and the trained draft is accepted.
+    let model = Arc::new(load_model(&target, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&target).unwrap());
+    let pc = Config::parse(
+        &format!("[[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = 4\n[proposer.options]\nmodel = \"{}\"\n", out.display()),
+        None,
+    )
+    .unwrap();
+    let drafter = pc.build_drafter(&model, Some(tok.clone())).unwrap();
+    let mut ec = EngineConfig::for_model(&model);
+    ec.scheduler.adaptive_draft = false;
+    let mut e = SyncDriver::new(model.clone(), Some(tok), ec, drafter);
+    let prompts = [vec![5u32, 9, 3], vec![4, 1, 2, 3], vec![11, 40, 2]];
+    for p in &prompts {
+        for name in ["draft", "none"] {
+            e.add(
+                Request {
+                    proposer: Some(name.into()),
+                    ..Request::greedy(p.clone(), 24)
+                },
+                None,
+            )
+            .unwrap();
+        }
+    }
+    let mut done = e.run_to_completion().unwrap();
+    done.sort_by_key(|c| c.id);
+    let (mut drafted, mut accepted) = (0, 0);
+    for (i, p) in prompts.iter().enumerate() {
+        let want = generate(&model, None, &Request::greedy(p.clone(), 24), |_| {})
+            .unwrap()
+            .tokens;
+        assert_eq!(done[2 * i].tokens, want, "draft arm, prompt {i}");
+        assert_eq!(done[2 * i + 1].tokens, want, "plain arm, prompt {i}");
+        drafted += done[2 * i].stats.drafted;
+        accepted += done[2 * i].stats.accepted;
+    }
+    assert!(drafted > 0 && accepted > 0, "{accepted}/{drafted}");
+}

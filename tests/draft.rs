@@ -186,7 +186,7 @@ fn vocabulary_mismatch_is_a_clear_error() {
     );
     let renamed = tiny(&dir, "renamed.gguf", &TINY, 2, "x");
     let e = draft_config(&renamed, 3)
-        .build_drafter(&model, Some(tok))
+        .build_drafter(&model, Some(tok.clone()))
         .unwrap_err()
         .to_string();
     assert!(
@@ -195,10 +195,216 @@ fn vocabulary_mismatch_is_a_clear_error() {
             && e.contains("\"x0\""),
         "{e}"
     );
+    // No `model`: the built-in draft, made for SmolLM2, does not fit this
+    // target (a build without it asks for the option).
     let e = Config::parse("[[proposer]]\nname = \"draft\"\n", None)
         .unwrap()
-        .build_drafter(&model, None)
+        .build_drafter(&model, Some(tok))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("option `model`"), "{e}");
+    assert!(
+        e.contains("option `model`")
+            || e.contains("builtin:smollm2-135m-instruct: vocabulary mismatch: the draft was trained for a target of 49152 tokens, this target has 96"),
+        "{e}"
+    );
+}
+
+fn compact_error(target: &Arc<Model>, tok: &Arc<Tokenizer>, dir: &std::path::Path) -> String {
+    match draft_config(dir, 3).build_drafter(target, Some(tok.clone())) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn compact_draft_load_errors_name_file_tensor_and_shape() {
+    use specd::model::tensor_file::TensorData;
+    let dir = TempDir::new("draft-compact-errors");
+    let target_path = tiny(&dir, "target.gguf", &TINY, 4, "t");
+    let good = dir.0.join("good");
+    common::train_tiny_compact(&target_path, &good, 40, 10);
+    let model = Arc::new(load_model(&target_path, 1).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&target_path).unwrap());
+    draft_config(&good, 3)
+        .build_drafter(&model, Some(tok.clone()))
+        .unwrap();
+    let variant = |name: &str| {
+        let d = dir.0.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(good.join(f), d.join(f)).unwrap();
+        }
+        d
+    };
+    let file = |d: &std::path::Path| d.join("model.safetensors").display().to_string();
+    // A missing tensor.
+    let d = variant("no-head");
+    common::rewrite_safetensors(&d.join("model.safetensors"), |t| {
+        t.retain(|(n, _, _)| n != "lm_head.weight")
+    });
+    let e = compact_error(&model, &tok, &d);
+    assert!(
+        e.contains(&file(&d))
+            && e.contains("missing tensor lm_head.weight (expected shape [40, 32])"),
+        "{e}"
+    );
+    // A wrong shape.
+    let d = variant("bad-proj");
+    common::rewrite_safetensors(&d.join("model.safetensors"), |t| {
+        for (n, shape, data) in t.iter_mut() {
+            if n == "model.embed_proj.weight" {
+                *shape = vec![16, 2 * TINY.hidden];
+            }
+            let _ = data;
+        }
+    });
+    let e = compact_error(&model, &tok, &d);
+    assert!(
+        e.contains(&file(&d))
+            && e.contains("tensor model.embed_proj.weight has shape [16, 128], expected [32, 64]"),
+        "{e}"
+    );
+    // A d2t entry past the vocabulary.
+    let d = variant("bad-d2t");
+    common::rewrite_safetensors(&d.join("model.safetensors"), |t| {
+        for (n, _, data) in t.iter_mut() {
+            if n == "d2t" {
+                if let TensorData::I64(v) = data {
+                    v[3] = 500;
+                }
+            }
+        }
+    });
+    let e = compact_error(&model, &tok, &d);
+    assert!(
+        e.contains("tensor d2t: row 3 maps to 503, not a distinct id below 96"),
+        "{e}"
+    );
+    // Another target: a different vocabulary size, other token strings,
+    // another hidden width.
+    let other = Arc::new(
+        load_model(
+            &tiny(&dir, "big.gguf", &TinySpec { vocab: 128, ..TINY }, 2, "t"),
+            1,
+        )
+        .unwrap(),
+    );
+    let other_tok = Arc::new(Tokenizer::for_model(&dir.0.join("big.gguf")).unwrap());
+    let e = compact_error(&other, &other_tok, &good);
+    assert!(
+        e.contains("vocabulary mismatch: the draft was trained for a target of 96 tokens, this target has 128"),
+        "{e}"
+    );
+    let renamed = tiny(&dir, "renamed.gguf", &TINY, 4, "x");
+    let (rm, rt) = (
+        Arc::new(load_model(&renamed, 1).unwrap()),
+        Arc::new(Tokenizer::for_model(&renamed).unwrap()),
+    );
+    let e = compact_error(&rm, &rt, &good);
+    assert!(
+        e.contains("vocabulary mismatch: the draft was trained for another tokenizer"),
+        "{e}"
+    );
+    let wide = tiny(
+        &dir,
+        "wide.gguf",
+        &TinySpec {
+            hidden: 128,
+            ..TINY
+        },
+        4,
+        "t",
+    );
+    let (wm, wt) = (
+        Arc::new(load_model(&wide, 1).unwrap()),
+        Arc::new(Tokenizer::for_model(&wide).unwrap()),
+    );
+    let e = compact_error(&wm, &wt, &good);
+    assert!(
+        e.contains("the draft reads a target embedding of width 64, this target's is 128"),
+        "{e}"
+    );
+}
+
+#[test]
+fn sampling_with_a_compact_draft_is_lossless() {
+    // A draft vocabulary of 8 of the 12 tokens: the other 4 have q = 0 and
+    // are never drafted, which rejection sampling must still make exact.
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let dir = TempDir::new("draft-compact-stat");
+    let target_path = tiny(&dir, "target.gguf", &spec, 8, "t");
+    let out = dir.0.join("compact");
+    common::train_tiny_compact(&target_path, &out, 8, 20);
+    let model = Arc::new(load_model(&target_path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&target_path).unwrap());
+    let cfg = draft_config(&out, 3);
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let prompt = [3u32, 7, 1, 9];
+    let exact = common::exact_first_two(&model, &prompt, &params);
+    let n = 8000;
+    let sample = |acceptance: Acceptance| {
+        let mut e = engine(&model, tok.clone(), &cfg, 64);
+        e.sampler.acceptance = acceptance;
+        let reqs = (0..n)
+            .map(|i| Request {
+                params: SamplingParams {
+                    seed: 9000 + i as u64,
+                    ..params.clone()
+                },
+                proposer: Some("draft".into()),
+                ignore_eos: true,
+                ..Request::greedy(prompt.to_vec(), 3)
+            })
+            .collect();
+        let done = run(&mut e, reqs);
+        let v = spec.vocab;
+        let mut counts = vec![0u64; v * v];
+        let (mut drafted, mut accepted) = (0, 0);
+        for c in &done {
+            counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+            drafted += c.stats.drafted;
+            accepted += c.stats.accepted;
+        }
+        assert!(
+            drafted > n as u64 && accepted > 0 && accepted < drafted,
+            "{drafted} {accepted}"
+        );
+        counts
+    };
+    let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
+    let crit = common::chi2_crit_999(df);
+    eprintln!("compact draft, T=1: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
+    assert!(
+        stat < crit,
+        "sampled distribution differs from the target: {stat} > {crit}"
+    );
+    let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
+    eprintln!("compact draft, residual from p: chi2 {bad:.1} (df {bdf})");
+    assert!(
+        bad > 2.0 * common::chi2_crit_999(bdf),
+        "the test must detect a lossy residual: {bad}"
+    );
+}
+
+/// The compact draft shipped for SmolLM2 (built into the plugin, loaded
+/// through configs/draft.toml with no path): tokens and logprobs equal
+/// plain decoding, and its drafts are accepted well above chance (a draft
+/// that is not loaded, or fed the wrong embedding, stays near 1.0).
+#[test]
+fn the_shipped_compact_draft_is_lossless_and_accepted_on_smollm2() {
+    common::shipped_is_lossless_and_accepted(
+        "configs/draft.toml",
+        &["draft", "hybrid"],
+        4,
+        |name| {
+            if name == "hybrid" {
+                1.05
+            } else {
+                1.15
+            }
+        },
+    );
 }

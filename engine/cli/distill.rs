@@ -121,11 +121,14 @@ pub struct DistillArgs {
     /// Target model (default: the embedded SmolLM2).
     #[arg(long)]
     pub target: Option<PathBuf>,
-    /// Output directory (checkpoints, model.safetensors, config.json,
-    /// tokenizer.json); training resumes from a checkpoint found there.
+    /// Output directory (config.json, model.safetensors, state.json;
+    /// tokenizer.json for a plain draft; train/ with the samples, target
+    /// states and checkpoint of a compact one, which may be a copy of a
+    /// `distill eagle` run's train/); training resumes from a checkpoint
+    /// found there.
     #[arg(long)]
     pub out: PathBuf,
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     pub layers: usize,
     #[arg(long, default_value_t = 256)]
     pub hidden: usize,
@@ -137,15 +140,27 @@ pub struct DistillArgs {
     pub seq_len: usize,
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
-    #[arg(long, default_value_t = 400)]
+    #[arg(long, default_value_t = 700)]
     pub steps: usize,
     #[arg(long, default_value_t = 2e-3)]
     pub lr: f64,
-    /// Target-generated tokens to train on.
-    #[arg(long, default_value_t = 60000)]
+    /// Target-generated response tokens to train on.
+    #[arg(long, default_value_t = 240000)]
     pub gen_tokens: usize,
     #[arg(long, default_value_t = 50)]
     pub checkpoint_every: usize,
+    /// Rows of the output head (most frequent response tokens); the draft
+    /// is then compact: it reads the target's embedding through a learned
+    /// projection and learns the target's distribution. 0: a plain Llama
+    /// with its own tied full-vocabulary embedding, trained on the
+    /// target's sampled text.
+    #[arg(long, default_value_t = 4096)]
+    pub draft_vocab: usize,
+    /// Compact drafts: loss weight of positions inside the prompt.
+    #[arg(long, default_value_t = 0.5)]
+    pub prompt_weight: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     #[arg(long)]
     pub threads: Option<usize>,
 }
@@ -157,7 +172,31 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 Some(t) => t,
                 None => specd::fetch::ensure_default_model()?,
             };
+            // A compact draft trains on the data `distill eagle`, `mtp` and
+            // `medusa` generate (same prompts, lengths and sampling), so
+            // their train/ directory can be shared.
+            let data = if a.draft_vocab > 0 {
+                let e = specd::distill::eagle::EagleConfig::default();
+                (
+                    e.gen_max_tokens,
+                    e.temperature,
+                    e.sampled_fraction,
+                    e.concurrency,
+                )
+            } else {
+                let d = specd::distill::DistillConfig::default();
+                (
+                    d.gen_max_tokens,
+                    d.temperature,
+                    d.sampled_fraction,
+                    d.concurrency,
+                )
+            };
             let cfg = specd::distill::DistillConfig {
+                gen_max_tokens: data.0,
+                temperature: data.1,
+                sampled_fraction: data.2,
+                concurrency: data.3,
                 layers: a.layers,
                 hidden: a.hidden,
                 heads: a.heads,
@@ -168,6 +207,9 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 lr: a.lr,
                 gen_tokens: a.gen_tokens,
                 checkpoint_every: a.checkpoint_every,
+                draft_vocab: a.draft_vocab,
+                prompt_weight: a.prompt_weight,
+                seed: a.seed,
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);

@@ -1,17 +1,27 @@
 //! `specd distill draft`: train a small Llama draft for a target by
-//! self-distillation on CPU (candle autograd).
+//! self-distillation on CPU (candle autograd). Two kinds:
 //!
-//! 1. The target answers the training prompts (see the parent module);
-//!    the samples are cached in `<out>/samples.json`.
-//! 2. A small Llama with the target's tokenizer and tied embeddings
-//!    (initialised from the target's, projected to the draft width) learns
-//!    next-token cross-entropy on those streams with AdamW.
-//! 3. Checkpoints (`<out>/model.safetensors` + `state.json`) are written
-//!    every `checkpoint_every` steps and training resumes from them; the
-//!    output directory is loadable as a safetensors model (config.json,
-//!    tokenizer.json) and by the `draft` proposer plugin.
+//! - *Compact* (`draft_vocab > 0`, the CLI default): the target's frozen
+//!   embedding through a learned projection (`model.embed_proj.weight`),
+//!   `layers` Llama blocks and a head over the `draft_vocab` most frequent
+//!   response tokens (`lm_head.weight`, `d2t`). Data: the target's answers
+//!   to the training prompts and its final-normed state at every position
+//!   (`<out>/train/`, the layout `distill eagle` writes, so that cache can
+//!   be shared); the draft learns the target's distribution on the draft
+//!   vocabulary (soft cross-entropy; prompt positions weighted
+//!   `prompt_weight`). Output: F16 `model.safetensors` + `config.json`
+//!   recording the target's hidden width and vocabulary fingerprint, which
+//!   the `draft` plugin loads (the embedding is rebuilt from the host's).
+//! - *Plain* (`draft_vocab = 0`): its own tied embedding (initialised from
+//!   the target's, projected to the draft width), next-token cross-entropy
+//!   on the sampled streams (`<out>/samples.json`); the output directory is
+//!   a safetensors model (config.json, tokenizer.json) any loader reads.
 //!
-//! Invariant: parameter names are Hugging Face Llama names, so the engine's
+//! Checkpoints (`state.json` beside them) are written every
+//! `checkpoint_every` steps and training resumes from them.
+//!
+//! Invariant: parameter names are Hugging Face Llama names (plus
+//! `model.embed_proj.weight` and `d2t` for compact drafts), so the engine's
 //! loader reads a checkpoint as it reads any safetensors model.
 
 use std::path::{Path, PathBuf};
@@ -46,6 +56,45 @@ pub struct DistillConfig {
     /// non-empty; e.g. for targets without a text tokenizer).
     #[serde(skip)]
     pub prompt_ids: Vec<Vec<u32>>,
+    /// Rows of a reduced-vocabulary output head (the most frequent
+    /// response tokens); 0: the full vocabulary, tied to the embedding.
+    /// With a draft vocabulary the draft is *compact*: its input embedding
+    /// is the target's, through a learned projection (`embed_proj`), so
+    /// neither table ships, and it learns the target's distribution (soft
+    /// cross-entropy on the draft vocabulary) rather than sampled tokens.
+    #[serde(default)]
+    pub draft_vocab: usize,
+    /// Compact drafts: tokens per sample kept (as `distill eagle`, so the
+    /// two can share a train/ directory).
+    #[serde(default = "default_max_len")]
+    pub max_len: usize,
+    /// Compact drafts: loss weight of positions that predict a prompt
+    /// token (response positions weigh 1).
+    #[serde(default = "default_prompt_weight")]
+    pub prompt_weight: f32,
+    /// Fraction of the training responses sampled at `temperature` (the
+    /// rest greedy).
+    #[serde(default = "default_sampled_fraction")]
+    pub sampled_fraction: f32,
+    /// Requests decoded together while generating the data.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+}
+
+fn default_sampled_fraction() -> f32 {
+    1.0
+}
+
+fn default_concurrency() -> usize {
+    8
+}
+
+fn default_max_len() -> usize {
+    448
+}
+
+fn default_prompt_weight() -> f32 {
+    0.5
 }
 
 impl Default for DistillConfig {
@@ -65,6 +114,11 @@ impl Default for DistillConfig {
             checkpoint_every: 50,
             seed: 0,
             prompt_ids: Vec::new(),
+            draft_vocab: 0,
+            max_len: default_max_len(),
+            prompt_weight: default_prompt_weight(),
+            sampled_fraction: default_sampled_fraction(),
+            concurrency: default_concurrency(),
         }
     }
 }
@@ -76,7 +130,11 @@ fn cerr(e: candle_core::Error) -> SpecdError {
 /// The trainable draft network (Hugging Face Llama layout, tied head).
 struct Net {
     cfg: DistillConfig,
-    embed: Tensor,
+    /// Input embedding: the draft's own table (tied to the output), or
+    /// the target's frozen table and a learned projection (compact).
+    input: Input,
+    /// Compact: the output head over the draft vocabulary.
+    head: Option<Tensor>,
     layers: Vec<[Tensor; 9]>,
     norm: Tensor,
     cos: Tensor,
@@ -90,11 +148,34 @@ fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.broadcast_div(&(ms + EPS)?.sqrt()?)?.broadcast_mul(w)
 }
 
+enum Input {
+    Tied(Tensor),
+    /// (target table `vocab x H`, projection `h x H`).
+    Projected(Tensor, Tensor),
+}
+
 impl Net {
-    fn new(vb: &VarBuilder, cfg: &DistillConfig, vocab: usize) -> candle_core::Result<Self> {
+    /// `compact`: (the target's embedding table `vocab x H`, draft vocab).
+    fn new(
+        vb: &VarBuilder,
+        cfg: &DistillConfig,
+        vocab: usize,
+        compact: Option<(Tensor, usize)>,
+    ) -> candle_core::Result<Self> {
         let (h, f) = (cfg.hidden, cfg.intermediate);
         let init = candle_nn::init::DEFAULT_KAIMING_NORMAL;
-        let embed = vb.get_with_hints((vocab, h), "model.embed_tokens.weight", init)?;
+        let (input, head) = match compact {
+            None => (
+                Input::Tied(vb.get_with_hints((vocab, h), "model.embed_tokens.weight", init)?),
+                None,
+            ),
+            Some((table, dv)) => {
+                let th = table.dim(1)?;
+                let proj = vb.get_with_hints((h, th), "model.embed_proj.weight", init)?;
+                let head = vb.get_with_hints((dv, h), "lm_head.weight", init)?;
+                (Input::Projected(table, proj), Some(head))
+            }
+        };
         let mut layers = Vec::new();
         for l in 0..cfg.layers {
             let p = vb.pp(format!("model.layers.{l}"));
@@ -124,7 +205,8 @@ impl Net {
         let ang = Tensor::cat(&[&ang, &ang], 1)?;
         Ok(Self {
             cfg: cfg.clone(),
-            embed,
+            input,
+            head,
             layers,
             norm,
             cos: ang.cos()?,
@@ -148,10 +230,12 @@ impl Net {
         let (b, t) = ids.dims2()?;
         let (h, nh) = (self.cfg.hidden, self.cfg.heads);
         let hd = h / nh;
-        let mut x = self
-            .embed
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, h))?;
+        let flat = ids.flatten_all()?;
+        let mut x = match &self.input {
+            Input::Tied(e) => e.index_select(&flat, 0)?,
+            Input::Projected(table, proj) => table.index_select(&flat, 0)?.matmul(&proj.t()?)?,
+        }
+        .reshape((b, t, h))?;
         let mask: Vec<f32> = (0..t)
             .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
             .collect();
@@ -177,7 +261,12 @@ impl Net {
             x = (x + (g * u)?.broadcast_matmul(&wd.t()?)?)?;
         }
         let x = rms(&x, &self.norm)?.reshape((b * t, h))?;
-        x.matmul(&self.embed.t()?)
+        match (&self.head, &self.input) {
+            (Some(w), _) | (None, Input::Tied(w)) => x.matmul(&w.t()?),
+            (None, Input::Projected(..)) => Err(candle_core::Error::Msg(
+                "a projected input needs its own head".into(),
+            )),
+        }
     }
 }
 
@@ -234,12 +323,15 @@ pub fn distill(
             "distill: hidden / heads must be an even integer".into(),
         ));
     }
+    if cfg.draft_vocab > 0 {
+        return distill_compact(&target, &tok, out, cfg);
+    }
     let data_cfg = super::DataConfig {
         gen_tokens: cfg.gen_tokens,
         gen_max_tokens: cfg.gen_max_tokens,
         temperature: cfg.temperature,
-        sampled_fraction: 1.0,
-        concurrency: 8,
+        sampled_fraction: cfg.sampled_fraction,
+        concurrency: cfg.concurrency,
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
     };
@@ -255,7 +347,7 @@ pub fn distill(
 
     let mut varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let net = Net::new(&vb, cfg, vocab).map_err(cerr)?;
+    let net = Net::new(&vb, cfg, vocab, None).map_err(cerr)?;
     let ckpt = out.join("model.safetensors");
     let state_path = out.join("state.json");
     let mut start = 0;
@@ -328,15 +420,7 @@ pub fn distill(
         }
         let ids = Tensor::from_vec(inp, (cfg.batch, t), &Device::Cpu).map_err(cerr)?;
         let targets = Tensor::from_vec(tgt, cfg.batch * t, &Device::Cpu).map_err(cerr)?;
-        // Cosine decay after a short warm-up.
-        let warm = 20.min(cfg.steps / 10).max(1);
-        let lr = if step < warm {
-            cfg.lr * (step + 1) as f64 / warm as f64
-        } else {
-            let p = (step - warm) as f64 / (cfg.steps - warm).max(1) as f64;
-            cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
-        };
-        opt.set_learning_rate(lr);
+        opt.set_learning_rate(lr_at(cfg, step));
         let logits = net.forward(&ids).map_err(cerr)?;
         let loss = candle_nn::loss::cross_entropy(&logits, &targets).map_err(cerr)?;
         opt.backward_step(&loss).map_err(cerr)?;
@@ -372,6 +456,335 @@ pub fn distill(
         cfg.layers,
         cfg.hidden,
         varmap.all_vars().iter().map(|v| v.elem_count()).sum::<usize>()
+    );
+    Ok(out.to_path_buf())
+}
+
+/// Learning rate at `step`: linear warm-up, then cosine decay to a tenth.
+fn lr_at(cfg: &DistillConfig, step: usize) -> f64 {
+    let warm = 20.min(cfg.steps / 10).max(1);
+    if step < warm {
+        cfg.lr * (step + 1) as f64 / warm as f64
+    } else {
+        let p = (step - warm) as f64 / (cfg.steps - warm).max(1) as f64;
+        cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
+    }
+}
+
+/// A fingerprint of a vocabulary: SHA-256 over every id's token string
+/// (absent strings hash as empty), so a compact draft, which ships no
+/// tokenizer, can check it is paired with the target it was trained for.
+pub fn vocab_fingerprint(texts: impl Iterator<Item = Option<String>>) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for t in texts {
+        h.update(t.unwrap_or_default().as_bytes());
+        h.update([0u8]);
+    }
+    format!("{:x}", h.finalize())
+}
+
+/// Write a compact draft: `config.json` (Llama keys plus
+/// `draft_vocab_size`, `embed_from_target`, `target_hidden_size`,
+/// `target_vocab_fingerprint`) and `model.safetensors` (F16 weights and
+/// `d2t` I64 with `d2t[i] = target_id - i`, EAGLE-3's convention).
+fn write_compact(
+    out: &Path,
+    cfg: &DistillConfig,
+    varmap: &VarMap,
+    vocab_ids: &[u32],
+    target: &Model,
+    fingerprint: &str,
+) -> Result<()> {
+    use crate::model::tensor_file::{self, TensorData};
+    let data = varmap.data().lock().unwrap_or_else(|x| x.into_inner());
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    let mut tensors = Vec::new();
+    for n in names {
+        let t = data[n].as_tensor();
+        let v = t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(cerr)?;
+        tensors.push((n.clone(), t.dims().to_vec(), TensorData::F16(v)));
+    }
+    drop(data);
+    let d2t: Vec<i64> = vocab_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| i64::from(t) - i as i64)
+        .collect();
+    tensors.push(("d2t".into(), vec![vocab_ids.len()], TensorData::I64(d2t)));
+    tensor_file::write(&out.join("model.safetensors"), &tensors)
+        .map_err(|e| SpecdError::InvalidRequest(format!("distill: {e}")))?;
+    let c = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": target.config.vocab_size,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.heads,
+        "rms_norm_eps": EPS,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": target.config.max_seq_len,
+        "tie_word_embeddings": false,
+        "bos_token_id": target.config.bos_token_id,
+        "eos_token_id": target.config.eos_token_ids.first(),
+        "draft_vocab_size": vocab_ids.len(),
+        "embed_from_target": true,
+        "target_hidden_size": target.config.hidden,
+        "target_vocab_fingerprint": fingerprint,
+    });
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&c).unwrap_or_default(),
+    )?;
+    Ok(())
+}
+
+/// The compact draft (`cfg.draft_vocab > 0`): the target's embedding
+/// through a learned projection, `cfg.layers` Llama blocks, and a head over
+/// the draft vocabulary, trained on the target's own distribution at every
+/// position of its responses (and, weighted `prompt_weight`, of the
+/// prompts). Data and final-normed target states live in `<out>/train/`
+/// (the layout `distill eagle` writes, so its cache can be reused).
+fn distill_compact(
+    target: &Arc<Model>,
+    tok: &Arc<Tokenizer>,
+    out: &Path,
+    cfg: &DistillConfig,
+) -> Result<PathBuf> {
+    let train_dir = out.join("train");
+    std::fs::create_dir_all(&train_dir)?;
+    let tc = target.config.clone();
+    let (th, vocab) = (tc.hidden, tc.vocab_size);
+    let data_cfg = super::DataConfig {
+        gen_tokens: cfg.gen_tokens,
+        gen_max_tokens: cfg.gen_max_tokens,
+        temperature: cfg.temperature,
+        sampled_fraction: cfg.sampled_fraction,
+        concurrency: cfg.concurrency,
+        seed: cfg.seed,
+        prompt_ids: cfg.prompt_ids.clone(),
+    };
+    let mut samples = super::training_data(target, tok, &data_cfg, &train_dir)?;
+    for s in &mut samples {
+        s.tokens.truncate(cfg.max_len);
+        s.prompt_len = s.prompt_len.min(s.tokens.len());
+    }
+    let feats = super::eagle::extract_features(
+        target,
+        &samples,
+        &[tc.layers],
+        &train_dir.join("features.safetensors"),
+    )?;
+    let fin = feats.layer(tc.layers);
+    let vocab_ids =
+        super::eagle::choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
+    let dv = vocab_ids.len();
+    // The stream of every sample, and each row's loss weight: the row at
+    // position p learns the target's distribution there (which predicts
+    // p + 1); a sample's last row would predict across into the next.
+    let mut stream = Vec::new();
+    let mut weight = Vec::new();
+    for s in &samples {
+        let n = s.tokens.len();
+        stream.extend_from_slice(&s.tokens);
+        weight.extend((0..n).map(|p| {
+            if p + 1 >= n {
+                0.0
+            } else if p + 1 >= s.prompt_len {
+                1.0
+            } else {
+                cfg.prompt_weight
+            }
+        }));
+    }
+    let t = cfg.seq_len;
+    if stream.len() < t + 2 || fin.len() != stream.len() * th {
+        return Err(SpecdError::InvalidRequest(
+            "distill: not enough training text".into(),
+        ));
+    }
+    let fingerprint = vocab_fingerprint((0..vocab as u32).map(|i| tok.id_to_token(i)));
+    let dev = Device::Cpu;
+    let table =
+        Tensor::from_vec(super::eagle::embedding_table(target), (vocab, th), &dev).map_err(cerr)?;
+    let head_w = target
+        .weights
+        .output
+        .as_ref()
+        .unwrap_or(&target.weights.embed);
+    let mut rows = vec![0f32; dv * th];
+    for (i, &id) in vocab_ids.iter().enumerate() {
+        head_w.dequantize_row(id as usize, &mut rows[i * th..(i + 1) * th]);
+    }
+    let target_head = Tensor::from_vec(rows, (dv, th), &dev).map_err(cerr)?;
+
+    let mut varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let net = Net::new(&vb, cfg, vocab, Some((table, dv))).map_err(cerr)?;
+    let ckpt = train_dir.join("draft-checkpoint.safetensors");
+    let state_path = out.join("state.json");
+    let mut start = 0;
+    let mut first_loss = f32::NAN;
+    if let (true, Ok(s)) = (ckpt.exists(), std::fs::read_to_string(&state_path)) {
+        let st: State = serde_json::from_str(&s)
+            .map_err(|e| SpecdError::InvalidRequest(format!("{}: {e}", state_path.display())))?;
+        varmap.load(&ckpt).map_err(cerr)?;
+        start = st.step;
+        first_loss = st.first_loss;
+        eprintln!(
+            "specd distill: resuming at step {start} (loss {:.3})",
+            st.loss
+        );
+    } else {
+        // The projection starts as a fixed random Gaussian map (norms
+        // roughly preserved) and the head as the target's head rows seen
+        // through it, so step 0 starts near a projected logit lens.
+        let mut rng = Rng::new(cfg.seed ^ 0xE11B);
+        let proj: Vec<f32> = (0..cfg.hidden * th)
+            .map(|_| {
+                let (u1, u2) = (rng.next_f64().max(1e-12), rng.next_f64());
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+                    / (cfg.hidden as f64).sqrt()) as f32
+            })
+            .collect();
+        let p = Tensor::from_vec(proj, (cfg.hidden, th), &dev).map_err(cerr)?;
+        let head0 = target_head.matmul(&p.t().map_err(cerr)?).map_err(cerr)?;
+        let data = varmap.data().lock().unwrap_or_else(|x| x.into_inner());
+        for (name, value) in [("model.embed_proj.weight", &p), ("lm_head.weight", &head0)] {
+            data.get(name)
+                .expect("created above")
+                .set(value)
+                .map_err(cerr)?;
+        }
+    }
+    let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    eprintln!(
+        "specd distill: compact draft, {} layers, hidden {}, draft vocabulary {dv}, {params} parameters, {} training rows",
+        cfg.layers,
+        cfg.hidden,
+        stream.len()
+    );
+    let mut opt = candle_nn::AdamW::new(
+        varmap.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: cfg.lr,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+    )
+    .map_err(cerr)?;
+    let bar = indicatif::ProgressBar::new(cfg.steps as u64);
+    bar.set_position(start as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut rng = Rng::new(cfg.seed.wrapping_add(start as u64));
+    let mut last = f32::NAN;
+    let mut agree = (0usize, 0usize);
+    for step in start..cfg.steps {
+        let n = cfg.batch * t;
+        let mut inp = Vec::with_capacity(n);
+        let mut w = Vec::with_capacity(n);
+        let mut f = Vec::with_capacity(n * th);
+        for _ in 0..cfg.batch {
+            let o = (rng.next_u64() % (stream.len() - t) as u64) as usize;
+            inp.extend_from_slice(&stream[o..o + t]);
+            w.extend_from_slice(&weight[o..o + t]);
+            f.extend_from_slice(&fin[o * th..(o + t) * th]);
+        }
+        let wsum: f32 = w.iter().sum();
+        if wsum <= 0.0 {
+            continue;
+        }
+        let ids = Tensor::from_vec(inp, (cfg.batch, t), &dev).map_err(cerr)?;
+        let wt = Tensor::from_vec(w.clone(), (n, 1), &dev).map_err(cerr)?;
+        let f = Tensor::from_vec(f, (n, th), &dev).map_err(cerr)?;
+        // The target's distribution on the draft vocabulary (renormalised).
+        let p = candle_nn::ops::softmax(
+            &f.matmul(&target_head.t().map_err(cerr)?).map_err(cerr)?,
+            D::Minus1,
+        )
+        .map_err(cerr)?;
+        opt.set_learning_rate(lr_at(cfg, step));
+        let logits = net.forward(&ids).map_err(cerr)?;
+        let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1).map_err(cerr)?;
+        let loss = ((p.clone() * lsm)
+            .map_err(cerr)?
+            .sum_keepdim(D::Minus1)
+            .map_err(cerr)?
+            * wt)
+            .map_err(cerr)?
+            .sum_all()
+            .map_err(cerr)?
+            .affine(-1.0 / f64::from(wsum), 0.0)
+            .map_err(cerr)?;
+        opt.backward_step(&loss).map_err(cerr)?;
+        last = loss.to_scalar::<f32>().map_err(cerr)?;
+        // Top-1 agreement with the target on response rows (a running
+        // estimate of acceptance@1 on the training stream).
+        let (a, b) = (
+            logits
+                .argmax(D::Minus1)
+                .and_then(|x| x.to_vec1::<u32>())
+                .map_err(cerr)?,
+            p.argmax(D::Minus1)
+                .and_then(|x| x.to_vec1::<u32>())
+                .map_err(cerr)?,
+        );
+        for r in 0..n {
+            if w[r] >= 1.0 {
+                agree.1 += 1;
+                agree.0 += usize::from(a[r] == b[r]);
+            }
+        }
+        if first_loss.is_nan() {
+            first_loss = last;
+        }
+        bar.set_message(format!(
+            "loss {last:.3}, top-1 agreement {:.3}",
+            agree.0 as f64 / agree.1.max(1) as f64
+        ));
+        bar.inc(1);
+        let done = step + 1;
+        if done % cfg.checkpoint_every.max(1) == 0 || done == cfg.steps {
+            eprintln!(
+                "specd distill: step {done}: loss {last:.3}, top-1 agreement since the last checkpoint {:.3}",
+                agree.0 as f64 / agree.1.max(1) as f64
+            );
+            agree = (0, 0);
+            varmap.save(&ckpt).map_err(cerr)?;
+            write_compact(out, cfg, &varmap, &vocab_ids, target, &fingerprint)?;
+            let st = State {
+                step: done,
+                loss: last,
+                first_loss,
+                config: cfg.clone(),
+            };
+            std::fs::write(
+                &state_path,
+                serde_json::to_string_pretty(&st).unwrap_or_default(),
+            )?;
+        }
+    }
+    bar.finish_and_clear();
+    if !out.join("model.safetensors").exists() {
+        write_compact(out, cfg, &varmap, &vocab_ids, target, &fingerprint)?;
+    }
+    eprintln!(
+        "specd distill: {} steps, final loss {last:.3}, compact draft in {} ({} layers, hidden {}, draft vocabulary {dv}, {params} parameters)",
+        cfg.steps,
+        out.display(),
+        cfg.layers,
+        cfg.hidden,
     );
     Ok(out.to_path_buf())
 }

@@ -374,18 +374,7 @@ fn load_safetensors(dir: &Path) -> Result<(ModelConfig, Weights)> {
         std::fs::read_to_string(&cfg_path).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
     let hf: HfConfig =
         serde_json::from_str(&text).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
-    let arch = hf
-        .model_type
-        .clone()
-        .or_else(|| hf.architectures.first().map(|a| a.to_lowercase()))
-        .unwrap_or_default();
-    let arch = match arch.as_str() {
-        "llama" | "mistral" | "qwen2" => arch,
-        a if a.starts_with("llama") => "llama".into(),
-        a if a.starts_with("mistral") => "mistral".into(),
-        a if a.starts_with("qwen2") => "qwen2".into(),
-        _ => return Err(SpecdError::UnsupportedArchitecture(arch)),
-    };
+    let arch = hf_arch(&hf)?;
     let mut files: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
@@ -403,6 +392,46 @@ fn load_safetensors(dir: &Path) -> Result<(ModelConfig, Weights)> {
             .map_err(|e| SpecdError::bad_model(f, e))?;
         tensors.extend(t);
     }
+    safetensors_weights(dir, hf, arch, tensors)
+}
+
+/// A Llama-family model from a Hugging Face `config.json` text and its
+/// tensors already in memory (e.g. a compact draft whose embedding the
+/// caller computed); `origin` names the source in errors.
+pub fn model_from_tensors(
+    origin: &Path,
+    config_json: &str,
+    tensors: HashMap<String, Tensor>,
+    threads: usize,
+) -> Result<Model> {
+    let hf: HfConfig =
+        serde_json::from_str(config_json).map_err(|e| SpecdError::bad_model(origin, e))?;
+    let arch = hf_arch(&hf)?;
+    let (config, weights) = safetensors_weights(origin, hf, arch, tensors)?;
+    Model::new(config, weights, threads)
+}
+
+fn hf_arch(hf: &HfConfig) -> Result<String> {
+    let arch = hf
+        .model_type
+        .clone()
+        .or_else(|| hf.architectures.first().map(|a| a.to_lowercase()))
+        .unwrap_or_default();
+    Ok(match arch.as_str() {
+        "llama" | "mistral" | "qwen2" => arch,
+        a if a.starts_with("llama") => "llama".into(),
+        a if a.starts_with("mistral") => "mistral".into(),
+        a if a.starts_with("qwen2") => "qwen2".into(),
+        _ => return Err(SpecdError::UnsupportedArchitecture(arch)),
+    })
+}
+
+fn safetensors_weights(
+    dir: &Path,
+    hf: HfConfig,
+    arch: String,
+    mut tensors: HashMap<String, Tensor>,
+) -> Result<(ModelConfig, Weights)> {
     let heads = hf.num_attention_heads;
     let config = ModelConfig {
         vocab_size: hf.vocab_size,

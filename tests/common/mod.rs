@@ -1212,3 +1212,54 @@ pub fn build_out_of_tree(manifest_dir: &str) -> PathBuf {
 pub fn build_fixture_plugins() -> PathBuf {
     build_out_of_tree("tests/fixtures/plugins")
 }
+
+/// Train a compact draft (`distill draft` with a draft vocabulary of `dv`)
+/// for the target at `target` into `out`: 1 layer, hidden 32, `steps`
+/// steps on the target's answers to a few id prompts.
+pub fn train_tiny_compact(
+    target: &Path,
+    out: &Path,
+    dv: usize,
+    steps: usize,
+) -> specd::distill::State {
+    let cfg = specd::distill::DistillConfig {
+        layers: 1,
+        hidden: 32,
+        heads: 2,
+        intermediate: 64,
+        seq_len: 16,
+        batch: 4,
+        steps,
+        lr: 1e-2,
+        gen_tokens: 400,
+        gen_max_tokens: 40,
+        checkpoint_every: 10,
+        prompt_ids: vec![vec![5, 9, 3], vec![4, 1, 2, 3], vec![7, 7, 8]],
+        draft_vocab: dv,
+        ..Default::default()
+    };
+    specd::distill::distill(target, out, &cfg, 2).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(out.join("state.json")).unwrap()).unwrap()
+}
+
+/// Rewrite the safetensors file at `path` with `edit` applied to its
+/// tensors (name, shape, data), e.g. to drop or reshape one.
+pub fn rewrite_safetensors(
+    path: &Path,
+    edit: impl FnOnce(&mut Vec<(String, Vec<usize>, specd::model::tensor_file::TensorData)>),
+) {
+    use specd::model::tensor_file::{self, TensorData, TensorFile};
+    let f = TensorFile::read(path).unwrap();
+    let names: Vec<String> = f.names().map(str::to_string).collect();
+    let mut all = Vec::new();
+    for n in names {
+        let shape = f.shape(&n).unwrap().to_vec();
+        let data = match f.i64(&n) {
+            Ok(v) => TensorData::I64(v),
+            Err(_) => TensorData::F32(f.f32(&n).unwrap()),
+        };
+        all.push((n, shape, data));
+    }
+    edit(&mut all);
+    tensor_file::write(path, &all).unwrap();
+}

@@ -8,11 +8,24 @@
 //! own distribution after the request's temperature / top-k / top-p / min-p
 //! and returns that full q, so the host's rejection sampling stays lossless.
 //!
-//! Options: `model` (path, required; `~/` is expanded), `threads` (2),
+//! Two kinds of draft load:
+//! - a plain model (GGUF file or safetensors directory) with the target's
+//!   vocabulary and its own tokenizer;
+//! - a *compact* draft (`specd distill draft` with a draft vocabulary;
+//!   `"embed_from_target": true` in its config.json): its input embedding
+//!   is the target's (asked of the host once, at load) through the shipped
+//!   projection `model.embed_proj.weight`, and its head covers only
+//!   `draft_vocab_size` tokens, mapped to target ids by `d2t`
+//!   (`target = i + d2t[i]`). Tokens outside the draft vocabulary get
+//!   q = 0 and are never drafted, which rejection sampling allows.
+//!
+//! Options: `model` (path; `~/` is expanded; unset: the compact draft
+//! trained for SmolLM2-135M-Instruct, compiled in), `threads` (2),
 //! `max_draft` (4), `quantize` (true: F32 matrices to Q8_0 at load).
 //!
-//! Invariant: the draft must share the target's vocabulary: same size and
-//! the same token string for every id (checked at creation).
+//! Invariant: the draft shares the target's vocabulary: same size and the
+//! same token string for every id (checked at creation: id by id against a
+//! plain draft's tokenizer, by the fingerprint a compact draft records).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -31,9 +44,13 @@ struct SeqState {
 
 pub struct DraftModel {
     model: Model,
+    /// A compact draft's head over its draft vocabulary.
+    head: Option<compact::Head>,
     max_draft: usize,
     seqs: HashMap<u64, SeqState>,
 }
+
+pub mod compact;
 
 /// Check that the draft's vocabulary equals the target's, id by id.
 pub fn check_vocab(host: &Host, draft: &Tokenizer, draft_vocab: usize) -> Result<(), String> {
@@ -98,29 +115,48 @@ impl Plugin for DraftModel {
     fn create(o: &Options, host: Host) -> Result<Self, String> {
         o.reject_unknown(&["model", "threads", "max_draft", "quantize"])?;
         let raw = o.get("model", String::new())?;
-        let path = match (raw.strip_prefix("~/"), std::env::var_os("HOME")) {
-            (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
-            _ => PathBuf::from(&raw),
-        };
-        if path.as_os_str().is_empty() {
-            return Err("option `model`: the draft model's path is required".into());
-        }
         let threads = o.get("threads", 2usize)?;
-        let model =
-            specd::model::load_model(&path, threads).map_err(|e| format!("draft model: {e}"))?;
-        let tok = Tokenizer::for_model(&path).map_err(|e| format!("draft tokenizer: {e}"))?;
-        check_vocab(&host, &tok, model.config.vocab_size)?;
+        let (mut model, head, what) = if raw.is_empty() {
+            let (m, h) = compact::builtin(&host, threads)?;
+            (
+                m,
+                Some(h),
+                "built-in compact draft for SmolLM2-135M-Instruct".to_string(),
+            )
+        } else {
+            let path = match (raw.strip_prefix("~/"), std::env::var_os("HOME")) {
+                (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+                _ => PathBuf::from(&raw),
+            };
+            if compact::is_compact(&path) {
+                let (m, h) = compact::load_dir(&path, &host, threads)?;
+                (m, Some(h), format!("compact draft {}", path.display()))
+            } else {
+                let model = specd::model::load_model(&path, threads)
+                    .map_err(|e| format!("draft model: {e}"))?;
+                let tok =
+                    Tokenizer::for_model(&path).map_err(|e| format!("draft tokenizer: {e}"))?;
+                check_vocab(&host, &tok, model.config.vocab_size)?;
+                (model, None, format!("draft model {}", path.display()))
+            }
+        };
+        if o.get("quantize", true)? {
+            model.quantize_f32_to_q8_0();
+        }
         host.log(
             2,
             &format!(
-                "draft model {} loaded: {} layers, hidden {}",
-                path.display(),
+                "{what} loaded: {} layers, hidden {}{}",
                 model.config.layers,
-                model.config.hidden
+                model.config.hidden,
+                head.as_ref()
+                    .map(|h| format!(", draft vocabulary {}", h.rows()))
+                    .unwrap_or_default()
             ),
         );
         Ok(Self {
             model,
+            head,
             max_draft: o.get("max_draft", 4usize)?,
             seqs: HashMap::new(),
         })
@@ -170,6 +206,7 @@ impl Plugin for DraftModel {
             st.cached.extend_from_slice(&s.tokens[common..]);
         }
         let max_k = active.iter().map(|&i| want[i]).max().unwrap_or(0);
+        let vocab = self.model.config.vocab_size;
         for step in 0..max_k {
             let mut caches: Vec<(usize, KvCache)> = Vec::new();
             for (j, &i) in active.iter().enumerate() {
@@ -186,16 +223,22 @@ impl Plugin for DraftModel {
                 break;
             }
             let out = {
+                // A compact draft reads the final-normed state and applies
+                // its own head; a plain one its model's last-row logits.
+                let (logits, layers) = match &self.head {
+                    Some(_) => (Logits::None, vec![self.model.config.layers]),
+                    None => (Logits::Last, Vec::new()),
+                };
                 let mut inputs: Vec<ForwardInput<'_>> = caches
                     .iter_mut()
                     .map(|(j, c)| ForwardInput {
                         cache: c,
                         tokens: &feeds[*j],
-                        logits: Logits::Last,
+                        logits,
                         tree: None,
                     })
                     .collect();
-                self.model.forward(&mut inputs, &[])
+                self.model.forward(&mut inputs, &layers)
             };
             for (j, c) in caches.iter_mut() {
                 let st = self.seqs.get_mut(&batch[active[*j]].seq).expect("state");
@@ -208,12 +251,29 @@ impl Plugin for DraftModel {
                 let s = &batch[i];
                 let params = params_of(s);
                 let st = self.seqs.get_mut(&s.seq).expect("state");
-                let (tok, q) = if params.is_greedy() {
-                    (sampler::argmax(&o.logits), Q::OneHot)
-                } else {
-                    let d = sampler::distribution(&o.logits, &params);
-                    let t = d.sample(&mut st.rng);
-                    (t, Q::Full(d.dense(o.logits.len())))
+                let (tok, q) = match &self.head {
+                    Some(head) => {
+                        let h = self.model.config.hidden;
+                        let rows = o.hidden.first().map(|(_, r)| r.as_slice()).unwrap_or(&[]);
+                        if rows.len() < h {
+                            return Err("draft forward returned no final state".into());
+                        }
+                        let logits = head.logits(&rows[rows.len() - h..]);
+                        if params.is_greedy() {
+                            (head.target_id(sampler::argmax(&logits)), Q::OneHot)
+                        } else {
+                            let d = sampler::distribution(&logits, &params);
+                            let i = d.sample(&mut st.rng);
+                            let dense = d.dense(logits.len());
+                            (head.target_id(i), Q::Full(head.scatter(&dense, vocab)))
+                        }
+                    }
+                    None if params.is_greedy() => (sampler::argmax(&o.logits), Q::OneHot),
+                    None => {
+                        let d = sampler::distribution(&o.logits, &params);
+                        let t = d.sample(&mut st.rng);
+                        (t, Q::Full(d.dense(o.logits.len())))
+                    }
                 };
                 drafts[i].tokens.push(tok);
                 drafts[i].q.push(q);
