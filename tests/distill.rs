@@ -8,12 +8,31 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TINY};
 use specd::config::Config;
-use specd::distill::{distill, DistillConfig, State};
+use specd::distill::{distill, State};
 use specd::generate::generate;
-use specd::model::load_model;
+use specd::model::{load_model, Model};
 use specd::speculative::driver::{EngineConfig, SyncDriver};
 use specd::speculative::Request;
 use specd::tokenizer::Tokenizer;
+
+/// An engine on `target` with the draft in `draft` as proposer `draft`
+/// (always drafting its cap of 4).
+fn draft_engine(target: &std::path::Path, draft: &std::path::Path) -> (Arc<Model>, SyncDriver) {
+    let model = Arc::new(load_model(target, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(target).unwrap());
+    let pc = Config::parse(
+        &format!("[[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = 4\n[proposer.options]\nmodel = \"{}\"\n", draft.display()),
+        None,
+    )
+    .unwrap();
+    let drafter = pc.build_drafter(&model, Some(tok.clone())).unwrap();
+    let mut ec = EngineConfig::for_model(&model);
+    ec.scheduler.adaptive_draft = false;
+    (
+        model.clone(),
+        SyncDriver::new(model, Some(tok), ec, drafter),
+    )
+}
 
 #[test]
 fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
@@ -21,21 +40,7 @@ fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
     let target = dir.0.join("target.gguf");
     common::write_tiny_gguf(&target, &TINY, 4, GgmlDType::Q8_0, "llama");
     let out = dir.0.join("draft");
-    let mut cfg = DistillConfig {
-        layers: 1,
-        hidden: 32,
-        heads: 2,
-        intermediate: 64,
-        seq_len: 16,
-        batch: 4,
-        steps: 30,
-        lr: 1e-2,
-        gen_tokens: 400,
-        gen_max_tokens: 40,
-        checkpoint_every: 10,
-        prompt_ids: vec![vec![5, 9, 13], vec![40, 41, 42, 43], vec![7, 7, 8]],
-        ..Default::default()
-    };
+    let mut cfg = common::tiny_distill_config(30, 0);
     distill(&target, &out, &cfg, 2).unwrap();
     for f in [
         "model.safetensors",
@@ -70,17 +75,7 @@ fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
     let draft = load_model(&out, 1).unwrap();
     assert_eq!(draft.config.vocab_size, TINY.vocab);
     assert!(draft.weights.output.is_none(), "tied embeddings");
-    let model = Arc::new(load_model(&target, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&target).unwrap());
-    let pc = Config::parse(
-        &format!("[[proposer]]\nname = \"draft\"\nplugin = \"draft\"\n[proposer.options]\nmodel = \"{}\"\n", out.display()),
-        None,
-    )
-    .unwrap();
-    let drafter = pc.build_drafter(&model, Some(tok.clone())).unwrap();
-    let mut ec = EngineConfig::for_model(&model);
-    ec.scheduler.adaptive_draft = false;
-    let mut e = SyncDriver::new(model.clone(), Some(tok), ec, drafter);
+    let (model, mut e) = draft_engine(&target, &out);
     let prompt = vec![5u32, 9, 13];
     e.add(
         Request {
@@ -163,17 +158,7 @@ fn compact_distill_learns_the_target_and_its_draft_is_lossless() {
     assert!(ids.iter().all(|&t| (0..TINY.vocab as i64).contains(&t)));
     // Through the draft plugin: greedy output is plain decoding's, batched
     // with plain requests, and the trained draft is accepted.
-    let model = Arc::new(load_model(&target, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&target).unwrap());
-    let pc = Config::parse(
-        &format!("[[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = 4\n[proposer.options]\nmodel = \"{}\"\n", out.display()),
-        None,
-    )
-    .unwrap();
-    let drafter = pc.build_drafter(&model, Some(tok.clone())).unwrap();
-    let mut ec = EngineConfig::for_model(&model);
-    ec.scheduler.adaptive_draft = false;
-    let mut e = SyncDriver::new(model.clone(), Some(tok), ec, drafter);
+    let (model, mut e) = draft_engine(&target, &out);
     let prompts = [vec![5u32, 9, 3], vec![4, 1, 2, 3], vec![11, 40, 2]];
     for p in &prompts {
         for name in ["draft", "none"] {

@@ -103,15 +103,18 @@ fn tiny(dir: &TempDir, name: &str, spec: &TinySpec, seed: u64, prefix: &str) -> 
     p
 }
 
-#[test]
-fn sampling_with_a_draft_model_is_lossless() {
-    let spec = TinySpec { vocab: 12, ..TINY };
-    let dir = TempDir::new("draft-stat");
-    let target_path = tiny(&dir, "target.gguf", &spec, 8, "t");
-    let draft_path = tiny(&dir, "draft.gguf", &spec, 31, "t");
-    let model = Arc::new(load_model(&target_path, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&target_path).unwrap());
-    let cfg = draft_config(&draft_path, 3);
+/// Draws `n` two-token continuations of one prompt at T=1 through the
+/// draft `draft` (exact acceptance, then the lossy residual-from-p
+/// control) and checks the joint law of the first two tokens against the
+/// target's by chi-square: exact passes, the control is caught.
+fn assert_sampling_is_lossless(
+    target_path: &std::path::Path,
+    draft: &std::path::Path,
+    label: &str,
+) {
+    let model = Arc::new(load_model(target_path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(target_path).unwrap());
+    let cfg = draft_config(draft, 3);
     let params = SamplingParams {
         temperature: 1.0,
         ..Default::default()
@@ -119,6 +122,7 @@ fn sampling_with_a_draft_model_is_lossless() {
     let prompt = [3u32, 7, 1, 9];
     let exact = common::exact_first_two(&model, &prompt, &params);
     let n = 8000;
+    let v = model.config.vocab_size;
     let sample = |acceptance: Acceptance| {
         let mut e = engine(&model, tok.clone(), &cfg, 64);
         e.sampler.acceptance = acceptance;
@@ -134,7 +138,6 @@ fn sampling_with_a_draft_model_is_lossless() {
             })
             .collect();
         let done = run(&mut e, reqs);
-        let v = spec.vocab;
         let mut counts = vec![0u64; v * v];
         let (mut drafted, mut accepted) = (0, 0);
         for c in &done {
@@ -150,17 +153,26 @@ fn sampling_with_a_draft_model_is_lossless() {
     };
     let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
     let crit = common::chi2_crit_999(df);
-    eprintln!("draft model, T=1: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
+    eprintln!("{label}, T=1: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
     assert!(
         stat < crit,
-        "sampled distribution differs from the target: {stat} > {crit}"
+        "{label}: sampled distribution differs from the target: {stat} > {crit}"
     );
     let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
-    eprintln!("draft model, residual from p: chi2 {bad:.1} (df {bdf})");
+    eprintln!("{label}, residual from p: chi2 {bad:.1} (df {bdf})");
     assert!(
         bad > 2.0 * common::chi2_crit_999(bdf),
-        "the test must detect a lossy residual: {bad}"
+        "{label}: the test must detect a lossy residual: {bad}"
     );
+}
+
+#[test]
+fn sampling_with_a_draft_model_is_lossless() {
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let dir = TempDir::new("draft-stat");
+    let target_path = tiny(&dir, "target.gguf", &spec, 8, "t");
+    let draft_path = tiny(&dir, "draft.gguf", &spec, 31, "t");
+    assert_sampling_is_lossless(&target_path, &draft_path, "draft model");
 }
 
 #[test]
@@ -335,58 +347,7 @@ fn sampling_with_a_compact_draft_is_lossless() {
     let target_path = tiny(&dir, "target.gguf", &spec, 8, "t");
     let out = dir.0.join("compact");
     common::train_tiny_compact(&target_path, &out, 8, 20);
-    let model = Arc::new(load_model(&target_path, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&target_path).unwrap());
-    let cfg = draft_config(&out, 3);
-    let params = SamplingParams {
-        temperature: 1.0,
-        ..Default::default()
-    };
-    let prompt = [3u32, 7, 1, 9];
-    let exact = common::exact_first_two(&model, &prompt, &params);
-    let n = 8000;
-    let sample = |acceptance: Acceptance| {
-        let mut e = engine(&model, tok.clone(), &cfg, 64);
-        e.sampler.acceptance = acceptance;
-        let reqs = (0..n)
-            .map(|i| Request {
-                params: SamplingParams {
-                    seed: 9000 + i as u64,
-                    ..params.clone()
-                },
-                proposer: Some("draft".into()),
-                ignore_eos: true,
-                ..Request::greedy(prompt.to_vec(), 3)
-            })
-            .collect();
-        let done = run(&mut e, reqs);
-        let v = spec.vocab;
-        let mut counts = vec![0u64; v * v];
-        let (mut drafted, mut accepted) = (0, 0);
-        for c in &done {
-            counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
-            drafted += c.stats.drafted;
-            accepted += c.stats.accepted;
-        }
-        assert!(
-            drafted > n as u64 && accepted > 0 && accepted < drafted,
-            "{drafted} {accepted}"
-        );
-        counts
-    };
-    let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
-    let crit = common::chi2_crit_999(df);
-    eprintln!("compact draft, T=1: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
-    assert!(
-        stat < crit,
-        "sampled distribution differs from the target: {stat} > {crit}"
-    );
-    let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
-    eprintln!("compact draft, residual from p: chi2 {bad:.1} (df {bdf})");
-    assert!(
-        bad > 2.0 * common::chi2_crit_999(bdf),
-        "the test must detect a lossy residual: {bad}"
-    );
+    assert_sampling_is_lossless(&target_path, &out, "compact draft");
 }
 
 /// The compact draft shipped for SmolLM2 (built into the plugin, loaded

@@ -352,16 +352,9 @@ pub fn distill(
     let state_path = out.join("state.json");
     let mut start = 0;
     let mut first_loss = f32::NAN;
-    if let (true, Ok(s)) = (ckpt.exists(), std::fs::read_to_string(&state_path)) {
-        let st: State = serde_json::from_str(&s)
-            .map_err(|e| SpecdError::InvalidRequest(format!("{}: {e}", state_path.display())))?;
-        varmap.load(&ckpt).map_err(cerr)?;
+    if let Some(st) = resume(&mut varmap, &ckpt, &state_path)? {
         start = st.step;
         first_loss = st.first_loss;
-        eprintln!(
-            "specd distill: resuming at step {start} (loss {:.3})",
-            st.loss
-        );
     } else {
         // Tied embeddings start from the target's, projected to the draft
         // width by a fixed random Gaussian map (norms roughly preserved).
@@ -390,23 +383,7 @@ pub fn distill(
             .expect("created above");
         var.set(&init).map_err(cerr)?;
     }
-    let mut opt = candle_nn::AdamW::new(
-        varmap.all_vars(),
-        candle_nn::ParamsAdamW {
-            lr: cfg.lr,
-            weight_decay: 0.0,
-            ..Default::default()
-        },
-    )
-    .map_err(cerr)?;
-    let bar = indicatif::ProgressBar::new(cfg.steps as u64);
-    bar.set_position(start as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let (mut opt, bar) = optimizer(&varmap, cfg, start)?;
     let mut rng = Rng::new(cfg.seed.wrapping_add(start as u64));
     let mut last = f32::NAN;
     let t = cfg.seq_len;
@@ -439,10 +416,7 @@ pub fn distill(
                 first_loss,
                 config: cfg.clone(),
             };
-            std::fs::write(
-                &state_path,
-                serde_json::to_string_pretty(&st).unwrap_or_default(),
-            )?;
+            write_state(&state_path, &st)?;
         }
     }
     bar.finish_and_clear();
@@ -458,6 +432,52 @@ pub fn distill(
         varmap.all_vars().iter().map(|v| v.elem_count()).sum::<usize>()
     );
     Ok(out.to_path_buf())
+}
+
+/// Load the checkpoint and state of an interrupted run, if there are both.
+fn resume(varmap: &mut VarMap, ckpt: &Path, state_path: &Path) -> Result<Option<State>> {
+    let (true, Ok(s)) = (ckpt.exists(), std::fs::read_to_string(state_path)) else {
+        return Ok(None);
+    };
+    let st: State = serde_json::from_str(&s)
+        .map_err(|e| SpecdError::InvalidRequest(format!("{}: {e}", state_path.display())))?;
+    varmap.load(ckpt).map_err(cerr)?;
+    eprintln!(
+        "specd distill: resuming at step {} (loss {:.3})",
+        st.step, st.loss
+    );
+    Ok(Some(st))
+}
+
+fn write_state(path: &Path, st: &State) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(st).unwrap_or_default())?;
+    Ok(())
+}
+
+/// AdamW over every variable, and the progress bar of a run from `start`.
+fn optimizer(
+    varmap: &VarMap,
+    cfg: &DistillConfig,
+    start: usize,
+) -> Result<(candle_nn::AdamW, indicatif::ProgressBar)> {
+    let opt = candle_nn::AdamW::new(
+        varmap.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: cfg.lr,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+    )
+    .map_err(cerr)?;
+    let bar = indicatif::ProgressBar::new(cfg.steps as u64);
+    bar.set_position(start as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    Ok((opt, bar))
 }
 
 /// Learning rate at `step`: linear warm-up, then cosine decay to a tenth.
@@ -631,16 +651,9 @@ fn distill_compact(
     let state_path = out.join("state.json");
     let mut start = 0;
     let mut first_loss = f32::NAN;
-    if let (true, Ok(s)) = (ckpt.exists(), std::fs::read_to_string(&state_path)) {
-        let st: State = serde_json::from_str(&s)
-            .map_err(|e| SpecdError::InvalidRequest(format!("{}: {e}", state_path.display())))?;
-        varmap.load(&ckpt).map_err(cerr)?;
+    if let Some(st) = resume(&mut varmap, &ckpt, &state_path)? {
         start = st.step;
         first_loss = st.first_loss;
-        eprintln!(
-            "specd distill: resuming at step {start} (loss {:.3})",
-            st.loss
-        );
     } else {
         // The projection starts as a fixed random Gaussian map (norms
         // roughly preserved) and the head as the target's head rows seen
@@ -670,23 +683,7 @@ fn distill_compact(
         cfg.hidden,
         stream.len()
     );
-    let mut opt = candle_nn::AdamW::new(
-        varmap.all_vars(),
-        candle_nn::ParamsAdamW {
-            lr: cfg.lr,
-            weight_decay: 0.0,
-            ..Default::default()
-        },
-    )
-    .map_err(cerr)?;
-    let bar = indicatif::ProgressBar::new(cfg.steps as u64);
-    bar.set_position(start as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let (mut opt, bar) = optimizer(&varmap, cfg, start)?;
     let mut rng = Rng::new(cfg.seed.wrapping_add(start as u64));
     let mut last = f32::NAN;
     let mut agree = (0usize, 0usize);
@@ -769,10 +766,7 @@ fn distill_compact(
                 first_loss,
                 config: cfg.clone(),
             };
-            std::fs::write(
-                &state_path,
-                serde_json::to_string_pretty(&st).unwrap_or_default(),
-            )?;
+            write_state(&state_path, &st)?;
         }
     }
     bar.finish_and_clear();

@@ -1213,16 +1213,11 @@ pub fn build_fixture_plugins() -> PathBuf {
     build_out_of_tree("tests/fixtures/plugins")
 }
 
-/// Train a compact draft (`distill draft` with a draft vocabulary of `dv`)
-/// for the target at `target` into `out`: 1 layer, hidden 32, `steps`
-/// steps on the target's answers to a few id prompts.
-pub fn train_tiny_compact(
-    target: &Path,
-    out: &Path,
-    dv: usize,
-    steps: usize,
-) -> specd::distill::State {
-    let cfg = specd::distill::DistillConfig {
+/// A `distill draft` configuration small enough for a test: 1 layer,
+/// hidden 32, `steps` steps on the target's answers to a few id prompts
+/// (ids below 12, so any tiny target takes them); `dv` > 0: compact.
+pub fn tiny_distill_config(steps: usize, dv: usize) -> specd::distill::DistillConfig {
+    specd::distill::DistillConfig {
         layers: 1,
         hidden: 32,
         heads: 2,
@@ -1237,8 +1232,18 @@ pub fn train_tiny_compact(
         prompt_ids: vec![vec![5, 9, 3], vec![4, 1, 2, 3], vec![7, 7, 8]],
         draft_vocab: dv,
         ..Default::default()
-    };
-    specd::distill::distill(target, out, &cfg, 2).unwrap();
+    }
+}
+
+/// Train a compact draft with a draft vocabulary of `dv` (see
+/// `tiny_distill_config`) for the target at `target` into `out`.
+pub fn train_tiny_compact(
+    target: &Path,
+    out: &Path,
+    dv: usize,
+    steps: usize,
+) -> specd::distill::State {
+    specd::distill::distill(target, out, &tiny_distill_config(steps, dv), 2).unwrap();
     serde_json::from_str(&std::fs::read_to_string(out.join("state.json")).unwrap()).unwrap()
 }
 
