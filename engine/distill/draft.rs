@@ -633,15 +633,7 @@ fn distill_compact(
     let dev = Device::Cpu;
     let table =
         Tensor::from_vec(super::eagle::embedding_table(target), (vocab, th), &dev).map_err(cerr)?;
-    let head_w = target
-        .weights
-        .output
-        .as_ref()
-        .unwrap_or(&target.weights.embed);
-    let mut rows = vec![0f32; dv * th];
-    for (i, &id) in vocab_ids.iter().enumerate() {
-        head_w.dequantize_row(id as usize, &mut rows[i * th..(i + 1) * th]);
-    }
+    let rows = super::medusa::target_head_rows(target, &vocab_ids);
     let target_head = Tensor::from_vec(rows, (dv, th), &dev).map_err(cerr)?;
 
     let mut varmap = VarMap::new();
