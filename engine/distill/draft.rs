@@ -409,14 +409,7 @@ pub fn distill(
         bar.inc(1);
         let done = step + 1;
         if done % cfg.checkpoint_every.max(1) == 0 || done == cfg.steps {
-            varmap.save(&ckpt).map_err(cerr)?;
-            let st = State {
-                step: done,
-                loss: last,
-                first_loss,
-                config: cfg.clone(),
-            };
-            write_state(&state_path, &st)?;
+            checkpoint(&varmap, &ckpt, &state_path, cfg, done, last, first_loss)?;
         }
     }
     bar.finish_and_clear();
@@ -449,8 +442,29 @@ fn resume(varmap: &mut VarMap, ckpt: &Path, state_path: &Path) -> Result<Option<
     Ok(Some(st))
 }
 
-fn write_state(path: &Path, st: &State) -> Result<()> {
-    std::fs::write(path, serde_json::to_string_pretty(st).unwrap_or_default())?;
+/// Save the variables and, beside them, the state of a run `done` steps
+/// in (the state last, so a resume never sees a state without its
+/// checkpoint).
+fn checkpoint(
+    varmap: &VarMap,
+    ckpt: &Path,
+    state_path: &Path,
+    cfg: &DistillConfig,
+    done: usize,
+    loss: f32,
+    first_loss: f32,
+) -> Result<()> {
+    varmap.save(ckpt).map_err(cerr)?;
+    let st = State {
+        step: done,
+        loss,
+        first_loss,
+        config: cfg.clone(),
+    };
+    std::fs::write(
+        state_path,
+        serde_json::to_string_pretty(&st).unwrap_or_default(),
+    )?;
     Ok(())
 }
 
@@ -750,15 +764,8 @@ fn distill_compact(
                 agree.0 as f64 / agree.1.max(1) as f64
             );
             agree = (0, 0);
-            varmap.save(&ckpt).map_err(cerr)?;
             write_compact(out, cfg, &varmap, &vocab_ids, target, &fingerprint)?;
-            let st = State {
-                step: done,
-                loss: last,
-                first_loss,
-                config: cfg.clone(),
-            };
-            write_state(&state_path, &st)?;
+            checkpoint(&varmap, &ckpt, &state_path, cfg, done, last, first_loss)?;
         }
     }
     bar.finish_and_clear();
