@@ -1,6 +1,8 @@
-//! Quantized matmul kernels on SmolLM2-135M's shapes: time per call for 1 to
-//! 8 activation rows, so the per-row cost of a verify shows apart from the
-//! weight streaming every call pays. Uses the global rayon pool (all cores).
+//! Quantized matmul kernels on SmolLM2-135M's shapes (and a 7B-sized square
+//! one), Q4_1 beside the K-quants: time per call for 1 to 8 activation
+//! rows, so the per-row cost of a verify shows apart from the weight
+//! streaming every call pays. Uses the global rayon pool (all cores);
+//! `SPECD_NO_AVX512=1` times the AVX2 path.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use specd::model::kernels::{matmul_many, wants_q8, Activations, KernelPath};
@@ -19,6 +21,26 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QMa
     let nb = rows * cols / 32;
     let mut raw = Vec::new();
     let h = half::f16::from_f32(1.0 / 64.0).to_le_bytes();
+    let bytes = |n: usize, seed: &mut u64| -> Vec<u8> {
+        (0..n).map(|_| (lcg(seed) * 127.0) as i8 as u8).collect()
+    };
+    match format {
+        WeightFormat::Q4K | WeightFormat::Q6K => {
+            let d = half::f16::from_f32(1.0 / 1024.0).to_le_bytes();
+            for _ in 0..nb / 8 {
+                if format == WeightFormat::Q4K {
+                    raw.extend_from_slice(&d);
+                    raw.extend_from_slice(&d);
+                    raw.extend(bytes(140, seed));
+                } else {
+                    raw.extend(bytes(208, seed));
+                    raw.extend_from_slice(&d);
+                }
+            }
+            return QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+        }
+        _ => {}
+    }
     for _ in 0..nb {
         raw.extend_from_slice(&h);
         match format {
@@ -37,6 +59,10 @@ fn bench(c: &mut Criterion) {
     let mut seed = 1u64;
     let shapes = [
         ("ffn_down_q4_1", WeightFormat::Q4_1, 576usize, 1536usize),
+        ("ffn_down_q4_k", WeightFormat::Q4K, 576, 1536),
+        ("ffn_down_q6_k", WeightFormat::Q6K, 576, 1536),
+        ("square4096_q4_1", WeightFormat::Q4_1, 4096, 4096),
+        ("square4096_q4_k", WeightFormat::Q4K, 4096, 4096),
         ("ffn_up_q4_1", WeightFormat::Q4_1, 1536, 576),
         ("head_q8_0", WeightFormat::Q8_0, 49152, 576),
     ];

@@ -9,6 +9,7 @@ use cli::ab::AbArgs;
 use cli::bench::BenchArgs;
 use cli::distill::DistillCmd;
 use cli::generate::GenerateArgs;
+use cli::quantize::QuantizeArgs;
 use cli::serve::ServeArgs;
 
 #[derive(Parser)]
@@ -37,6 +38,8 @@ enum Cmd {
     },
     /// Serve the OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Requantize a GGUF model (e.g. to Q4_K_M) with candle's quantizer.
+    Quantize(QuantizeArgs),
     /// The child process of a proposer with `isolation = "process"`
     /// (started by the daemon; not for direct use).
     #[command(hide = true)]
@@ -75,6 +78,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::FetchModel { force } => cli::fetch::run(force),
         Cmd::Generate(a) => cli::generate::run(a),
         Cmd::Serve(a) => cli::serve::run(a),
+        Cmd::Quantize(a) => cli::quantize::run(a),
         Cmd::Ab(a) => cli::ab::run(a),
         Cmd::Distill { what } => cli::distill::run(what),
         Cmd::BenchModel(a) => cli::bench::run(a),

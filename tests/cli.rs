@@ -147,3 +147,55 @@ fn batch_mode_times_each_request_on_its_own_timeline() {
     );
     assert!(rates.iter().all(|&r| r > 0.0), "{err}");
 }
+
+/// `specd quantize` writes a Q4_K_M copy of the default model that loads
+/// natively (K-quant super-blocks kept: weights in memory within 10% of the
+/// file) and generates; an unknown type is refused by name.
+#[test]
+fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
+    use candle_core::quantized::{gguf_file, GgmlDType};
+    let dir = common::TempDir::new("cli-quantize");
+    let out = dir.0.join("q4km.gguf");
+    let o = specd(&[
+        "quantize",
+        "--type",
+        "q4_k_m",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("Q4K") && stdout.contains("Q6K"), "{stdout}");
+    let ct = gguf_file::Content::read(&mut std::fs::File::open(&out).unwrap()).unwrap();
+    let ty = |n: &str| ct.tensor_infos[n].ggml_dtype;
+    // SmolLM2-135M: ffn_down rows (1536) are whole super-blocks, Q6_K in
+    // use_more_bits layers (0, 5) and Q4_K elsewhere; 576-wide rows fall back.
+    assert_eq!(ty("blk.0.ffn_down.weight"), GgmlDType::Q6K);
+    assert_eq!(ty("blk.5.ffn_down.weight"), GgmlDType::Q6K);
+    assert_eq!(ty("blk.6.ffn_down.weight"), GgmlDType::Q4K);
+    assert_eq!(ty("blk.6.attn_q.weight"), GgmlDType::Q4_1);
+    assert_eq!(ty("blk.5.attn_v.weight"), GgmlDType::Q8_0);
+
+    let model = specd::model::load_model(&out, 2).unwrap();
+    let file = std::fs::metadata(&out).unwrap().len() as f64;
+    let w = model.weight_bytes() as f64;
+    assert!(
+        w <= file * 1.10 && w >= file * 0.8,
+        "{w} bytes in memory, file {file}"
+    );
+    let g = specd(&[
+        "generate",
+        "--model",
+        out.to_str().unwrap(),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    assert!(String::from_utf8_lossy(&g.stdout).contains("Paris"));
+
+    let bad = specd(&["quantize", "--type", "q3_k", "--out", out.to_str().unwrap()]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown quantization \"q3_k\""));
+}

@@ -15,6 +15,7 @@ pub mod bench;
 pub mod distill;
 pub mod fetch;
 pub mod generate;
+pub mod quantize;
 pub mod serve;
 
 #[derive(Args)]

@@ -1,5 +1,5 @@
-//! Loading Llama-family checkpoints: GGUF (any ggml type; Q4_0, Q4_1, Q8_0
-//! and F32 are kept as is, the rest dequantized to F32) and Hugging Face
+//! Loading Llama-family checkpoints: GGUF (any ggml type; Q4_0, Q4_1, Q8_0,
+//! Q4_K, Q6_K and F32 are kept as is, the rest dequantized to F32) and Hugging Face
 //! safetensors directories (config.json + *.safetensors).
 
 use std::collections::HashMap;
@@ -10,7 +10,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 
-use super::kernels::{QMatrix, WeightFormat};
+use super::kernels::{QMatrix, WeightFormat, QK_K};
 use super::llama::{LayerWeights, Model, Weights};
 use super::{ModelConfig, RopeStyle};
 use crate::error::{Result, SpecdError};
@@ -182,6 +182,9 @@ impl GgufReader<'_> {
             GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
             GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+            // K-quants keep their super-blocks when rows are whole ones.
+            GgmlDType::Q4K if cols.is_multiple_of(QK_K) => Some(WeightFormat::Q4K),
+            GgmlDType::Q6K if cols.is_multiple_of(QK_K) => Some(WeightFormat::Q6K),
             _ => None,
         };
         match direct {

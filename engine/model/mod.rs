@@ -16,6 +16,7 @@ pub mod llama;
 pub mod load;
 pub mod medusa;
 pub mod mtp;
+pub mod requant;
 pub mod tensor_file;
 
 pub use kernels::{QMatrix, WeightFormat};

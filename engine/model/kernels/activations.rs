@@ -20,6 +20,8 @@ pub struct Activations {
     pub(crate) qs: Vec<i8>,
     /// sum(q) per block (exact).
     pub(crate) isum: Vec<i32>,
+    /// sum(q) of each block's first 16 codes (exact; Q6_K's half blocks).
+    pub(crate) hsum: Vec<i32>,
     pub(crate) quantized: bool,
 }
 
@@ -48,6 +50,7 @@ impl Activations {
             self.qd.resize(nb, 0.0);
             self.qsum.resize(nb, 0.0);
             self.isum.resize(nb, 0);
+            self.hsum.resize(nb, 0);
             self.qs.resize(rows * cols, 0);
             let out = (
                 &mut self.qd[..],
@@ -60,6 +63,7 @@ impl Activations {
                 KernelPath::Avx2 | KernelPath::Vnni => super::simd::quantize_blocks(x, out),
                 _ => quantize_q8(x, out),
             }
+            half_sums(&self.qs, &mut self.hsum);
         }
     }
 
@@ -72,7 +76,15 @@ impl Activations {
             qd: &self.qd,
             qsum: &self.qsum,
             isum: &self.isum,
+            hsum: &self.hsum,
         }
+    }
+}
+
+/// Sum of the first 16 codes of every 32-code block (exact, in i32).
+pub(crate) fn half_sums(qs: &[i8], out: &mut [i32]) {
+    for (o, b) in out.iter_mut().zip(qs.chunks_exact(QK)) {
+        *o = b[..QK / 2].iter().map(|&v| v as i32).sum();
     }
 }
 

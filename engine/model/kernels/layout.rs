@@ -4,8 +4,11 @@
 //! Weights (Q4_0, Q4_1, Q8_0) are repacked at load into tiles of 16 rows:
 //! one record per (tile, block) holds 8 steps of 64 bytes in which 4-byte
 //! lane `l` carries 4 elements of row `l`, then the 16 rows' f16 scales
-//! (and Q4_1 minimums). The SIMD paths (`simd`) depend on this module, never
-//! the reverse.
+//! (and Q4_1 minimums). K-quants (Q4_K, Q6_K) keep one record per (tile,
+//! 256-element super-block): eight 32-element sub-blocks of codes in the
+//! same steps, then the super-block scales and the sub-block scales, as
+//! `kquant` lays them out. The SIMD paths (`simd`) depend on this module,
+//! never the reverse.
 
 use half::f16;
 
@@ -19,6 +22,12 @@ pub enum WeightFormat {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// ggml Q4_K: 256-element super-blocks of 4-bit codes, 8 sub-blocks
+    /// with 6-bit scales and minimums.
+    Q4K,
+    /// ggml Q6_K: 256-element super-blocks of 6-bit codes, 16 sub-blocks
+    /// with 8-bit signed scales.
+    Q6K,
 }
 
 /// The quantized formats, as the integer kernels see them.
@@ -30,14 +39,47 @@ pub enum QuantKind {
     Q4_1,
     /// Signed bytes, scale only.
     Q8_0,
+    /// 4-bit codes; per super-block a scale and a minimum scale, per
+    /// 32-element sub-block 6-bit multiples of each.
+    Q4K,
+    /// 6-bit codes minus 32; per super-block a scale, per 16 elements a
+    /// signed 8-bit multiple of it.
+    Q6K,
 }
 
 impl QuantKind {
-    /// Packed bytes per 32-element block.
+    /// Packed code bytes per 32-element block of one row.
     pub fn block_bytes(self) -> usize {
         match self {
-            QuantKind::Q4_0 | QuantKind::Q4_1 => 16,
+            QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4K => 16,
+            QuantKind::Q6K => 24,
             QuantKind::Q8_0 => 32,
+        }
+    }
+
+    /// 32-element blocks per record: 8 (a 256-element super-block) for
+    /// K-quants, else 1.
+    pub fn record_blocks(self) -> usize {
+        if self.is_k() {
+            8
+        } else {
+            1
+        }
+    }
+
+    /// Whether this is a K-quant (records are super-blocks).
+    pub fn is_k(self) -> bool {
+        matches!(self, QuantKind::Q4K | QuantKind::Q6K)
+    }
+
+    /// Bytes of one raw ggml block (32 elements; 256 for K-quants).
+    pub fn ggml_block_bytes(self) -> usize {
+        match self {
+            QuantKind::Q4_0 => 18,
+            QuantKind::Q4_1 => 20,
+            QuantKind::Q8_0 => 34,
+            QuantKind::Q4K => 144,
+            QuantKind::Q6K => 210,
         }
     }
 }
@@ -63,9 +105,13 @@ impl QuantKind {
 /// Rows per tile of the row-tile layout.
 pub const TILE: usize = 16;
 
-/// Bytes of one (tile, block) record of the row-tile layout.
+/// Bytes of one (tile, record) of the row-tile layout: a block, or for
+/// K-quants a super-block (`kquant` gives its layout).
 pub fn tile_record_bytes(kind: QuantKind) -> usize {
-    TILE * kind.block_bytes() + 2 * TILE * if kind == QuantKind::Q4_1 { 2 } else { 1 }
+    match kind {
+        QuantKind::Q4K | QuantKind::Q6K => super::kquant::record_bytes(kind),
+        _ => TILE * kind.block_bytes() + 2 * TILE * if kind == QuantKind::Q4_1 { 2 } else { 1 },
+    }
 }
 
 /// Where element `e` of a row in lane `l` sits in a (tile, block) record:
@@ -160,10 +206,11 @@ impl QuantWeights {
     /// Codes of row `r` in element order, as signed weights (Q4_0 codes
     /// minus 8; Q4_1 codes 0..=15; Q8_0 signed): `nb * 32` values.
     pub fn row_codes(&self, r: usize, out: &mut [i8]) {
+        assert!(!self.kind.is_k(), "K-quant codes are read through kquant");
         assert!(out.len() >= self.nb * QK);
         let offset: i16 = match self.kind {
             QuantKind::Q4_0 => 8,
-            QuantKind::Q4_1 => 0,
+            QuantKind::Q4_1 | QuantKind::Q4K | QuantKind::Q6K => 0,
             QuantKind::Q8_0 => 128,
         };
         let rec = tile_record_bytes(self.kind);
@@ -254,22 +301,28 @@ impl QMatrix {
             WeightFormat::Q4_0 => QuantKind::Q4_0,
             WeightFormat::Q4_1 => QuantKind::Q4_1,
             WeightFormat::Q8_0 => QuantKind::Q8_0,
+            WeightFormat::Q4K => QuantKind::Q4K,
+            WeightFormat::Q6K => QuantKind::Q6K,
         };
-        if !cols.is_multiple_of(QK) {
-            return Err(format!("row length {cols} is not a multiple of {QK}"));
+        let unit = QK * kind.record_blocks();
+        if !cols.is_multiple_of(unit) {
+            return Err(format!("row length {cols} is not a multiple of {unit}"));
         }
-        let nb = rows * cols / QK;
-        let bsize = match kind {
-            QuantKind::Q4_0 => 18,
-            QuantKind::Q4_1 => 20,
-            QuantKind::Q8_0 => 34,
-        };
+        let nb = rows * cols / unit;
+        let bsize = kind.ggml_block_bytes();
         if raw.len() != nb * bsize {
             return Err(format!(
                 "{format:?} tensor has {} bytes, expected {}",
                 raw.len(),
                 nb * bsize
             ));
+        }
+        if kind.is_k() {
+            return Ok(Self {
+                rows,
+                cols,
+                data: WeightData::Quant(super::kquant::build(kind, rows, cols, raw)),
+            });
         }
         let q = QuantWeights::build(kind, rows, cols, |gb, vals| {
             let b = &raw[gb * bsize..(gb + 1) * bsize];
@@ -291,6 +344,7 @@ impl QMatrix {
                     vals.copy_from_slice(&b[2..34]);
                     (f16_bits_at(b, 0), 0)
                 }
+                QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants are built above"),
             }
         });
         Ok(Self {
@@ -307,6 +361,8 @@ impl QMatrix {
                 QuantKind::Q4_0 => WeightFormat::Q4_0,
                 QuantKind::Q4_1 => WeightFormat::Q4_1,
                 QuantKind::Q8_0 => WeightFormat::Q8_0,
+                QuantKind::Q4K => WeightFormat::Q4K,
+                QuantKind::Q6K => WeightFormat::Q6K,
             },
         }
     }
@@ -351,6 +407,7 @@ impl QMatrix {
         assert_eq!(out.len(), k);
         match &self.data {
             WeightData::F32(v) => out.copy_from_slice(&v[r * k..(r + 1) * k]),
+            WeightData::Quant(q) if q.kind.is_k() => super::kquant::dequantize_row(q, r, out),
             WeightData::Quant(q) => {
                 let mut codes = vec![0i8; q.nb * QK];
                 q.row_codes(r, &mut codes);
@@ -382,6 +439,8 @@ pub struct PlainActs<'a> {
     pub qsum: &'a [f32],
     /// sum(q) per block.
     pub isum: &'a [i32],
+    /// sum(q) of the first 16 elements per block (Q6_K's half blocks).
+    pub hsum: &'a [i32],
 }
 
 /// The loop shared by the row-tile kernels: checks that `w` and `x` fit,
@@ -403,10 +462,15 @@ pub(crate) fn drive_tiles(
         "weights and activations disagree on blocks per row"
     );
     assert!(r0.is_multiple_of(TILE) && r0 <= r1 && r1 <= w.rows);
-    assert!(w.qs.len() >= w.rows.div_ceil(TILE) * w.nb * tile_record_bytes(w.kind));
+    assert!(w.nb.is_multiple_of(w.kind.record_blocks()));
+    assert!(
+        w.qs.len()
+            >= w.rows.div_ceil(TILE) * (w.nb / w.kind.record_blocks()) * tile_record_bytes(w.kind)
+    );
     let (n, nb) = (x.n, x.nb);
     assert!(x.qs.len() >= n * nb * QK);
     assert!(x.qd.len() >= n * nb && x.qsum.len() >= n * nb && x.isum.len() >= n * nb);
+    assert!(x.hsum.len() >= n * nb);
     let nr = r1 - r0;
     assert!(out.len() >= nr * n);
     let chunks = n.div_ceil(max_rows);

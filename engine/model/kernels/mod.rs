@@ -6,28 +6,35 @@
 //! bit-identical whether it is computed alone or with other positions or
 //! sequences; greedy speculation relies on this for exact losslessness.
 //!
-//! Quantized weights (Q4_0, Q4_1, Q8_0) multiply activations quantized to
-//! 8-bit blocks of 32 (as ggml does): the integer part of each block dot
-//! product is exact, and per-block scales are accumulated in block order.
+//! Quantized weights (Q4_0, Q4_1, Q8_0, and the K-quants Q4_K and Q6_K)
+//! multiply activations quantized to 8-bit blocks of 32 (as ggml does): the
+//! integer part of each block dot product is exact, and per-block scales
+//! are accumulated in block order.
 
 //!
 //! Rooms: `layout` (the row-tile weight layout, the activation view, the
-//! shared tile loop), `activations` (activation quantization), `matmul`
+//! shared tile loop), `kquant` (the K-quant super-block records and their
+//! portable kernel), `activations` (activation quantization), `matmul`
 //! (the portable kernel and the rayon split), `path` (which path runs), `elementwise` (norms, exp, SiLU),
-//! `simd` (the x86-64 paths, which depend on `layout` only).
+//! `simd` and `simd_k` (the x86-64 paths, which depend on `layout` and
+//! `kquant`'s record offsets only).
 
 mod activations;
 mod elementwise;
+mod kquant;
 mod layout;
 mod matmul;
 mod path;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
+#[cfg(target_arch = "x86_64")]
+mod simd_k;
 #[cfg(test)]
 mod tests;
 
 pub use activations::{quantize_q8, Activations};
 pub use elementwise::{exp_f32, exp_shifted, fold16, rms_norm, silu_mul};
+pub use kquant::QK_K;
 pub use layout::{
     tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightFormat, QK, TILE,
 };

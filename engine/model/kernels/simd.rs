@@ -104,6 +104,9 @@ const AVX2_MAX_ROWS: usize = 4;
 /// written activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
 pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
     assert!(available());
+    if w.kind.is_k() {
+        return super::simd_k::rows16_avx2(w, x, r0, r1, out);
+    }
     drive_tiles(w, x, r0, r1, out, AVX2_MAX_ROWS, |t, i0, rr, put| {
         // SAFETY: `available()` confirmed AVX2, FMA and F16C; `drive_tiles`
         // checked that tile t and activation rows i0..i0 + rr exist.
@@ -112,6 +115,7 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
                 QuantKind::Q4_0 => avx2_go::<Q4_0>(w, x, t, i0, rr, put),
                 QuantKind::Q4_1 => avx2_go::<Q4_1>(w, x, t, i0, rr, put),
                 QuantKind::Q8_0 => avx2_go::<Q8_0>(w, x, t, i0, rr, put),
+                QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants go to simd_k"),
             }
         }
     });
@@ -297,6 +301,9 @@ pub mod vnni {
     /// written activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
     pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(available());
+        if w.kind.is_k() {
+            return super::super::simd_k::rows16_vnni(w, x, r0, r1, out);
+        }
         drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
             // SAFETY: `available()` confirmed AVX-512F/BW/VL/VNNI and F16C;
             // `drive_tiles` checked that tile t and activation rows
@@ -306,6 +313,7 @@ pub mod vnni {
                     QuantKind::Q4_0 => go::<Q4_0>(w, x, t, i0, rr, put),
                     QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, put),
                     QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, put),
+                    QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants go to simd_k"),
                 }
             }
         });

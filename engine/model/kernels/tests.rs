@@ -5,6 +5,7 @@ use half::f16;
 
 use super::activations::*;
 use super::elementwise::*;
+use super::kquant::QK_K;
 use super::layout::*;
 use super::matmul::*;
 use super::path::*;
@@ -25,6 +26,8 @@ fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> (QMatrix, 
         WeightFormat::Q4_0 => GgmlDType::Q4_0,
         WeightFormat::Q4_1 => GgmlDType::Q4_1,
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q6K => GgmlDType::Q6K,
         WeightFormat::F32 => return (QMatrix::from_f32(rows, cols, w.to_vec()), Vec::new()),
     };
     let raw = QTensor::quantize(&t, dt).unwrap().data().unwrap().to_vec();
@@ -59,7 +62,7 @@ fn ggml_block(format: WeightFormat, raw: &[u8], gb: usize) -> (f64, f64, [i32; Q
             }
             (f(b, 0), 0.0, c)
         }
-        WeightFormat::F32 => unreachable!(),
+        _ => unreachable!("{format:?} has no 32-element ggml blocks"),
     }
 }
 
@@ -101,6 +104,33 @@ fn reference(
         }
     }
     out
+}
+
+/// `qm` times the `n` rows of `x` on every supported path: within
+/// `2e-5 * (scale + |r|) * sqrt(cols)` of the reference `want`, and every
+/// path bit-identical to the portable one.
+fn assert_every_path(qm: &QMatrix, x: &[f32], n: usize, want: &[f32], scale: f32, what: &str) {
+    let (rows, cols) = (qm.rows, qm.cols);
+    let mut first: Option<Vec<f32>> = None;
+    for path in KernelPath::supported() {
+        let mut a = Activations::new(path);
+        a.prepare(x, n, cols, wants_q8(qm));
+        let mut out = Vec::new();
+        matmul_many(&a, &[qm], &mut [&mut out]);
+        for (g, r) in out.iter().zip(want) {
+            assert!(
+                (g - r).abs() <= 2e-5 * (scale + r.abs()) * (cols as f32).sqrt(),
+                "{path:?} {what} {rows}x{cols} n={n}: {g} vs {r}"
+            );
+        }
+        match &first {
+            None => first = Some(out),
+            Some(f) => assert!(
+                f.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{path:?} {what} {rows}x{cols} n={n}: bits differ from portable"
+            ),
+        }
+    }
 }
 
 const FORMATS: [WeightFormat; 4] = [
@@ -188,26 +218,7 @@ fn matmul_matches_scalar_reference_every_format_path_and_shape() {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 3.0).collect();
             let (qm, raw) = pack(format, &w, rows, cols);
             let want = reference(&x, n, format, &w, &raw, rows);
-            let mut first: Option<Vec<f32>> = None;
-            for path in KernelPath::supported() {
-                let mut a = Activations::new(path);
-                a.prepare(&x, n, cols, wants_q8(&qm));
-                let mut out = Vec::new();
-                matmul_many(&a, &[&qm], &mut [&mut out]);
-                for (g, r) in out.iter().zip(&want) {
-                    assert!(
-                        (g - r).abs() <= 2e-5 * (1.0 + r.abs()) * (cols as f32).sqrt(),
-                        "{path:?} {format:?} {rows}x{cols} n={n}: {g} vs {r}"
-                    );
-                }
-                match &first {
-                    None => first = Some(out),
-                    Some(f) => assert!(
-                        f.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{path:?} {format:?} {rows}x{cols} n={n}: bits differ from portable"
-                    ),
-                }
-            }
+            assert_every_path(&qm, &x, n, &want, 1.0, &format!("{format:?}"));
         }
     }
 }
@@ -343,6 +354,219 @@ fn matmul_is_batch_invariant() {
                     }
                 }
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- K-quants
+
+const K_FORMATS: [WeightFormat; 2] = [WeightFormat::Q4K, WeightFormat::Q6K];
+
+/// Raw ggml K-quant blocks dequantized by candle (ggml's own decoder, not
+/// ours): the reference weights.
+fn candle_dequantize(format: WeightFormat, raw: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
+    let dt = match format {
+        WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q6K => GgmlDType::Q6K,
+        _ => unreachable!(),
+    };
+    let q = qtensor_from_ggml(dt, raw, vec![rows, cols], &candle_core::Device::Cpu).unwrap();
+    q.dequantize(&candle_core::Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+/// Random raw K-quant blocks: every code, scale and minimum bit pattern is
+/// reachable (Q6_K scales down to -128, 6-bit Q4_K scales up to 63); the
+/// f16 super-block scales are drawn from a sane range.
+fn random_k_blocks(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+    let mut byte = || ((lcg(seed) + 1.0) * 128.0) as u8;
+    let n = rows * cols / QK_K;
+    let mut raw = Vec::new();
+    for _ in 0..n {
+        match format {
+            WeightFormat::Q4K => {
+                let d = f16::from_f32(0.001 + 0.01 * (byte() as f32 / 255.0));
+                let dmin = f16::from_f32(0.02 * (byte() as f32 / 255.0));
+                raw.extend(d.to_le_bytes());
+                raw.extend(dmin.to_le_bytes());
+                raw.extend((0..140).map(|_| byte()));
+            }
+            _ => {
+                raw.extend((0..208).map(|_| byte()));
+                raw.extend(f16::from_f32(0.0005 + 0.002 * (byte() as f32 / 255.0)).to_le_bytes());
+            }
+        }
+    }
+    raw
+}
+
+/// f64 reference of a K-quant matmul: candle's dequantized weights times
+/// the Q8-quantized activations, block by block.
+fn reference_k(x: &[f32], n: usize, wq: &[f32], rows: usize) -> Vec<f32> {
+    let k = x.len() / n;
+    let nb = k / QK;
+    let (mut d, mut s, mut q) = (vec![0.0; n * nb], vec![0.0; n * nb], vec![0i8; n * k]);
+    quantize_q8(x, (&mut d, &mut s, &mut vec![0; n * nb], &mut q));
+    let mut out = vec![0f32; n * rows];
+    for r in 0..rows {
+        for i in 0..n {
+            let mut acc = 0f64;
+            for b in 0..nb {
+                let xb = i * nb + b;
+                let dot: f64 = (0..QK)
+                    .map(|e| wq[r * k + b * QK + e] as f64 * q[xb * QK + e] as f64)
+                    .sum();
+                acc += dot * d[xb] as f64;
+            }
+            out[i * rows + r] = acc as f32;
+        }
+    }
+    out
+}
+
+#[test]
+fn k_quant_records_have_the_documented_size() {
+    // Within 3% of ggml's bytes per super-block row: Q4_K 148 vs 144,
+    // Q6_K 210 vs 210.
+    assert_eq!(tile_record_bytes(QuantKind::Q4K), 16 * 148);
+    assert_eq!(tile_record_bytes(QuantKind::Q6K), 16 * 210);
+    let mut seed = 1u64;
+    for format in K_FORMATS {
+        let (rows, cols) = (48, 1536);
+        let raw = random_k_blocks(format, rows, cols, &mut seed);
+        let m = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+        assert_eq!(m.format(), format);
+        assert!(
+            m.size_bytes() as f64 <= raw.len() as f64 * 1.03,
+            "{format:?}"
+        );
+        // Rows that are not whole super-blocks, and short data, are refused.
+        let err = QMatrix::from_ggml_blocks(format, 2, 576, &raw[..2 * 576]).unwrap_err();
+        assert!(err.contains("multiple of 256"), "{err}");
+        let err = QMatrix::from_ggml_blocks(format, rows, cols, &raw[1..]).unwrap_err();
+        assert!(err.contains("bytes, expected"), "{err}");
+    }
+}
+
+#[test]
+fn k_quant_rows_dequantize_exactly_like_ggml() {
+    let mut seed = 13u64;
+    for format in K_FORMATS {
+        for &(rows, cols) in &[(3usize, 256usize), (17, 512), (2, 1536)] {
+            // Blocks from ggml's quantizer, and random raw blocks.
+            let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+            let (_, quantized) = pack(format, &w, rows, cols);
+            for raw in [quantized, random_k_blocks(format, rows, cols, &mut seed)] {
+                let want = candle_dequantize(format, &raw, rows, cols);
+                let m = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+                let mut row = vec![0f32; cols];
+                for r in 0..rows {
+                    m.dequantize_row(r, &mut row);
+                    for (e, (g, w)) in row.iter().zip(&want[r * cols..]).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{format:?} {rows}x{cols} r={r} e={e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn k_quant_matmul_matches_reference_and_is_identical_on_every_path() {
+    let mut seed = 17u64;
+    // 1 to 10 super-blocks per row, 1 to 17 activation rows, partial tiles
+    // and row ranges across tasks of 64.
+    let shapes = [
+        (70usize, 256usize, 1usize),
+        (33, 512, 3),
+        (130, 256, 8),
+        (17, 768, 13),
+        (8, 1536, 17),
+        (65, 1536, 5),
+        (16, 2560, 9),
+    ];
+    for format in K_FORMATS {
+        for &(rows, cols, n) in &shapes {
+            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 3.0).collect();
+            let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+            let (_, quantized) = pack(format, &w, rows, cols);
+            for (what, raw) in [
+                ("quantized", quantized),
+                ("random", random_k_blocks(format, rows, cols, &mut seed)),
+            ] {
+                let qm = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+                let wq = candle_dequantize(format, &raw, rows, cols);
+                let want = reference_k(&x, n, &wq, rows);
+                let scale = wq.iter().fold(0f32, |a, v| a.max(v.abs()));
+                assert_every_path(&qm, &x, n, &want, scale, &format!("{format:?} {what}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn k_quant_matmul_is_batch_invariant_and_fuses_swiglu() {
+    let mut seed = 19u64;
+    for format in K_FORMATS {
+        for &(rows, cols) in &[(100usize, 256usize), (40, 768)] {
+            let raw = random_k_blocks(format, rows, cols, &mut seed);
+            let qm = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+            let up = QMatrix::from_ggml_blocks(
+                format,
+                rows,
+                cols,
+                &random_k_blocks(format, rows, cols, &mut seed),
+            )
+            .unwrap();
+            let total = 20;
+            let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed)).collect();
+            for path in KernelPath::supported() {
+                let mut a = Activations::new(path);
+                a.prepare(&x, total, cols, true);
+                let mut all = Vec::new();
+                matmul_many(&a, &[&qm], &mut [&mut all]);
+                for n in [1usize, 2, 5, 7, 12, 13] {
+                    for start in [0usize, 3, total - n] {
+                        let mut b = Activations::new(path);
+                        b.prepare(&x[start * cols..(start + n) * cols], n, cols, true);
+                        let mut part = Vec::new();
+                        matmul_many(&b, &[&qm], &mut [&mut part]);
+                        assert_eq!(
+                            part[..],
+                            all[start * rows..(start + n) * rows],
+                            "{path:?} {format:?} {rows}x{cols} n={n} start={start}"
+                        );
+                    }
+                }
+                let (mut go, mut uo, mut fused) = (Vec::new(), Vec::new(), Vec::new());
+                matmul_many(&a, &[&qm, &up], &mut [&mut go, &mut uo]);
+                silu_mul(&mut go, &uo);
+                matmul_swiglu(&a, &qm, &up, &mut fused);
+                assert_eq!(fused, go, "{path:?} {format:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn half_block_sums_match_every_quantizer() {
+    let mut seed = 23u64;
+    for path in KernelPath::supported() {
+        let x: Vec<f32> = (0..3 * 256).map(|_| lcg(&mut seed) * 2.0).collect();
+        let mut a = Activations::new(path);
+        a.prepare(&x, 3, 256, true);
+        for (b, &h) in a.hsum.iter().enumerate() {
+            let want: i32 = a.qs[b * QK..b * QK + 16].iter().map(|&v| v as i32).sum();
+            assert_eq!(h, want, "{path:?} block {b}");
         }
     }
 }
