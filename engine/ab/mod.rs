@@ -108,10 +108,11 @@ pub struct ArmSummary {
     pub tpot_p95_ms: f64,
     pub forwards_per_token: f64,
     /// Mean drafting time per decode step, in one-token target forwards
-    /// (the plain arm's mean decode step).
+    /// (the plain arm's mean decode step on the same prompt).
     pub draft_cost_per_step: f64,
-    /// Mean verify time by tokens fed, in one-token target forwards:
-    /// (tokens, steps, cost).
+    /// Mean verify time by tokens fed, in one-token target forwards (the
+    /// plain arm's mean decode step on the same prompt): (tokens, steps,
+    /// cost).
     pub verify_cost_by_tokens: Vec<(usize, u64, f64)>,
     /// Composed proposers: share of drafting steps and acceptance per
     /// member: (member, steps, drafted, accepted).

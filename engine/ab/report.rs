@@ -59,7 +59,7 @@ pub fn markdown(r: &AbReport) -> String {
             s += &format!("- {}: {}\n", a.arm, p.join(", "));
         }
     }
-    s += "\n## Costs (in one-token target forwards: the plain arm's mean decode step)\n\n";
+    s += "\n## Costs (in one-token target forwards: the plain arm's mean decode step on the same prompt)\n\n";
     s +=
         "| arm | draft cost per decode step | verify cost by tokens fed (steps) |\n|---|---|---|\n";
     for a in &r.overall {

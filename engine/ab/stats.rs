@@ -29,15 +29,27 @@ pub fn summarize(
     let by_arm =
         |a: &str| -> Vec<&Record> { records.iter().copied().filter(|r| r.arm == a).collect() };
     let base = by_arm(plain);
-    // The unit of cost: the plain arm's mean one-token decode step.
-    let (n1, v1) = base
-        .iter()
-        .flat_map(|r| r.steps_by_tokens.iter())
-        .filter(|e| e.0 == 1)
-        .fold((0u64, 0f64), |a, e| (a.0 + e.1, a.1 + e.2));
-    let unit = if n1 > 0 { v1 / n1 as f64 } else { 0.0 };
+    // The unit of cost: the plain arm's mean one-token decode step on the
+    // same prompt (and repeat), else over all prompts. Per prompt, because
+    // a step's cost grows with its context and arms draft more on some
+    // prompts (long, repetitive ones) than others: against one global unit
+    // a drafting arm's steps would look dearer than they are.
+    let one_token = |rs: &mut dyn Iterator<Item = &Record>| {
+        let (n, v) = rs
+            .flat_map(|r| r.steps_by_tokens.iter())
+            .filter(|e| e.0 == 1)
+            .fold((0u64, 0f64), |a, e| (a.0 + e.1, a.1 + e.2));
+        (n > 0).then(|| v / n as f64)
+    };
+    let global_unit = one_token(&mut base.iter().copied()).unwrap_or(0.0);
     let key = |r: &Record| (r.prompt_id.clone(), r.repeat);
     let base_map: BTreeMap<_, &Record> = base.iter().map(|r| (key(r), *r)).collect();
+    let unit_of = |r: &Record| -> f64 {
+        base_map
+            .get(&key(r))
+            .and_then(|b| one_token(&mut std::iter::once(*b)))
+            .unwrap_or(global_unit)
+    };
     arms.iter()
         .map(|arm| {
             let rs = by_arm(arm);
@@ -86,19 +98,22 @@ pub fn summarize(
                 .map(|r| r.tpot_s * 1e3)
                 .collect();
             let fwd: u64 = rs.iter().map(|r| r.target_forwards).sum();
+            // Steps, verify and draft time by tokens fed, the times in units
+            // of each prompt's plain step.
             let mut by_tokens: BTreeMap<usize, (u64, f64, f64)> = BTreeMap::new();
             for r in &rs {
+                let unit = unit_of(r);
+                let per_unit = |x: f64| if unit > 0.0 { x / unit } else { 0.0 };
                 for &(k, n, v, d) in &r.steps_by_tokens {
                     let e = by_tokens.entry(k).or_default();
                     e.0 += n;
-                    e.1 += v;
-                    e.2 += d;
+                    e.1 += per_unit(v);
+                    e.2 += per_unit(d);
                 }
             }
             let (steps, draft): (u64, f64) = by_tokens
                 .values()
                 .fold((0, 0.0), |a, e| (a.0 + e.0, a.1 + e.2));
-            let per_unit = |x: f64| if unit > 0.0 { x / unit } else { 0.0 };
             let mut members: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
             for r in &rs {
                 for (m, a, b, c) in &r.members {
@@ -109,14 +124,10 @@ pub fn summarize(
                 }
             }
             ArmSummary {
-                draft_cost_per_step: if steps > 0 {
-                    per_unit(draft / steps as f64)
-                } else {
-                    0.0
-                },
+                draft_cost_per_step: if steps > 0 { draft / steps as f64 } else { 0.0 },
                 verify_cost_by_tokens: by_tokens
                     .iter()
-                    .map(|(&k, e)| (k, e.0, per_unit(e.1 / e.0.max(1) as f64)))
+                    .map(|(&k, e)| (k, e.0, e.1 / e.0.max(1) as f64))
                     .collect(),
                 members: members
                     .into_iter()
@@ -233,6 +244,38 @@ mod tests {
         assert_eq!((k, n), (5, 4));
         assert!((c - 1.5).abs() < 1e-9, "{c}");
         assert_eq!(s[1].members, vec![("m".to_string(), 4, 16, 9)]);
+    }
+
+    #[test]
+    fn costs_are_per_prompt_so_where_an_arm_drafts_does_not_bias_them() {
+        // Prompt a (short context): plain steps of 10 ms. Prompt b (long
+        // context): 30 ms. The arm drafts only on b, where a 2-token step
+        // takes 33 ms: 1.1 of b's plain step (against the global mean of
+        // 20 ms it would look like 1.65). Its one-token steps on a cost
+        // exactly a's plain step.
+        let mut pa = rec("a", "plain", vec![1], 1.0);
+        pa.steps_by_tokens = vec![(1, 10, 0.1, 0.0)];
+        let mut pb = rec("b", "plain", vec![1], 1.0);
+        pb.steps_by_tokens = vec![(1, 10, 0.3, 0.0)];
+        let mut sa = rec("a", "spec", vec![1], 1.0);
+        sa.steps_by_tokens = vec![(1, 10, 0.1, 0.001)];
+        let mut sb = rec("b", "spec", vec![1], 1.0);
+        sb.steps_by_tokens = vec![(2, 10, 0.33, 0.003)];
+        let s = summarize(
+            &[&pa, &pb, &sa, &sb],
+            &["plain".into(), "spec".into()],
+            "plain",
+            10,
+            1,
+        );
+        let c = &s[1].verify_cost_by_tokens;
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[0].0, c[0].1), (1, 10));
+        assert!((c[0].2 - 1.0).abs() < 1e-9, "{c:?}");
+        assert_eq!((c[1].0, c[1].1), (2, 10));
+        assert!((c[1].2 - 1.1).abs() < 1e-9, "{c:?}");
+        // Draft: 0.1 ms / 10 ms on a, 0.3 ms / 30 ms on b: 0.01 per step.
+        assert!((s[1].draft_cost_per_step - 0.01).abs() < 1e-9);
     }
 
     #[test]
