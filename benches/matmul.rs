@@ -1,5 +1,5 @@
 //! Quantized matmul kernels on SmolLM2-135M's shapes (and a 7B-sized square
-//! one), Q4_1 beside the K-quants: time per call for 1 to 8 activation
+//! one), Q4_1 beside Q5_0 and the K-quants: time per call for 1 to 8 activation
 //! rows, so the per-row cost of a verify shows apart from the weight
 //! streaming every call pays. Uses the global rayon pool (all cores);
 //! `SPECD_NO_AVX512=1` times the AVX2 path.
@@ -49,6 +49,7 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QMa
                 raw.extend((0..16).map(|_| (lcg(seed) * 127.0) as i8 as u8));
             }
             WeightFormat::Q4_0 => raw.extend((0..16).map(|_| (lcg(seed) * 127.0) as i8 as u8)),
+            WeightFormat::Q5_0 => raw.extend((0..20).map(|_| (lcg(seed) * 127.0) as i8 as u8)),
             _ => raw.extend((0..32).map(|_| (lcg(seed) * 127.0) as i8 as u8)),
         }
     }
@@ -64,6 +65,7 @@ fn bench(c: &mut Criterion) {
         ("square4096_q4_1", WeightFormat::Q4_1, 4096, 4096),
         ("square4096_q4_k", WeightFormat::Q4K, 4096, 4096),
         ("ffn_up_q4_1", WeightFormat::Q4_1, 1536, 576),
+        ("ffn_up_q5_0", WeightFormat::Q5_0, 1536, 576),
         ("head_q8_0", WeightFormat::Q8_0, 49152, 576),
     ];
     let path = KernelPath::best();

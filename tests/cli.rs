@@ -169,11 +169,12 @@ fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
     let ct = gguf_file::Content::read(&mut std::fs::File::open(&out).unwrap()).unwrap();
     let ty = |n: &str| ct.tensor_infos[n].ggml_dtype;
     // SmolLM2-135M: ffn_down rows (1536) are whole super-blocks, Q6_K in
-    // use_more_bits layers (0, 5) and Q4_K elsewhere; 576-wide rows fall back.
+    // use_more_bits layers (0, 5) and Q4_K elsewhere; 576-wide rows fall
+    // back as llama.cpp's do (Q4_K to Q5_0, Q6_K to Q8_0).
     assert_eq!(ty("blk.0.ffn_down.weight"), GgmlDType::Q6K);
     assert_eq!(ty("blk.5.ffn_down.weight"), GgmlDType::Q6K);
     assert_eq!(ty("blk.6.ffn_down.weight"), GgmlDType::Q4K);
-    assert_eq!(ty("blk.6.attn_q.weight"), GgmlDType::Q4_1);
+    assert_eq!(ty("blk.6.attn_q.weight"), GgmlDType::Q5_0);
     assert_eq!(ty("blk.5.attn_v.weight"), GgmlDType::Q8_0);
 
     let model = specd::model::load_model(&out, 2).unwrap();

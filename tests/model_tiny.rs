@@ -240,6 +240,11 @@ fn gguf_q4_1_matches_candle_quantized_llama() {
 }
 
 #[test]
+fn gguf_q5_0_matches_candle_quantized_llama() {
+    check_gguf_against_quantized_llama(GgmlDType::Q5_0, 0.1);
+}
+
+#[test]
 fn gguf_q4_0_loads_and_agrees() {
     check_gguf_against_quantized_llama(GgmlDType::Q4_0, 0.1);
 }

@@ -40,7 +40,7 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     }
     if s.fallbacks > 0 {
         println!(
-            "  {} matrices have rows that are not whole 256-element super-blocks and took the fallback type (Q6_K -> Q8_0, Q4_K -> Q4_1)",
+            "  {} matrices have rows that are not whole 256-element super-blocks and took the fallback type (Q6_K -> Q8_0, Q4_K -> Q5_0, as llama.cpp does)",
             s.fallbacks
         );
     }

@@ -21,9 +21,9 @@ pub enum Scheme {
     /// llama.cpp's Q4_K_M: Q4_K, with Q6_K for the output head and for
     /// `attn_v` and `ffn_down` in the layers `use_more_bits` picks.
     Q4KM,
-    /// Every matrix Q4_K (Q6_K's fallback rules still apply to shapes).
+    /// Every matrix Q4_K (rows that are not whole super-blocks: Q5_0).
     Q4K,
-    /// Every matrix Q6_K.
+    /// Every matrix Q6_K (rows that are not whole super-blocks: Q8_0).
     Q6K,
     /// Every matrix Q8_0.
     Q8_0,
@@ -70,8 +70,7 @@ fn use_more_bits(layer: usize, layers: usize) -> bool {
 /// The type `scheme` gives the matrix `name` with rows of `cols` elements
 /// in a model of `layers` layers, and whether it is a fallback. K-quants
 /// need rows of whole 256-element super-blocks; other rows fall back as
-/// llama.cpp falls back (Q6_K to Q8_0), except that Q4_K falls back to
-/// Q4_1 (llama.cpp writes Q5_0, which specd has no kernel for).
+/// llama.cpp falls back them: Q6_K to Q8_0, Q4_K to Q5_0.
 pub fn tensor_type(scheme: Scheme, name: &str, cols: usize, layers: usize) -> (GgmlDType, bool) {
     let layer = name
         .strip_prefix("blk.")
@@ -98,7 +97,7 @@ pub fn tensor_type(scheme: Scheme, name: &str, cols: usize, layers: usize) -> (G
     } else if want == GgmlDType::Q6K {
         (GgmlDType::Q8_0, true)
     } else {
-        (GgmlDType::Q4_1, true)
+        (GgmlDType::Q5_0, true)
     }
 }
 
@@ -204,7 +203,7 @@ mod tests {
         assert_eq!(t("output.weight", 4096), (GgmlDType::Q6K, false));
         // Rows that are not whole super-blocks fall back.
         assert_eq!(t("blk.5.attn_v.weight", 576), (GgmlDType::Q8_0, true));
-        assert_eq!(t("blk.6.attn_q.weight", 576), (GgmlDType::Q4_1, true));
+        assert_eq!(t("blk.6.attn_q.weight", 576), (GgmlDType::Q5_0, true));
         assert!(Scheme::parse("Q4_K_M").is_ok());
         assert!(Scheme::parse("q3_k").unwrap_err().contains("q3_k"));
     }

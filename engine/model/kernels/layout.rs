@@ -1,10 +1,11 @@
 //! The row-tile weight layout and the view of quantized activations every
 //! kernel reads, and `drive_tiles`, the loop all quantized paths share.
 //!
-//! Weights (Q4_0, Q4_1, Q8_0) are repacked at load into tiles of 16 rows:
-//! one record per (tile, block) holds 8 steps of 64 bytes in which 4-byte
-//! lane `l` carries 4 elements of row `l`, then the 16 rows' f16 scales
-//! (and Q4_1 minimums). K-quants (Q4_K, Q6_K) keep one record per (tile,
+//! Weights (Q4_0, Q4_1, Q5_0, Q8_0) are repacked at load into tiles of 16
+//! rows: one record per (tile, block) holds 8 steps of 64 bytes in which
+//! 4-byte lane `l` carries 4 elements of row `l` (Q5_0: the low 4 bits,
+//! then a 64-byte plane of fifth bits), then the 16 rows' f16 scales (and
+//! Q4_1 minimums). K-quants (Q4_K, Q6_K) keep one record per (tile,
 //! 256-element super-block): eight 32-element sub-blocks of codes in the
 //! same steps, then the super-block scales and the sub-block scales, as
 //! `kquant` lays them out. The SIMD paths (`simd`) depend on this module,
@@ -21,6 +22,7 @@ pub enum WeightFormat {
     F32,
     Q4_0,
     Q4_1,
+    Q5_0,
     Q8_0,
     /// ggml Q4_K: 256-element super-blocks of 4-bit codes, 8 sub-blocks
     /// with 6-bit scales and minimums.
@@ -37,6 +39,8 @@ pub enum QuantKind {
     Q4_0,
     /// 4-bit codes, scale and minimum.
     Q4_1,
+    /// 5-bit codes minus 16, scale only.
+    Q5_0,
     /// Signed bytes, scale only.
     Q8_0,
     /// 4-bit codes; per super-block a scale and a minimum scale, per
@@ -52,6 +56,7 @@ impl QuantKind {
     pub fn block_bytes(self) -> usize {
         match self {
             QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4K => 16,
+            QuantKind::Q5_0 => 20,
             QuantKind::Q6K => 24,
             QuantKind::Q8_0 => 32,
         }
@@ -77,6 +82,7 @@ impl QuantKind {
         match self {
             QuantKind::Q4_0 => 18,
             QuantKind::Q4_1 => 20,
+            QuantKind::Q5_0 => 22,
             QuantKind::Q8_0 => 34,
             QuantKind::Q4K => 144,
             QuantKind::Q6K => 210,
@@ -98,8 +104,11 @@ impl QuantKind {
 // steps every lane holds one row's block dot product, which one multiply by
 // the 16 row scales finishes. The lanes are output rows, so a result needs
 // no horizontal sum and every block costs the same however wide the row.
-// All paths (portable, AVX2, VNNI) read this layout and run the same
-// operation sequence per (row, activation row), so they agree bit for bit.
+// Q5_0 keeps its low 4 bits as Q4 does and the fifth bits in 64 more
+// bytes: byte `4l + k` holds, at bit `s`, the fifth bit of element
+// `4s + k` of row `l`. All paths (portable, AVX2, VNNI) read this layout
+// and run the same operation sequence per (row, activation row), so they
+// agree bit for bit.
 // ---------------------------------------------------------------------------
 
 /// Rows per tile of the row-tile layout.
@@ -115,8 +124,9 @@ pub fn tile_record_bytes(kind: QuantKind) -> usize {
 }
 
 /// Where element `e` of a row in lane `l` sits in a (tile, block) record:
-/// (byte, high nibble). Q8_0: step `e / 4`, byte `e % 4` of the lane; Q4:
-/// steps 2t and 2t + 1 share the 64 packed bytes at 64t.
+/// (byte, high nibble). Q8_0: step `e / 4`, byte `e % 4` of the lane; Q4
+/// (and Q5_0's low bits): steps 2t and 2t + 1 share the 64 packed bytes at
+/// 64t.
 #[inline]
 pub(crate) fn tile_code_at(kind: QuantKind, l: usize, e: usize) -> (usize, bool) {
     let (s, k) = (e / 4, e % 4);
@@ -151,6 +161,16 @@ pub(crate) fn huge_page_vec(n: usize) -> Vec<u8> {
     v.resize(n, 0);
     v
 }
+
+/// Q5_0's fifth-bit plane: where the fifth bit of element `e` of lane `l`
+/// sits, (byte from the plane's start, bit).
+#[inline]
+pub(crate) fn q5_high_at(l: usize, e: usize) -> (usize, u32) {
+    (4 * l + e % 4, (e / 4) as u32)
+}
+
+/// Offset of Q5_0's fifth-bit plane in a record.
+pub(crate) const Q5_HIGH: usize = TILE * 16;
 
 /// Quantized weights in the row-tile layout.
 #[derive(Debug, Clone)]
@@ -192,6 +212,10 @@ impl QuantWeights {
                         QuantKind::Q8_0 => dst[i] = v ^ 0x80,
                         _ => dst[i] |= (v & 15) << if hi { 4 } else { 0 },
                     }
+                    if kind == QuantKind::Q5_0 {
+                        let (hb, bit) = q5_high_at(l, e);
+                        dst[Q5_HIGH + hb] |= ((v >> 4) & 1) << bit;
+                    }
                 }
                 dst[cb + 2 * l..cb + 2 * l + 2].copy_from_slice(&db.to_le_bytes());
                 if kind == QuantKind::Q4_1 {
@@ -204,12 +228,14 @@ impl QuantWeights {
     }
 
     /// Codes of row `r` in element order, as signed weights (Q4_0 codes
-    /// minus 8; Q4_1 codes 0..=15; Q8_0 signed): `nb * 32` values.
+    /// minus 8; Q4_1 codes 0..=15; Q5_0 codes minus 16; Q8_0 signed):
+    /// `nb * 32` values.
     pub fn row_codes(&self, r: usize, out: &mut [i8]) {
         assert!(!self.kind.is_k(), "K-quant codes are read through kquant");
         assert!(out.len() >= self.nb * QK);
         let offset: i16 = match self.kind {
             QuantKind::Q4_0 => 8,
+            QuantKind::Q5_0 => 16,
             QuantKind::Q4_1 | QuantKind::Q4K | QuantKind::Q6K => 0,
             QuantKind::Q8_0 => 128,
         };
@@ -218,10 +244,14 @@ impl QuantWeights {
             let o = ((r / TILE) * self.nb + b) * rec;
             for e in 0..QK {
                 let (i, hi) = tile_code_at(self.kind, r % TILE, e);
-                let v = match self.kind {
+                let mut v = match self.kind {
                     QuantKind::Q8_0 => self.qs[o + i],
                     _ => (self.qs[o + i] >> if hi { 4 } else { 0 }) & 15,
                 };
+                if self.kind == QuantKind::Q5_0 {
+                    let (hb, bit) = q5_high_at(r % TILE, e);
+                    v |= ((self.qs[o + Q5_HIGH + hb] >> bit) & 1) << 4;
+                }
                 out[b * QK + e] = (v as i16 - offset) as i8;
             }
         }
@@ -300,6 +330,7 @@ impl QMatrix {
             }
             WeightFormat::Q4_0 => QuantKind::Q4_0,
             WeightFormat::Q4_1 => QuantKind::Q4_1,
+            WeightFormat::Q5_0 => QuantKind::Q5_0,
             WeightFormat::Q8_0 => QuantKind::Q8_0,
             WeightFormat::Q4K => QuantKind::Q4K,
             WeightFormat::Q6K => QuantKind::Q6K,
@@ -340,6 +371,15 @@ impl QMatrix {
                     };
                     (f16_bits_at(b, 0), m)
                 }
+                QuantKind::Q5_0 => {
+                    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                    for j in 0..16 {
+                        let hi = |e: usize| (((qh >> e) & 1) as u8) << 4;
+                        vals[j] = (b[6 + j] & 15) | hi(j);
+                        vals[j + 16] = (b[6 + j] >> 4) | hi(j + 16);
+                    }
+                    (f16_bits_at(b, 0), 0)
+                }
                 QuantKind::Q8_0 => {
                     vals.copy_from_slice(&b[2..34]);
                     (f16_bits_at(b, 0), 0)
@@ -360,6 +400,7 @@ impl QMatrix {
             WeightData::Quant(q) => match q.kind {
                 QuantKind::Q4_0 => WeightFormat::Q4_0,
                 QuantKind::Q4_1 => WeightFormat::Q4_1,
+                QuantKind::Q5_0 => WeightFormat::Q5_0,
                 QuantKind::Q8_0 => WeightFormat::Q8_0,
                 QuantKind::Q4K => WeightFormat::Q4K,
                 QuantKind::Q6K => WeightFormat::Q6K,

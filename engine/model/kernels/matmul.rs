@@ -15,7 +15,7 @@ use super::activations::Activations;
 use super::elementwise::silu_mul;
 use super::layout::{
     drive_tiles, tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightData,
-    WeightFormat, QK, TILE,
+    WeightFormat, Q5_HIGH, QK, TILE,
 };
 use super::path::KernelPath;
 
@@ -60,6 +60,7 @@ pub(crate) fn quant_rows_portable(
     let cb = TILE * kind.block_bytes();
     let offset: i32 = match kind {
         QuantKind::Q4_0 => 8,
+        QuantKind::Q5_0 => 16,
         QuantKind::Q4_1 => 0,
         QuantKind::Q8_0 => 128,
         QuantKind::Q4K | QuantKind::Q6K => return super::kquant::rows_portable(q, x, r0, r1, out),
@@ -81,6 +82,14 @@ pub(crate) fn quant_rows_portable(
                     for (i, &v) in r[64 * t..64 * t + 64].iter().enumerate() {
                         lo[0][i] = v & 15;
                         hi[0][i] = v >> 4;
+                    }
+                }
+                if kind == QuantKind::Q5_0 {
+                    let plane = &r[Q5_HIGH..Q5_HIGH + 64];
+                    for (s, step) in codes.iter_mut().enumerate() {
+                        for (c, &h) in step.iter_mut().zip(plane) {
+                            *c |= ((h >> s) & 1) << 4;
+                        }
                     }
                 }
             }

@@ -9,13 +9,16 @@
 //! is the portable kernel's, so all paths give the same bits.
 //!
 //! Offsets are removed exactly in integers: Q4_0 codes are kept as unsigned
-//! nibbles and corrected with `8 * sum(x)`; Q8_0 codes are stored unsigned
+//! nibbles and corrected with `8 * sum(x)`, Q5_0 codes (nibbles with their
+//! fifth bits merged in) with `16 * sum(x)`; Q8_0 codes are stored unsigned
 //! (+128) and corrected with `128 * sum(x)` (VNNI), or turned back to signed
 //! with the sign folded into the activations (AVX2).
 
 #![cfg(target_arch = "x86_64")]
 
-use super::layout::{drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, QK, TILE};
+use super::layout::{
+    drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, Q5_HIGH, QK, TILE,
+};
 use std::arch::x86_64::*;
 
 /// Whether this CPU has AVX2, FMA and F16C (checked once).
@@ -95,6 +98,7 @@ fn quantize_block_avx2(xs: &[f32], dst: &mut [i8]) -> (f32, f32, i32) {
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+const Q5_0: u8 = 3;
 
 /// Most activation rows one AVX2 pass over a tile half serves (16 vector
 /// registers: a float and a 16-bit accumulator per row, plus the steps).
@@ -113,6 +117,7 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
         unsafe {
             match w.kind {
                 QuantKind::Q4_0 => avx2_go::<Q4_0>(w, x, t, i0, rr, put),
+                QuantKind::Q5_0 => avx2_go::<Q5_0>(w, x, t, i0, rr, put),
                 QuantKind::Q4_1 => avx2_go::<Q4_1>(w, x, t, i0, rr, put),
                 QuantKind::Q8_0 => avx2_go::<Q8_0>(w, x, t, i0, rr, put),
                 QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants go to simd_k"),
@@ -153,10 +158,12 @@ unsafe fn avx2_go<const K: u8>(
 /// Per block and half: Q4 steps meet each activation row's 4 bytes
 /// broadcast in `vpmaddubsw` (pairs of products of a 4-bit and an 8-bit
 /// code, at most 2 * 15 * 127), summed over the block's 8 steps exactly in
-/// 16 bits (at most 30480), then widened once; Q8_0 codes are turned back
+/// 16 bits (at most 30480), then widened once (Q5_0, 5-bit codes: every
+/// two step pairs, at most 31496); Q8_0 codes are turned back
 /// to signed (stored + 128), their sign moved onto the activations so
 /// `vpmaddubsw` sees magnitudes, and each step widened. The chains start
-/// from the offset correction (Q4_0: 8 times the block's activation sum),
+/// from the offset correction (Q4_0: 8, Q5_0: 16 times the block's
+/// activation sum),
 /// then one scaled float accumulate (two for Q4_1) per activation row.
 /// Lane l of half h is row 16t + 8h + l; the operation sequence per
 /// (row, activation row) is the same for every R.
@@ -203,6 +210,7 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                 let s = x.isum[xb[j]];
                 match K {
                     Q4_0 => _mm256_set1_epi32(-(s << 3)),
+                    Q5_0 => _mm256_set1_epi32(-(s << 4)),
                     _ => _mm256_setzero_si256(),
                 }
             });
@@ -220,21 +228,41 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                 }
             } else {
                 let mut p16 = [_mm256_setzero_si256(); R];
+                let plane = if K == Q5_0 {
+                    // SAFETY: half h of Q5_0's fifth-bit plane, which
+                    // follows the record's nibbles.
+                    unsafe { _mm256_loadu_si256(blk.add(Q5_HIGH + 32 * h) as *const __m256i) }
+                } else {
+                    _mm256_setzero_si256()
+                };
                 for u in 0..4 {
                     // SAFETY: half h of packed steps 2u, 2u + 1 lies in the
                     // record's codes.
                     let raw =
                         unsafe { _mm256_loadu_si256(blk.add(64 * u + 32 * h) as *const __m256i) };
-                    let we = _mm256_and_si256(raw, mask4);
-                    let wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
+                    let mut we = _mm256_and_si256(raw, mask4);
+                    let mut wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
+                    if K == Q5_0 {
+                        we = _mm256_or_si256(we, fifth_bits_avx2(plane, 2 * u));
+                        wo = _mm256_or_si256(wo, fifth_bits_avx2(plane, 2 * u + 1));
+                    }
                     for j in 0..R {
                         let e = _mm256_maddubs_epi16(we, xs(j, 2 * u));
                         let d = _mm256_maddubs_epi16(wo, xs(j, 2 * u + 1));
                         p16[j] = _mm256_add_epi16(p16[j], _mm256_add_epi16(e, d));
                     }
+                    // Q5_0 pairs reach 4 * 31 * 127: widen every 2 pairs.
+                    if K == Q5_0 && u % 2 == 1 {
+                        for j in 0..R {
+                            ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
+                            p16[j] = _mm256_setzero_si256();
+                        }
+                    }
                 }
-                for j in 0..R {
-                    ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
+                if K != Q5_0 {
+                    for j in 0..R {
+                        ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
+                    }
                 }
             }
             // SAFETY: the record's 16 scales follow its codes; half h is
@@ -265,6 +293,24 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
     o
 }
 
+/// Q5_0's fifth bits of step `s` from (half of) its bit plane, at bit 4
+/// of each byte (16-bit shifts; the mask drops what crosses a byte).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn fifth_bits_avx2(plane: __m256i, s: usize) -> __m256i {
+    let v = match s {
+        0 => _mm256_slli_epi16::<4>(plane),
+        1 => _mm256_slli_epi16::<3>(plane),
+        2 => _mm256_slli_epi16::<2>(plane),
+        3 => _mm256_slli_epi16::<1>(plane),
+        4 => plane,
+        5 => _mm256_srli_epi16::<1>(plane),
+        6 => _mm256_srli_epi16::<2>(plane),
+        _ => _mm256_srli_epi16::<3>(plane),
+    };
+    _mm256_and_si256(v, _mm256_set1_epi8(0x10))
+}
+
 /// How far ahead (bytes) the row-tile kernels prefetch the tile stream.
 const PREFETCH16: usize = 8192;
 
@@ -273,7 +319,7 @@ const PREFETCH16: usize = 8192;
 /// per pass over a tile.
 pub mod vnni {
     use super::super::layout::{tile_record_bytes, PlainActs, TILE};
-    use super::{drive_tiles, QuantKind, QuantWeights, Q4_0, Q4_1, Q8_0, QK};
+    use super::{drive_tiles, QuantKind, QuantWeights, Q4_0, Q4_1, Q5_0, Q5_HIGH, Q8_0, QK};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -311,6 +357,7 @@ pub mod vnni {
             unsafe {
                 match w.kind {
                     QuantKind::Q4_0 => go::<Q4_0>(w, x, t, i0, rr, put),
+                    QuantKind::Q5_0 => go::<Q5_0>(w, x, t, i0, rr, put),
                     QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, put),
                     QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, put),
                     QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants go to simd_k"),
@@ -354,7 +401,7 @@ pub mod vnni {
     /// Per block: each 64-byte step is unpacked once and met by all R
     /// activation rows (their 4 bytes broadcast); each row's integer chain
     /// starts from minus the weights' offset times the block's activation
-    /// sum (Q4_0: 8, Q8_0: 128), so it ends holding the exact block dot
+    /// sum (Q4_0: 8, Q5_0: 16, Q8_0: 128), so it ends holding the exact block dot
     /// product of all 16 rows; then one scaled float accumulate (two for
     /// Q4_1) per activation row. Lane l is row 16t + l throughout, and its
     /// result is the same chain of operations for every R.
@@ -389,11 +436,18 @@ pub mod vnni {
                 let s = x.isum[xb[j]];
                 match K {
                     Q4_0 => _mm512_set1_epi32(-(s << 3)),
+                    Q5_0 => _mm512_set1_epi32(-(s << 4)),
                     Q8_0 => _mm512_set1_epi32(-(s << 7)),
                     _ => zero,
                 }
             });
             let mut ib = [zero; R];
+            let plane = if K == Q5_0 {
+                // SAFETY: Q5_0's 64-byte fifth-bit plane follows its nibbles.
+                unsafe { ld(blk.add(Q5_HIGH)) }
+            } else {
+                zero
+            };
             // Steps in pairs (2u, 2u + 1).
             for u in 0..4 {
                 let (we, wo) = if K == Q8_0 {
@@ -404,10 +458,18 @@ pub mod vnni {
                     // SAFETY: packed steps 2u, 2u + 1 are 64 of the record's
                     // 256 code bytes.
                     let raw = unsafe { ld(blk.add(64 * u)) };
-                    (
+                    let (we, wo) = (
                         _mm512_and_si512(raw, mask4),
                         _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4),
-                    )
+                    );
+                    if K == Q5_0 {
+                        (
+                            with_fifth_bits(we, plane, 2 * u),
+                            with_fifth_bits(wo, plane, 2 * u + 1),
+                        )
+                    } else {
+                        (we, wo)
+                    }
                 };
                 for j in 0..R {
                     // SAFETY: bytes 8u..8u + 8 of activation block xb[j].
@@ -453,6 +515,25 @@ pub mod vnni {
             unsafe { _mm512_storeu_ps(o[j].as_mut_ptr(), acc[j]) };
         }
         o
+    }
+
+    /// `nibbles` (codes 0..=15) with Q5_0's fifth bits of step `s` from
+    /// its bit plane set at bit 4 of each byte: a 16-bit shift brings bit
+    /// `s` to bit 4, one ternary-logic op (`a | (b & c)`) masks it in.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn with_fifth_bits(nibbles: __m512i, plane: __m512i, s: usize) -> __m512i {
+        let v = match s {
+            0 => _mm512_slli_epi16::<4>(plane),
+            1 => _mm512_slli_epi16::<3>(plane),
+            2 => _mm512_slli_epi16::<2>(plane),
+            3 => _mm512_slli_epi16::<1>(plane),
+            4 => plane,
+            5 => _mm512_srli_epi16::<1>(plane),
+            6 => _mm512_srli_epi16::<2>(plane),
+            _ => _mm512_srli_epi16::<3>(plane),
+        };
+        _mm512_ternarylogic_epi32::<0xF8>(nibbles, v, _mm512_set1_epi8(0x10))
     }
 
     /// 64 bytes at `p`.

@@ -25,6 +25,7 @@ fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> (QMatrix, 
     let dt = match format {
         WeightFormat::Q4_0 => GgmlDType::Q4_0,
         WeightFormat::Q4_1 => GgmlDType::Q4_1,
+        WeightFormat::Q5_0 => GgmlDType::Q5_0,
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
         WeightFormat::Q4K => GgmlDType::Q4K,
         WeightFormat::Q6K => GgmlDType::Q6K,
@@ -54,6 +55,16 @@ fn ggml_block(format: WeightFormat, raw: &[u8], gb: usize) -> (f64, f64, [i32; Q
                 0.0
             };
             (f(b, 0), m, c)
+        }
+        WeightFormat::Q5_0 => {
+            let b = &raw[gb * 22..(gb + 1) * 22];
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in 0..16 {
+                let hi = |e: usize| (((qh >> e) & 1) << 4) as i32;
+                c[j] = (b[6 + j] & 15) as i32 + hi(j) - 16;
+                c[j + 16] = (b[6 + j] >> 4) as i32 + hi(j + 16) - 16;
+            }
+            (f(b, 0), 0.0, c)
         }
         WeightFormat::Q8_0 => {
             let b = &raw[gb * 34..(gb + 1) * 34];
@@ -133,17 +144,24 @@ fn assert_every_path(qm: &QMatrix, x: &[f32], n: usize, want: &[f32], scale: f32
     }
 }
 
-const FORMATS: [WeightFormat; 4] = [
+const FORMATS: [WeightFormat; 5] = [
     WeightFormat::F32,
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
+    WeightFormat::Q5_0,
     WeightFormat::Q8_0,
 ];
 
 #[test]
 fn row_tile_layout_is_a_bijection() {
-    for kind in [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0] {
-        let code_bytes = TILE * kind.block_bytes();
+    for kind in [
+        QuantKind::Q4_0,
+        QuantKind::Q4_1,
+        QuantKind::Q5_0,
+        QuantKind::Q8_0,
+    ] {
+        // Code bytes (Q5_0: its low nibbles; the fifth bits are below).
+        let code_bytes = TILE * if kind == QuantKind::Q8_0 { 32 } else { 16 };
         let mut seen = vec![0u8; code_bytes * 2];
         for l in 0..TILE {
             for e in 0..QK {
@@ -163,7 +181,19 @@ fn row_tile_layout_is_a_bijection() {
             assert_eq!(pair, want, "{kind:?}");
         }
     }
+    // Q5_0's fifth bits: one bit per (lane, element), in lane l's 4 bytes.
+    let mut seen = [0u8; 64];
+    for l in 0..TILE {
+        for e in 0..QK {
+            let (b, bit) = q5_high_at(l, e);
+            assert_eq!(b / 4, l);
+            assert_eq!(seen[b] & (1 << bit), 0, "l={l} e={e}");
+            seen[b] |= 1 << bit;
+        }
+    }
+    assert!(seen.iter().all(|&v| v == 0xff));
     assert_eq!(tile_record_bytes(QuantKind::Q4_1), 16 * 16 + 64);
+    assert_eq!(tile_record_bytes(QuantKind::Q5_0), 16 * 22);
     assert_eq!(tile_record_bytes(QuantKind::Q8_0), 16 * 32 + 32);
 }
 
