@@ -25,13 +25,18 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QMa
         (0..n).map(|_| (lcg(seed) * 127.0) as i8 as u8).collect()
     };
     match format {
-        WeightFormat::Q4K | WeightFormat::Q6K => {
+        WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => {
             let d = half::f16::from_f32(1.0 / 1024.0).to_le_bytes();
             for _ in 0..nb / 8 {
-                if format == WeightFormat::Q4K {
+                if format != WeightFormat::Q6K {
                     raw.extend_from_slice(&d);
                     raw.extend_from_slice(&d);
-                    raw.extend(bytes(140, seed));
+                    let rest = if format == WeightFormat::Q4K {
+                        140
+                    } else {
+                        172
+                    };
+                    raw.extend(bytes(rest, seed));
                 } else {
                     raw.extend(bytes(208, seed));
                     raw.extend_from_slice(&d);
@@ -61,6 +66,7 @@ fn bench(c: &mut Criterion) {
     let shapes = [
         ("ffn_down_q4_1", WeightFormat::Q4_1, 576usize, 1536usize),
         ("ffn_down_q4_k", WeightFormat::Q4K, 576, 1536),
+        ("ffn_down_q5_k", WeightFormat::Q5K, 576, 1536),
         ("ffn_down_q6_k", WeightFormat::Q6K, 576, 1536),
         ("square4096_q4_1", WeightFormat::Q4_1, 4096, 4096),
         ("square4096_q4_k", WeightFormat::Q4K, 4096, 4096),

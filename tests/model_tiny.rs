@@ -164,7 +164,7 @@ const TINY_K: common::TinySpec = common::TinySpec {
 fn gguf_k_quants_load_natively_and_match_their_f32_twin_and_candle() {
     use candle_core::quantized::{gguf_file, QTensor};
     let s = &TINY_K;
-    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
         let dir = TempDir::new(&format!("gguf-k-{dtype:?}"));
         let path = dir.0.join("tiny.gguf");
         common::write_tiny_gguf(&path, s, 2, dtype, "llama");

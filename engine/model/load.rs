@@ -1,5 +1,5 @@
 //! Loading Llama-family checkpoints: GGUF (any ggml type; Q4_0, Q4_1, Q5_0,
-//! Q8_0, Q4_K, Q6_K and F32 are kept as is, the rest dequantized to F32) and Hugging Face
+//! Q8_0, Q4_K, Q5_K, Q6_K and F32 are kept as is, the rest dequantized to F32) and Hugging Face
 //! safetensors directories (config.json + *.safetensors).
 
 use std::collections::HashMap;
@@ -185,6 +185,7 @@ impl GgufReader<'_> {
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
             // K-quants keep their super-blocks when rows are whole ones.
             GgmlDType::Q4K if cols.is_multiple_of(QK_K) => Some(WeightFormat::Q4K),
+            GgmlDType::Q5K if cols.is_multiple_of(QK_K) => Some(WeightFormat::Q5K),
             GgmlDType::Q6K if cols.is_multiple_of(QK_K) => Some(WeightFormat::Q6K),
             _ => None,
         };

@@ -1,4 +1,4 @@
-//! K-quants (ggml Q4_K and Q6_K) in the row-tile layout: repacking from
+//! K-quants (ggml Q4_K, Q5_K and Q6_K) in the row-tile layout: repacking from
 //! raw ggml super-blocks, row dequantization, and the portable kernel.
 //!
 //! One record holds one 256-element super-block of a 16-row tile:
@@ -6,6 +6,10 @@
 //! - Q4_K: codes of the 8 sub-blocks (256 bytes each), then `d` and `dmin`
 //!   (16 x f16 each), then the 6-bit sub-block scales and minimums (8 x 16
 //!   bytes each): 2,368 bytes, 148 per row and super-block (ggml: 144).
+//! - Q5_K: the Q4_K record (low 4 bits in the codes), then each
+//!   sub-block's fifth bits in 64 bytes (as Q5_0's plane: bit `s` of lane
+//!   byte `4l + k` for step `s`): 2,880 bytes, 180 per row and super-block
+//!   (ggml: 176).
 //! - Q6_K: low nibbles of the 8 sub-blocks (256 bytes each), their high 2
 //!   bits (128 bytes each), `d` (16 x f16), the 16 signed 8-bit scales of
 //!   the 16-element groups (16 x 16 bytes): 3,360 bytes, 210 per row and
@@ -23,21 +27,21 @@
 //! row, lane `l` computes, with the activation block's scale `dx`, code
 //! sum `sx` and first-half sum `hx`:
 //!
-//! - Q4_K: `ip = sum(q * x)`; `acc = fma(f32(sc) * f32(ip), d * dx, acc)`;
+//! - Q4_K and Q5_K: `ip = sum(q * x)`; `acc = fma(f32(sc) * f32(ip), d * dx, acc)`;
 //!   `acc = fnmadd(f32(m) * f32(sx), dmin * dx, acc)`.
 //! - Q6_K: `lo = sum_{e<16}(q * x) - 32 hx`, `hi = sum_{e>=16}(q * x) -
 //!   32 (sx - hx)`; `acc = fma(fma(f32(sc_hi), f32(hi), f32(sc_lo) *
 //!   f32(lo)), d * dx, acc)`.
 //!
 //! Every integer above is below 2^24 in magnitude (Q4_K: 63 * 15 * 127 *
-//! 32; Q6_K: 2 * 128 * 32 * 127 * 16), so its products and sums in f32 are
+//! 32; Q5_K: 63 * 31 * 127 * 32; Q6_K: 2 * 128 * 32 * 127 * 16), so its products and sums in f32 are
 //! exact and every path (portable, AVX2, VNNI) gets the same bits.
 
 use half::f16;
 
 use super::layout::{
-    drive_tiles, f16_bits_at, huge_page_vec, tile_code_at, PlainActs, QuantKind, QuantWeights, QK,
-    TILE,
+    drive_tiles, f16_bits_at, huge_page_vec, q5_high_at, tile_code_at, PlainActs, QuantKind,
+    QuantWeights, QK, TILE,
 };
 
 /// Elements per super-block.
@@ -51,6 +55,9 @@ pub(crate) const Q4K_D: usize = SUBS * 256;
 pub(crate) const Q4K_DMIN: usize = Q4K_D + 2 * TILE;
 pub(crate) const Q4K_SC: usize = Q4K_DMIN + 2 * TILE;
 pub(crate) const Q4K_M: usize = Q4K_SC + SUBS * TILE;
+/// Q5_K: the Q4_K record, then the fifth-bit planes (64 bytes per
+/// sub-block).
+pub(crate) const Q5K_HI: usize = Q4K_M + SUBS * TILE;
 /// Q6_K record offsets: high bits (128 bytes per sub-block), per-row `d`,
 /// the 16-element groups' scales (16 bytes per group).
 pub(crate) const Q6K_HI: usize = SUBS * 256;
@@ -61,6 +68,7 @@ pub(crate) const Q6K_SC: usize = Q6K_D + 2 * TILE;
 pub(crate) fn record_bytes(kind: QuantKind) -> usize {
     match kind {
         QuantKind::Q4K => Q4K_M + SUBS * TILE,
+        QuantKind::Q5K => Q5K_HI + SUBS * 64,
         QuantKind::Q6K => Q6K_SC + 2 * SUBS * TILE,
         _ => unreachable!("not a K-quant: {kind:?}"),
     }
@@ -75,7 +83,7 @@ pub(crate) fn q6_high_at(l: usize, e: usize) -> (usize, u32) {
 }
 
 /// One raw super-block, decoded: codes in element order (Q4_K 0..=15,
-/// Q6_K 0..=63), `d` and `dmin` as f16 bits, sub-block scales (Q4_K: 8
+/// Q5_K 0..=31, Q6_K 0..=63), `d` and `dmin` as f16 bits, sub-block scales (Q4_K: 8
 /// unsigned 6-bit; Q6_K: 16 signed, as bits) and Q4_K minimums.
 struct Super {
     codes: [u8; QK_K],
@@ -85,10 +93,11 @@ struct Super {
     m: [u8; SUBS],
 }
 
-/// Decode raw block `b` of `kind` (ggml's `block_q4_K` / `block_q6_K`).
+/// Decode raw block `b` of `kind` (ggml's `block_q4_K`, `block_q5_K`,
+/// `block_q6_K`).
 fn decode(kind: QuantKind, b: &[u8], s: &mut Super) {
     match kind {
-        QuantKind::Q4K => {
+        QuantKind::Q4K | QuantKind::Q5K => {
             s.d = f16_bits_at(b, 0);
             s.dmin = f16_bits_at(b, 2);
             let q = &b[4..16];
@@ -104,7 +113,13 @@ fn decode(kind: QuantKind, b: &[u8], s: &mut Super) {
                 s.sc[j] = sc;
                 s.m[j] = m;
             }
-            let qs = &b[16..144];
+            // Q5_K: 32 bytes of fifth bits before the nibbles; element
+            // 64j + l takes bit 2j of byte l (bit 2j + 1 for l >= 32).
+            let (qh, qs) = if kind == QuantKind::Q5K {
+                (&b[16..48], &b[48..176])
+            } else {
+                (&b[16..16], &b[16..144])
+            };
             for (e, c) in s.codes.iter_mut().enumerate() {
                 let (j, l) = (e / 64, e % 64);
                 *c = if l < 32 {
@@ -112,6 +127,10 @@ fn decode(kind: QuantKind, b: &[u8], s: &mut Super) {
                 } else {
                     qs[32 * j + l - 32] >> 4
                 };
+                if kind == QuantKind::Q5K {
+                    let bit = 2 * j + usize::from(l >= 32);
+                    *c |= ((qh[l % 32] >> bit) & 1) << 4;
+                }
             }
         }
         QuantKind::Q6K => {
@@ -159,9 +178,13 @@ pub(crate) fn build(kind: QuantKind, rows: usize, cols: usize, raw: &[u8]) -> Qu
                     let (hb, sh) = q6_high_at(l, ee);
                     dst[Q6K_HI + 128 * j + hb] |= (c >> 4) << sh;
                 }
+                if kind == QuantKind::Q5K {
+                    let (hb, bit) = q5_high_at(l, ee);
+                    dst[Q5K_HI + 64 * j + hb] |= ((c >> 4) & 1) << bit;
+                }
             }
             match kind {
-                QuantKind::Q4K => {
+                QuantKind::Q4K | QuantKind::Q5K => {
                     dst[Q4K_D + 2 * l..Q4K_D + 2 * l + 2].copy_from_slice(&s.d.to_le_bytes());
                     dst[Q4K_DMIN + 2 * l..Q4K_DMIN + 2 * l + 2]
                         .copy_from_slice(&s.dmin.to_le_bytes());
@@ -188,8 +211,8 @@ pub(crate) fn build(kind: QuantKind, rows: usize, cols: usize, raw: &[u8]) -> Qu
 }
 
 /// The codes of sub-block `j` of a record, unpacked to 8 steps of 64
-/// bytes (lane l's 4 bytes are 4 elements of row l), Q6_K with its high
-/// bits: what every path multiplies.
+/// bytes (lane l's 4 bytes are 4 elements of row l), Q5_K and Q6_K with
+/// their high bits: what every path multiplies.
 #[inline]
 fn unpack_steps(kind: QuantKind, rec: &[u8], j: usize, steps: &mut [[u8; 64]; 8]) {
     let lo = &rec[256 * j..256 * j + 256];
@@ -198,6 +221,14 @@ fn unpack_steps(kind: QuantKind, rec: &[u8], j: usize, steps: &mut [[u8; 64]; 8]
         for (i, &v) in lo[64 * u..64 * u + 64].iter().enumerate() {
             a[0][i] = v & 15;
             b[0][i] = v >> 4;
+        }
+    }
+    if kind == QuantKind::Q5K {
+        let plane = &rec[Q5K_HI + 64 * j..Q5K_HI + 64 * j + 64];
+        for (s, step) in steps.iter_mut().enumerate() {
+            for (v, &h) in step.iter_mut().zip(plane) {
+                *v |= ((h >> s) & 1) << 4;
+            }
         }
     }
     if kind == QuantKind::Q6K {
@@ -216,7 +247,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 }
 
 /// Dequantize row `r` of K-quant weights into `out` (ggml's arithmetic:
-/// Q4_K `(d * sc) * q - dmin * m`, Q6_K `(d * sc) * (q - 32)`).
+/// Q4_K and Q5_K `(d * sc) * q - dmin * m`, Q6_K `(d * sc) * (q - 32)`).
 pub(crate) fn dequantize_row(w: &QuantWeights, r: usize, out: &mut [f32]) {
     let (kind, l) = (w.kind, r % TILE);
     let rec = record_bytes(kind);
@@ -231,7 +262,7 @@ pub(crate) fn dequantize_row(w: &QuantWeights, r: usize, out: &mut [f32]) {
                 let q = steps[e / 4][4 * l + e % 4];
                 let y = &mut out[sb * QK_K + j * QK + e];
                 *y = match kind {
-                    QuantKind::Q4K => {
+                    QuantKind::Q4K | QuantKind::Q5K => {
                         let d1 = f16_at(rb, Q4K_D + 2 * l) * rb[Q4K_SC + TILE * j + l] as f32;
                         let m1 = f16_at(rb, Q4K_DMIN + 2 * l) * rb[Q4K_M + TILE * j + l] as f32;
                         d1 * q as f32 - m1
@@ -267,10 +298,11 @@ pub(crate) fn rows_portable(
         for sb in 0..nsb {
             let o = (t * nsb + sb) * rec;
             let rb = &w.qs[o..o + rec];
-            let dofs = if kind == QuantKind::Q4K { Q4K_D } else { Q6K_D };
+            let q4 = kind != QuantKind::Q6K;
+            let dofs = if q4 { Q4K_D } else { Q6K_D };
             let d: [f32; TILE] = core::array::from_fn(|l| f16_at(rb, dofs + 2 * l));
             let dmin: [f32; TILE] = core::array::from_fn(|l| {
-                if kind == QuantKind::Q4K {
+                if q4 {
                     f16_at(rb, Q4K_DMIN + 2 * l)
                 } else {
                     0.0
@@ -301,7 +333,7 @@ pub(crate) fn rows_portable(
                         }
                     }
                     for l in 0..TILE {
-                        if kind == QuantKind::Q4K {
+                        if q4 {
                             let sc = rb[Q4K_SC + TILE * j + l] as f32;
                             let m = rb[Q4K_M + TILE * j + l] as f32;
                             let ipl = (ip[0][l] + ip[1][l]) as f32;

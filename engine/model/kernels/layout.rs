@@ -27,6 +27,8 @@ pub enum WeightFormat {
     /// ggml Q4_K: 256-element super-blocks of 4-bit codes, 8 sub-blocks
     /// with 6-bit scales and minimums.
     Q4K,
+    /// ggml Q5_K: as Q4_K with 5-bit codes.
+    Q5K,
     /// ggml Q6_K: 256-element super-blocks of 6-bit codes, 16 sub-blocks
     /// with 8-bit signed scales.
     Q6K,
@@ -46,6 +48,8 @@ pub enum QuantKind {
     /// 4-bit codes; per super-block a scale and a minimum scale, per
     /// 32-element sub-block 6-bit multiples of each.
     Q4K,
+    /// As Q4K with a fifth code bit.
+    Q5K,
     /// 6-bit codes minus 32; per super-block a scale, per 16 elements a
     /// signed 8-bit multiple of it.
     Q6K,
@@ -56,7 +60,7 @@ impl QuantKind {
     pub fn block_bytes(self) -> usize {
         match self {
             QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4K => 16,
-            QuantKind::Q5_0 => 20,
+            QuantKind::Q5_0 | QuantKind::Q5K => 20,
             QuantKind::Q6K => 24,
             QuantKind::Q8_0 => 32,
         }
@@ -74,7 +78,7 @@ impl QuantKind {
 
     /// Whether this is a K-quant (records are super-blocks).
     pub fn is_k(self) -> bool {
-        matches!(self, QuantKind::Q4K | QuantKind::Q6K)
+        matches!(self, QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K)
     }
 
     /// Bytes of one raw ggml block (32 elements; 256 for K-quants).
@@ -85,6 +89,7 @@ impl QuantKind {
             QuantKind::Q5_0 => 22,
             QuantKind::Q8_0 => 34,
             QuantKind::Q4K => 144,
+            QuantKind::Q5K => 176,
             QuantKind::Q6K => 210,
         }
     }
@@ -118,7 +123,7 @@ pub const TILE: usize = 16;
 /// K-quants a super-block (`kquant` gives its layout).
 pub fn tile_record_bytes(kind: QuantKind) -> usize {
     match kind {
-        QuantKind::Q4K | QuantKind::Q6K => super::kquant::record_bytes(kind),
+        QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => super::kquant::record_bytes(kind),
         _ => TILE * kind.block_bytes() + 2 * TILE * if kind == QuantKind::Q4_1 { 2 } else { 1 },
     }
 }
@@ -236,7 +241,7 @@ impl QuantWeights {
         let offset: i16 = match self.kind {
             QuantKind::Q4_0 => 8,
             QuantKind::Q5_0 => 16,
-            QuantKind::Q4_1 | QuantKind::Q4K | QuantKind::Q6K => 0,
+            QuantKind::Q4_1 | QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => 0,
             QuantKind::Q8_0 => 128,
         };
         let rec = tile_record_bytes(self.kind);
@@ -333,6 +338,7 @@ impl QMatrix {
             WeightFormat::Q5_0 => QuantKind::Q5_0,
             WeightFormat::Q8_0 => QuantKind::Q8_0,
             WeightFormat::Q4K => QuantKind::Q4K,
+            WeightFormat::Q5K => QuantKind::Q5K,
             WeightFormat::Q6K => QuantKind::Q6K,
         };
         let unit = QK * kind.record_blocks();
@@ -384,7 +390,9 @@ impl QMatrix {
                     vals.copy_from_slice(&b[2..34]);
                     (f16_bits_at(b, 0), 0)
                 }
-                QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants are built above"),
+                QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
+                    unreachable!("K-quants are built above")
+                }
             }
         });
         Ok(Self {
@@ -403,6 +411,7 @@ impl QMatrix {
                 QuantKind::Q5_0 => WeightFormat::Q5_0,
                 QuantKind::Q8_0 => WeightFormat::Q8_0,
                 QuantKind::Q4K => WeightFormat::Q4K,
+                QuantKind::Q5K => WeightFormat::Q5K,
                 QuantKind::Q6K => WeightFormat::Q6K,
             },
         }

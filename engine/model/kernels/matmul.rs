@@ -63,7 +63,9 @@ pub(crate) fn quant_rows_portable(
         QuantKind::Q5_0 => 16,
         QuantKind::Q4_1 => 0,
         QuantKind::Q8_0 => 128,
-        QuantKind::Q4K | QuantKind::Q6K => return super::kquant::rows_portable(q, x, r0, r1, out),
+        QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
+            return super::kquant::rows_portable(q, x, r0, r1, out)
+        }
     };
     let f16_at = |b: &[u8], i: usize| f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32();
     drive_tiles(q, x, r0, r1, out, PORTABLE_MAX_ROWS, |t, i0, rr, put| {

@@ -120,7 +120,9 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
                 QuantKind::Q5_0 => avx2_go::<Q5_0>(w, x, t, i0, rr, put),
                 QuantKind::Q4_1 => avx2_go::<Q4_1>(w, x, t, i0, rr, put),
                 QuantKind::Q8_0 => avx2_go::<Q8_0>(w, x, t, i0, rr, put),
-                QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants go to simd_k"),
+                QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
+                    unreachable!("K-quants go to simd_k")
+                }
             }
         }
     });
@@ -297,7 +299,7 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
 /// of each byte (16-bit shifts; the mask drops what crosses a byte).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn fifth_bits_avx2(plane: __m256i, s: usize) -> __m256i {
+pub(crate) fn fifth_bits_avx2(plane: __m256i, s: usize) -> __m256i {
     let v = match s {
         0 => _mm256_slli_epi16::<4>(plane),
         1 => _mm256_slli_epi16::<3>(plane),
@@ -360,7 +362,9 @@ pub mod vnni {
                     QuantKind::Q5_0 => go::<Q5_0>(w, x, t, i0, rr, put),
                     QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, put),
                     QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, put),
-                    QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants go to simd_k"),
+                    QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
+                        unreachable!("K-quants go to simd_k")
+                    }
                 }
             }
         });
@@ -522,7 +526,7 @@ pub mod vnni {
     /// `s` to bit 4, one ternary-logic op (`a | (b & c)`) masks it in.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    fn with_fifth_bits(nibbles: __m512i, plane: __m512i, s: usize) -> __m512i {
+    pub(crate) fn with_fifth_bits(nibbles: __m512i, plane: __m512i, s: usize) -> __m512i {
         let v = match s {
             0 => _mm512_slli_epi16::<4>(plane),
             1 => _mm512_slli_epi16::<3>(plane),

@@ -1,4 +1,4 @@
-//! x86-64 K-quant kernels (Q4_K, Q6_K) on the super-block records of
+//! x86-64 K-quant kernels (Q4_K, Q5_K, Q6_K) on the super-block records of
 //! `kquant`: AVX2 (a tile as two 8-row halves, `vpmaddubsw`) and AVX-512
 //! VNNI (16 rows per vector, `vpdpbusd`). Each runs the per-lane sequence
 //! of `kquant`'s module comment, so both give the portable kernel's bits;
@@ -9,12 +9,15 @@
 
 use std::arch::x86_64::*;
 
-use super::kquant::{Q4K_D, Q4K_DMIN, Q4K_M, Q4K_SC, Q6K_D, Q6K_HI, Q6K_SC, SUBS};
+use super::kquant::{Q4K_D, Q4K_DMIN, Q4K_M, Q4K_SC, Q5K_HI, Q6K_D, Q6K_HI, Q6K_SC, SUBS};
 use super::layout::{drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, QK, TILE};
+use super::simd::fifth_bits_avx2;
+use super::simd::vnni::with_fifth_bits;
 
 /// Const-generic stand-ins for the K kinds.
 const Q4K: u8 = 0;
 const Q6K: u8 = 1;
+const Q5K: u8 = 2;
 
 /// How far ahead (bytes) the kernels prefetch the record stream.
 const PREFETCH: usize = 8192;
@@ -32,10 +35,10 @@ pub fn rows16_avx2(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, ou
         // SAFETY: `available()` confirmed AVX2, FMA and F16C; `drive_tiles`
         // checked that tile t and activation rows i0..i0 + rr exist.
         unsafe {
-            if w.kind == QuantKind::Q4K {
-                avx2_go::<Q4K>(w, x, t, i0, rr, put)
-            } else {
-                avx2_go::<Q6K>(w, x, t, i0, rr, put)
+            match w.kind {
+                QuantKind::Q4K => avx2_go::<Q4K>(w, x, t, i0, rr, put),
+                QuantKind::Q5K => avx2_go::<Q5K>(w, x, t, i0, rr, put),
+                _ => avx2_go::<Q6K>(w, x, t, i0, rr, put),
             }
         }
     });
@@ -110,13 +113,13 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                     _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + off) as *const i8);
                 }
             }
-            let dofs = if K == Q4K { Q4K_D } else { Q6K_D };
+            let dofs = if K != Q6K { Q4K_D } else { Q6K_D };
             // SAFETY: the record's 16 `d` (and Q4_K `dmin`) follow its
             // codes; half h is 8 of them.
             let (d, dmin) = unsafe {
                 (
                     _mm256_cvtph_ps(_mm_loadu_si128(blk.add(dofs + 16 * h) as *const __m128i)),
-                    if K == Q4K {
+                    if K != Q6K {
                         _mm256_cvtph_ps(_mm_loadu_si128(
                             blk.add(Q4K_DMIN + 16 * h) as *const __m128i
                         ))
@@ -144,22 +147,37 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                         zero
                     }
                 });
-                if K == Q4K {
+                if K != Q6K {
+                    let plane = if K == Q5K {
+                        // SAFETY: half h of sub-block j's fifth-bit plane
+                        // in the Q5_K record.
+                        unsafe { _mm256_loadu_si256(blk.add(Q5K_HI + 64 * j + 32 * h).cast()) }
+                    } else {
+                        zero
+                    };
                     let mut p16 = [zero; R];
                     for u in 0..4 {
                         // SAFETY: half h of packed steps 2u, 2u + 1 of
                         // sub-block j lies in the record's codes.
                         let raw = unsafe { _mm256_loadu_si256(lo.add(64 * u + 32 * h).cast()) };
-                        let we = _mm256_and_si256(raw, mask4);
-                        let wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
+                        let mut we = _mm256_and_si256(raw, mask4);
+                        let mut wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
+                        if K == Q5K {
+                            we = _mm256_or_si256(we, fifth_bits_avx2(plane, 2 * u));
+                            wo = _mm256_or_si256(wo, fifth_bits_avx2(plane, 2 * u + 1));
+                        }
                         for r in 0..R {
                             let e = _mm256_maddubs_epi16(we, xs(r, 2 * u));
                             let d = _mm256_maddubs_epi16(wo, xs(r, 2 * u + 1));
                             p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(e, d));
                         }
-                    }
-                    for r in 0..R {
-                        ipa[r] = _mm256_madd_epi16(p16[r], ones);
+                        // 5-bit codes: widen every two step pairs.
+                        if u == 3 || (K == Q5K && u == 1) {
+                            for r in 0..R {
+                                ipa[r] = _mm256_add_epi32(ipa[r], _mm256_madd_epi16(p16[r], ones));
+                                p16[r] = zero;
+                            }
+                        }
                     }
                 } else {
                     let hi = blk.wrapping_add(Q6K_HI + 128 * j);
@@ -206,7 +224,7 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                         _mm256_cvtepu8_epi32(v)
                     })
                 };
-                if K == Q4K {
+                if K != Q6K {
                     let sc = scales(Q4K_SC + TILE * j, false);
                     let m = scales(Q4K_M + TILE * j, false);
                     for r in 0..R {
@@ -249,10 +267,10 @@ pub fn rows16_vnni(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, ou
         // `drive_tiles` checked that tile t and activation rows
         // i0..i0 + rr exist.
         unsafe {
-            if w.kind == QuantKind::Q4K {
-                vnni_go::<Q4K>(w, x, t, i0, rr, put)
-            } else {
-                vnni_go::<Q6K>(w, x, t, i0, rr, put)
+            match w.kind {
+                QuantKind::Q4K => vnni_go::<Q4K>(w, x, t, i0, rr, put),
+                QuantKind::Q5K => vnni_go::<Q5K>(w, x, t, i0, rr, put),
+                _ => vnni_go::<Q6K>(w, x, t, i0, rr, put),
             }
         }
     });
@@ -318,12 +336,12 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
             // A prefetch never faults, whatever the address.
             _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + off) as *const i8);
         }
-        let dofs = if K == Q4K { Q4K_D } else { Q6K_D };
+        let dofs = if K != Q6K { Q4K_D } else { Q6K_D };
         // SAFETY: the record's 16 `d` (and Q4_K `dmin`) follow its codes.
         let (d, dmin) = unsafe {
             (
                 _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(dofs).cast())),
-                if K == Q4K {
+                if K != Q6K {
                     _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_DMIN).cast()))
                 } else {
                     _mm512_setzero_ps()
@@ -361,12 +379,23 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
             } else {
                 [zero; 2]
             };
+            let plane5 = if K == Q5K {
+                // SAFETY: sub-block j's 64-byte fifth-bit plane in the
+                // Q5_K record.
+                unsafe { _mm512_loadu_si512(blk.add(Q5K_HI + 64 * j).cast()) }
+            } else {
+                zero
+            };
             for u in 0..4 {
                 // SAFETY: packed steps 2u, 2u + 1 are 64 of sub-block j's
                 // 256 code bytes.
                 let raw = unsafe { _mm512_loadu_si512(lo.add(64 * u).cast()) };
                 let mut we = _mm512_and_si512(raw, mask4);
                 let mut wo = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4);
+                if K == Q5K {
+                    we = with_fifth_bits(we, plane5, 2 * u);
+                    wo = with_fifth_bits(wo, plane5, 2 * u + 1);
+                }
                 if K == Q6K {
                     let h = hr[u / 2];
                     let (he, ho) = if u % 2 == 0 {
@@ -408,7 +437,7 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
                     _mm512_cvtepu8_epi32(v)
                 })
             };
-            if K == Q4K {
+            if K != Q6K {
                 let sc = scales(Q4K_SC + TILE * j, false);
                 let m = scales(Q4K_M + TILE * j, false);
                 for r in 0..R {

@@ -28,6 +28,7 @@ fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> (QMatrix, 
         WeightFormat::Q5_0 => GgmlDType::Q5_0,
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
         WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q5K => GgmlDType::Q5K,
         WeightFormat::Q6K => GgmlDType::Q6K,
         WeightFormat::F32 => return (QMatrix::from_f32(rows, cols, w.to_vec()), Vec::new()),
     };
@@ -390,7 +391,7 @@ fn matmul_is_batch_invariant() {
 
 // ---------------------------------------------------------------- K-quants
 
-const K_FORMATS: [WeightFormat; 2] = [WeightFormat::Q4K, WeightFormat::Q6K];
+const K_FORMATS: [WeightFormat; 3] = [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
 
 /// Raw ggml K-quant blocks dequantized by candle (ggml's own decoder, not
 /// ours): the reference weights.
@@ -398,6 +399,7 @@ fn candle_dequantize(format: WeightFormat, raw: &[u8], rows: usize, cols: usize)
     use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
     let dt = match format {
         WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q5K => GgmlDType::Q5K,
         WeightFormat::Q6K => GgmlDType::Q6K,
         _ => unreachable!(),
     };
@@ -419,12 +421,17 @@ fn random_k_blocks(format: WeightFormat, rows: usize, cols: usize, seed: &mut u6
     let mut raw = Vec::new();
     for _ in 0..n {
         match format {
-            WeightFormat::Q4K => {
+            WeightFormat::Q4K | WeightFormat::Q5K => {
                 let d = f16::from_f32(0.001 + 0.01 * (byte() as f32 / 255.0));
                 let dmin = f16::from_f32(0.02 * (byte() as f32 / 255.0));
                 raw.extend(d.to_le_bytes());
                 raw.extend(dmin.to_le_bytes());
-                raw.extend((0..140).map(|_| byte()));
+                let rest = if format == WeightFormat::Q4K {
+                    140
+                } else {
+                    172
+                };
+                raw.extend((0..rest).map(|_| byte()));
             }
             _ => {
                 raw.extend((0..208).map(|_| byte()));
@@ -462,8 +469,9 @@ fn reference_k(x: &[f32], n: usize, wq: &[f32], rows: usize) -> Vec<f32> {
 #[test]
 fn k_quant_records_have_the_documented_size() {
     // Within 3% of ggml's bytes per super-block row: Q4_K 148 vs 144,
-    // Q6_K 210 vs 210.
+    // Q5_K 180 vs 176, Q6_K 210 vs 210.
     assert_eq!(tile_record_bytes(QuantKind::Q4K), 16 * 148);
+    assert_eq!(tile_record_bytes(QuantKind::Q5K), 16 * 180);
     assert_eq!(tile_record_bytes(QuantKind::Q6K), 16 * 210);
     let mut seed = 1u64;
     for format in K_FORMATS {
@@ -597,6 +605,80 @@ fn half_block_sums_match_every_quantizer() {
         for (b, &h) in a.hsum.iter().enumerate() {
             let want: i32 = a.qs[b * QK..b * QK + 16].iter().map(|&v| v as i32).sum();
             assert_eq!(h, want, "{path:?} block {b}");
+        }
+    }
+}
+
+/// Every code at its largest, against activations all at +127 or -127:
+/// the 16-bit partial sums of the AVX2 paths must not overflow (Q5_0 and
+/// Q5_K pairs of steps reach 4 * 31 * 127, Q6_K 4 * 63 * 127).
+#[test]
+fn extreme_codes_do_not_overflow_any_path() {
+    let (rows, cols) = (32usize, 512usize);
+    let d = f16::from_f32(0.01).to_le_bytes();
+    for format in [
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ] {
+        let mut raw = Vec::new();
+        let blocks = rows * cols
+            / if K_FORMATS.contains(&format) {
+                QK_K
+            } else {
+                QK
+            };
+        for _ in 0..blocks {
+            match format {
+                WeightFormat::Q8_0 => {
+                    raw.extend(d);
+                    raw.extend([0x7f; 32]);
+                }
+                WeightFormat::Q6K => {
+                    raw.extend([0xff; 192]);
+                    raw.extend([0x80; 16]); // scales -128
+                    raw.extend(d);
+                }
+                WeightFormat::Q4K | WeightFormat::Q5K => {
+                    raw.extend(d);
+                    raw.extend(d);
+                    let rest = if format == WeightFormat::Q4K {
+                        140
+                    } else {
+                        172
+                    };
+                    raw.extend(std::iter::repeat_n(0xff, rest));
+                }
+                WeightFormat::Q4_1 => {
+                    raw.extend(d);
+                    raw.extend(d); // the minimum
+                    raw.extend([0xff; 16]);
+                }
+                WeightFormat::Q5_0 => {
+                    raw.extend(d);
+                    raw.extend([0xff; 20]);
+                }
+                _ => {
+                    raw.extend(d);
+                    raw.extend([0xff; 16]);
+                }
+            }
+        }
+        let qm = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+        for sign in [1.0f32, -1.0] {
+            let n = 5;
+            let x = vec![sign; n * cols];
+            let want = if K_FORMATS.contains(&format) {
+                reference_k(&x, n, &candle_dequantize(format, &raw, rows, cols), rows)
+            } else {
+                reference(&x, n, format, &[], &raw, rows)
+            };
+            let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+            assert_every_path(&qm, &x, n, &want, scale, &format!("{format:?} x={sign}"));
         }
     }
 }
