@@ -196,6 +196,28 @@ fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
     assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
     assert!(String::from_utf8_lossy(&g.stdout).contains("Paris"));
 
+    // Q5_K_M: Q5_K where Q4_K_M has Q4_K, Q5_1 as its fallback.
+    let out5 = dir.0.join("q5km.gguf");
+    let o = specd(&[
+        "quantize",
+        "--type",
+        "q5_k_m",
+        "--out",
+        out5.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ct = gguf_file::Content::read(&mut std::fs::File::open(&out5).unwrap()).unwrap();
+    let ty = |n: &str| ct.tensor_infos[n].ggml_dtype;
+    assert_eq!(ty("blk.6.ffn_down.weight"), GgmlDType::Q5K);
+    assert_eq!(ty("blk.6.attn_q.weight"), GgmlDType::Q5_1);
+    let model = specd::model::load_model(&out5, 2).unwrap();
+    let file = std::fs::metadata(&out5).unwrap().len() as f64;
+    let w = model.weight_bytes() as f64;
+    assert!(
+        w <= file * 1.10 && w >= file * 0.8,
+        "{w} bytes in memory, file {file}"
+    );
+
     let bad = specd(&["quantize", "--type", "q3_k", "--out", out.to_str().unwrap()]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown quantization \"q3_k\""));

@@ -13,7 +13,7 @@ pub struct QuantizeArgs {
     /// Source GGUF; default: the embedded SmolLM2-135M-Instruct.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// q4_k_m (llama.cpp's mix), q4_k, q6_k, q8_0 or q4_1.
+    /// q4_k_m or q5_k_m (llama.cpp's mixes), q4_k, q6_k, q8_0 or q4_1.
     #[arg(long = "type", value_parser = Scheme::parse, default_value = "q4_k_m")]
     pub scheme: Scheme,
     /// Output GGUF file.
@@ -40,7 +40,7 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     }
     if s.fallbacks > 0 {
         println!(
-            "  {} matrices have rows that are not whole 256-element super-blocks and took the fallback type (Q6_K -> Q8_0, Q4_K -> Q5_0, as llama.cpp does)",
+            "  {} matrices have rows that are not whole 256-element super-blocks and took the fallback type (Q6_K -> Q8_0, Q4_K -> Q5_0, Q5_K -> Q5_1, as llama.cpp does)",
             s.fallbacks
         );
     }

@@ -1,5 +1,5 @@
 //! Loading Llama-family checkpoints: GGUF (any ggml type; Q4_0, Q4_1, Q5_0,
-//! Q8_0, Q4_K, Q5_K, Q6_K and F32 are kept as is, the rest dequantized to F32) and Hugging Face
+//! Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and F32 are kept as is, the rest dequantized to F32) and Hugging Face
 //! safetensors directories (config.json + *.safetensors).
 
 use std::collections::HashMap;
@@ -182,6 +182,7 @@ impl GgufReader<'_> {
             GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
             GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
             GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
+            GgmlDType::Q5_1 => Some(WeightFormat::Q5_1),
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
             // K-quants keep their super-blocks when rows are whole ones.
             GgmlDType::Q4K if cols.is_multiple_of(QK_K) => Some(WeightFormat::Q4K),

@@ -21,6 +21,8 @@ pub enum Scheme {
     /// llama.cpp's Q4_K_M: Q4_K, with Q6_K for the output head and for
     /// `attn_v` and `ffn_down` in the layers `use_more_bits` picks.
     Q4KM,
+    /// llama.cpp's Q5_K_M: as Q4_K_M with Q5_K in place of Q4_K.
+    Q5KM,
     /// Every matrix Q4_K (rows that are not whole super-blocks: Q5_0).
     Q4K,
     /// Every matrix Q6_K (rows that are not whole super-blocks: Q8_0).
@@ -35,13 +37,14 @@ impl Scheme {
     pub fn parse(s: &str) -> std::result::Result<Self, String> {
         Ok(match s.to_ascii_lowercase().as_str() {
             "q4_k_m" => Scheme::Q4KM,
+            "q5_k_m" => Scheme::Q5KM,
             "q4_k" => Scheme::Q4K,
             "q6_k" => Scheme::Q6K,
             "q8_0" => Scheme::Q8_0,
             "q4_1" => Scheme::Q4_1,
             other => {
                 return Err(format!(
-                    "unknown quantization {other:?} (use q4_k_m, q4_k, q6_k, q8_0 or q4_1)"
+                    "unknown quantization {other:?} (use q4_k_m, q5_k_m, q4_k, q6_k, q8_0 or q4_1)"
                 ))
             }
         })
@@ -51,6 +54,7 @@ impl Scheme {
     fn file_type(self) -> u32 {
         match self {
             Scheme::Q4KM => 15,
+            Scheme::Q5KM => 17,
             Scheme::Q4K => 14,
             Scheme::Q6K => 18,
             Scheme::Q8_0 => 7,
@@ -70,19 +74,21 @@ fn use_more_bits(layer: usize, layers: usize) -> bool {
 /// The type `scheme` gives the matrix `name` with rows of `cols` elements
 /// in a model of `layers` layers, and whether it is a fallback. K-quants
 /// need rows of whole 256-element super-blocks; other rows fall back as
-/// llama.cpp falls back them: Q6_K to Q8_0, Q4_K to Q5_0.
+/// llama.cpp falls back them: Q6_K to Q8_0, Q4_K to Q5_0, Q5_K to Q5_1.
 pub fn tensor_type(scheme: Scheme, name: &str, cols: usize, layers: usize) -> (GgmlDType, bool) {
     let layer = name
         .strip_prefix("blk.")
         .and_then(|r| r.split('.').next())
         .and_then(|n| n.parse::<usize>().ok());
     let want = match scheme {
-        Scheme::Q4KM => {
+        Scheme::Q4KM | Scheme::Q5KM => {
             let more = layer.is_some_and(|l| use_more_bits(l, layers));
             if name == "output.weight"
                 || (more && (name.contains(".attn_v.") || name.contains(".ffn_down.")))
             {
                 GgmlDType::Q6K
+            } else if scheme == Scheme::Q5KM {
+                GgmlDType::Q5K
             } else {
                 GgmlDType::Q4K
             }
@@ -94,10 +100,13 @@ pub fn tensor_type(scheme: Scheme, name: &str, cols: usize, layers: usize) -> (G
     };
     if cols.is_multiple_of(QK_K) {
         (want, false)
-    } else if want == GgmlDType::Q6K {
-        (GgmlDType::Q8_0, true)
     } else {
-        (GgmlDType::Q5_0, true)
+        let fallback = match want {
+            GgmlDType::Q6K => GgmlDType::Q8_0,
+            GgmlDType::Q5K => GgmlDType::Q5_1,
+            _ => GgmlDType::Q5_0,
+        };
+        (fallback, true)
     }
 }
 
@@ -204,6 +213,10 @@ mod tests {
         // Rows that are not whole super-blocks fall back.
         assert_eq!(t("blk.5.attn_v.weight", 576), (GgmlDType::Q8_0, true));
         assert_eq!(t("blk.6.attn_q.weight", 576), (GgmlDType::Q5_0, true));
+        let t5 = |name: &str, cols| tensor_type(Scheme::Q5KM, name, cols, 30);
+        assert_eq!(t5("blk.6.ffn_down.weight", 1536), (GgmlDType::Q5K, false));
+        assert_eq!(t5("blk.5.ffn_down.weight", 1536), (GgmlDType::Q6K, false));
+        assert_eq!(t5("blk.6.attn_q.weight", 576), (GgmlDType::Q5_1, true));
         assert!(Scheme::parse("Q4_K_M").is_ok());
         assert!(Scheme::parse("q3_k").unwrap_err().contains("q3_k"));
     }

@@ -23,6 +23,7 @@ pub enum WeightFormat {
     Q4_0,
     Q4_1,
     Q5_0,
+    Q5_1,
     Q8_0,
     /// ggml Q4_K: 256-element super-blocks of 4-bit codes, 8 sub-blocks
     /// with 6-bit scales and minimums.
@@ -43,6 +44,8 @@ pub enum QuantKind {
     Q4_1,
     /// 5-bit codes minus 16, scale only.
     Q5_0,
+    /// 5-bit codes, scale and minimum.
+    Q5_1,
     /// Signed bytes, scale only.
     Q8_0,
     /// 4-bit codes; per super-block a scale and a minimum scale, per
@@ -60,7 +63,7 @@ impl QuantKind {
     pub fn block_bytes(self) -> usize {
         match self {
             QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4K => 16,
-            QuantKind::Q5_0 | QuantKind::Q5K => 20,
+            QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q5K => 20,
             QuantKind::Q6K => 24,
             QuantKind::Q8_0 => 32,
         }
@@ -76,6 +79,16 @@ impl QuantKind {
         }
     }
 
+    /// Whether blocks carry a minimum (Q4_1, Q5_1).
+    pub fn has_min(self) -> bool {
+        matches!(self, QuantKind::Q4_1 | QuantKind::Q5_1)
+    }
+
+    /// Whether codes have a fifth bit in a plane (Q5_0, Q5_1).
+    pub fn has_fifth_plane(self) -> bool {
+        matches!(self, QuantKind::Q5_0 | QuantKind::Q5_1)
+    }
+
     /// Whether this is a K-quant (records are super-blocks).
     pub fn is_k(self) -> bool {
         matches!(self, QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K)
@@ -87,6 +100,7 @@ impl QuantKind {
             QuantKind::Q4_0 => 18,
             QuantKind::Q4_1 => 20,
             QuantKind::Q5_0 => 22,
+            QuantKind::Q5_1 => 24,
             QuantKind::Q8_0 => 34,
             QuantKind::Q4K => 144,
             QuantKind::Q5K => 176,
@@ -124,7 +138,7 @@ pub const TILE: usize = 16;
 pub fn tile_record_bytes(kind: QuantKind) -> usize {
     match kind {
         QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => super::kquant::record_bytes(kind),
-        _ => TILE * kind.block_bytes() + 2 * TILE * if kind == QuantKind::Q4_1 { 2 } else { 1 },
+        _ => TILE * kind.block_bytes() + 2 * TILE * if kind.has_min() { 2 } else { 1 },
     }
 }
 
@@ -217,13 +231,13 @@ impl QuantWeights {
                         QuantKind::Q8_0 => dst[i] = v ^ 0x80,
                         _ => dst[i] |= (v & 15) << if hi { 4 } else { 0 },
                     }
-                    if kind == QuantKind::Q5_0 {
+                    if kind.has_fifth_plane() {
                         let (hb, bit) = q5_high_at(l, e);
                         dst[Q5_HIGH + hb] |= ((v >> 4) & 1) << bit;
                     }
                 }
                 dst[cb + 2 * l..cb + 2 * l + 2].copy_from_slice(&db.to_le_bytes());
-                if kind == QuantKind::Q4_1 {
+                if kind.has_min() {
                     let mo = cb + 2 * TILE + 2 * l;
                     dst[mo..mo + 2].copy_from_slice(&mb.to_le_bytes());
                 }
@@ -241,7 +255,11 @@ impl QuantWeights {
         let offset: i16 = match self.kind {
             QuantKind::Q4_0 => 8,
             QuantKind::Q5_0 => 16,
-            QuantKind::Q4_1 | QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => 0,
+            QuantKind::Q4_1
+            | QuantKind::Q5_1
+            | QuantKind::Q4K
+            | QuantKind::Q5K
+            | QuantKind::Q6K => 0,
             QuantKind::Q8_0 => 128,
         };
         let rec = tile_record_bytes(self.kind);
@@ -253,7 +271,7 @@ impl QuantWeights {
                     QuantKind::Q8_0 => self.qs[o + i],
                     _ => (self.qs[o + i] >> if hi { 4 } else { 0 }) & 15,
                 };
-                if self.kind == QuantKind::Q5_0 {
+                if self.kind.has_fifth_plane() {
                     let (hb, bit) = q5_high_at(r % TILE, e);
                     v |= ((self.qs[o + Q5_HIGH + hb] >> bit) & 1) << 4;
                 }
@@ -336,6 +354,7 @@ impl QMatrix {
             WeightFormat::Q4_0 => QuantKind::Q4_0,
             WeightFormat::Q4_1 => QuantKind::Q4_1,
             WeightFormat::Q5_0 => QuantKind::Q5_0,
+            WeightFormat::Q5_1 => QuantKind::Q5_1,
             WeightFormat::Q8_0 => QuantKind::Q8_0,
             WeightFormat::Q4K => QuantKind::Q4K,
             WeightFormat::Q5K => QuantKind::Q5K,
@@ -377,14 +396,21 @@ impl QMatrix {
                     };
                     (f16_bits_at(b, 0), m)
                 }
-                QuantKind::Q5_0 => {
-                    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                QuantKind::Q5_0 | QuantKind::Q5_1 => {
+                    // Q5_1 has its minimum between the scale and `qh`.
+                    let o = if kind == QuantKind::Q5_1 { 4 } else { 2 };
+                    let qh = u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
                     for j in 0..16 {
                         let hi = |e: usize| (((qh >> e) & 1) as u8) << 4;
-                        vals[j] = (b[6 + j] & 15) | hi(j);
-                        vals[j + 16] = (b[6 + j] >> 4) | hi(j + 16);
+                        vals[j] = (b[o + 4 + j] & 15) | hi(j);
+                        vals[j + 16] = (b[o + 4 + j] >> 4) | hi(j + 16);
                     }
-                    (f16_bits_at(b, 0), 0)
+                    let m = if kind == QuantKind::Q5_1 {
+                        f16_bits_at(b, 2)
+                    } else {
+                        0
+                    };
+                    (f16_bits_at(b, 0), m)
                 }
                 QuantKind::Q8_0 => {
                     vals.copy_from_slice(&b[2..34]);
@@ -409,6 +435,7 @@ impl QMatrix {
                 QuantKind::Q4_0 => WeightFormat::Q4_0,
                 QuantKind::Q4_1 => WeightFormat::Q4_1,
                 QuantKind::Q5_0 => WeightFormat::Q5_0,
+                QuantKind::Q5_1 => WeightFormat::Q5_1,
                 QuantKind::Q8_0 => WeightFormat::Q8_0,
                 QuantKind::Q4K => WeightFormat::Q4K,
                 QuantKind::Q5K => WeightFormat::Q5K,
@@ -463,11 +490,7 @@ impl QMatrix {
                 q.row_codes(r, &mut codes);
                 for b in 0..q.nb {
                     let d = q.scale(r, b);
-                    let m = if q.kind == QuantKind::Q4_1 {
-                        q.min(r, b)
-                    } else {
-                        0.0
-                    };
+                    let m = if q.kind.has_min() { q.min(r, b) } else { 0.0 };
                     for e in 0..QK {
                         out[b * QK + e] = codes[b * QK + e] as f32 * d + m;
                     }

@@ -61,6 +61,7 @@ pub(crate) fn quant_rows_portable(
     let offset: i32 = match kind {
         QuantKind::Q4_0 => 8,
         QuantKind::Q5_0 => 16,
+        QuantKind::Q5_1 => 0,
         QuantKind::Q4_1 => 0,
         QuantKind::Q8_0 => 128,
         QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
@@ -86,7 +87,7 @@ pub(crate) fn quant_rows_portable(
                         hi[0][i] = v >> 4;
                     }
                 }
-                if kind == QuantKind::Q5_0 {
+                if kind.has_fifth_plane() {
                     let plane = &r[Q5_HIGH..Q5_HIGH + 64];
                     for (s, step) in codes.iter_mut().enumerate() {
                         for (c, &h) in step.iter_mut().zip(plane) {
@@ -97,7 +98,7 @@ pub(crate) fn quant_rows_portable(
             }
             let dw: [f32; TILE] = core::array::from_fn(|l| f16_at(r, cb + 2 * l));
             let mw: [f32; TILE] = core::array::from_fn(|l| {
-                if kind == QuantKind::Q4_1 {
+                if kind.has_min() {
                     f16_at(r, cb + 2 * TILE + 2 * l)
                 } else {
                     0.0
@@ -117,7 +118,7 @@ pub(crate) fn quant_rows_portable(
                 }
                 for l in 0..TILE {
                     acc[l] = (ip[l] as f32).mul_add(dw[l] * x.qd[xb], acc[l]);
-                    if kind == QuantKind::Q4_1 {
+                    if kind.has_min() {
                         acc[l] = mw[l].mul_add(x.qsum[xb], acc[l]);
                     }
                 }

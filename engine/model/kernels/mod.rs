@@ -6,7 +6,7 @@
 //! bit-identical whether it is computed alone or with other positions or
 //! sequences; greedy speculation relies on this for exact losslessness.
 //!
-//! Quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, and the K-quants Q4_K, Q5_K
+//! Quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the K-quants Q4_K, Q5_K
 //! and Q6_K) multiply activations quantized to 8-bit blocks of 32 (as ggml
 //! does): the integer part of each block dot product is exact, and
 //! per-block scales are accumulated in block order.

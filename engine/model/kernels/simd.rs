@@ -99,6 +99,7 @@ const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
 const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
 
 /// Most activation rows one AVX2 pass over a tile half serves (16 vector
 /// registers: a float and a 16-bit accumulator per row, plus the steps).
@@ -118,6 +119,7 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
             match w.kind {
                 QuantKind::Q4_0 => avx2_go::<Q4_0>(w, x, t, i0, rr, put),
                 QuantKind::Q5_0 => avx2_go::<Q5_0>(w, x, t, i0, rr, put),
+                QuantKind::Q5_1 => avx2_go::<Q5_1>(w, x, t, i0, rr, put),
                 QuantKind::Q4_1 => avx2_go::<Q4_1>(w, x, t, i0, rr, put),
                 QuantKind::Q8_0 => avx2_go::<Q8_0>(w, x, t, i0, rr, put),
                 QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
@@ -230,7 +232,7 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                 }
             } else {
                 let mut p16 = [_mm256_setzero_si256(); R];
-                let plane = if K == Q5_0 {
+                let plane = if K == Q5_0 || K == Q5_1 {
                     // SAFETY: half h of Q5_0's fifth-bit plane, which
                     // follows the record's nibbles.
                     unsafe { _mm256_loadu_si256(blk.add(Q5_HIGH + 32 * h) as *const __m256i) }
@@ -244,7 +246,7 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                         unsafe { _mm256_loadu_si256(blk.add(64 * u + 32 * h) as *const __m256i) };
                     let mut we = _mm256_and_si256(raw, mask4);
                     let mut wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
-                    if K == Q5_0 {
+                    if K == Q5_0 || K == Q5_1 {
                         we = _mm256_or_si256(we, fifth_bits_avx2(plane, 2 * u));
                         wo = _mm256_or_si256(wo, fifth_bits_avx2(plane, 2 * u + 1));
                     }
@@ -254,14 +256,14 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                         p16[j] = _mm256_add_epi16(p16[j], _mm256_add_epi16(e, d));
                     }
                     // Q5_0 pairs reach 4 * 31 * 127: widen every 2 pairs.
-                    if K == Q5_0 && u % 2 == 1 {
+                    if (K == Q5_0 || K == Q5_1) && u % 2 == 1 {
                         for j in 0..R {
                             ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
                             p16[j] = _mm256_setzero_si256();
                         }
                     }
                 }
-                if K != Q5_0 {
+                if K != Q5_0 && K != Q5_1 {
                     for j in 0..R {
                         ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
                     }
@@ -271,8 +273,8 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
             // 8 of them.
             let dw =
                 unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i)) };
-            let mw = if K == Q4_1 {
-                // SAFETY: Q4_1 records end with the 16 minimums.
+            let mw = if K == Q4_1 || K == Q5_1 {
+                // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
                 unsafe {
                     _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 32 + 16 * h) as *const __m128i))
                 }
@@ -282,7 +284,7 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
             for j in 0..R {
                 let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.qd[xb[j]]));
                 acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[j]), sc, acc[j]);
-                if K == Q4_1 {
+                if K == Q4_1 || K == Q5_1 {
                     acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.qsum[xb[j]]), acc[j]);
                 }
             }
@@ -321,7 +323,7 @@ const PREFETCH16: usize = 8192;
 /// per pass over a tile.
 pub mod vnni {
     use super::super::layout::{tile_record_bytes, PlainActs, TILE};
-    use super::{drive_tiles, QuantKind, QuantWeights, Q4_0, Q4_1, Q5_0, Q5_HIGH, Q8_0, QK};
+    use super::{drive_tiles, QuantKind, QuantWeights, Q4_0, Q4_1, Q5_0, Q5_1, Q5_HIGH, Q8_0, QK};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -360,6 +362,7 @@ pub mod vnni {
                 match w.kind {
                     QuantKind::Q4_0 => go::<Q4_0>(w, x, t, i0, rr, put),
                     QuantKind::Q5_0 => go::<Q5_0>(w, x, t, i0, rr, put),
+                    QuantKind::Q5_1 => go::<Q5_1>(w, x, t, i0, rr, put),
                     QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, put),
                     QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, put),
                     QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
@@ -446,7 +449,7 @@ pub mod vnni {
                 }
             });
             let mut ib = [zero; R];
-            let plane = if K == Q5_0 {
+            let plane = if K == Q5_0 || K == Q5_1 {
                 // SAFETY: Q5_0's 64-byte fifth-bit plane follows its nibbles.
                 unsafe { ld(blk.add(Q5_HIGH)) }
             } else {
@@ -466,7 +469,7 @@ pub mod vnni {
                         _mm512_and_si512(raw, mask4),
                         _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4),
                     );
-                    if K == Q5_0 {
+                    if K == Q5_0 || K == Q5_1 {
                         (
                             with_fifth_bits(we, plane, 2 * u),
                             with_fifth_bits(wo, plane, 2 * u + 1),
@@ -494,8 +497,8 @@ pub mod vnni {
             }
             // SAFETY: the record's 16 scales follow its codes.
             let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb) as *const __m256i)) };
-            let mw = if K == Q4_1 {
-                // SAFETY: Q4_1 records end with the 16 minimums.
+            let mw = if K == Q4_1 || K == Q5_1 {
+                // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
                 unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb + 32) as *const __m256i)) }
             } else {
                 _mm512_setzero_ps()
@@ -508,7 +511,7 @@ pub mod vnni {
                 };
                 let sc = _mm512_mul_ps(dw, _mm512_set1_ps(x.qd[xb[j]]));
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[j]);
-                if K == Q4_1 {
+                if K == Q4_1 || K == Q5_1 {
                     acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.qsum[xb[j]]), acc[j]);
                 }
             }

@@ -26,6 +26,7 @@ fn pack(format: WeightFormat, w: &[f32], rows: usize, cols: usize) -> (QMatrix, 
         WeightFormat::Q4_0 => GgmlDType::Q4_0,
         WeightFormat::Q4_1 => GgmlDType::Q4_1,
         WeightFormat::Q5_0 => GgmlDType::Q5_0,
+        WeightFormat::Q5_1 => GgmlDType::Q5_1,
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
         WeightFormat::Q4K => GgmlDType::Q4K,
         WeightFormat::Q5K => GgmlDType::Q5K,
@@ -57,15 +58,18 @@ fn ggml_block(format: WeightFormat, raw: &[u8], gb: usize) -> (f64, f64, [i32; Q
             };
             (f(b, 0), m, c)
         }
-        WeightFormat::Q5_0 => {
-            let b = &raw[gb * 22..(gb + 1) * 22];
-            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            // Q5_0: d, qh, qs; Q5_1: d, m, qh, qs (codes not offset).
+            let q51 = format == WeightFormat::Q5_1;
+            let (size, o, off) = if q51 { (24, 4, 0) } else { (22, 2, 16) };
+            let b = &raw[gb * size..(gb + 1) * size];
+            let qh = u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
             for j in 0..16 {
                 let hi = |e: usize| (((qh >> e) & 1) << 4) as i32;
-                c[j] = (b[6 + j] & 15) as i32 + hi(j) - 16;
-                c[j + 16] = (b[6 + j] >> 4) as i32 + hi(j + 16) - 16;
+                c[j] = (b[o + 4 + j] & 15) as i32 + hi(j) - off;
+                c[j + 16] = (b[o + 4 + j] >> 4) as i32 + hi(j + 16) - off;
             }
-            (f(b, 0), 0.0, c)
+            (f(b, 0), if q51 { f(b, 2) } else { 0.0 }, c)
         }
         WeightFormat::Q8_0 => {
             let b = &raw[gb * 34..(gb + 1) * 34];
@@ -145,11 +149,12 @@ fn assert_every_path(qm: &QMatrix, x: &[f32], n: usize, want: &[f32], scale: f32
     }
 }
 
-const FORMATS: [WeightFormat; 5] = [
+const FORMATS: [WeightFormat; 6] = [
     WeightFormat::F32,
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q5_0,
+    WeightFormat::Q5_1,
     WeightFormat::Q8_0,
 ];
 
@@ -159,6 +164,7 @@ fn row_tile_layout_is_a_bijection() {
         QuantKind::Q4_0,
         QuantKind::Q4_1,
         QuantKind::Q5_0,
+        QuantKind::Q5_1,
         QuantKind::Q8_0,
     ] {
         // Code bytes (Q5_0: its low nibbles; the fifth bits are below).
@@ -195,6 +201,7 @@ fn row_tile_layout_is_a_bijection() {
     assert!(seen.iter().all(|&v| v == 0xff));
     assert_eq!(tile_record_bytes(QuantKind::Q4_1), 16 * 16 + 64);
     assert_eq!(tile_record_bytes(QuantKind::Q5_0), 16 * 22);
+    assert_eq!(tile_record_bytes(QuantKind::Q5_1), 16 * 24);
     assert_eq!(tile_record_bytes(QuantKind::Q8_0), 16 * 32 + 32);
 }
 
@@ -205,9 +212,16 @@ fn repacked_rows_dequantize_exactly_like_ggml() {
         for &(rows, cols) in &[(3usize, 96usize), (2, 576), (2, 800), (1, 1536), (19, 64)] {
             let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
             let (qm, raw) = pack(format, &w, rows, cols);
+            // ggml's own decoder (through candle) agrees bit for bit too.
+            let candle = candle_dequantize(format, &raw, rows, cols);
             let mut row = vec![0f32; cols];
             for r in 0..rows {
                 qm.dequantize_row(r, &mut row);
+                assert_eq!(
+                    row[..],
+                    candle[r * cols..(r + 1) * cols],
+                    "{format:?} r={r}"
+                );
                 for b in 0..cols / QK {
                     let (d, m, c) = ggml_block(format, &raw, r * cols / QK + b);
                     for e in 0..QK {
@@ -393,15 +407,20 @@ fn matmul_is_batch_invariant() {
 
 const K_FORMATS: [WeightFormat; 3] = [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
 
-/// Raw ggml K-quant blocks dequantized by candle (ggml's own decoder, not
-/// ours): the reference weights.
+/// Raw ggml blocks dequantized by candle (ggml's own decoder, not ours):
+/// the reference weights.
 fn candle_dequantize(format: WeightFormat, raw: &[u8], rows: usize, cols: usize) -> Vec<f32> {
     use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
     let dt = match format {
+        WeightFormat::Q4_0 => GgmlDType::Q4_0,
+        WeightFormat::Q4_1 => GgmlDType::Q4_1,
+        WeightFormat::Q5_0 => GgmlDType::Q5_0,
+        WeightFormat::Q5_1 => GgmlDType::Q5_1,
+        WeightFormat::Q8_0 => GgmlDType::Q8_0,
         WeightFormat::Q4K => GgmlDType::Q4K,
         WeightFormat::Q5K => GgmlDType::Q5K,
         WeightFormat::Q6K => GgmlDType::Q6K,
-        _ => unreachable!(),
+        WeightFormat::F32 => unreachable!(),
     };
     let q = qtensor_from_ggml(dt, raw, vec![rows, cols], &candle_core::Device::Cpu).unwrap();
     q.dequantize(&candle_core::Device::Cpu)
@@ -620,6 +639,7 @@ fn extreme_codes_do_not_overflow_any_path() {
         WeightFormat::Q4_0,
         WeightFormat::Q4_1,
         WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
         WeightFormat::Q8_0,
         WeightFormat::Q4K,
         WeightFormat::Q5K,
@@ -660,6 +680,11 @@ fn extreme_codes_do_not_overflow_any_path() {
                 }
                 WeightFormat::Q5_0 => {
                     raw.extend(d);
+                    raw.extend([0xff; 20]);
+                }
+                WeightFormat::Q5_1 => {
+                    raw.extend(d);
+                    raw.extend(d); // the minimum
                     raw.extend([0xff; 20]);
                 }
                 _ => {
