@@ -409,9 +409,20 @@ weight = 1.0
         );
         assert_eq!(r.status, 200, "{}", r.body);
     }
-    let r = d.request("GET", "/v1/speculation/stats", None, &[]);
-    assert_eq!(r.status, 200);
-    let s = r.json();
+    // A shadow scores a request when the drafter hears it ended: in the
+    // engine step after its last token, which may run just after the
+    // response. Read the stats until that step has run (bounded).
+    let stats = || {
+        let r = d.request("GET", "/v1/speculation/stats", None, &[]);
+        assert_eq!(r.status, 200);
+        r.json()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut s = stats();
+    while s["shadows"]["suffix"]["requests"] != 12 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        s = stats();
+    }
     let (a, b) = (&s["arms"]["A"], &s["arms"]["B"]);
     assert_eq!(
         a["requests"].as_u64().unwrap() + b["requests"].as_u64().unwrap(),
