@@ -155,19 +155,26 @@ fn batch_mode_times_each_request_on_its_own_timeline() {
 fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
     use candle_core::quantized::{gguf_file, GgmlDType};
     let dir = common::TempDir::new("cli-quantize");
-    let out = dir.0.join("q4km.gguf");
-    let o = specd(&[
-        "quantize",
-        "--type",
-        "q4_k_m",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8_lossy(&o.stdout);
+    // Quantize the default model to `scheme`: the file's type of each
+    // tensor, after checking that it loads with its weights in memory
+    // within 10% of the file.
+    let quantize = |scheme: &str| {
+        let out = dir.0.join(format!("{scheme}.gguf"));
+        let o = specd(&["quantize", "--type", scheme, "--out", out.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let model = specd::model::load_model(&out, 2).unwrap();
+        let file = std::fs::metadata(&out).unwrap().len() as f64;
+        let w = model.weight_bytes() as f64;
+        assert!(
+            w <= file * 1.10 && w >= file * 0.8,
+            "{scheme}: {w} bytes in memory, file {file}"
+        );
+        let ct = gguf_file::Content::read(&mut std::fs::File::open(&out).unwrap()).unwrap();
+        let types = move |n: &str| ct.tensor_infos[n].ggml_dtype;
+        (out, String::from_utf8_lossy(&o.stdout).into_owned(), types)
+    };
+    let (out, stdout, ty) = quantize("q4_k_m");
     assert!(stdout.contains("Q4K") && stdout.contains("Q6K"), "{stdout}");
-    let ct = gguf_file::Content::read(&mut std::fs::File::open(&out).unwrap()).unwrap();
-    let ty = |n: &str| ct.tensor_infos[n].ggml_dtype;
     // SmolLM2-135M: ffn_down rows (1536) are whole super-blocks, Q6_K in
     // use_more_bits layers (0, 5) and Q4_K elsewhere; 576-wide rows fall
     // back as llama.cpp's do (Q4_K to Q5_0, Q6_K to Q8_0).
@@ -176,14 +183,6 @@ fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
     assert_eq!(ty("blk.6.ffn_down.weight"), GgmlDType::Q4K);
     assert_eq!(ty("blk.6.attn_q.weight"), GgmlDType::Q5_0);
     assert_eq!(ty("blk.5.attn_v.weight"), GgmlDType::Q8_0);
-
-    let model = specd::model::load_model(&out, 2).unwrap();
-    let file = std::fs::metadata(&out).unwrap().len() as f64;
-    let w = model.weight_bytes() as f64;
-    assert!(
-        w <= file * 1.10 && w >= file * 0.8,
-        "{w} bytes in memory, file {file}"
-    );
     let g = specd(&[
         "generate",
         "--model",
@@ -197,26 +196,9 @@ fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
     assert!(String::from_utf8_lossy(&g.stdout).contains("Paris"));
 
     // Q5_K_M: Q5_K where Q4_K_M has Q4_K, Q5_1 as its fallback.
-    let out5 = dir.0.join("q5km.gguf");
-    let o = specd(&[
-        "quantize",
-        "--type",
-        "q5_k_m",
-        "--out",
-        out5.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let ct = gguf_file::Content::read(&mut std::fs::File::open(&out5).unwrap()).unwrap();
-    let ty = |n: &str| ct.tensor_infos[n].ggml_dtype;
+    let (_, _, ty) = quantize("q5_k_m");
     assert_eq!(ty("blk.6.ffn_down.weight"), GgmlDType::Q5K);
     assert_eq!(ty("blk.6.attn_q.weight"), GgmlDType::Q5_1);
-    let model = specd::model::load_model(&out5, 2).unwrap();
-    let file = std::fs::metadata(&out5).unwrap().len() as f64;
-    let w = model.weight_bytes() as f64;
-    assert!(
-        w <= file * 1.10 && w >= file * 0.8,
-        "{w} bytes in memory, file {file}"
-    );
 
     let bad = specd(&["quantize", "--type", "q3_k", "--out", out.to_str().unwrap()]);
     assert!(!bad.status.success());
