@@ -114,7 +114,7 @@ impl QuantKind {
 //
 // Rows are taken 16 at a time (a tile; the last one padded with zero rows).
 // For each tile and block, one record holds the codes, then the 16 rows'
-// scales (f16), then for Q4_1 their minimums: the codes are 8 steps of 64
+// scales (f16), then for Q4_1 / Q5_1 their minimums: the codes are 8 steps of 64
 // bytes in which 4-byte lane `l` holds elements `4s..4s + 4` of row `l`'s
 // block (Q4: two steps share 64 packed bytes, low nibbles the even step;
 // Q8_0 codes are stored as `q + 128`). One AVX-512 `vpdpbusd` of a step
@@ -285,7 +285,7 @@ impl QuantWeights {
         f16::from_bits(self.meta(r, b, 0)).to_f32()
     }
 
-    /// Minimum of block `b` of row `r` (Q4_1).
+    /// Minimum of block `b` of row `r` (Q4_1, Q5_1).
     fn min(&self, r: usize, b: usize) -> f32 {
         f16::from_bits(self.meta(r, b, 1)).to_f32()
     }

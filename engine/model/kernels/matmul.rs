@@ -47,7 +47,7 @@ const PORTABLE_MAX_ROWS: usize = 4;
 /// to unsigned codes and met by every activation row in 16 integer lanes
 /// (one per output row), starting from the offset correction; then per lane
 /// `acc = fma(float(sum), d_w * d_x, acc)` (and `fma(m_w, s_x, acc)` for
-/// Q4_1): the SIMD paths' sequence, so all paths agree bit for bit.
+/// Q4_1 and Q5_1): the SIMD paths' sequence, so all paths agree bit for bit.
 pub(crate) fn quant_rows_portable(
     q: &QuantWeights,
     x: &PlainActs<'_>,

@@ -168,7 +168,8 @@ unsafe fn avx2_go<const K: u8>(
 /// `vpmaddubsw` sees magnitudes, and each step widened. The chains start
 /// from the offset correction (Q4_0: 8, Q5_0: 16 times the block's
 /// activation sum),
-/// then one scaled float accumulate (two for Q4_1) per activation row.
+/// then one scaled float accumulate (two for Q4_1 and Q5_1) per activation
+/// row.
 /// Lane l of half h is row 16t + 8h + l; the operation sequence per
 /// (row, activation row) is the same for every R.
 ///
@@ -410,7 +411,7 @@ pub mod vnni {
     /// starts from minus the weights' offset times the block's activation
     /// sum (Q4_0: 8, Q5_0: 16, Q8_0: 128), so it ends holding the exact block dot
     /// product of all 16 rows; then one scaled float accumulate (two for
-    /// Q4_1) per activation row. Lane l is row 16t + l throughout, and its
+    /// Q4_1 and Q5_1) per activation row. Lane l is row 16t + l throughout, and its
     /// result is the same chain of operations for every R.
     ///
     /// # Safety
