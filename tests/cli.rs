@@ -204,3 +204,60 @@ fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown quantization \"q3_k\""));
 }
+
+/// `bench-model --cold` times forwards that stream the weights from memory
+/// and prices decode against the streaming bandwidth; without it, decode
+/// is priced against re-reading a buffer the size of the weights.
+#[test]
+fn bench_model_cold_streams_the_weights_and_says_so() {
+    use candle_core::quantized::GgmlDType;
+    let dir = common::TempDir::new("cli-bench-cold");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &common::TINY, 3, GgmlDType::Q8_0, "llama");
+    let bench = |cold: bool| {
+        let mut args = vec![
+            "bench-model",
+            "--model",
+            path.to_str().unwrap(),
+            "--threads",
+            "2",
+            "--prefill",
+            "8",
+            "--decode",
+            "4",
+            "--context",
+            "16",
+            "--ks",
+            "1,2",
+            "--trees",
+            "3",
+            "--reps",
+            "2",
+            "--json",
+        ];
+        if cold {
+            args.push("--cold");
+        }
+        let o = specd(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["model"].clone()
+    };
+    for cold in [false, true] {
+        let m = bench(cold);
+        assert_eq!(m["cold"], serde_json::json!(cold));
+        let f = |k: &str| m[k].as_f64().unwrap();
+        let gb_s = if cold {
+            f("read_gb_s")
+        } else {
+            f("weights_read_gb_s")
+        };
+        let limit = gb_s * 1e9 / f("weight_bytes");
+        assert!((f("decode_limit_tok_s") / limit - 1.0).abs() < 1e-9, "{m}");
+        assert!(f("decode_tok_s") > 0.0, "{m}");
+        let verify = m["verify"].as_array().unwrap();
+        assert_eq!(verify.len(), 2, "{m}");
+        assert!(verify.iter().all(|r| r[1].as_f64().unwrap() > 0.0), "{m}");
+        assert_eq!(m["tree_verify"].as_array().unwrap().len(), 1, "{m}");
+    }
+}

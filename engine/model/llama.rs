@@ -176,6 +176,27 @@ impl Model {
         total
     }
 
+    /// Drop every weight from the CPU caches, so the next forward reads
+    /// them from memory (benchmarks; see [`kernels::evict_from_caches`]).
+    /// Returns whether this CPU could.
+    pub fn evict_weights_from_caches(&self) -> bool {
+        use rayon::prelude::*;
+        let w = &self.weights;
+        let mut mats: Vec<&QMatrix> = vec![&w.embed];
+        mats.extend(&w.output);
+        let mut vecs: Vec<&[f32]> = vec![&w.norm];
+        for l in &w.layers {
+            mats.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+            vecs.extend([&l.attn_norm[..], &l.ffn_norm[..]]);
+            vecs.extend([&l.bq, &l.bk, &l.bv].into_iter().flatten().map(|b| &b[..]));
+        }
+        // On the compute threads, as a forward would run.
+        self.pool.install(|| {
+            mats.par_iter().all(|m| m.evict_from_caches())
+                & vecs.par_iter().all(|v| kernels::evict_from_caches(v))
+        })
+    }
+
     /// The quantized-kernel implementation this model runs.
     pub fn kernel_path(&self) -> kernels::KernelPath {
         self.kernel_path

@@ -452,6 +452,15 @@ impl QMatrix {
         }
     }
 
+    /// Drop this matrix from the CPU caches (see
+    /// [`super::evict_from_caches`]).
+    pub fn evict_from_caches(&self) -> bool {
+        match &self.data {
+            WeightData::F32(v) => super::evict_from_caches(v),
+            WeightData::Quant(q) => super::evict_from_caches(&q.qs),
+        }
+    }
+
     /// This matrix quantized to Q8_0 (ggml rounding: per-block scale
     /// amax / 127 stored as f16), if it is F32 with rows of whole blocks.
     pub fn to_q8_0(&self) -> Option<QMatrix> {

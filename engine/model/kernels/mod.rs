@@ -39,4 +39,4 @@ pub use layout::{
     tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightFormat, QK, TILE,
 };
 pub use matmul::{matmul_many, matmul_swiglu, wants_q8};
-pub use path::KernelPath;
+pub use path::{evict_from_caches, KernelPath};

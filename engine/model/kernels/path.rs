@@ -44,3 +44,37 @@ impl KernelPath {
         v
     }
 }
+
+/// Write back and drop every cache line holding part of `data` from every
+/// level of this CPU's caches (`clflush`), so the next read comes from
+/// memory. Benchmarks use it, on a machine whose caches would hold the
+/// weights, to time forwards that stream them from memory, as on a
+/// machine whose last-level cache is far smaller than the model. Returns
+/// whether this CPU could do it (x86-64 only; elsewhere nothing happens).
+pub fn evict_from_caches<T>(data: &[T]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_clflush, _mm_mfence};
+        let p = data.as_ptr() as *const u8;
+        let len = std::mem::size_of_val(data);
+        // An empty slice's pointer may be dangling: touch nothing.
+        let end = p as usize + len;
+        let mut a = if len == 0 { end } else { (p as usize) & !63 };
+        while a < end {
+            // SAFETY: `clflush` is SSE2 (part of every x86-64 CPU); the
+            // line at `a` holds at least one byte of the non-empty `data`,
+            // which is borrowed and so mapped; flushing changes no value.
+            unsafe { _mm_clflush(a as *const u8) };
+            a += 64;
+        }
+        // SAFETY: `mfence` is SSE2; it only orders the flushes before
+        // later loads.
+        unsafe { _mm_mfence() };
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = data;
+        false
+    }
+}

@@ -707,3 +707,42 @@ fn extreme_codes_do_not_overflow_any_path() {
         }
     }
 }
+
+/// Evicting weights from the caches (`bench-model --cold`) leaves every
+/// byte as it was: a matmul after eviction gives the same bits, on every
+/// path, for a whole matrix, an unaligned slice and an empty one.
+#[test]
+fn evicting_weights_from_the_caches_changes_no_result() {
+    let mut seed = 11u64;
+    let (rows, cols) = (48, 96);
+    let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+    let x: Vec<f32> = (0..3 * cols).map(|_| lcg(&mut seed)).collect();
+    let on_x86 = cfg!(target_arch = "x86_64");
+    for path in KernelPath::supported() {
+        for format in [WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::F32] {
+            let m = match format {
+                WeightFormat::F32 => QMatrix::from_f32(rows, cols, w.clone()),
+                f => pack(f, &w, rows, cols).0,
+            };
+            let mut a = Activations::new(path);
+            a.prepare(&x, 3, cols, wants_q8(&m));
+            let run = || {
+                let mut out = Vec::new();
+                matmul_many(&a, &[&m], &mut [&mut out]);
+                out
+            };
+            let before = run();
+            assert_eq!(m.evict_from_caches(), on_x86);
+            assert_eq!(evict_from_caches(&x[1..x.len() - 1]), on_x86);
+            assert_eq!(evict_from_caches::<f32>(&[]), on_x86);
+            let after = run();
+            assert!(
+                before
+                    .iter()
+                    .zip(&after)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{path:?} {format:?}"
+            );
+        }
+    }
+}
