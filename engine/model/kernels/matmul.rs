@@ -191,6 +191,27 @@ pub(crate) fn task_segments(
     (bounds, segs)
 }
 
+/// Run `f` on two `len`-float scratch buffers of this thread, reused
+/// across tasks (a forward runs thousands of tasks; allocating and zeroing
+/// their buffers cost about 5% of a decode step). Their contents are stale:
+/// `matmul_rows` writes every element it is given before anything reads it.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+            const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    // Taken out of the cell, so a nested use (none today) would get fresh
+    // buffers rather than a borrow panic.
+    let (mut a, mut b) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    if a.len() < len {
+        a.resize(len, 0.0);
+        b.resize(len, 0.0);
+    }
+    let r = f(&mut a[..len], &mut b[..len]);
+    SCRATCH.with(|s| *s.borrow_mut() = (a, b));
+    r
+}
+
 /// A parallel task: weight `wi`, its rows `r0..r1`, and the `n` output
 /// segments (one per activation row) those rows fill.
 type Job<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
@@ -217,11 +238,12 @@ pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>])
     }
     jobs.into_par_iter().for_each(|(wi, r0, r1, mut segs)| {
         let nr = r1 - r0;
-        let mut buf = vec![0f32; nr * n];
-        matmul_rows(a, ws[wi], r0, r1, &mut buf);
-        for (i, seg) in segs.iter_mut().enumerate() {
-            seg.copy_from_slice(&buf[i * nr..(i + 1) * nr]);
-        }
+        with_scratch(nr * n, |buf, _| {
+            matmul_rows(a, ws[wi], r0, r1, buf);
+            for (i, seg) in segs.iter_mut().enumerate() {
+                seg.copy_from_slice(&buf[i * nr..(i + 1) * nr]);
+            }
+        });
     });
 }
 
@@ -248,14 +270,14 @@ pub fn matmul_swiglu(a: &Activations, gate: &QMatrix, up: &QMatrix, out: &mut Ve
         .zip(segs)
         .for_each(|((r0, r1), mut segs)| {
             let nr = r1 - r0;
-            let mut g = vec![0f32; nr * n];
-            let mut u = vec![0f32; nr * n];
-            matmul_rows(a, gate, r0, r1, &mut g);
-            matmul_rows(a, up, r0, r1, &mut u);
-            silu_mul(&mut g, &u);
-            for (i, seg) in segs.iter_mut().enumerate() {
-                seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);
-            }
+            with_scratch(nr * n, |g, u| {
+                matmul_rows(a, gate, r0, r1, g);
+                matmul_rows(a, up, r0, r1, u);
+                silu_mul(g, u);
+                for (i, seg) in segs.iter_mut().enumerate() {
+                    seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);
+                }
+            });
         });
 }
 
