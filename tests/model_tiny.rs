@@ -582,3 +582,59 @@ fn long_context_split_attention_matches_reference_and_is_batch_invariant() {
         "verify forward differs from step-by-step decoding"
     );
 }
+
+/// Forwards run from several threads at once on one model (one compute
+/// pool) all finish, and each gives the bits it gives alone: the pool's
+/// helpers (threads that spin for a forward's tasks) never wait on a
+/// forward that waits on them.
+#[test]
+fn concurrent_forwards_on_one_model_finish_and_match_sequential() {
+    // Large enough that every parallel region has several tasks to steal.
+    const SPEC: common::TinySpec = common::TinySpec {
+        vocab: 1024,
+        hidden: 256,
+        intermediate: 1024,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        max_seq: 256,
+    };
+    let dir = TempDir::new("concurrent");
+    let path = dir.0.join("m.gguf");
+    common::write_tiny_gguf(&path, &SPEC, 5, GgmlDType::Q4_1, "llama");
+    let model = std::sync::Arc::new(load_model(&path, 2).unwrap());
+    fn run(m: &Model, s: usize) -> Vec<f32> {
+        let toks: Vec<u32> = (0..12 + 9 * s)
+            .map(|i| ((i * 13 + s * 7) % 1000) as u32 + 3)
+            .collect();
+        let mut c = m.new_cache();
+        let (head, tail) = toks.split_at(toks.len() - 3);
+        m.forward_one(&mut c, head, Logits::None).unwrap();
+        m.forward_one(&mut c, tail, Logits::All).unwrap().logits
+    }
+    let alone: Vec<Vec<f32>> = (0..6).map(|s| run(&model, s)).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for t in 0..4 {
+        let (m, tx) = (model.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let got: Vec<Vec<f32>> = (0..30).map(|i| run(&m, (t + i) % 6)).collect();
+            tx.send((t, got)).unwrap();
+        });
+    }
+    drop(tx);
+    for _ in 0..4 {
+        let (t, got) = rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .expect("concurrent forwards did not finish");
+        for (i, logits) in got.iter().enumerate() {
+            let s = (t + i) % 6;
+            assert!(
+                logits
+                    .iter()
+                    .zip(&alone[s])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "thread {t}, sequence {s}"
+            );
+        }
+    }
+}

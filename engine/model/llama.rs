@@ -6,6 +6,8 @@
 //! or every input position, plus hidden states of requested layers.
 
 pub use super::attention::TreeMask;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::attention::{AttentionPlan, Dims, SeqRows};
 use super::kernels::{self, Activations, QMatrix};
 use super::kv::{KvCache, KvDtype};
@@ -248,8 +250,23 @@ impl Model {
         seqs: &mut [ForwardInput<'_>],
         hidden_layers: &[usize],
     ) -> Result<Vec<ForwardOutput>> {
-        self.pool
-            .install(|| self.forward_inner(seqs, hidden_layers))
+        self.pool.install(|| {
+            let helpers = self.pool.current_num_threads().saturating_sub(1);
+            if helpers == 0 || IN_FORWARD.with(|f| f.get()) {
+                return self.forward_inner(seqs, hidden_layers);
+            }
+            let done = AtomicBool::new(false);
+            let mut out = None;
+            rayon::scope(|s| {
+                for _ in 0..helpers {
+                    s.spawn(|_| keep_helping(&done));
+                }
+                let _running = InForward::enter();
+                out = Some(self.forward_inner(seqs, hidden_layers));
+                done.store(true, Ordering::Release);
+            });
+            out.unwrap_or_else(|| Err(SpecdError::InvalidRequest("forward did not run".into())))
+        })
     }
 
     fn forward_inner(
@@ -487,6 +504,69 @@ fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
             for (v, bv) in row.iter_mut().zip(b) {
                 *v += bv;
             }
+        }
+    }
+}
+
+thread_local! {
+    /// Set on the thread running a forward's serial part (`forward_inner`).
+    static IN_FORWARD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as running a forward until dropped (also when the
+/// forward panics).
+struct InForward;
+
+impl InForward {
+    fn enter() -> Self {
+        IN_FORWARD.with(|f| f.set(true));
+        InForward
+    }
+}
+
+impl Drop for InForward {
+    fn drop(&mut self) {
+        IN_FORWARD.with(|f| f.set(false));
+    }
+}
+
+/// How long a helper waits without finding a task before it leaves the
+/// forward to rayon's usual sleep (a long serial stretch, or a forward
+/// whose tasks another helper takes).
+const HELP_IDLE: std::time::Duration = std::time::Duration::from_micros(500);
+
+/// A compute thread's part of a forward that another thread runs: take
+/// the forward's parallel tasks as soon as they exist, spinning between
+/// them, until the forward is `done` or no task came for `HELP_IDLE`.
+/// Rayon puts an idle thread to sleep after a few microseconds and wakes
+/// it for the next parallel region; that wake-up, about 150 times a
+/// forward, left one thread working alone at the start of each region.
+///
+/// *Invariant:* a helper never waits unboundedly. It returns at once on
+/// a thread that is itself running a forward (which may have picked the
+/// helper up while waiting inside its own, or another concurrent,
+/// forward), and after `HELP_IDLE` without work otherwise, so a helper
+/// stacked above a task another forward needs holds it up by at most that.
+fn keep_helping(done: &AtomicBool) {
+    if IN_FORWARD.with(|f| f.get()) {
+        return;
+    }
+    let mut idle_since: Option<std::time::Instant> = None;
+    let mut spins = 0u32;
+    while !done.load(Ordering::Acquire) {
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => idle_since = None,
+            Some(rayon::Yield::Idle) => {
+                std::hint::spin_loop();
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) {
+                    let since = *idle_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() > HELP_IDLE {
+                        return;
+                    }
+                }
+            }
+            None => return,
         }
     }
 }
