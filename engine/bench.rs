@@ -100,7 +100,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Deterministic pseudo-text token ids (avoid specials at the bottom:
 /// ids from 100, or from half the vocabulary when it is that small).
-fn tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
+pub fn tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
     let lo = 100.min(vocab as u64 / 2);
     let mut x = salt.wrapping_mul(2654435761).wrapping_add(1);
     (0..n)

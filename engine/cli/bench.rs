@@ -117,11 +117,7 @@ fn sampled_decode(
     let text = "Write a Python function that returns the n-th Fibonacci number, then explain how it works step by step.";
     let prompt = match &tok {
         Some(t) => super::encode_prompt(t, text, true)?,
-        None => {
-            let v = model.config.vocab_size as u32;
-            let lo = 100.min(v / 2);
-            (0..24u32).map(|i| lo + i * 37 % (v - lo).max(1)).collect()
-        }
+        None => specd::bench::tokens(24, model.config.vocab_size, 5),
     };
     let tok = tok.map(std::sync::Arc::new);
     let make = || cfg.build_drafter(&model, tok.clone());

@@ -39,6 +39,22 @@ pub struct Weights {
     pub output: Option<QMatrix>,
 }
 
+impl Weights {
+    /// Every matrix (the output head once, if tied) and every vector
+    /// (norms, biases) the model holds.
+    fn parts(&self) -> (Vec<&QMatrix>, Vec<&[f32]>) {
+        let mut mats: Vec<&QMatrix> = vec![&self.embed];
+        mats.extend(&self.output);
+        let mut vecs: Vec<&[f32]> = vec![&self.norm];
+        for l in &self.layers {
+            mats.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+            vecs.extend([&l.attn_norm[..], &l.ffn_norm[..]]);
+            vecs.extend([&l.bq, &l.bk, &l.bv].into_iter().flatten().map(|b| &b[..]));
+        }
+        (mats, vecs)
+    }
+}
+
 /// Which positions of a sequence's input need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -162,20 +178,9 @@ impl Model {
 
     /// Bytes of weights held in memory (matrices as repacked, plus norms).
     pub fn weight_bytes(&self) -> usize {
-        let w = &self.weights;
-        let mut total = w.embed.size_bytes()
-            + w.output.as_ref().map_or(0, |o| o.size_bytes())
-            + w.norm.len() * 4;
-        for l in &w.layers {
-            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
-                total += m.size_bytes();
-            }
-            total += (l.attn_norm.len() + l.ffn_norm.len()) * 4;
-            for b in [&l.bq, &l.bk, &l.bv].into_iter().flatten() {
-                total += b.len() * 4;
-            }
-        }
-        total
+        let (mats, vecs) = self.weights.parts();
+        mats.iter().map(|m| m.size_bytes()).sum::<usize>()
+            + vecs.iter().map(|v| v.len() * 4).sum::<usize>()
     }
 
     /// Drop every weight from the CPU caches, so the next forward reads
@@ -183,15 +188,7 @@ impl Model {
     /// Returns whether this CPU could.
     pub fn evict_weights_from_caches(&self) -> bool {
         use rayon::prelude::*;
-        let w = &self.weights;
-        let mut mats: Vec<&QMatrix> = vec![&w.embed];
-        mats.extend(&w.output);
-        let mut vecs: Vec<&[f32]> = vec![&w.norm];
-        for l in &w.layers {
-            mats.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
-            vecs.extend([&l.attn_norm[..], &l.ffn_norm[..]]);
-            vecs.extend([&l.bq, &l.bk, &l.bv].into_iter().flatten().map(|b| &b[..]));
-        }
+        let (mats, vecs) = self.weights.parts();
         // On the compute threads, as a forward would run.
         self.pool.install(|| {
             mats.par_iter().all(|m| m.evict_from_caches())
