@@ -16,9 +16,13 @@ use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
 fn draft_config(model: &std::path::Path, max_draft: usize) -> Config {
+    draft_config_with(model, max_draft, "")
+}
+
+fn draft_config_with(model: &std::path::Path, max_draft: usize, extra: &str) -> Config {
     Config::parse(
         &format!(
-            "[[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = {max_draft}\n[proposer.options]\nmodel = \"{}\"\nthreads = 2\n",
+            "[[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = {max_draft}\n[proposer.options]\nmodel = \"{}\"\nthreads = 2\n{extra}\n",
             model.display()
         ),
         None,
@@ -45,18 +49,33 @@ fn run(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
 
 #[test]
 fn greedy_with_a_draft_model_is_lossless_on_smollm2() {
+    self_drafting_on_smollm2("", true);
+}
+
+/// Catch-ups cut to a window of 4 tokens (shorter than every prompt and
+/// than most steps' accepted tokens): the draft sees the first tokens and
+/// the newest 4 only, so it no longer always agrees with the target, and
+/// the output must still be plain decoding.
+#[test]
+fn a_draft_model_with_a_short_window_is_still_lossless() {
+    self_drafting_on_smollm2("window = 4", false);
+}
+
+fn self_drafting_on_smollm2(options: &str, full_context: bool) {
     let path = common::smollm_path();
     let model = Arc::new(load_model(&path, 2).unwrap());
     let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
-    // The target as its own draft: every draft must be accepted (batch
-    // invariance makes the draft's argmax the target's), and output must
-    // equal plain decoding.
-    let cfg = draft_config(&path, 4);
+    // The target as its own draft: with its whole context every draft
+    // must be accepted (batch invariance makes the draft's argmax the
+    // target's), and output must equal plain decoding.
+    let cfg = draft_config_with(&path, 4, options);
     let mut e = engine(&model, tok.clone(), &cfg, 3);
+    // Prompts longer than the windowed variant's first 4 + newest 4
+    // tokens, so its first catch-up is cut.
     let texts = [
-        "def fibonacci(n):",
-        "The three primary colors are",
-        "Once upon a time",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively.\"\"\"",
+        "The three primary colors of paint, as taught in most schools, are",
+        "Once upon a time, in a small village at the edge of a great forest,",
     ];
     let prompts: Vec<Vec<u32>> = texts
         .iter()
@@ -88,10 +107,23 @@ fn greedy_with_a_draft_model_is_lossless_on_smollm2() {
             .tokens;
         assert_eq!(c.tokens, want);
         assert!(c.stats.drafted > 0);
-        assert_eq!(
-            c.stats.accepted, c.stats.drafted,
-            "self-drafting must be fully accepted: {:?}",
-            c.stats
+        if full_context {
+            assert_eq!(
+                c.stats.accepted, c.stats.drafted,
+                "self-drafting must be fully accepted: {:?}",
+                c.stats
+            );
+        }
+    }
+    if !full_context {
+        // A window of 4 changes what the draft sees: some drafts miss.
+        let (a, d) = done.iter().fold((0, 0), |(a, d), c| {
+            (a + c.stats.accepted, d + c.stats.drafted)
+        });
+        eprintln!("window 4: {a}/{d} drafted tokens accepted");
+        assert!(
+            a < d,
+            "a windowed self-draft agreed everywhere: the window had no effect"
         );
     }
     assert!(e.drafter.poisoned("draft").is_none());

@@ -21,7 +21,8 @@
 //!
 //! Options: `model` (path; `~/` is expanded; unset: the compact draft
 //! trained for SmolLM2-135M-Instruct, compiled in), `threads` (2),
-//! `max_draft` (4), `quantize` (true: F32 matrices to Q8_0 at load).
+//! `max_draft` (4), `quantize` (true: F32 matrices to Q8_0 at load),
+//! `window` (the most tokens one catch-up feeds, default 256; 0: all).
 //!
 //! Invariant: the draft shares the target's vocabulary: same size and the
 //! same token string for every id (checked at creation: id by id against a
@@ -37,9 +38,98 @@ use specd_plugin_sdk::{abi, Caps, Host, Options, Plugin, Proposal, SeqView, Q};
 
 struct SeqState {
     cache: KvCache,
-    /// Tokens whose KV entries the cache holds, in order.
+    /// Tokens whose KV entries the cache holds, in order: the cache's view
+    /// of the history, `tokens[..sink] ++ tokens[skip_to..]` (all of it
+    /// until a catch-up is cut to the window).
     cached: Vec<u32>,
+    sink: usize,
+    skip_to: usize,
     rng: Rng,
+}
+
+/// Tokens kept from the start of the history when a catch-up is cut to
+/// the window (the attention sink of StreamingLLM: the first positions,
+/// the chat template's system turn, anchor the model's attention).
+const SINK: usize = 4;
+
+/// Default `window`: the most tokens one catch-up feeds.
+pub const DEFAULT_WINDOW: usize = 256;
+
+/// What a catch-up does: the cache's new view (`sink`, `skip_to`), how
+/// much of the cached tokens stays (`keep`), and the tokens to feed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatchUp {
+    pub sink: usize,
+    pub skip_to: usize,
+    pub keep: usize,
+    pub feed: Vec<u32>,
+}
+
+/// The cache view `tokens[..sink] ++ tokens[skip_to..]`.
+fn view(tokens: &[u32], sink: usize, skip_to: usize) -> Vec<u32> {
+    let mut v = tokens[..sink.min(tokens.len())].to_vec();
+    v.extend_from_slice(&tokens[skip_to.min(tokens.len())..]);
+    v
+}
+
+/// Plan a catch-up of a cache holding `cached` (the view `(sink,
+/// skip_to)` of an earlier history, maybe with drafted tokens after it)
+/// to the history `tokens` (not empty): keep the longest prefix of the
+/// view still committed and feed the rest, at least the last token (its
+/// logits draft the next). A catch-up longer than `window` (0: unbounded)
+/// feeds only the first `SINK` tokens and the newest `window`: a probe
+/// after a long pause, or a long prompt, then costs a bounded forward; the
+/// draft's positions are compressed and its drafts may be worse, never
+/// wrong.
+pub fn plan_catch_up(
+    cached: &[u32],
+    mut sink: usize,
+    mut skip_to: usize,
+    tokens: &[u32],
+    window: usize,
+) -> CatchUp {
+    let n = tokens.len();
+    if skip_to > n {
+        // The history was cut below the window's start: start over.
+        sink = 0;
+        skip_to = 0;
+    }
+    let common = |v: &[u32]| {
+        cached
+            .iter()
+            .zip(v)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(v.len().saturating_sub(1))
+    };
+    let mut v = view(tokens, sink, skip_to);
+    let mut keep = common(&v);
+    if window > 0 && v.len() - keep > window {
+        skip_to = n - window;
+        sink = SINK.min(skip_to);
+        v = view(tokens, sink, skip_to);
+        keep = common(&v);
+    }
+    CatchUp {
+        sink,
+        skip_to,
+        keep,
+        feed: v[keep..].to_vec(),
+    }
+}
+
+impl SeqState {
+    /// Catch the cache up to `tokens` (see `plan_catch_up`); returns the
+    /// tokens to feed.
+    fn catch_up(&mut self, tokens: &[u32], window: usize) -> Result<Vec<u32>, String> {
+        let plan = plan_catch_up(&self.cached, self.sink, self.skip_to, tokens, window);
+        self.cache.truncate(plan.keep).map_err(|e| e.to_string())?;
+        self.cached.truncate(plan.keep);
+        self.cached.extend_from_slice(&plan.feed);
+        self.sink = plan.sink;
+        self.skip_to = plan.skip_to;
+        Ok(plan.feed)
+    }
 }
 
 pub struct DraftModel {
@@ -47,6 +137,7 @@ pub struct DraftModel {
     /// A compact draft's head over its draft vocabulary.
     head: Option<compact::Head>,
     max_draft: usize,
+    window: usize,
     seqs: HashMap<u64, SeqState>,
 }
 
@@ -85,6 +176,8 @@ impl DraftModel {
         self.seqs.entry(seq).or_insert_with(|| SeqState {
             cache: model.new_cache(),
             cached: Vec::new(),
+            sink: 0,
+            skip_to: 0,
             rng: Rng::new(seed ^ 0xD1A5_7D1A_5700),
         })
     }
@@ -113,7 +206,7 @@ impl Plugin for DraftModel {
     }
 
     fn create(o: &Options, host: Host) -> Result<Self, String> {
-        o.reject_unknown(&["model", "threads", "max_draft", "quantize"])?;
+        o.reject_unknown(&["model", "threads", "max_draft", "quantize", "window"])?;
         let raw = o.get("model", String::new())?;
         let threads = o.get("threads", 2usize)?;
         let (mut model, head, what) = if raw.is_empty() {
@@ -158,6 +251,7 @@ impl Plugin for DraftModel {
             model,
             head,
             max_draft: o.get("max_draft", 4usize)?,
+            window: o.get("window", DEFAULT_WINDOW)?,
             seqs: HashMap::new(),
         })
     }
@@ -189,21 +283,11 @@ impl Plugin for DraftModel {
         // Roll each cache back to its longest prefix that is still committed
         // (accepted drafts are kept), then feed the rest of the history.
         let mut feeds: Vec<Vec<u32>> = Vec::with_capacity(active.len());
+        let window = self.window;
         for &i in &active {
             let s = &batch[i];
             let st = self.state(s.seq, s.seed);
-            let n = s.tokens.len();
-            let common = st
-                .cached
-                .iter()
-                .zip(s.tokens)
-                .take_while(|(a, b)| a == b)
-                .count()
-                .min(n - 1);
-            st.cache.truncate(common).map_err(|e| e.to_string())?;
-            st.cached.truncate(common);
-            feeds.push(s.tokens[common..].to_vec());
-            st.cached.extend_from_slice(&s.tokens[common..]);
+            feeds.push(st.catch_up(s.tokens, window)?);
         }
         let max_k = active.iter().map(|&i| want[i]).max().unwrap_or(0);
         let vocab = self.model.config.vocab_size;
@@ -302,3 +386,74 @@ impl Plugin for DraftModel {
 
 #[cfg(feature = "plugin")]
 specd_plugin_sdk::export_proposer!(DraftModel);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toks(r: std::ops::Range<u32>) -> Vec<u32> {
+        r.collect()
+    }
+
+    #[test]
+    fn catch_up_keeps_the_committed_prefix_and_feeds_the_rest() {
+        let t = toks(0..8);
+        let p = plan_catch_up(&t[..5], 0, 0, &t, 0);
+        assert_eq!((p.keep, p.feed), (5, toks(5..8)));
+        // Everything cached: the last token is fed again for its logits.
+        let p = plan_catch_up(&t, 0, 0, &t, 0);
+        assert_eq!((p.keep, p.feed), (7, vec![7]));
+        // A rejected drafted token after the prefix is dropped.
+        let mut c = t[..6].to_vec();
+        c.push(99);
+        let p = plan_catch_up(&c, 0, 0, &t, 0);
+        assert_eq!((p.keep, p.feed), (6, toks(6..8)));
+        // Unbounded: a long history is fed whole.
+        let long = toks(0..300);
+        let p = plan_catch_up(&[], 0, 0, &long, 0);
+        assert_eq!((p.sink, p.skip_to, p.keep, p.feed.len()), (0, 0, 0, 300));
+    }
+
+    #[test]
+    fn a_long_catch_up_is_cut_to_the_sink_and_the_window() {
+        let t = toks(0..20);
+        let p = plan_catch_up(&[], 0, 0, &t, 4);
+        let mut want = toks(0..SINK as u32);
+        want.extend(16..20);
+        assert_eq!((p.sink, p.skip_to, p.keep), (SINK, 16, 0));
+        assert_eq!(p.feed, want);
+        // Two more committed tokens (and one drafted one in the cache):
+        // the view grows from the window, and only the new tokens are fed.
+        let mut cached = p.feed.clone();
+        cached.push(21);
+        let t2 = toks(0..22);
+        let q = plan_catch_up(&cached, p.sink, p.skip_to, &t2, 4);
+        assert_eq!((q.sink, q.skip_to, q.keep), (SINK, 16, 8));
+        assert_eq!(q.feed, vec![20, 21]);
+        // A short gap within the window never re-windows.
+        assert_eq!(q.feed.len(), 2);
+        // A later long pause moves the window; the sink stays cached.
+        let mut cached = cached[..8].to_vec();
+        cached.extend([20, 21]);
+        let t3 = toks(0..40);
+        let r = plan_catch_up(&cached, q.sink, q.skip_to, &t3, 4);
+        assert_eq!((r.sink, r.skip_to, r.keep), (SINK, 36, SINK));
+        assert_eq!(r.feed, toks(36..40));
+    }
+
+    #[test]
+    fn a_history_cut_below_the_window_starts_over() {
+        // Cached view: sink 0..4, window from 16. The history is now only
+        // 10 tokens (recomputed, or a different request reusing the slot).
+        let mut cached = toks(0..4);
+        cached.extend(16..20);
+        let t = toks(0..10);
+        let p = plan_catch_up(&cached, 4, 16, &t, 0);
+        assert_eq!((p.sink, p.skip_to, p.keep), (0, 0, 4));
+        assert_eq!(p.feed, toks(4..10));
+        // With a window of 4 the rest is cut again.
+        let p = plan_catch_up(&cached, 4, 16, &t, 4);
+        assert_eq!((p.sink, p.skip_to, p.keep), (4, 6, 4));
+        assert_eq!(p.feed, toks(6..10));
+    }
+}

@@ -25,7 +25,9 @@
 //! Options (`DRAFT_OPTIONS`; the plugins add where the head comes from):
 //! `mode`
 //! ("tree" | "chain", default "tree"), `max_draft` (tree nodes or chain
-//! length cap, default 16 / 5), `depth` (6), `top_k` (4), `seed`.
+//! length cap, default 16 / 5), `depth` (6), `top_k` (4), `seed`,
+//! `window` (the most positions one catch-up processes, default 256; 0:
+//! all).
 //!
 //! Invariant: every drafted token is drawn from the q reported for it
 //! (greedy: any token; the host checks against the target's argmax).
@@ -57,6 +59,9 @@ type Pending = Vec<(usize, Vec<f32>)>;
 struct SeqState {
     /// Keys and values of the committed pairs, one row per pair.
     cache: KvStore,
+    /// Position of each cache row (ascending; gaps where a catch-up was
+    /// cut to the window).
+    row_pos: Vec<usize>,
     /// Next position whose pair is not in the cache.
     pairs: usize,
     /// Features delivered for positions whose next token is not known yet.
@@ -65,14 +70,19 @@ struct SeqState {
     rng: Rng,
 }
 
+/// Default `window`: the whole prompt of most chat turns and of every
+/// HumanEval task; longer prompts and long pauses are cut to it.
+pub const DEFAULT_WINDOW: usize = 256;
+
 /// Options of every head-based draft mode (besides where the head comes
 /// from).
-pub const DRAFT_OPTIONS: [&str; 6] = [
+pub const DRAFT_OPTIONS: [&str; 7] = [
     "mode",
     "max_draft",
     "depth",
     "top_k",
     "seed",
+    "window",
     "test_control",
 ];
 
@@ -84,6 +94,12 @@ pub struct Eagle {
     depth: usize,
     top_k: usize,
     seed: u64,
+    /// Most pairs one catch-up takes into the cache (0: all): after a
+    /// long pause (the engine's policy stopped drafting, or a long prompt)
+    /// only the newest `window` positions are processed, so a probe costs
+    /// a bounded amount whatever it missed. Older positions stay out of
+    /// the head's attention; drafts may be worse, never wrong.
+    window: usize,
     /// Test control only (`test_control = "rerank_sampled"`): prune
     /// sampled trees by their nodes' own probabilities, as EAGLE-2 does
     /// under greedy decoding. Lossy; the chi-square test must catch it.
@@ -176,6 +192,7 @@ impl Eagle {
             depth,
             top_k,
             seed: o.get("seed", 0u64)?,
+            window: o.get("window", DEFAULT_WINDOW)?,
             rerank_sampled,
             seqs: HashMap::new(),
         })
@@ -189,6 +206,7 @@ impl Eagle {
         let seed = self.seed;
         self.seqs.entry(seq).or_insert_with(|| SeqState {
             cache: KvStore::new(dim),
+            row_pos: Vec::new(),
             pairs: 0,
             pending: Vec::new(),
             root: None,
@@ -243,6 +261,7 @@ impl Eagle {
         };
         // Per sequence: the rows (position, features) that become pairs now.
         let mut rows: Vec<(usize, Pending)> = Vec::new();
+        let window = self.window;
         for &i in active {
             let s = &batch[i];
             if s.hidden_rows > 0 && (s.hidden_width != h || s.hidden_layers != nl) {
@@ -257,7 +276,9 @@ impl Eagle {
             if s.hidden_rows > 0 && start < st.pairs {
                 // Positions seen again (the host recomputed them): restart
                 // the cache there.
-                st.cache.truncate(start.min(st.cache.len()));
+                let keep = st.row_pos.partition_point(|&p| p < start);
+                st.cache.truncate(keep);
+                st.row_pos.truncate(keep);
                 st.pairs = start;
                 st.pending.clear();
                 st.root = None;
@@ -269,9 +290,12 @@ impl Eagle {
                 }
                 st.pending.push((start + r, f));
             }
-            let (ready, later): (Vec<_>, Vec<_>) =
+            let (mut ready, later): (Vec<_>, Vec<_>) =
                 st.pending.drain(..).partition(|(p, _)| p + 1 < n);
             st.pending = later;
+            if window > 0 && ready.len() > window {
+                ready.drain(..ready.len() - window);
+            }
             if !ready.is_empty() {
                 rows.push((i, ready));
             }
@@ -341,6 +365,7 @@ impl Eagle {
             let seq = batch[*i].seq;
             let st = self.seqs.get_mut(&seq).ok_or("sequence state lost")?;
             st.cache.extend_rows(&own, r0..r0 + ready.len());
+            st.row_pos.extend(ready.iter().map(|(p, _)| *p));
             let last = &ready[ready.len() - 1];
             st.pairs = last.0 + 1;
             st.root = Some(Root {
