@@ -292,9 +292,16 @@ fn mtp_config(model: &Path, extra: &str) -> Config {
 }
 
 fn greedy_identity(target: &Path, extra: &str) {
+    greedy_identity_with(target, extra, None)
+}
+
+fn greedy_identity_with(target: &Path, extra: &str, max_hidden_rows: Option<usize>) {
     let model = Arc::new(load_model(target, 2).unwrap());
     let cfg = mtp_config(target, extra);
     let mut e = common::plugin_engine(&model, None, &cfg, 16, 8);
+    if let Some(m) = max_hidden_rows {
+        e.scheduler.config.max_hidden_rows = m;
+    }
     let ps: Vec<Vec<u32>> = vec![vec![5, 9, 13, 2], vec![1, 2, 3], vec![40, 41, 7, 7, 7]];
     let want: Vec<Vec<u32>> = ps
         .iter()
@@ -340,6 +347,10 @@ fn mtp_greedy_is_plain_decoding() {
     // and than most steps' accepted tokens): drafts see less, output is
     // the same.
     greedy_identity(&st, "window = 2");
+    // The host buffering at most 2 rows of features (fewer than a prompt
+    // or a step's accepted tokens): the plugin gets rows whose
+    // `hidden_start` skips positions, and output is the same.
+    greedy_identity_with(&st, "", Some(2));
     // The target's output head, from a quantized GGUF target.
     greedy_identity(
         &gguf_target(&tmp.0.join("t.gguf"), &S, false, GgmlDType::Q8_0),

@@ -159,8 +159,9 @@ pub struct ProposeInput<'a> {
     pub params: &'a SamplingParams,
     /// Hidden states of the declared layers, in declaration order
     /// (`(layer, rows x hidden)`), for every position committed since this
-    /// proposer last saw the sequence (prefill positions included): rows
-    /// cover positions `hidden_start..hidden_start + rows`.
+    /// proposer last saw the sequence (prefill positions included), at
+    /// most the newest `scheduler::MAX_HIDDEN_ROWS`: rows cover positions
+    /// `hidden_start..hidden_start + rows`.
     pub hidden: &'a [(usize, Vec<f32>)],
     pub hidden_start: usize,
 }

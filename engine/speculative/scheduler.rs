@@ -58,6 +58,9 @@ pub struct SchedulerConfig {
     /// a seeded sampled request in a batch may draw different (equally
     /// distributed) tokens run to run; off, they depend on acceptance only.
     pub measured_pricing: bool,
+    /// Most rows of hidden states a sequence buffers for its proposer
+    /// between two drafting steps (see `MAX_HIDDEN_ROWS`, the default).
+    pub max_hidden_rows: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -73,6 +76,7 @@ impl Default for SchedulerConfig {
             adaptive_draft: true,
             draft_cost: 0.10,
             measured_pricing: false,
+            max_hidden_rows: MAX_HIDDEN_ROWS,
         }
     }
 }
@@ -147,20 +151,25 @@ impl Sequence {
 
     /// Append `rows` rows per layer of hidden states for the positions right
     /// after those already buffered (at `cached` when the buffer is empty).
-    fn append_hidden(&mut self, hidden: Vec<(usize, Vec<f32>)>, rows: usize) {
+    /// At most `max` rows are kept: the oldest go first.
+    fn append_hidden(&mut self, hidden: Vec<(usize, Vec<f32>)>, rows: usize, max: usize) {
         if hidden.is_empty() || rows == 0 {
             return;
         }
+        // Rows held after this append, counted in the first layer.
+        let width = hidden[0].1.len() / rows;
         if self.hidden.is_empty() {
             self.hidden_start = self.cached;
             self.hidden = hidden;
-            return;
-        }
-        for ((have_l, have), (l, new)) in self.hidden.iter_mut().zip(hidden) {
-            if *have_l == l {
-                have.extend_from_slice(&new);
+        } else {
+            for ((have_l, have), (l, new)) in self.hidden.iter_mut().zip(hidden) {
+                if *have_l == l {
+                    have.extend_from_slice(&new);
+                }
             }
         }
+        let held = self.hidden[0].1.len().checked_div(width).unwrap_or(0);
+        trim_hidden(&mut self.hidden, &mut self.hidden_start, held, max.max(1));
     }
 
     fn send(&self, ev: Event) {
@@ -168,6 +177,30 @@ impl Sequence {
             let _ = s.send(ev);
         }
     }
+}
+
+/// Most rows of hidden states a sequence buffers for its proposer between
+/// two drafting steps. A sequence whose proposer is paused (the policy
+/// stopped drafting) or that has a long prompt would otherwise hold every
+/// position's features (7 KB per position for an EAGLE-3 head on the
+/// default model); the proposers' catch-ups read at most their `window`
+/// (256 by default) of the newest anyway. Plugins see where the rows
+/// start (`hidden_start`), which then skips the dropped positions.
+pub const MAX_HIDDEN_ROWS: usize = 4096;
+
+/// Keep only the newest `max` of the `held` rows of every layer in
+/// `hidden` (rows from position `*start`), moving `*start` past the
+/// dropped ones.
+pub fn trim_hidden(hidden: &mut [(usize, Vec<f32>)], start: &mut usize, held: usize, max: usize) {
+    if held <= max {
+        return;
+    }
+    let drop = held - max;
+    for (_, v) in hidden.iter_mut() {
+        let width = v.len() / held;
+        v.drain(..(drop * width).min(v.len()));
+    }
+    *start += drop;
 }
 
 /// Borrowed view of a sequence for the draft and accept stages.
@@ -903,7 +936,7 @@ impl Scheduler {
         for r in prefilled {
             if let Some(s) = self.seqs.get_mut(&r.seq) {
                 s.prompt_logprobs.extend(r.logprobs);
-                s.append_hidden(r.hidden, r.tokens);
+                s.append_hidden(r.hidden, r.tokens, self.config.max_hidden_rows);
                 s.cached += r.tokens;
                 out.lens.push((r.seq, s.cached));
             }
@@ -1024,7 +1057,7 @@ impl Scheduler {
                     (l, v)
                 })
                 .collect();
-            s.append_hidden(picked, rows.len());
+            s.append_hidden(picked, rows.len(), self.config.max_hidden_rows);
             s.cached += rows.len();
             // Proposers see every committed token, the last run included.
             self.pending_observe.push(Observed {
@@ -1073,5 +1106,26 @@ fn record_step_metrics(proposer: &str, arm: &str, member: &str, drafted: usize, 
     for i in 0..accepted {
         metrics::counter!("specd_accepted_tokens_by_position_total", "proposer" => p.clone(), "arm" => a.clone(), "position" => i.to_string())
             .increment(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::trim_hidden;
+
+    #[test]
+    fn buffered_hidden_rows_keep_the_newest_and_move_their_start() {
+        // Two layers of width 2, rows for positions 10..16.
+        let rows = |r: std::ops::Range<usize>, l: f32| -> Vec<f32> {
+            r.flat_map(|p| [l + p as f32, l + p as f32 + 0.5]).collect()
+        };
+        let mut h = vec![(3, rows(10..16, 0.0)), (7, rows(10..16, 100.0))];
+        let mut start = 10;
+        trim_hidden(&mut h, &mut start, 6, 8);
+        assert_eq!((start, h[0].1.len()), (10, 12), "under the cap: untouched");
+        trim_hidden(&mut h, &mut start, 6, 4);
+        assert_eq!(start, 12);
+        assert_eq!(h[0], (3, rows(12..16, 0.0)));
+        assert_eq!(h[1], (7, rows(12..16, 100.0)));
     }
 }
