@@ -390,6 +390,18 @@ fn mtp_sampling_keeps_the_target_distribution() {
             "{name}: drafts must be accepted often enough to matter: {acc}"
         );
     }
+    // Catch-ups cut to a window of 1 (the prompt's first pairs are
+    // dropped): other drafts, the same law.
+    let windowed = mtp_config(&target, "window = 1");
+    let (counts, acc) =
+        common::first_two_counts(&model, &windowed, "mtp", &prompt, &params, n, 9000);
+    let (stat, df) = common::chi_square(&counts, &exact);
+    let crit = common::chi2_crit_999(df);
+    eprintln!("mtp, window 1: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
+    assert!(
+        stat < crit,
+        "mtp with window 1: sampling is biased: chi2 {stat} > {crit}"
+    );
     // The control: pruning sampled trees by their own probabilities.
     let lossy = mtp_config(&target, "test_control = \"rerank_sampled\"");
     let (bad, _) = common::first_two_counts(&model, &lossy, "mtp-tree", &prompt, &params, n, 9000);
