@@ -397,7 +397,8 @@ impl Proposer for Compose {
                     p.layers[k].1.extend_from_slice(&inp.hidden[li].1);
                 }
                 p.rows += rows;
-                // A member asked rarely holds no more than the host would.
+                // A member asked rarely holds a bounded buffer too (the
+                // host's default cap).
                 let max = super::scheduler::MAX_HIDDEN_ROWS;
                 super::scheduler::trim_hidden(&mut p.layers, &mut p.start, p.rows, max);
                 p.rows = p.rows.min(max);

@@ -160,7 +160,8 @@ pub struct ProposeInput<'a> {
     /// Hidden states of the declared layers, in declaration order
     /// (`(layer, rows x hidden)`), for every position committed since this
     /// proposer last saw the sequence (prefill positions included), at
-    /// most the newest `scheduler::MAX_HIDDEN_ROWS`: rows cover positions
+    /// most the newest `SchedulerConfig::max_hidden_rows` and a quarter:
+    /// rows cover positions
     /// `hidden_start..hidden_start + rows`.
     pub hidden: &'a [(usize, Vec<f32>)],
     pub hidden_start: usize,

@@ -58,8 +58,10 @@ pub struct SchedulerConfig {
     /// a seeded sampled request in a batch may draw different (equally
     /// distributed) tokens run to run; off, they depend on acceptance only.
     pub measured_pricing: bool,
-    /// Most rows of hidden states a sequence buffers for its proposer
-    /// between two drafting steps (see `MAX_HIDDEN_ROWS`, the default).
+    /// Rows of hidden states a sequence buffers for its proposer between
+    /// two drafting steps: the newest this many are always kept, and
+    /// never more than a quarter more (see `MAX_HIDDEN_ROWS`, the
+    /// default).
     pub max_hidden_rows: usize,
 }
 
@@ -151,7 +153,8 @@ impl Sequence {
 
     /// Append `rows` rows per layer of hidden states for the positions right
     /// after those already buffered (at `cached` when the buffer is empty).
-    /// At most `max` rows are kept: the oldest go first.
+    /// At most `max` rows (plus a quarter, see below) are kept: the oldest
+    /// go first.
     fn append_hidden(&mut self, hidden: Vec<(usize, Vec<f32>)>, rows: usize, max: usize) {
         if hidden.is_empty() || rows == 0 {
             return;
@@ -169,7 +172,12 @@ impl Sequence {
             }
         }
         let held = self.hidden[0].1.len().checked_div(width).unwrap_or(0);
-        trim_hidden(&mut self.hidden, &mut self.hidden_start, held, max.max(1));
+        // Trimmed back to `max` only past a quarter more, so a buffer at
+        // the cap is not moved at every step.
+        let max = max.max(1);
+        if held > max + max / 4 {
+            trim_hidden(&mut self.hidden, &mut self.hidden_start, held, max);
+        }
     }
 
     fn send(&self, ev: Event) {
@@ -184,8 +192,10 @@ impl Sequence {
 /// stopped drafting) or that has a long prompt would otherwise hold every
 /// position's features (7 KB per position for an EAGLE-3 head on the
 /// default model); the proposers' catch-ups read at most their `window`
-/// (256 by default) of the newest anyway. Plugins see where the rows
-/// start (`hidden_start`), which then skips the dropped positions.
+/// (256 by default) of the newest anyway. A buffer past a quarter more
+/// than the cap is cut back to the newest `max_hidden_rows`. Plugins see
+/// where the rows start (`hidden_start`), which then skips the dropped
+/// positions.
 pub const MAX_HIDDEN_ROWS: usize = 4096;
 
 /// Keep only the newest `max` of the `held` rows of every layer in

@@ -203,8 +203,8 @@ pub struct SeqInput {
     /// Hidden states of the declared layers, in declaration order, for
     /// every position committed since the plugin last saw this sequence
     /// (prefill positions included; all of them again after a restart),
-    /// at most the newest 4,096 (`hidden_start` then skips the older
-    /// ones): `n_hidden_layers` blocks of `n_hidden_rows x hidden_width`
+    /// at most the newest few thousand (the host's `max_hidden_rows`,
+    /// default 4,096; `hidden_start` then skips the older ones): `n_hidden_layers` blocks of `n_hidden_rows x hidden_width`
     /// floats, rows for positions `hidden_start..hidden_start +
     /// n_hidden_rows`.
     pub hidden: *const f32,

@@ -143,8 +143,9 @@ pub struct SeqView<'a> {
     pub seed: u64,
     /// Hidden states of the declared layers, in declaration order, for
     /// every position committed since this proposer last saw the sequence
-    /// (prefill positions included), at most the newest 4,096 (positions
-    /// before `hidden_start` may then be skipped): `hidden_layers` blocks of
+    /// (prefill positions included), at most the newest few thousand (the
+    /// host's `max_hidden_rows`, default 4,096; `hidden_start` then skips
+    /// the older positions): `hidden_layers` blocks of
     /// `hidden_rows x hidden_width`, rows for positions
     /// `hidden_start..hidden_start + hidden_rows`. See [`SeqView::layer`].
     pub hidden: &'a [f32],

@@ -89,8 +89,10 @@ pub fn plan_catch_up(
     window: usize,
 ) -> CatchUp {
     let n = tokens.len();
-    if skip_to > n {
-        // The history was cut below the window's start: start over.
+    sink = sink.min(skip_to);
+    if skip_to >= n {
+        // The history was cut to the window's start or below: start over
+        // (the view would end before the newest token).
         sink = 0;
         skip_to = 0;
     }
@@ -430,8 +432,6 @@ mod tests {
         let q = plan_catch_up(&cached, p.sink, p.skip_to, &t2, 4);
         assert_eq!((q.sink, q.skip_to, q.keep), (SINK, 16, 8));
         assert_eq!(q.feed, vec![20, 21]);
-        // A short gap within the window never re-windows.
-        assert_eq!(q.feed.len(), 2);
         // A later long pause moves the window; the sink stays cached.
         let mut cached = cached[..8].to_vec();
         cached.extend([20, 21]);
@@ -455,5 +455,17 @@ mod tests {
         let p = plan_catch_up(&cached, 4, 16, &t, 4);
         assert_eq!((p.sink, p.skip_to, p.keep), (4, 6, 4));
         assert_eq!(p.feed, toks(6..10));
+        // Cut to exactly the window's start: the view would end at the
+        // sink, before the newest token, so it starts over too.
+        let t = toks(0..16);
+        let p = plan_catch_up(&cached, 4, 16, &t, 0);
+        assert_eq!((p.sink, p.skip_to, p.keep), (0, 0, 4));
+        assert_eq!(p.feed, toks(4..16));
+        assert_eq!(p.feed.last(), Some(&15), "the newest token is fed last");
+        // A sink past the window's start (not a state catch_up makes) is
+        // clamped, never an underflow.
+        let p = plan_catch_up(&[], 9, 2, &toks(0..12), 4);
+        assert_eq!(p.feed.last(), Some(&11));
+        assert!(p.feed.len() <= SINK + 4);
     }
 }

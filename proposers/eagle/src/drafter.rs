@@ -27,7 +27,7 @@
 //! ("tree" | "chain", default "tree"), `max_draft` (tree nodes or chain
 //! length cap, default 16 / 5), `depth` (6), `top_k` (4), `seed`,
 //! `window` (the most positions one catch-up processes, default 256; 0:
-//! all).
+//! all that the host delivered, itself bounded by its `max_hidden_rows`).
 //!
 //! Invariant: every drafted token is drawn from the q reported for it
 //! (greedy: any token; the host checks against the target's argmax).
