@@ -58,18 +58,18 @@ pub const DEFAULT_WINDOW: usize = 256;
 /// What a catch-up does: the cache's new view (`sink`, `skip_to`), how
 /// much of the cached tokens stays (`keep`), and the tokens to feed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CatchUp {
-    pub sink: usize,
-    pub skip_to: usize,
-    pub keep: usize,
-    pub feed: Vec<u32>,
+struct CatchUp {
+    sink: usize,
+    skip_to: usize,
+    keep: usize,
+    feed: Vec<u32>,
 }
 
-/// The cache view `tokens[..sink] ++ tokens[skip_to..]`.
-fn view(tokens: &[u32], sink: usize, skip_to: usize) -> Vec<u32> {
-    let mut v = tokens[..sink.min(tokens.len())].to_vec();
-    v.extend_from_slice(&tokens[skip_to.min(tokens.len())..]);
-    v
+/// The cache view `tokens[..sink] ++ tokens[skip_to..]`, without a copy.
+fn view(tokens: &[u32], sink: usize, skip_to: usize) -> impl Iterator<Item = &u32> + Clone {
+    tokens[..sink.min(tokens.len())]
+        .iter()
+        .chain(&tokens[skip_to.min(tokens.len())..])
 }
 
 /// Plan a catch-up of a cache holding `cached` (the view `(sink,
@@ -81,7 +81,7 @@ fn view(tokens: &[u32], sink: usize, skip_to: usize) -> Vec<u32> {
 /// after a long pause, or a long prompt, then costs a bounded forward; the
 /// draft's positions are compressed and its drafts may be worse, never
 /// wrong.
-pub fn plan_catch_up(
+fn plan_catch_up(
     cached: &[u32],
     mut sink: usize,
     mut skip_to: usize,
@@ -96,27 +96,26 @@ pub fn plan_catch_up(
         sink = 0;
         skip_to = 0;
     }
-    let common = |v: &[u32]| {
+    let len = |sink: usize, skip_to: usize| sink.min(n) + n - skip_to.min(n);
+    let common = |sink: usize, skip_to: usize| {
         cached
             .iter()
-            .zip(v)
+            .zip(view(tokens, sink, skip_to))
             .take_while(|(a, b)| a == b)
             .count()
-            .min(v.len().saturating_sub(1))
+            .min(len(sink, skip_to).saturating_sub(1))
     };
-    let mut v = view(tokens, sink, skip_to);
-    let mut keep = common(&v);
-    if window > 0 && v.len() - keep > window {
+    let mut keep = common(sink, skip_to);
+    if window > 0 && len(sink, skip_to) - keep > window {
         skip_to = n - window;
         sink = SINK.min(skip_to);
-        v = view(tokens, sink, skip_to);
-        keep = common(&v);
+        keep = common(sink, skip_to);
     }
     CatchUp {
         sink,
         skip_to,
         keep,
-        feed: v[keep..].to_vec(),
+        feed: view(tokens, sink, skip_to).skip(keep).copied().collect(),
     }
 }
 

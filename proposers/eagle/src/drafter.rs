@@ -283,7 +283,13 @@ impl Eagle {
                 st.pending.clear();
                 st.root = None;
             }
-            for r in 0..s.hidden_rows {
+            // Rows the window will drop are not copied at all.
+            let first = if window > 0 {
+                (n.saturating_sub(window + 1)).saturating_sub(start)
+            } else {
+                0
+            };
+            for r in first.min(s.hidden_rows)..s.hidden_rows {
                 let mut f = Vec::with_capacity(fw);
                 for l in 0..s.hidden_layers {
                     f.extend_from_slice(&s.layer(l)[r * h..(r + 1) * h]);
