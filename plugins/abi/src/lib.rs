@@ -204,9 +204,10 @@ pub struct SeqInput {
     /// every position committed since the plugin last saw this sequence
     /// (prefill positions included; all of them again after a restart),
     /// at most the newest few thousand (the host's `max_hidden_rows`,
-    /// default 4,096; `hidden_start` then skips the older ones): `n_hidden_layers` blocks of `n_hidden_rows x hidden_width`
-    /// floats, rows for positions `hidden_start..hidden_start +
-    /// n_hidden_rows`.
+    /// default 4,096, plus up to a quarter more before it trims;
+    /// `hidden_start` then skips the older ones): `n_hidden_layers` blocks
+    /// of `n_hidden_rows x hidden_width` floats, rows for positions
+    /// `hidden_start..hidden_start + n_hidden_rows`.
     pub hidden: *const f32,
     pub n_hidden_rows: u32,
     pub hidden_width: u32,

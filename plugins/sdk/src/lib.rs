@@ -144,10 +144,11 @@ pub struct SeqView<'a> {
     /// Hidden states of the declared layers, in declaration order, for
     /// every position committed since this proposer last saw the sequence
     /// (prefill positions included), at most the newest few thousand (the
-    /// host's `max_hidden_rows`, default 4,096; `hidden_start` then skips
-    /// the older positions): `hidden_layers` blocks of
-    /// `hidden_rows x hidden_width`, rows for positions
-    /// `hidden_start..hidden_start + hidden_rows`. See [`SeqView::layer`].
+    /// host's `max_hidden_rows`, default 4,096, plus up to a quarter more
+    /// before it trims; `hidden_start` then skips the older positions):
+    /// `hidden_layers` blocks of `hidden_rows x hidden_width`, rows for
+    /// positions `hidden_start..hidden_start + hidden_rows`. See
+    /// [`SeqView::layer`].
     pub hidden: &'a [f32],
     pub hidden_rows: usize,
     pub hidden_width: usize,
