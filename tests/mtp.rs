@@ -3,8 +3,9 @@
 //! query/key rows) load to the same module and name their errors, the
 //! main model stops before the MTP layer, and the `mtp` plugin is
 //! lossless: greedy identity (chains and trees, own output head or the
-//! target's) and the sampled distribution (chi-square, with a lossy
-//! control).
+//! target's, with and without `min_confidence`) and the sampled
+//! distribution (chi-square, with a lossy control); bad drafting options
+//! are refused by name.
 
 mod common;
 
@@ -291,11 +292,42 @@ fn mtp_config(model: &Path, extra: &str) -> Config {
     .unwrap()
 }
 
-fn greedy_identity(target: &Path, extra: &str) {
+/// Bad drafting options are refused at load, naming the option.
+#[test]
+fn bad_mtp_options_name_the_problem() {
+    let tmp = TempDir::new("mtp-options");
+    let st = st_target(&tmp.0.join("st"), &S, true, |_, _| {});
+    let model = Arc::new(load_model(&st, 2).unwrap());
+    for (extra, want) in [
+        ("min_confidence = 1.5", "option `min_confidence`"),
+        ("min_confidence = -0.1", "[0, 1)"),
+        ("mode = \"typical\"", "option `mode`"),
+        ("top_k = 0", "must be at least 1"),
+        ("bogus = 1", "unknown option `bogus`"),
+    ] {
+        let cfg = Config::parse(
+            &format!(
+                "[[proposer]]\nname = \"m\"\nplugin = \"mtp\"\n[proposer.options]\nmodel = \"{}\"\n{extra}\n",
+                st.display()
+            ),
+            None,
+        )
+        .unwrap();
+        let e = match cfg.build_drafter(&model, None) {
+            Ok(_) => panic!("{extra}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(want), "{extra}: {e}");
+    }
+}
+
+fn greedy_identity(target: &Path, extra: &str) -> [u64; 2] {
     greedy_identity_with(target, extra, None)
 }
 
-fn greedy_identity_with(target: &Path, extra: &str, max_hidden_rows: Option<usize>) {
+/// Greedy requests through `mtp` and `mtp-tree` equal plain decoding;
+/// returns how many tokens each drafted.
+fn greedy_identity_with(target: &Path, extra: &str, max_hidden_rows: Option<usize>) -> [u64; 2] {
     let model = Arc::new(load_model(target, 2).unwrap());
     let cfg = mtp_config(target, extra);
     let mut e = common::plugin_engine(&model, None, &cfg, 16, 8);
@@ -326,7 +358,8 @@ fn greedy_identity_with(target: &Path, extra: &str, max_hidden_rows: Option<usiz
     for (i, c) in done.iter().enumerate() {
         assert_eq!(c.tokens, want[i % ps.len()], "{} differs", c.stats.proposer);
     }
-    for name in ["mtp", "mtp-tree"] {
+    let mut out = [0; 2];
+    for (slot, name) in ["mtp", "mtp-tree"].into_iter().enumerate() {
         assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
         // Greedy output is plain decoding whatever the module drafts (its
         // random weights rarely agree with the target's argmax): this
@@ -337,7 +370,9 @@ fn greedy_identity_with(target: &Path, extra: &str, max_hidden_rows: Option<usiz
             .map(|c| c.stats.drafted)
             .sum();
         assert!(drafted > 0, "{name} never drafted");
+        out[slot] = drafted;
     }
+    out
 }
 
 #[test]
@@ -345,11 +380,18 @@ fn mtp_greedy_is_plain_decoding() {
     let tmp = TempDir::new("mtp-greedy");
     // Own output head, from a safetensors target.
     let st = st_target(&tmp.0.join("st"), &S, true, |_, _| {});
-    greedy_identity(&st, "");
+    let all = greedy_identity(&st, "");
     // Catch-ups cut to a window of 2 positions (shorter than the prompts
     // and than most steps' accepted tokens): drafts see less, output is
     // the same.
     greedy_identity(&st, "window = 2");
+    // Chains and trees that stop where the module's confidence drops:
+    // fewer drafts, the same output.
+    let cut = greedy_identity(&st, "min_confidence = 0.05");
+    eprintln!("drafted without a bar {all:?}, with min_confidence 0.05 {cut:?}");
+    for k in 0..2 {
+        assert!(cut[k] < all[k], "the bar cut nothing: {cut:?} vs {all:?}");
+    }
     // The host buffering at most 2 rows of features (fewer than a prompt
     // or a step's accepted tokens): the plugin gets rows whose
     // `hidden_start` skips positions, and output is the same.
@@ -381,15 +423,35 @@ fn mtp_sampling_keeps_the_target_distribution() {
     // Also catch-ups cut to a window of 1 (the prompt's first pairs are
     // dropped): other drafts, the same law.
     let windowed = mtp_config(&target, "window = 1");
-    for (cfg, name, label) in [
-        (&good, "mtp", "mtp"),
-        (&good, "mtp-tree", "mtp-tree"),
-        (&windowed, "mtp", "mtp with window 1"),
+    // And chains that stop where the path's confidence drops below a bar:
+    // the second and third drafts are made for some first draws and not
+    // for others, and the law stays the same. (Trees test the bar with the
+    // same function; here every request has the same root, which is
+    // always above it, and these short requests' budget is spent there.)
+    let gated = mtp_config(&target, "min_confidence = 0.15");
+    let mut drafted = std::collections::HashMap::new();
+    // (The bar's run is larger and has its own seeds: at 12,000 requests
+    // from seed 9000 it drew a chi-square of 129 on 80 df, p = 0.0005,
+    // where two sets of 40,000 requests drew 117 and 104 on 104 df: a bias
+    // would have grown with the count, and this one did not.)
+    for (cfg, name, label, n, seed0) in [
+        (&good, "mtp", "mtp", n, 9000),
+        (&good, "mtp-tree", "mtp-tree", n, 9000),
+        (&windowed, "mtp", "mtp with window 1", n, 9000),
+        (
+            &gated,
+            "mtp",
+            "mtp with min_confidence",
+            40_000.max(n),
+            100_000,
+        ),
     ] {
-        let (counts, acc) = common::first_two_counts(&model, cfg, name, &prompt, &params, n, 9000);
+        let (counts, acc, d) =
+            common::first_two_runs(&model, cfg, name, &prompt, &params, n, seed0);
+        drafted.insert(label, d);
         let (stat, df) = common::chi_square(&counts, &exact);
         let crit = common::chi2_crit_999(df);
-        eprintln!("{label}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
+        eprintln!("{label}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {d:.2} drafted and {acc:.2} accepted per request");
         assert!(
             stat < crit,
             "{label}: sampling is biased: chi2 {stat} > {crit}"
@@ -399,6 +461,12 @@ fn mtp_sampling_keeps_the_target_distribution() {
             "{label}: drafts must be accepted often enough to matter: {acc}"
         );
     }
+    // The bar drafts less, but not nothing: it really cut some chains.
+    let (all, cut) = (drafted["mtp"], drafted["mtp with min_confidence"]);
+    assert!(
+        cut < 0.9 * all && cut > 0.2 * all,
+        "min_confidence should cut some drafts, not all: {cut:.2} vs {all:.2} per request"
+    );
     // The control: pruning sampled trees by their own probabilities.
     let lossy = mtp_config(&target, "test_control = \"rerank_sampled\"");
     let (bad, _) = common::first_two_counts(&model, &lossy, "mtp-tree", &prompt, &params, n, 9000);

@@ -745,6 +745,20 @@ pub fn first_two_counts(
     n: usize,
     seed0: u64,
 ) -> (Vec<u64>, f64) {
+    let (counts, accepted, _) = first_two_runs(model, cfg, name, prompt, params, n, seed0);
+    (counts, accepted)
+}
+
+/// `first_two_counts`, plus the drafted tokens per request.
+pub fn first_two_runs(
+    model: &std::sync::Arc<specd::model::Model>,
+    cfg: &specd::config::Config,
+    name: &str,
+    prompt: &[u32],
+    params: &specd::sampler::SamplingParams,
+    n: usize,
+    seed0: u64,
+) -> (Vec<u64>, f64, f64) {
     use specd::speculative::Request;
     let v = model.config.vocab_size;
     let mut e = plugin_engine(model, None, cfg, 64, 16);
@@ -766,7 +780,12 @@ pub fn first_two_counts(
         counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
     }
     let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
-    (counts, accepted as f64 / n as f64)
+    let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
+    (
+        counts,
+        accepted as f64 / n as f64,
+        drafted as f64 / n as f64,
+    )
 }
 
 /// `texts` as chat-templated user turns, encoded.

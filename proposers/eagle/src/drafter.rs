@@ -27,10 +27,22 @@
 //! ("tree" | "chain", default "tree"), `max_draft` (tree nodes or chain
 //! length cap, default 16 / 5), `depth` (6), `top_k` (4), `seed`,
 //! `window` (the most positions one catch-up processes, default 256; 0:
-//! all that the host delivered, itself bounded by its `max_hidden_rows`).
+//! all that the host delivered, itself bounded by its `max_hidden_rows`),
+//! `min_confidence` (default 0: off): a node is expanded only while the
+//! head's confidence in its path stays at least this, the product of its
+//! ancestors' probabilities (greedy: the head's own, at temperature 1;
+//! sampling: the drawn tokens' q) and the largest probability of the q its
+//! children would be drawn from. The verify of a drafted token costs the
+//! same whether it is accepted or not, and the head's confidence tracks its
+//! acceptance, so a chain stops where the next token is unlikely to pay
+//! (EAGLE-2's observation, applied to when to stop). The test is made
+//! before anything is drawn from that q, from the path already drawn:
+//! which tokens get drafted never depends on their own values, so
+//! rejection sampling stays lossless.
 //!
 //! Invariant: every drafted token is drawn from the q reported for it
-//! (greedy: any token; the host checks against the target's argmax).
+//! (greedy: any token; the host checks against the target's argmax), and
+//! whether a node is expanded is decided before its children are drawn.
 
 use specd::model::eagle::{Head, KvStore, Src, Variant};
 use specd::sampler::{self, Rng, SamplingParams};
@@ -76,13 +88,14 @@ pub const DEFAULT_WINDOW: usize = 256;
 
 /// Options of every head-based draft mode (besides where the head comes
 /// from).
-pub const DRAFT_OPTIONS: [&str; 7] = [
+pub const DRAFT_OPTIONS: [&str; 8] = [
     "mode",
     "max_draft",
     "depth",
     "top_k",
     "seed",
     "window",
+    "min_confidence",
     "test_control",
 ];
 
@@ -100,6 +113,10 @@ pub struct Eagle {
     /// a bounded amount whatever it missed. Older positions stay out of
     /// the head's attention; drafts may be worse, never wrong.
     window: usize,
+    /// Natural log of `min_confidence` (negative infinity: off): a node
+    /// whose path confidence times its children's largest q is below it is
+    /// not expanded.
+    log_min_conf: f32,
     /// Test control only (`test_control = "rerank_sampled"`): prune
     /// sampled trees by their nodes' own probabilities, as EAGLE-2 does
     /// under greedy decoding. Lossy; the chi-square test must catch it.
@@ -174,6 +191,12 @@ impl Eagle {
         if depth == 0 || max_draft == 0 || top_k == 0 {
             return Err("options `depth`, `max_draft` and `top_k` must be at least 1".into());
         }
+        let min_conf = o.get("min_confidence", 0.0f64)?;
+        if !(0.0..1.0).contains(&min_conf) {
+            return Err(format!(
+                "option `min_confidence`: expected a probability in [0, 1), got {min_conf}"
+            ));
+        }
         host.log(
             2,
             &format!(
@@ -193,6 +216,11 @@ impl Eagle {
             top_k,
             seed: o.get("seed", 0u64)?,
             window: o.get("window", DEFAULT_WINDOW)?,
+            log_min_conf: if min_conf > 0.0 {
+                (min_conf as f32).ln()
+            } else {
+                f32::NEG_INFINITY
+            },
             rerank_sampled,
             seqs: HashMap::new(),
         })
@@ -394,19 +422,25 @@ impl Eagle {
         d
     }
 
-    /// Children of a node whose head output has `logits`: (token, log q)
-    /// pairs, and the q to report (first child's) under sampling.
+    /// Children of a node with path score `base` whose head output has
+    /// `logits`: (token, log q) pairs, and the q to report (first child's)
+    /// under sampling. None at all when `base` plus the log of the largest
+    /// probability is below `min_confidence` (decided before any draw).
     fn children(
         &self,
         w: &mut Work,
         logits: &[f32],
         k: usize,
+        base: f32,
         rng: &mut Rng,
     ) -> (Vec<(u32, f32)>, Option<Q>) {
         if w.greedy {
             // The k best (draft ids), as target ids with log-softmax scores.
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+            if base + (max - lse) < self.log_min_conf {
+                return (Vec::new(), None);
+            }
             let mut idx: Vec<usize> = (0..logits.len()).collect();
             let k = k.min(idx.len());
             if k == 0 {
@@ -426,6 +460,10 @@ impl Eagle {
             // Draw k distinct tokens one after another, each from q
             // renormalised without the earlier ones.
             let d = self.q_of(logits, &w.params);
+            let top = d.probs.iter().copied().fold(0f32, f32::max);
+            if base + top.max(1e-30).ln() < self.log_min_conf {
+                return (Vec::new(), None);
+            }
             let mut left: Vec<(u32, f32)> = d
                 .ids
                 .iter()
@@ -543,7 +581,7 @@ impl Eagle {
                 Mode::Tree => self.top_k.min(budget),
             };
             let logits = root.logits.clone();
-            let (kids, q) = self.children(&mut w, &logits, k, &mut rng);
+            let (kids, q) = self.children(&mut w, &logits, k, 0.0, &mut rng);
             for (t, lp) in kids {
                 w.nodes.push(Node {
                     token: t,
@@ -676,8 +714,8 @@ impl Eagle {
                 }
                 let wl = &logits[r * lw..(r + 1) * lw];
                 let rng = &mut rngs[wi];
-                let (kids, q) = self.children(w, wl, k, rng);
                 let base = w.nodes[n].score;
+                let (kids, q) = self.children(w, wl, k, base, rng);
                 if let Some(q) = q {
                     w.q.insert(Some(n), q);
                 }
@@ -700,7 +738,10 @@ impl Eagle {
         for (wi, w) in works.into_iter().enumerate() {
             let n = w.nodes.len();
             let rerank = w.greedy || self.rerank_sampled;
-            let keep: Vec<usize> = if self.mode == Mode::Tree && rerank && n > w.budget {
+            // Greedy trees also drop nodes below `min_confidence` (chains
+            // stop before drawing one).
+            let gated = w.greedy && self.log_min_conf > f32::NEG_INFINITY;
+            let keep: Vec<usize> = if self.mode == Mode::Tree && rerank && (n > w.budget || gated) {
                 let mut order: Vec<usize> = (0..n).collect();
                 order.sort_by(|&a, &b| {
                     w.nodes[b]
@@ -712,7 +753,7 @@ impl Eagle {
                 let mut chosen = vec![false; n];
                 let mut count = 0;
                 for i in order {
-                    if count >= w.budget {
+                    if count >= w.budget || (gated && w.nodes[i].score < self.log_min_conf) {
                         break;
                     }
                     if w.nodes[i].parent.is_none_or(|p| chosen[p]) {

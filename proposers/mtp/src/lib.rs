@@ -14,7 +14,7 @@
 //! built into the plugin for SmolLM2-135M-Instruct), `layer` (the MTP
 //! layer's index; default the first past the main model), and the eagle
 //! plugin's `mode` ("chain" default | "tree"), `max_draft`, `depth`,
-//! `top_k`, `seed`, `window`.
+//! `top_k`, `seed`, `window`, `min_confidence`.
 
 use std::path::PathBuf;
 
