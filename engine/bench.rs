@@ -25,7 +25,8 @@ pub struct ModelBench {
     pub weight_bytes: usize,
     /// Bytes of the one KV cache at `context` (+ the largest k).
     pub kv_bytes: usize,
-    /// Peak resident set of the process (Linux `VmHWM`), if known.
+    /// Peak resident set of the process (Linux `VmHWM`) over the model's
+    /// work, leaving out the bandwidth probes' buffers; None where unknown.
     pub peak_rss_bytes: Option<usize>,
     /// Memory read bandwidth with the model's thread count (GB/s, best of
     /// several passes over a buffer far larger than the caches).
@@ -93,6 +94,12 @@ pub fn peak_rss_bytes() -> Option<usize> {
     Some(kb * 1024)
 }
 
+/// Reset the peak resident set size (`VmHWM`) to the current one
+/// (`/proc/self/clear_refs`, Linux 4.0+); false where that is not possible.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -112,6 +119,11 @@ pub fn tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
         })
         .collect()
 }
+
+/// Consecutive timed forwards of one shape in `bench_model`'s verify
+/// loop, after `VERIFY_WARMUP` untimed ones of the same shape.
+pub const VERIFY_BLOCK: usize = 5;
+pub const VERIFY_WARMUP: usize = 3;
 
 #[allow(clippy::too_many_arguments)]
 pub fn bench_model(
@@ -162,11 +174,21 @@ pub fn bench_model(
     // What reading the weights once per token allows here: a buffer of
     // their size re-read (caches help as much as they help decode), and
     // 512 MiB (memory alone), with the model's threads.
+    // The bandwidth probes' buffers (up to 512 MiB) are not the model's:
+    // the peak before them is kept and the high-water mark reset after.
+    let peak_before = peak_rss_bytes();
     let weights_read_gb_s = read_bandwidth(model.threads(), model.weight_bytes(), 9);
     let read_gb_s = read_bandwidth(model.threads(), 512 << 20, 5);
+    let reset = reset_peak_rss();
 
-    // Verify cost at a fixed context: forward k tokens, roll back, repeat;
-    // the k values are interleaved per repetition to cancel drift.
+    // Verify cost at a fixed context: forward k tokens, roll back, repeat.
+    // Each shape is timed in blocks of `VERIFY_BLOCK` consecutive forwards
+    // after one untimed forward of the same shape, and the blocks take
+    // turns, so drift hits them alike while each is timed close to its
+    // steady state. Chains first, then trees: forwards after a run of
+    // large trees (64 nodes) ran about 1.5 ms slower here for tens of
+    // milliseconds, which shrank every ratio when trees and chains were
+    // interleaved.
     // The context is filled in chunks of 512 tokens, as the engine's
     // default `max_batch_tokens` prefills a long prompt.
     let mut c = model.new_cache();
@@ -190,32 +212,48 @@ pub fn bench_model(
         .collect();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
     let mut tree_times: Vec<Vec<f64>> = vec![Vec::new(); trees.len()];
-    for _ in 0..reps {
+    let mut left = reps;
+    while left > 0 {
+        let n = left.min(VERIFY_BLOCK);
+        left -= n;
         for (i, &k) in ks.iter().enumerate() {
-            let s = timed(&mut || {
-                model
-                    .forward_one(&mut c, &draft[..k], Logits::All)
-                    .map(drop)
-            })?;
-            times[i].push(s * 1e3);
-            c.truncate(context)?;
+            for j in 0..n + VERIFY_WARMUP {
+                let s = timed(&mut || {
+                    model
+                        .forward_one(&mut c, &draft[..k], Logits::All)
+                        .map(drop)
+                })?;
+                if j >= VERIFY_WARMUP {
+                    times[i].push(s * 1e3);
+                }
+                c.truncate(context)?;
+            }
         }
+    }
+    let mut left = reps;
+    while left > 0 {
+        let n = left.min(VERIFY_BLOCK);
+        left -= n;
         for (i, mask) in masks.iter().enumerate() {
-            let s = timed(&mut || {
-                model
-                    .forward(
-                        &mut [crate::model::ForwardInput {
-                            cache: &mut c,
-                            tokens: &draft[..mask.parents.len()],
-                            logits: Logits::All,
-                            tree: Some(mask),
-                        }],
-                        &[],
-                    )
-                    .map(drop)
-            })?;
-            tree_times[i].push(s * 1e3);
-            c.truncate(context)?;
+            for j in 0..n + VERIFY_WARMUP {
+                let s = timed(&mut || {
+                    model
+                        .forward(
+                            &mut [crate::model::ForwardInput {
+                                cache: &mut c,
+                                tokens: &draft[..mask.parents.len()],
+                                logits: Logits::All,
+                                tree: Some(mask),
+                            }],
+                            &[],
+                        )
+                        .map(drop)
+                })?;
+                if j >= VERIFY_WARMUP {
+                    tree_times[i].push(s * 1e3);
+                }
+                c.truncate(context)?;
+            }
         }
     }
     let kv_bytes = c.num_blocks() * c.layout().block_bytes();
@@ -247,7 +285,11 @@ pub fn bench_model(
         tree_verify,
         weight_bytes: model.weight_bytes(),
         kv_bytes,
-        peak_rss_bytes: peak_rss_bytes(),
+        peak_rss_bytes: if reset {
+            peak_before.max(peak_rss_bytes())
+        } else {
+            None
+        },
         read_gb_s,
         weights_read_gb_s,
         decode_limit_tok_s: if cold { read_gb_s } else { weights_read_gb_s } * 1e9
