@@ -472,27 +472,18 @@ fn public_full_vocabulary_heads_draft_losslessly() {
 fn bad_medusa_options_name_the_problem() {
     let (target, out) = trained();
     let model = Arc::new(load_model(target, 2).unwrap());
-    for (extra, want) in [
-        ("tree = [[0, 0], [0]]", "comes before"),
-        ("tree = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]", "3 heads"),
-        ("tree = \"deep\"", "array of arrays"),
-        ("mode = \"typical\"", "`mode`"),
-        ("bogus = 1", "unknown option `bogus`"),
-    ] {
-        let cfg = Config::parse(
-            &format!(
-                "[[proposer]]\nname = \"m\"\nplugin = \"medusa\"\n[proposer.options]\nhead = \"{}\"\n{extra}\n",
-                out.display()
-            ),
-            None,
-        )
-        .unwrap();
-        let e = match cfg.build_drafter(&model, None) {
-            Ok(_) => panic!("{extra}: accepted"),
-            Err(e) => e.to_string(),
-        };
-        assert!(e.contains(want), "{extra}: {e}");
-    }
+    common::assert_options_refused(
+        &model,
+        "medusa",
+        ("head", out),
+        &[
+            ("tree = [[0, 0], [0]]", "comes before"),
+            ("tree = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]", "3 heads"),
+            ("tree = \"deep\"", "array of arrays"),
+            ("mode = \"typical\"", "`mode`"),
+            ("bogus = 1", "unknown option `bogus`"),
+        ],
+    );
 }
 
 #[test]
@@ -530,8 +521,8 @@ fn medusa_sampling_keeps_the_target_distribution() {
     };
     let good = cfg_for("");
     for name in ["tree", "chain"] {
-        let (counts, acc) =
-            common::first_two_counts(&model, &good, name, &prompt, &params, n, 9000);
+        let (counts, acc, _) =
+            common::first_two_runs(&model, &good, name, &prompt, &params, n, 9000);
         let (stat, df) = common::chi_square(&counts, &exact);
         let crit = common::chi2_crit_999(df);
         eprintln!("{name}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
@@ -547,7 +538,7 @@ fn medusa_sampling_keeps_the_target_distribution() {
     // The control: drafting q's most likely tokens instead of drawing them
     // (what a "typical" or greedy-candidate shortcut does) is lossy.
     let lossy = cfg_for("test_control = \"top_tokens_sampled\"");
-    let (bad, _) = common::first_two_counts(&model, &lossy, "chain", &prompt, &params, n, 9000);
+    let (bad, ..) = common::first_two_runs(&model, &lossy, "chain", &prompt, &params, n, 9000);
     let (bstat, bdf) = common::chi_square(&bad, &exact);
     eprintln!("chain with test_control top_tokens_sampled: chi2 {bstat:.1} (df {bdf})");
     assert!(

@@ -298,27 +298,18 @@ fn bad_mtp_options_name_the_problem() {
     let tmp = TempDir::new("mtp-options");
     let st = st_target(&tmp.0.join("st"), &S, true, |_, _| {});
     let model = Arc::new(load_model(&st, 2).unwrap());
-    for (extra, want) in [
-        ("min_confidence = 1.5", "option `min_confidence`"),
-        ("min_confidence = -0.1", "[0, 1)"),
-        ("mode = \"typical\"", "option `mode`"),
-        ("top_k = 0", "must be at least 1"),
-        ("bogus = 1", "unknown option `bogus`"),
-    ] {
-        let cfg = Config::parse(
-            &format!(
-                "[[proposer]]\nname = \"m\"\nplugin = \"mtp\"\n[proposer.options]\nmodel = \"{}\"\n{extra}\n",
-                st.display()
-            ),
-            None,
-        )
-        .unwrap();
-        let e = match cfg.build_drafter(&model, None) {
-            Ok(_) => panic!("{extra}: accepted"),
-            Err(e) => e.to_string(),
-        };
-        assert!(e.contains(want), "{extra}: {e}");
-    }
+    common::assert_options_refused(
+        &model,
+        "mtp",
+        ("model", &st),
+        &[
+            ("min_confidence = 1.5", "option `min_confidence`"),
+            ("min_confidence = -0.1", "[0, 1)"),
+            ("mode = \"typical\"", "option `mode`"),
+            ("top_k = 0", "must be at least 1"),
+            ("bogus = 1", "unknown option `bogus`"),
+        ],
+    );
 }
 
 fn greedy_identity(target: &Path, extra: &str) -> [u64; 2] {
@@ -469,7 +460,7 @@ fn mtp_sampling_keeps_the_target_distribution() {
     );
     // The control: pruning sampled trees by their own probabilities.
     let lossy = mtp_config(&target, "test_control = \"rerank_sampled\"");
-    let (bad, _) = common::first_two_counts(&model, &lossy, "mtp-tree", &prompt, &params, n, 9000);
+    let (bad, ..) = common::first_two_runs(&model, &lossy, "mtp-tree", &prompt, &params, n, 9000);
     let (bstat, bdf) = common::chi_square(&bad, &exact);
     eprintln!("mtp-tree with rerank_sampled: chi2 {bstat:.1} (df {bdf})");
     assert!(

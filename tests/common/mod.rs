@@ -733,23 +733,35 @@ pub fn run_all(
     done
 }
 
-/// Counts of the first two sampled tokens of `n` seeded requests (seeds
-/// from `seed0`) through proposer `name`, and the drafts accepted per
-/// request.
-pub fn first_two_counts(
+/// Each `(option lines, expected text)` case: a proposer of `plugin` with
+/// `key = path` and the lines is refused at load with an error containing
+/// the text.
+pub fn assert_options_refused(
     model: &std::sync::Arc<specd::model::Model>,
-    cfg: &specd::config::Config,
-    name: &str,
-    prompt: &[u32],
-    params: &specd::sampler::SamplingParams,
-    n: usize,
-    seed0: u64,
-) -> (Vec<u64>, f64) {
-    let (counts, accepted, _) = first_two_runs(model, cfg, name, prompt, params, n, seed0);
-    (counts, accepted)
+    plugin: &str,
+    (key, path): (&str, &std::path::Path),
+    cases: &[(&str, &str)],
+) {
+    for (extra, want) in cases {
+        let cfg = specd::config::Config::parse(
+            &format!(
+                "[[proposer]]\nname = \"p\"\nplugin = \"{plugin}\"\n[proposer.options]\n{key} = \"{}\"\n{extra}\n",
+                path.display()
+            ),
+            None,
+        )
+        .unwrap();
+        let e = match cfg.build_drafter(model, None) {
+            Ok(_) => panic!("{extra}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(want), "{extra}: {e}");
+    }
 }
 
-/// `first_two_counts`, plus the drafted tokens per request.
+/// Counts of the first two sampled tokens of `n` seeded requests (seeds
+/// from `seed0`) through proposer `name`, and the tokens accepted and
+/// drafted per request.
 pub fn first_two_runs(
     model: &std::sync::Arc<specd::model::Model>,
     cfg: &specd::config::Config,
