@@ -86,12 +86,22 @@ pub fn read_bandwidth(threads: usize, bytes: usize, passes: usize) -> f64 {
     best
 }
 
-/// Peak resident set size of this process, from `/proc/self/status`.
-pub fn peak_rss_bytes() -> Option<usize> {
+/// A `kB` field of `/proc/self/status`, in bytes.
+fn status_bytes(field: &str) -> Option<usize> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
     let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// Peak resident set size of this process (`VmHWM`).
+pub fn peak_rss_bytes() -> Option<usize> {
+    status_bytes("VmHWM:")
+}
+
+/// Resident set size of this process now (`VmRSS`).
+pub fn rss_bytes() -> Option<usize> {
+    status_bytes("VmRSS:")
 }
 
 /// Reset the peak resident set size (`VmHWM`) to the current one
@@ -182,13 +192,14 @@ pub fn bench_model(
     let reset = reset_peak_rss();
 
     // Verify cost at a fixed context: forward k tokens, roll back, repeat.
-    // Each shape is timed in blocks of `VERIFY_BLOCK` consecutive forwards
-    // after one untimed forward of the same shape, and the blocks take
-    // turns, so drift hits them alike while each is timed close to its
-    // steady state. Chains first, then trees: forwards after a run of
-    // large trees (64 nodes) ran about 1.5 ms slower here for tens of
-    // milliseconds, which shrank every ratio when trees and chains were
-    // interleaved.
+    // Each shape is timed in blocks of `VERIFY_BLOCK` consecutive forwards,
+    // each block after `VERIFY_WARMUP` untimed forwards of the same shape,
+    // and the blocks take turns, so drift hits the shapes of a phase alike
+    // while each is timed close to its steady state: a forward right after
+    // larger ones ran 15-45% slower here, recovering over tens of
+    // milliseconds, which shrank every ratio when shapes were interleaved
+    // one forward at a time. Chains first, then trees (their ratios are to
+    // the chains' one-token forward, timed a few seconds earlier).
     // The context is filled in chunks of 512 tokens, as the engine's
     // default `max_batch_tokens` prefills a long prompt.
     let mut c = model.new_cache();
@@ -285,11 +296,9 @@ pub fn bench_model(
         tree_verify,
         weight_bytes: model.weight_bytes(),
         kv_bytes,
-        peak_rss_bytes: if reset {
-            peak_before.max(peak_rss_bytes())
-        } else {
-            None
-        },
+        // Without a reset, the resident set now (the probe's buffers are
+        // freed) stands in for the peak after the probes.
+        peak_rss_bytes: peak_before.max(if reset { peak_rss_bytes() } else { rss_bytes() }),
         read_gb_s,
         weights_read_gb_s,
         decode_limit_tok_s: if cold { read_gb_s } else { weights_read_gb_s } * 1e9

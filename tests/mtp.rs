@@ -303,7 +303,7 @@ fn bad_mtp_options_name_the_problem() {
         "mtp",
         ("model", &st),
         &[
-            ("min_confidence = 1.5", "option `min_confidence`"),
+            ("min_confidence = 1.5", "expected a probability"),
             ("min_confidence = -0.1", "[0, 1)"),
             ("mode = \"typical\"", "option `mode`"),
             ("top_k = 0", "must be at least 1"),
@@ -466,6 +466,27 @@ fn mtp_sampling_keeps_the_target_distribution() {
     assert!(
         bstat > 1.5 * common::chi2_crit_999(bdf),
         "the test cannot tell the lossy rerank apart: {bstat}"
+    );
+    // The bar's control: judging it on each drawn token's own probability
+    // (after the draw) instead of before it, with the bar's seeds and count.
+    let lossy = mtp_config(
+        &target,
+        "min_confidence = 0.15\ntest_control = \"gate_drawn\"",
+    );
+    let (bad, ..) = common::first_two_runs(
+        &model,
+        &lossy,
+        "mtp",
+        &prompt,
+        &params,
+        40_000.max(n),
+        100_000,
+    );
+    let (bstat, bdf) = common::chi_square(&bad, &exact);
+    eprintln!("mtp with the bar on drawn tokens: chi2 {bstat:.1} (df {bdf})");
+    assert!(
+        bstat > 1.5 * common::chi2_crit_999(bdf),
+        "the test cannot tell the bar judged after the draw apart: {bstat}"
     );
 }
 

@@ -121,6 +121,11 @@ pub struct Eagle {
     /// sampled trees by their nodes' own probabilities, as EAGLE-2 does
     /// under greedy decoding. Lossy; the chi-square test must catch it.
     rerank_sampled: bool,
+    /// Test control only (`test_control = "gate_drawn"`): apply
+    /// `min_confidence` to each drawn token's own probability after the
+    /// draw, dropping the ones below it. Lossy; the chi-square test must
+    /// catch it.
+    gate_drawn: bool,
     seqs: HashMap<u64, SeqState>,
 }
 
@@ -171,9 +176,11 @@ impl Eagle {
     /// `create` does after loading the head, and what other head-based
     /// plugins (`mtp`) build on.
     pub fn create_with(o: &Options, host: Host, head: Head) -> Result<Self, String> {
-        let rerank_sampled = match o.get("test_control", String::new())?.as_str() {
-            "" => false,
-            "rerank_sampled" => true,
+        let control = o.get("test_control", String::new())?;
+        let (rerank_sampled, gate_drawn) = match control.as_str() {
+            "" => (false, false),
+            "rerank_sampled" => (true, false),
+            "gate_drawn" => (false, true),
             c => return Err(format!("option `test_control`: unknown control \"{c}\"")),
         };
         let mode = match o.get("mode", "tree".to_string())?.as_str() {
@@ -222,6 +229,7 @@ impl Eagle {
                 f32::NEG_INFINITY
             },
             rerank_sampled,
+            gate_drawn,
             seqs: HashMap::new(),
         })
     }
@@ -461,7 +469,7 @@ impl Eagle {
             // renormalised without the earlier ones.
             let d = self.q_of(logits, &w.params);
             let top = d.probs.iter().copied().fold(0f32, f32::max);
-            if base + top.max(1e-30).ln() < self.log_min_conf {
+            if !self.gate_drawn && base + top.max(1e-30).ln() < self.log_min_conf {
                 return (Vec::new(), None);
             }
             let mut left: Vec<(u32, f32)> = d
@@ -487,6 +495,13 @@ impl Eagle {
                 }
                 let (t, p) = left.remove(pick);
                 out.push((t, p.max(1e-30).ln()));
+            }
+            if self.gate_drawn {
+                // The lossy control: the bar judged on what was drawn.
+                out.retain(|&(_, lp)| base + lp >= self.log_min_conf);
+                if out.is_empty() {
+                    return (out, None);
+                }
             }
             (out, Some(q))
         }
@@ -619,11 +634,17 @@ impl Eagle {
                         }
                     }
                 };
+                // Nodes already below `min_confidence` would be refused
+                // children anyway (a probability is at most 1): no head
+                // step for them.
                 let mut f: Vec<usize> = w
                     .frontier
                     .iter()
                     .copied()
-                    .filter(|&n| w.nodes[n].depth == depth)
+                    .filter(|&n| {
+                        w.nodes[n].depth == depth
+                            && (self.gate_drawn || w.nodes[n].score >= self.log_min_conf)
+                    })
                     .collect();
                 f.sort_by(|&a, &b| {
                     w.nodes[b]
