@@ -415,10 +415,11 @@ fn mtp_sampling_keeps_the_target_distribution() {
     // dropped): other drafts, the same law.
     let windowed = mtp_config(&target, "window = 1");
     // And chains that stop where the path's confidence drops below a bar:
-    // the second and third drafts are made for some first draws and not
-    // for others, and the law stays the same. (Trees test the bar with the
-    // same function; here every request has the same root, which is
-    // always above it, and these short requests' budget is spent there.)
+    // drafts are made for some contexts and draws and not for others, and
+    // the law stays the same. (Trees run the bar through the same
+    // function; these 3-token requests spend a tree's budget on the root's
+    // children, which this bar never cut here, so a tree run would repeat
+    // the plain one: 2.57 drafted per request either way.)
     let gated = mtp_config(&target, "min_confidence = 0.15");
     let mut drafted = std::collections::HashMap::new();
     // (The bar's run is larger and has its own seeds: at 12,000 requests
