@@ -155,7 +155,10 @@ fn crashing_exiting_and_hanging_plugins_in_child_processes_never_cost_a_token() 
 fn a_process_isolated_plugin_drafts_exactly_what_it_drafts_in_process() {
     // Same plugin, same seeds: identical drafts make identical sampled
     // outputs and identical acceptance counts; anything lost or altered on
-    // the wire (a token, a q) would show.
+    // the wire (a token, a q) would show. The deadline is generous: a child
+    // that misses it is replaced and its sequences decode plainly (tested
+    // with the hanging plugin), which on a loaded machine would make a
+    // difference this test is not about.
     let d = Daemon::start(
         r#"
 [engine]
@@ -168,6 +171,7 @@ plugin = "ngram"
 name = "ngram-process"
 plugin = "ngram"
 isolation = "process"
+propose_timeout_ms = 60000
 [[proposer]]
 name = "suffix"
 plugin = "suffix"
@@ -175,6 +179,7 @@ plugin = "suffix"
 name = "suffix-process"
 plugin = "suffix"
 isolation = "process"
+propose_timeout_ms = 60000
 [[proposer]]
 name = "eagle"
 plugin = "eagle"
@@ -183,6 +188,7 @@ options = { mode = "tree", max_draft = 8, depth = 5, top_k = 2 }
 name = "eagle-process"
 plugin = "eagle"
 isolation = "process"
+propose_timeout_ms = 60000
 options = { mode = "tree", max_draft = 8, depth = 5, top_k = 2 }
 [[proposer]]
 name = "medusa"
@@ -191,6 +197,7 @@ plugin = "medusa"
 name = "medusa-process"
 plugin = "medusa"
 isolation = "process"
+propose_timeout_ms = 60000
 [[proposer]]
 name = "mtp"
 plugin = "mtp"
@@ -199,6 +206,7 @@ options = { mode = "tree", max_draft = 8, depth = 4, top_k = 2 }
 name = "mtp-process"
 plugin = "mtp"
 isolation = "process"
+propose_timeout_ms = 60000
 options = { mode = "tree", max_draft = 8, depth = 4, top_k = 2 }
 "#,
         &[],
