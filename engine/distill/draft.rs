@@ -56,6 +56,10 @@ pub struct DistillConfig {
     /// non-empty; e.g. for targets without a text tokenizer).
     #[serde(skip)]
     pub prompt_ids: Vec<Vec<u32>>,
+    /// Which text prompts the target answers (`templated`: the data of the
+    /// shipped heads).
+    #[serde(default)]
+    pub prompts: crate::prompts::PromptMix,
     /// Rows of a reduced-vocabulary output head (the most frequent
     /// response tokens); 0: the full vocabulary, tied to the embedding.
     /// With a draft vocabulary the draft is *compact*: its input embedding
@@ -114,6 +118,7 @@ impl Default for DistillConfig {
             checkpoint_every: 50,
             seed: 0,
             prompt_ids: Vec::new(),
+            prompts: Default::default(),
             draft_vocab: 0,
             max_len: default_max_len(),
             prompt_weight: default_prompt_weight(),
@@ -334,6 +339,7 @@ pub fn distill(
         concurrency: cfg.concurrency,
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
+        mix: cfg.prompts,
     };
     let data = super::training_data(&target, &tok, &data_cfg, out)?;
     let stream: Vec<u32> = data.iter().flat_map(|s| s.tokens.iter().copied()).collect();
@@ -603,6 +609,7 @@ fn distill_compact(
         concurrency: cfg.concurrency,
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
+        mix: cfg.prompts,
     };
     let mut samples = super::training_data(target, tok, &data_cfg, &train_dir)?;
     for s in &mut samples {

@@ -94,6 +94,10 @@ pub struct EagleConfig {
     pub mtp: bool,
     #[serde(skip)]
     pub prompt_ids: Vec<Vec<u32>>,
+    /// Which text prompts the target answers (`templated`: the data of the
+    /// shipped heads).
+    #[serde(default)]
+    pub prompts: crate::prompts::PromptMix,
 }
 
 fn default_true() -> bool {
@@ -125,6 +129,7 @@ impl Default for EagleConfig {
             feature_layers: Vec::new(),
             mtp: false,
             prompt_ids: Vec::new(),
+            prompts: Default::default(),
         }
     }
 }
@@ -1048,6 +1053,7 @@ pub fn distill_eagle(
         concurrency: cfg.concurrency,
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
+        mix: cfg.prompts,
     };
     let t0 = std::time::Instant::now();
     let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;

@@ -60,6 +60,10 @@ pub struct MedusaTrainConfig {
     pub stop_after: usize,
     #[serde(skip)]
     pub prompt_ids: Vec<Vec<u32>>,
+    /// Which text prompts the target answers (`templated`: the data of the
+    /// shipped heads).
+    #[serde(default)]
+    pub prompts: crate::prompts::PromptMix,
 }
 
 impl Default for MedusaTrainConfig {
@@ -86,6 +90,7 @@ impl Default for MedusaTrainConfig {
             seed: 0,
             stop_after: 0,
             prompt_ids: Vec::new(),
+            prompts: Default::default(),
         }
     }
 }
@@ -367,6 +372,7 @@ pub fn distill_medusa(
         concurrency: cfg.concurrency,
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
+        mix: cfg.prompts,
     };
     let t0 = std::time::Instant::now();
     let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;

@@ -7,6 +7,12 @@
 //!   8-gram of words with Spec-Bench or HumanEval), in batches through the
 //!   engine; the samples (prompt + response tokens) are cached in
 //!   `<out>/samples.json` so a rerun or a resume does not regenerate them.
+//!   Two prompt mixes (`PromptMix`): `templated` (the shipped heads' data)
+//!   and `varied`, which adds role-play, arithmetic and reasoning prompts
+//!   to 70% of the token budget, then spends the rest on tasks over
+//!   passages the target wrote in that first stage (summaries, extraction,
+//!   translation, questions over one or two documents), each prompt again
+//!   checked against the evaluation sets.
 //! - `draft`: a small standalone Llama draft (`specd distill draft`).
 //! - `eagle`: an EAGLE-3 head over the target's features
 //!   (`specd distill eagle`).
@@ -25,6 +31,7 @@ pub use draft::{distill, DistillConfig, State};
 
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
+use crate::prompts::PromptMix;
 use crate::sampler::SamplingParams;
 use crate::speculative::drafter::Drafter;
 use crate::speculative::driver::{EngineConfig, SyncDriver};
@@ -49,6 +56,32 @@ pub fn prompt_set(limit: usize) -> Vec<(String, bool)> {
     prompts.into_iter().map(|p| (p.text, p.chat)).collect()
 }
 
+/// The first stage of the `varied` mix (`prompts::varied_prompts`).
+pub fn varied_prompt_set(limit: usize) -> Vec<(String, bool)> {
+    let eval = crate::ab::evaluation_texts();
+    let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
+    let (prompts, dropped) = crate::prompts::varied_prompts(limit.max(1), 7, &index);
+    eprintln!(
+        "specd distill: {} training prompts (instructions, code stubs, role-play, arithmetic, reasoning); {dropped} candidates dropped for sharing an 8-gram with Spec-Bench or HumanEval",
+        prompts.len()
+    );
+    prompts.into_iter().map(|p| (p.text, p.chat)).collect()
+}
+
+/// The second stage of the `varied` mix: tasks over `passages` the target
+/// wrote (`prompts::passage_prompts`, about 110 words each).
+pub fn passage_prompt_set(passages: &[String], limit: usize, seed: u64) -> Vec<(String, bool)> {
+    let eval = crate::ab::evaluation_texts();
+    let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
+    let (prompts, dropped) =
+        crate::prompts::passage_prompts(passages, limit.max(1), 110, seed ^ 0xBA55, &index);
+    eprintln!(
+        "specd distill: {} tasks over passages the target wrote; {dropped} dropped for sharing an 8-gram with Spec-Bench or HumanEval",
+        prompts.len()
+    );
+    prompts.into_iter().map(|p| (p.text, p.chat)).collect()
+}
+
 /// How the target's training text is generated.
 #[derive(Debug, Clone)]
 pub struct DataConfig {
@@ -66,6 +99,8 @@ pub struct DataConfig {
     /// Prompts as token ids (used instead of the text prompt set when
     /// non-empty; e.g. for targets without a text tokenizer).
     pub prompt_ids: Vec<Vec<u32>>,
+    /// Which text prompts (ignored with `prompt_ids`).
+    pub mix: PromptMix,
 }
 
 /// One training sample: a prompt and the target's response.
@@ -107,21 +142,8 @@ pub fn training_data(
     ec.scheduler.max_running = cfg.concurrency.max(1);
     ec.scheduler.max_waiting = usize::MAX;
     let mut engine = SyncDriver::new(model.clone(), Some(tok.clone()), ec, Drafter::new());
-    let n_prompts = cfg.gen_tokens / (cfg.gen_max_tokens / 4).max(1) + 8;
-    let prompts: Vec<Prompt> = if cfg.prompt_ids.is_empty() {
-        prompt_set(n_prompts)
-            .into_iter()
-            .map(|(t, chat)| Prompt::Text(t, chat))
-            .collect()
-    } else {
-        cfg.prompt_ids
-            .iter()
-            .cloned()
-            .cycle()
-            .take(n_prompts)
-            .map(Prompt::Ids)
-            .collect()
-    };
+    let max_prompt = model.config.max_seq_len / 2;
+    let n_prompts = |tokens: usize| tokens / (cfg.gen_max_tokens / 4).max(1) + 8;
     let bar = indicatif::ProgressBar::new(cfg.gen_tokens as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -129,67 +151,150 @@ pub fn training_data(
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    // Every prompt is queued; the scheduler keeps `concurrency` of them
-    // decoding, so the batch stays full until enough text is collected.
-    let mut prompt_of = std::collections::HashMap::new();
-    for (k, p) in prompts.iter().enumerate() {
-        let ids = match p {
-            Prompt::Text(text, true) => tok.encode(
-                &tok.apply_chat_template(&[ChatMessage::user(text.clone())], true)?,
-                false,
-            )?,
-            Prompt::Text(text, false) => tok.encode(text, true)?,
-            Prompt::Ids(ids) => ids.clone(),
-        };
-        let ids: Vec<u32> = ids.into_iter().take(model.config.max_seq_len / 2).collect();
-        // Every 1/fraction-th response is sampled, the rest greedy.
-        let sampled = cfg.temperature > 0.0
-            && cfg.sampled_fraction > 0.0
-            && ((k as f32 * cfg.sampled_fraction).floor()
-                != ((k + 1) as f32 * cfg.sampled_fraction).floor());
-        let id = engine.add(
-            Request {
-                params: SamplingParams {
-                    temperature: if sampled { cfg.temperature } else { 0.0 },
-                    seed: cfg.seed.wrapping_add(k as u64),
-                    ..Default::default()
-                },
-                ..Request::greedy(ids.clone(), cfg.gen_max_tokens)
-            },
-            None,
-        )?;
-        prompt_of.insert(id, (k, ids));
-    }
-    let mut done = Vec::new();
-    let mut total = 0usize;
-    while total < cfg.gen_tokens && !prompt_of.is_empty() && done.len() < prompts.len() {
-        for c in engine.step()?.finished {
-            total += c.tokens.len();
-            bar.inc(c.tokens.len() as u64);
-            if let Some((k, ids)) = prompt_of.remove(&c.id) {
-                done.push((k, ids, c.tokens));
-            }
-        }
-    }
-    done.sort_by_key(|d| d.0);
-    let data: Vec<Sample> = done
-        .into_iter()
-        .map(|(_, ids, response)| {
-            let prompt_len = ids.len();
-            let mut tokens = ids;
-            tokens.extend(response);
-            Sample { tokens, prompt_len }
-        })
-        .collect();
+    let mut gen = Generator {
+        engine: &mut engine,
+        max_prompt,
+        tok,
+        cfg,
+        bar: &bar,
+    };
+    let text = |v: Vec<(String, bool)>| -> Vec<Prompt> {
+        v.into_iter()
+            .map(|(t, chat)| Prompt::Text(t, chat))
+            .collect()
+    };
+    let data: Vec<Sample> = if !cfg.prompt_ids.is_empty() {
+        let prompts: Vec<Prompt> = cfg
+            .prompt_ids
+            .iter()
+            .cloned()
+            .cycle()
+            .take(n_prompts(cfg.gen_tokens))
+            .map(Prompt::Ids)
+            .collect();
+        gen.run(&prompts, cfg.gen_tokens, 0)?
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect()
+    } else if cfg.mix == PromptMix::Templated {
+        let prompts = text(prompt_set(n_prompts(cfg.gen_tokens)));
+        gen.run(&prompts, cfg.gen_tokens, 0)?
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect()
+    } else {
+        // Stage 1: instructions, code, role-play, arithmetic, reasoning.
+        let first = cfg.gen_tokens * 7 / 10;
+        let prompts = text(varied_prompt_set(n_prompts(first)));
+        let done = gen.run(&prompts, first, 0)?;
+        // Stage 2: tasks over what the target wrote to instructions.
+        let passages: Vec<String> = done
+            .iter()
+            .filter(|(k, _)| matches!(prompts[*k], Prompt::Text(_, true)))
+            .map(|(_, s)| tok.decode(&s.tokens[s.prompt_len..], true))
+            .collect::<Result<_>>()?;
+        let got: usize = done
+            .iter()
+            .map(|(_, s)| s.tokens.len() - s.prompt_len)
+            .sum();
+        let rest = cfg.gen_tokens.saturating_sub(got);
+        let second = text(passage_prompt_set(&passages, n_prompts(rest), cfg.seed));
+        let more = gen.run(&second, rest, prompts.len())?;
+        done.into_iter().chain(more).map(|(_, s)| s).collect()
+    };
     bar.finish_and_clear();
     std::fs::create_dir_all(out)?;
     std::fs::write(
         &path,
         serde_json::to_string(&data).map_err(|e| json_err(&path, e))?,
     )?;
+    let total: usize = data.iter().map(|s| s.tokens.len() - s.prompt_len).sum();
     eprintln!(
         "specd distill: {total} generated tokens from {} prompts",
         data.len()
     );
     Ok(data)
+}
+
+/// Generates training samples through an engine (`run`, once per stage).
+struct Generator<'a> {
+    engine: &'a mut SyncDriver,
+    /// Prompts are cut to this many tokens.
+    max_prompt: usize,
+    tok: &'a Tokenizer,
+    cfg: &'a DataConfig,
+    bar: &'a indicatif::ProgressBar,
+}
+
+impl Generator<'_> {
+    /// Decodes `prompts` through the engine until `budget` response tokens are
+    /// collected; returns each finished prompt's index and sample, in prompt
+    /// order. Prompt `k` is seeded `seed + offset + k`, and every
+    /// 1/`sampled_fraction`-th one (counting from `offset`) is sampled.
+    fn run(
+        &mut self,
+        prompts: &[Prompt],
+        budget: usize,
+        offset: usize,
+    ) -> Result<Vec<(usize, Sample)>> {
+        let (tok, cfg, max_prompt) = (self.tok, self.cfg, self.max_prompt);
+        // Every prompt is queued; the scheduler keeps `concurrency` of them
+        // decoding, so the batch stays full until enough text is collected.
+        let mut prompt_of = std::collections::HashMap::new();
+        for (k, p) in prompts.iter().enumerate() {
+            let ids = match p {
+                Prompt::Text(text, true) => tok.encode(
+                    &tok.apply_chat_template(&[ChatMessage::user(text.clone())], true)?,
+                    false,
+                )?,
+                Prompt::Text(text, false) => tok.encode(text, true)?,
+                Prompt::Ids(ids) => ids.clone(),
+            };
+            let ids: Vec<u32> = ids.into_iter().take(max_prompt).collect();
+            // Every 1/fraction-th response is sampled, the rest greedy.
+            let j = k + offset;
+            let sampled = cfg.temperature > 0.0
+                && cfg.sampled_fraction > 0.0
+                && ((j as f32 * cfg.sampled_fraction).floor()
+                    != ((j + 1) as f32 * cfg.sampled_fraction).floor());
+            let id = self.engine.add(
+                Request {
+                    params: SamplingParams {
+                        temperature: if sampled { cfg.temperature } else { 0.0 },
+                        seed: cfg.seed.wrapping_add(j as u64),
+                        ..Default::default()
+                    },
+                    ..Request::greedy(ids.clone(), cfg.gen_max_tokens)
+                },
+                None,
+            )?;
+            prompt_of.insert(id, (k, ids));
+        }
+        let mut done = Vec::new();
+        let mut total = 0usize;
+        while total < budget && !prompt_of.is_empty() && done.len() < prompts.len() {
+            for c in self.engine.step()?.finished {
+                // (Requests an earlier call aborted finish here too.)
+                if let Some((k, ids)) = prompt_of.remove(&c.id) {
+                    total += c.tokens.len();
+                    self.bar.inc(c.tokens.len() as u64);
+                    done.push((k, ids, c.tokens));
+                }
+            }
+        }
+        // What is still queued or running is dropped with its requests.
+        for id in prompt_of.into_keys() {
+            self.engine.abort(id);
+        }
+        done.sort_by_key(|d| d.0);
+        Ok(done
+            .into_iter()
+            .map(|(k, ids, response)| {
+                let prompt_len = ids.len();
+                let mut tokens = ids;
+                tokens.extend(response);
+                (k, Sample { tokens, prompt_len })
+            })
+            .collect())
+    }
 }
