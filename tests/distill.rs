@@ -105,7 +105,26 @@ fn training_prompts_share_no_8gram_with_any_evaluation_set() {
     let set = specd::distill::prompt_set(100_000);
     assert!(set.len() >= 2000, "{} prompts", set.len());
     assert!(set.iter().any(|(_, chat)| *chat) && set.iter().any(|(_, chat)| !*chat));
-    for (text, _) in &set {
+    let varied = specd::distill::varied_prompt_set(100_000);
+    assert!(varied.len() > set.len(), "{} varied prompts", varied.len());
+    // Passages are the target's own text, which could echo an evaluation
+    // question: tasks over passages cut from evaluation texts are dropped,
+    // tasks over other passages kept.
+    let clean: Vec<String> = set
+        .iter()
+        .take(40)
+        .map(|(t, _)| format!("{t} {t}"))
+        .collect();
+    let echoes: Vec<String> = eval
+        .iter()
+        .filter(|t| t.split_whitespace().count() >= 30)
+        .take(40)
+        .cloned()
+        .collect();
+    let passages: Vec<String> = clean.iter().chain(&echoes).cloned().collect();
+    let tasks = specd::distill::passage_prompt_set(&passages, 400, 0);
+    assert!(tasks.len() >= 100, "{} passage tasks", tasks.len());
+    for (text, _) in set.iter().chain(&varied).chain(&tasks) {
         let shared: Vec<_> = word_ngrams(text, NGRAM)
             .into_iter()
             .filter(|g| grams.contains(g))
@@ -113,6 +132,69 @@ fn training_prompts_share_no_8gram_with_any_evaluation_set() {
         assert!(shared.is_empty(), "{text:?} shares {shared:?}");
         assert!(!eval.contains(text));
     }
+}
+
+/// The `varied` mix on the default target: a first stage of prompts, then
+/// tasks over passages cut from what the target answered in it; the
+/// budget is met and every sample is a real prompt and response.
+#[test]
+fn the_varied_mix_builds_its_second_stage_from_the_targets_own_answers() {
+    use specd::distill::{training_data, DataConfig};
+    use specd::prompts::PromptMix;
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let dir = TempDir::new("distill-varied");
+    let cfg = DataConfig {
+        gen_tokens: 1200,
+        gen_max_tokens: 40,
+        temperature: 0.8,
+        sampled_fraction: 0.5,
+        concurrency: 8,
+        seed: 3,
+        prompt_ids: Vec::new(),
+        mix: PromptMix::Varied,
+    };
+    let data = training_data(&model, &tok, &cfg, &dir.0).unwrap();
+    let response =
+        |s: &specd::distill::Sample| tok.decode(&s.tokens[s.prompt_len..], true).unwrap();
+    let total: usize = data.iter().map(|s| s.tokens.len() - s.prompt_len).sum();
+    assert!(total >= 1200, "{total} response tokens");
+    assert!(data
+        .iter()
+        .all(|s| s.prompt_len > 0 && s.tokens.len() > s.prompt_len));
+    // A second-stage prompt quotes (a run of 8 words) the answer to an
+    // earlier prompt; the second stage comes last.
+    let answers: Vec<std::collections::HashSet<String>> = data
+        .iter()
+        .map(|s| {
+            specd::prompts::word_ngrams(&response(s), 8)
+                .into_iter()
+                .collect()
+        })
+        .collect();
+    let quotes_earlier: Vec<bool> = data
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let prompt = tok.decode(&s.tokens[..s.prompt_len], true).unwrap();
+            specd::prompts::word_ngrams(&prompt, 8)
+                .iter()
+                .any(|g| answers[..i].iter().any(|a| a.contains(g)))
+        })
+        .collect();
+    let n = quotes_earlier.iter().filter(|&&q| q).count();
+    assert!(
+        n >= 3,
+        "{n} of {} prompts quote an earlier answer",
+        data.len()
+    );
+    assert!(
+        quotes_earlier[data.len() - 1],
+        "the last sample is a second-stage task"
+    );
+    // A rerun reuses the cached samples.
+    assert_eq!(training_data(&model, &tok, &cfg, &dir.0).unwrap(), data);
 }
 
 #[test]
