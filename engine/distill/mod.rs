@@ -42,44 +42,47 @@ fn json_err(path: &Path, e: impl std::fmt::Display) -> SpecdError {
     SpecdError::InvalidRequest(format!("{}: {e}", path.display()))
 }
 
-/// Prompts to generate training text from: generated instructions and
-/// code stubs that share no 8-gram of words with any evaluation set the
-/// project ships (see `prompts`). Returns (text, chat) pairs.
-pub fn prompt_set(limit: usize) -> Vec<(String, bool)> {
+/// Builds prompts with `make` against the evaluation sets' 8-gram index,
+/// logs how many there are (`what`) and how many were dropped, and returns
+/// (text, chat) pairs.
+fn checked_set(
+    what: &str,
+    make: impl FnOnce(&crate::prompts::NgramIndex) -> (Vec<crate::prompts::TrainingPrompt>, usize),
+) -> Vec<(String, bool)> {
     let eval = crate::ab::evaluation_texts();
     let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
-    let (prompts, dropped) = crate::prompts::training_prompts(limit.max(1), 7, &index);
+    let (prompts, dropped) = make(&index);
     eprintln!(
-        "specd distill: {} training prompts (generated instructions and code stubs); {dropped} candidates dropped for sharing an 8-gram with Spec-Bench or HumanEval",
+        "specd distill: {} {what}; {dropped} dropped for sharing an 8-gram with Spec-Bench or HumanEval",
         prompts.len()
     );
     prompts.into_iter().map(|p| (p.text, p.chat)).collect()
 }
 
+/// Prompts to generate training text from: generated instructions and
+/// code stubs that share no 8-gram of words with any evaluation set the
+/// project ships (see `prompts`). Returns (text, chat) pairs.
+pub fn prompt_set(limit: usize) -> Vec<(String, bool)> {
+    checked_set(
+        "training prompts (generated instructions and code stubs)",
+        |index| crate::prompts::training_prompts(limit.max(1), 7, index),
+    )
+}
+
 /// The first stage of the `varied` mix (`prompts::varied_prompts`).
 pub fn varied_prompt_set(limit: usize) -> Vec<(String, bool)> {
-    let eval = crate::ab::evaluation_texts();
-    let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
-    let (prompts, dropped) = crate::prompts::varied_prompts(limit.max(1), 7, &index);
-    eprintln!(
-        "specd distill: {} training prompts (instructions, code stubs, role-play, arithmetic, reasoning); {dropped} candidates dropped for sharing an 8-gram with Spec-Bench or HumanEval",
-        prompts.len()
-    );
-    prompts.into_iter().map(|p| (p.text, p.chat)).collect()
+    checked_set(
+        "training prompts (instructions, code stubs, role-play, arithmetic, reasoning)",
+        |index| crate::prompts::varied_prompts(limit.max(1), 7, index),
+    )
 }
 
 /// The second stage of the `varied` mix: tasks over `passages` the target
 /// wrote (`prompts::passage_prompts`, about 110 words each).
 pub fn passage_prompt_set(passages: &[String], limit: usize, seed: u64) -> Vec<(String, bool)> {
-    let eval = crate::ab::evaluation_texts();
-    let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
-    let (prompts, dropped) =
-        crate::prompts::passage_prompts(passages, limit.max(1), 110, seed ^ 0xBA55, &index);
-    eprintln!(
-        "specd distill: {} tasks over passages the target wrote; {dropped} dropped for sharing an 8-gram with Spec-Bench or HumanEval",
-        prompts.len()
-    );
-    prompts.into_iter().map(|p| (p.text, p.chat)).collect()
+    checked_set("tasks over passages the target wrote", |index| {
+        crate::prompts::passage_prompts(passages, limit.max(1), 110, seed ^ 0xBA55, index)
+    })
 }
 
 /// How the target's training text is generated.
