@@ -341,11 +341,7 @@ pub fn training_prompts(
     let before = all.len();
     all.retain(|p| evaluation.shared(&p.text).is_none());
     let dropped = before - all.len();
-    let mut rng = Rng::new(seed);
-    for i in (1..all.len()).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        all.swap(i, j);
-    }
+    shuffle(&mut all, seed);
     all.truncate(n);
     (all, dropped)
 }
@@ -528,6 +524,7 @@ fn extra_candidates() -> Vec<TrainingPrompt> {
     v
 }
 
+/// Fisher-Yates with the project's seeded generator.
 fn shuffle<T>(v: &mut [T], seed: u64) {
     let mut rng = Rng::new(seed);
     for i in (1..v.len()).rev() {

@@ -24,6 +24,17 @@ pub enum DistillCmd {
     Medusa(MedusaArgs),
 }
 
+/// The training data's prompts (every distill command).
+#[derive(Args)]
+pub struct PromptArgs {
+    /// Training prompts: `templated` (instructions and code stubs, the
+    /// data of the shipped heads) or `varied` (those plus role-play,
+    /// arithmetic and reasoning, then tasks over passages the target wrote:
+    /// summaries, extraction, translation, questions over documents).
+    #[arg(long, value_parser = specd::prompts::PromptMix::parse, default_value = "templated")]
+    pub prompts: specd::prompts::PromptMix,
+}
+
 #[derive(Args)]
 pub struct MedusaArgs {
     /// Target model (default: the embedded SmolLM2).
@@ -60,12 +71,8 @@ pub struct MedusaArgs {
     /// Stop after this many steps (the schedule stays that of --epochs).
     #[arg(long, default_value_t = 0)]
     pub stop_after: usize,
-    /// Training prompts: `templated` (instructions and code stubs, the
-    /// data of the shipped heads) or `varied` (those plus role-play,
-    /// arithmetic and reasoning, then tasks over passages the target wrote:
-    /// summaries, extraction, translation, questions over documents).
-    #[arg(long, value_parser = specd::prompts::PromptMix::parse, default_value = "templated")]
-    pub prompts: specd::prompts::PromptMix,
+    #[command(flatten)]
+    pub data: PromptArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -116,12 +123,8 @@ pub struct EagleArgs {
     /// L-3; L names the final-normed state).
     #[arg(long, value_delimiter = ',')]
     pub feature_layers: Vec<usize>,
-    /// Training prompts: `templated` (instructions and code stubs, the
-    /// data of the shipped heads) or `varied` (those plus role-play,
-    /// arithmetic and reasoning, then tasks over passages the target wrote:
-    /// summaries, extraction, translation, questions over documents).
-    #[arg(long, value_parser = specd::prompts::PromptMix::parse, default_value = "templated")]
-    pub prompts: specd::prompts::PromptMix,
+    #[command(flatten)]
+    pub data: PromptArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -171,12 +174,8 @@ pub struct DistillArgs {
     /// Compact drafts: loss weight of positions inside the prompt.
     #[arg(long, default_value_t = 0.5)]
     pub prompt_weight: f32,
-    /// Training prompts: `templated` (instructions and code stubs, the
-    /// data of the shipped heads) or `varied` (those plus role-play,
-    /// arithmetic and reasoning, then tasks over passages the target wrote:
-    /// summaries, extraction, translation, questions over documents).
-    #[arg(long, value_parser = specd::prompts::PromptMix::parse, default_value = "templated")]
-    pub prompts: specd::prompts::PromptMix,
+    #[command(flatten)]
+    pub data: PromptArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -228,7 +227,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 draft_vocab: a.draft_vocab,
                 prompt_weight: a.prompt_weight,
                 seed: a.seed,
-                prompts: a.prompts,
+                prompts: a.data.prompts,
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
@@ -255,7 +254,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 warmup: a.warmup,
                 stop_after: a.stop_after,
                 seed: a.seed,
-                prompts: a.prompts,
+                prompts: a.data.prompts,
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
@@ -297,7 +296,7 @@ fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
         fc_identity: !a.fc_random,
         feature_layers: a.feature_layers,
         seed: a.seed,
-        prompts: a.prompts,
+        prompts: a.data.prompts,
         mtp,
         ..Default::default()
     };
