@@ -166,21 +166,23 @@ pub fn training_data(
             .map(|(t, chat)| Prompt::Text(t, chat))
             .collect()
     };
-    let data: Vec<Sample> = if !cfg.prompt_ids.is_empty() {
-        let prompts: Vec<Prompt> = cfg
-            .prompt_ids
-            .iter()
-            .cloned()
-            .cycle()
-            .take(n_prompts(cfg.gen_tokens))
-            .map(Prompt::Ids)
-            .collect();
-        gen.run(&prompts, cfg.gen_tokens, 0)?
-            .into_iter()
-            .map(|(_, s)| s)
-            .collect()
+    // One stage (token ids, or the templated mix), or the varied mix's two.
+    let single: Option<Vec<Prompt>> = if !cfg.prompt_ids.is_empty() {
+        Some(
+            cfg.prompt_ids
+                .iter()
+                .cloned()
+                .cycle()
+                .take(n_prompts(cfg.gen_tokens))
+                .map(Prompt::Ids)
+                .collect(),
+        )
     } else if cfg.mix == PromptMix::Templated {
-        let prompts = text(prompt_set(n_prompts(cfg.gen_tokens)));
+        Some(text(prompt_set(n_prompts(cfg.gen_tokens))))
+    } else {
+        None
+    };
+    let data: Vec<Sample> = if let Some(prompts) = single {
         gen.run(&prompts, cfg.gen_tokens, 0)?
             .into_iter()
             .map(|(_, s)| s)
