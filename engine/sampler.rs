@@ -16,7 +16,8 @@ use crate::error::{Result, SpecdError};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SamplingParams {
-    /// 0 means greedy.
+    /// 0 means greedy (the scheduler decodes temperatures below
+    /// `MIN_TEMPERATURE` greedily).
     pub temperature: f32,
     /// 0 disables.
     pub top_k: usize,
@@ -52,6 +53,15 @@ impl Default for SamplingParams {
     }
 }
 
+/// Temperatures below this decode greedily (as in vLLM): at 1e-5 a token
+/// within 1e-4 of the top logit is already e^-10 less likely, and below
+/// about 3e-39 `1 / temperature` is no longer a finite f32.
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
+/// The multiplicative repetition penalty's range: beyond it a logit of a
+/// few tens divided or multiplied by the penalty leaves f32.
+pub const REPETITION_PENALTY_RANGE: std::ops::RangeInclusive<f32> = 0.01..=100.0;
+
 impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()
@@ -82,8 +92,8 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad("min_p", "must be in [0, 1]");
         }
-        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
-            return bad("repetition_penalty", "must be > 0");
+        if !REPETITION_PENALTY_RANGE.contains(&self.repetition_penalty) {
+            return bad("repetition_penalty", "must be in [0.01, 100]");
         }
         if !self.presence_penalty.is_finite() || self.presence_penalty.abs() > 2.0 {
             return bad("presence_penalty", "must be in [-2, 2]");
@@ -99,6 +109,15 @@ impl SamplingParams {
             return bad("logit_bias", "each bias must be in [-100, 100]");
         }
         Ok(())
+    }
+
+    /// The same request with temperatures below `MIN_TEMPERATURE` made
+    /// greedy (0), so the engine and every plugin agree it is greedy.
+    pub fn normalized(mut self) -> Self {
+        if self.temperature < MIN_TEMPERATURE {
+            self.temperature = 0.0;
+        }
+        self
     }
 }
 
@@ -192,11 +211,23 @@ impl Distribution {
 }
 
 /// Index of the largest logit (lowest index on ties).
+/// NaN entries never win (unless every entry is NaN: then 0).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in logits.iter().enumerate() {
         if v > logits[best] {
             best = i;
+        }
+    }
+    if logits.get(best).is_some_and(|v| v.is_nan()) {
+        // `v > NaN` is never true: start again from the first number.
+        if let Some(first) = logits.iter().position(|v| !v.is_nan()) {
+            best = first;
+            for (i, &v) in logits.iter().enumerate().skip(first) {
+                if v > logits[best] {
+                    best = i;
+                }
+            }
         }
     }
     best as u32
@@ -260,6 +291,12 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
         .map(|&l| crate::model::kernels::exp_f32((l - max) * inv_t))
         .collect();
     let total = sum_f64(&w);
+    if !(total.is_finite() && total > 0.0) {
+        // Logits that are not all finite (an infinite or NaN logit, or a
+        // temperature too small for `1 / temperature`): the limit of the
+        // distribution is the top logit.
+        return Distribution::one_hot(argmax(logits));
+    }
     let by_weight = |a: &u32, b: &u32| w[*b as usize].total_cmp(&w[*a as usize]).then(a.cmp(b));
     let top_k = p.top_k > 0 && p.top_k < w.len();
     let mut cand: Vec<u32> = if top_k {
@@ -272,6 +309,7 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
         // Only tokens above a threshold can be in the nucleus once the mass
         // above it reaches top_p: lower the threshold until it does.
         let mut thr = total * 1e-3;
+        // Ends: `total` is finite and positive (checked above).
         loop {
             let mass: f64 = w
                 .iter()
@@ -332,8 +370,8 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
         }
         cand.truncate(keep.max(1));
     }
-    if p.min_p > 0.0 {
-        let thr = w[cand[0] as usize] * p.min_p;
+    if let (true, Some(&top)) = (p.min_p > 0.0, cand.first()) {
+        let thr = w[top as usize] * p.min_p;
         cand.retain(|&i| w[i as usize] >= thr);
     }
     let z: f64 = if cand.len() == w.len() {
@@ -443,6 +481,54 @@ mod tests {
             temperature: t,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn logits_or_temperatures_that_leave_f32_give_the_top_token() {
+        // 1 / 1e-40 is infinite in f32; an infinite or NaN logit makes the
+        // weights NaN. Every transform then returns the top logit, and
+        // never loops or returns an empty support.
+        let logits = [0.5f32, 2.0, 1.0, -3.0];
+        for p in [
+            SamplingParams {
+                top_p: 0.9,
+                ..params(1e-40)
+            },
+            SamplingParams {
+                min_p: 0.2,
+                ..params(1e-40)
+            },
+            SamplingParams {
+                top_k: 3,
+                ..params(1e-40)
+            },
+            params(1e-40),
+        ] {
+            assert_eq!(distribution(&logits, &p), Distribution::one_hot(1), "{p:?}");
+        }
+        let p = SamplingParams {
+            top_p: 0.9,
+            ..params(0.7)
+        };
+        let inf = [0.5f32, f32::INFINITY, 1.0];
+        assert_eq!(distribution(&inf, &p), Distribution::one_hot(1));
+        let nan = [f32::NAN, 0.5, 2.0, 1.0];
+        assert_eq!(distribution(&nan, &p), Distribution::one_hot(2));
+        assert_eq!(argmax(&nan), 2, "NaN never wins");
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        // Requests below MIN_TEMPERATURE are made greedy before they run;
+        // penalties that would push logits out of f32 are refused.
+        assert!(params(1e-6).normalized().is_greedy());
+        assert!(!params(1e-4).normalized().is_greedy());
+        let rp = |r: f32| SamplingParams {
+            repetition_penalty: r,
+            ..params(0.7)
+        };
+        for bad in [1e-39, 0.0, 1e3, f32::NAN] {
+            let e = rp(bad).validate().unwrap_err().to_string();
+            assert!(e.contains("repetition_penalty"), "{e}");
+        }
+        assert!(rp(1.3).validate().is_ok());
     }
 
     #[test]

@@ -447,7 +447,14 @@ impl Tokenizer {
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
         })
-        .map_err(|e| SpecdError::Tokenizer(format!("chat template: {e}")))
+        // A template that compiles but refuses these messages (its
+        // `raise_exception`, e.g. roles that do not alternate) is the
+        // request's fault; one that does not compile is the deployment's.
+        .map_err(|e| {
+            SpecdError::InvalidRequest(format!(
+                "messages: the model's chat template refused them: {e}"
+            ))
+        })
     }
 }
 
@@ -487,5 +494,53 @@ impl StreamDecoder {
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_template(template: &str) -> Tokenizer {
+        let vocab = [("[UNK]", 0u32), ("a", 1), ("b", 2)]
+            .into_iter()
+            .map(|(w, i)| (w.to_string(), i))
+            .collect();
+        let model = tokenizers::models::wordlevel::WordLevel::builder()
+            .vocab(vocab)
+            .unk_token("[UNK]".into())
+            .build()
+            .unwrap();
+        let inner = tokenizers::Tokenizer::new(model);
+        Tokenizer {
+            text_only: text_only(&inner),
+            inner,
+            chat_template: Some(template.into()),
+            bos_token: String::new(),
+            eos_token: String::new(),
+            add_bos: None,
+        }
+    }
+
+    #[test]
+    fn a_template_that_refuses_the_messages_is_the_requests_fault() {
+        let t = with_template(
+            "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}\
+             {{ messages[0].content }}",
+        );
+        let m = |c: &str| ChatMessage {
+            role: "user".into(),
+            content: c.into(),
+        };
+        assert!(t.encode_chat(&[m("a")], true, false).is_ok());
+        for trusted in [false, true] {
+            let e = t.encode_chat(&[m("a"), m("b")], true, trusted).unwrap_err();
+            assert!(matches!(e, SpecdError::InvalidRequest(_)), "{e:?}");
+            assert!(e.to_string().contains("one message only"), "{e}");
+        }
+        // A template that does not compile is the deployment's.
+        let broken = with_template("{% if %}");
+        let e = broken.encode_chat(&[m("a")], true, false).unwrap_err();
+        assert!(matches!(e, SpecdError::Tokenizer(_)), "{e:?}");
     }
 }

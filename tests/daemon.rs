@@ -208,6 +208,21 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             400,
             "exceeds the context",
         ),
+        (
+            json!({"prompt": "x", "max_tokens": u64::MAX}).to_string(),
+            400,
+            "exceeds the context",
+        ),
+        (
+            json!({"prompt": "x", "temperature": 0.7, "repetition_penalty": 1e-39}).to_string(),
+            400,
+            "repetition_penalty",
+        ),
+        (
+            json!({"prompt": vec!["Hi"; 20], "n": 16, "max_tokens": 2}).to_string(),
+            400,
+            "queues at most 256",
+        ),
         (json!({"prompt": "word ".repeat(5000)}).to_string(), 413, ""),
         (
             json!({"prompt": "word ".repeat(3500), "max_tokens": 5000}).to_string(),
@@ -241,6 +256,26 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["choices"][0]["message"]["role"], "assistant");
+    // A temperature too small for 1 / temperature in f32 decodes greedily,
+    // with or without a proposer, instead of hanging the sampler.
+    let greedy = d.post(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(greedy.status, 200, "{}", greedy.body);
+    for proposer in ["none", "ngram"] {
+        let r = d.post(
+            "/v1/completions",
+            &json!({"prompt": "The capital of France is", "max_tokens": 12,
+                    "temperature": 1e-40, "top_p": 0.9,
+                    "speculation": {"proposer": proposer}}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.json()["choices"][0]["text"],
+            greedy.json()["choices"][0]["text"]
+        );
+    }
     assert_eq!(d.request("GET", "/health", None, &[]).status, 200);
     assert_eq!(d.request("GET", "/ready", None, &[]).status, 200);
 }

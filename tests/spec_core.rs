@@ -484,6 +484,75 @@ fn cancellation_frees_kv() {
 }
 
 #[test]
+fn a_request_whose_receiver_is_gone_is_aborted_at_the_next_step() {
+    // A client that hangs up between submitting and being guarded leaves
+    // a sequence nobody reads: the next step aborts it and frees its KV.
+    let (_d, model) = tiny_model(&TINY, 6);
+    let mut e = engine(&model, None, vec![], 2, None);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let gone = e
+        .add(Request::greedy(prompts(96)[3].clone(), 100), Some(tx))
+        .unwrap();
+    let (tx, mut kept_rx) = tokio::sync::mpsc::unbounded_channel();
+    let kept = e
+        .add(Request::greedy(prompts(96)[0].clone(), 20), Some(tx))
+        .unwrap();
+    e.step().unwrap();
+    assert!(e.verifier.cache_len(gone).is_some(), "both run at first");
+    drop(rx);
+    e.step().unwrap();
+    assert_eq!(e.verifier.cache_len(gone), None, "abandoned cache released");
+    let done = e.run_to_completion().unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].id, kept);
+    assert_eq!(done[0].tokens, plain(&model, &prompts(96)[0], 20));
+    let mut finished = false;
+    while let Ok(ev) = kept_rx.try_recv() {
+        finished |= matches!(ev, specd::speculative::Event::Finished(_));
+    }
+    assert!(finished, "the request still read got its completion");
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+}
+
+#[test]
+fn temperatures_too_small_for_floats_decode_greedily_with_every_transform() {
+    // 1 / 1e-40 is not a finite f32: such requests are greedy (as is
+    // anything under 1e-5), never a NaN distribution that hangs top-p or
+    // panics an empty support. With a drafting proposer, through the
+    // engine's step.
+    let (_d, model) = tiny_model(&TINY, 8);
+    let ps = prompts(TINY.vocab as u32);
+    for (i, temperature) in [1e-40f32, 3e-39, 1e-6].into_iter().enumerate() {
+        for (top_p, min_p) in [(1.0, 0.0), (0.9, 0.0), (1.0, 0.1)] {
+            let want = plain_no_eos(&model, &ps[i], 24);
+            // Right most of the time, wrong now and then: both paths.
+            let oracle = OracleProposer::new(
+                vec![(ps[i].clone(), want.clone())],
+                0.3,
+                4,
+                TINY.vocab as u32,
+            );
+            let mut e = engine(&model, None, vec![Box::new(oracle)], 2, None);
+            let mut r = Request::greedy(ps[i].clone(), 24);
+            r.ignore_eos = true;
+            r.proposer = Some("oracle".into());
+            r.params = SamplingParams {
+                temperature,
+                top_p,
+                min_p,
+                seed: 3,
+                ..SamplingParams::greedy()
+            };
+            let done = run_all(&mut e, vec![r]);
+            assert_eq!(
+                done[0].tokens, want,
+                "temperature {temperature}, top_p {top_p}, min_p {min_p}"
+            );
+        }
+    }
+}
+
+#[test]
 fn preemption_and_resume_give_the_same_greedy_output() {
     let (_d, model) = tiny_model(&TINY, 7);
     let ps = prompts(TINY.vocab as u32);

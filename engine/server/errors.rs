@@ -102,6 +102,7 @@ impl From<SpecdError> for ApiError {
                     "prompt",
                     "max_tokens",
                     "proposer",
+                    "messages",
                 ]
                 .into_iter()
                 .find(|p| m.contains(p));

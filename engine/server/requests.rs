@@ -569,7 +569,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         Some(UInt(m)) => m as usize,
         None => room.min(256),
     };
-    if prompt.len() + max_tokens > st.max_seq_len {
+    if prompt.len().saturating_add(max_tokens) > st.max_seq_len {
         return Err(ApiError {
             code: Some("context_length_exceeded"),
             ..ApiError::bad_field(

@@ -122,6 +122,19 @@ async fn run_choices(
     let stream = parsed[0].stream;
     let logprobs = parsed[0].req.logprobs.is_some();
     let n = parsed[0].n.max(1);
+    // More sequences than the queue holds can never be admitted together:
+    // refuse that outright (a 429 would invite retries of the same).
+    let limit = st.config().server.max_queue;
+    if parsed.len().saturating_mul(n) > limit {
+        return Err(ApiError::bad_field(
+            "n",
+            format!(
+                "{} prompts x n = {n} asks for {} sequences; this server queues at most {limit} at once",
+                parsed.len(),
+                parsed.len().saturating_mul(n)
+            ),
+        ));
+    }
     let mut parts = Vec::with_capacity(parsed.len() * n);
     let mut first_id = None;
     for p in parsed {

@@ -86,7 +86,7 @@ impl Request {
                 "top_logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token"
             )));
         }
-        let needed = self.prompt.len() + self.max_tokens;
+        let needed = self.prompt.len().saturating_add(self.max_tokens);
         if needed > max_seq_len {
             return Err(SpecdError::ContextOverflow {
                 needed,

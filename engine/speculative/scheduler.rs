@@ -405,11 +405,12 @@ impl Scheduler {
     /// exists.
     pub fn add(
         &mut self,
-        req: Request,
+        mut req: Request,
         sink: Option<UnboundedSender<Event>>,
         known: impl Fn(&str) -> bool,
     ) -> Result<SeqId> {
         req.validate(self.config.max_seq_len)?;
+        req.params = req.params.normalized();
         if !req.stop.is_empty() && self.tokenizer.is_none() {
             return Err(SpecdError::InvalidRequest(
                 "stop strings need a tokenizer".into(),
@@ -524,7 +525,18 @@ impl Scheduler {
 
     /// A step starts: until `end_step`, aborts are deferred so that nothing
     /// the step planned disappears under it.
+    /// Sequences whose receiver is gone (a client that hung up before the
+    /// server guarded its request) are aborted first: nobody reads them.
     pub fn begin_step(&mut self) {
+        let gone: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.sink.as_ref().is_some_and(|t| t.is_closed()))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.abort(id);
+        }
         self.in_step = true;
     }
 
@@ -865,7 +877,7 @@ impl Scheduler {
             if let Some(s) = self.seqs.get(&id) {
                 s.send(Event::Error(format!(
                     "request needs more KV cache than the whole budget ({} tokens)",
-                    s.tokens.len() + s.req.max_tokens
+                    s.prompt_len.saturating_add(s.req.max_tokens)
                 )));
             }
             self.running.retain(|&r| r != id);
