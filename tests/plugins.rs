@@ -180,6 +180,11 @@ fn broken_libraries_give_clear_errors() {
         e.contains("plugin built for ABI 1.0, this host speaks ABI 2.1"),
         "{e}"
     );
+    // A panic in `default_capabilities` stays in the plugin's entry point.
+    let e = plugins::load_library(&lib_file(&release, "specd_fixture_panicky_caps"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("entry symbol returned no descriptor"), "{e}");
     let e = plugins::load_library(&lib_file(&release, "specd_fixture_no_entry"))
         .unwrap_err()
         .to_string();

@@ -391,6 +391,54 @@ fn compaction_after_a_non_first_branch_matches_plain_decoding_bit_for_bit() {
 }
 
 #[test]
+fn a_plugin_declaring_layers_the_target_lacks_is_refused_when_created() {
+    // A layer past the target would fail every forward carrying one of the
+    // plugin's sequences, other requests' included: refused up front, in
+    // process and in a plugin-host child alike, naming the layer.
+    let release = common::build_fixture_plugins();
+    let lib = release.join(format!(
+        "{}specd_fixture_hidden_probe{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    let (_dir, model) = tiny_model(&TINY, 52);
+    let n = model.config.layers;
+    for isolation in ["none", "process"] {
+        for (layers, needle) in [
+            (
+                format!("0,{}", n + 1),
+                format!(
+                    "hidden layer {} declared, but the target has {n} layers",
+                    n + 1
+                ),
+            ),
+            (
+                "1,0,1".to_string(),
+                "hidden layer 1 declared twice".to_string(),
+            ),
+        ] {
+            let cfg = specd::config::Config::parse(
+                &format!(
+                    "[[proposer]]\nname = \"probe\"\npath = \"{}\"\nisolation = \"{isolation}\"\n[proposer.options]\nlayers = \"{layers}\"\ndump = \"/dev/null\"\n",
+                    lib.display(),
+                ),
+                None,
+            )
+            .unwrap();
+            let e = cfg
+                .build_drafter(&model, None)
+                .err()
+                .unwrap_or_else(|| panic!("{isolation}: layers {layers} accepted"))
+                .to_string();
+            assert!(
+                e.contains(&needle) && e.contains("probe"),
+                "{isolation}: {e}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_plugin_gets_every_declared_layer_in_its_order_from_prefill_on() {
     let release = common::build_fixture_plugins();
     let lib = release.join(format!(

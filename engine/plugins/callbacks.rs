@@ -1,18 +1,62 @@
 //! The callbacks the host offers every plugin instance (`abi::HostApi`).
 //!
-//! Invariant: every callback catches panics (a panic never unwinds into
+//! Invariants: every callback catches panics (a panic never unwinds into
 //! plugin code) and checks its sizes with overflow-checked arithmetic
-//! before it reads a pointer.
+//! before it reads a pointer. The `ctx` a plugin passes back is a handle
+//! into a table of live contexts, never an address: a plugin thread that
+//! calls back after its instance was destroyed finds nothing and gets the
+//! callback's error result.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use specd_plugin_abi as abi;
 
 use super::library::abi_string;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
+
+/// Live contexts by handle (see the module's invariants).
+static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<HostCtx>>>> = OnceLock::new();
+static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(1);
+
+fn contexts() -> std::sync::MutexGuard<'static, HashMap<usize, Arc<HostCtx>>> {
+    CONTEXTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// A registered `HostCtx`, unregistered when dropped (after the instance
+/// it was created for is destroyed).
+pub(super) struct CtxHandle(usize);
+
+impl CtxHandle {
+    pub fn register(ctx: HostCtx) -> Self {
+        let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        contexts().insert(id, Arc::new(ctx));
+        Self(id)
+    }
+
+    /// The value plugins get as `HostApi::ctx`.
+    pub fn as_ptr(&self) -> *mut c_void {
+        self.0 as *mut c_void
+    }
+}
+
+impl Drop for CtxHandle {
+    fn drop(&mut self) {
+        contexts().remove(&self.0);
+    }
+}
+
+/// The live context behind a plugin's `ctx`, if any.
+fn lookup(ctx: *mut c_void) -> Option<Arc<HostCtx>> {
+    contexts().get(&(ctx as usize)).cloned()
+}
 
 /// What the host offers plugins through `HostApi`: the target model and
 /// tokenizer, given up front (in-process) or loaded from `loader` on the
@@ -94,12 +138,9 @@ fn callback<T>(name: &str, default: T, f: impl FnOnce() -> T) -> T {
 
 pub(super) unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: abi::Str) {
     callback("log", (), || {
-        if ctx.is_null() {
-            return;
-        }
-        // SAFETY: `ctx` is the `HostCtx` this instance was created with,
-        // alive until the instance is destroyed; `msg` is valid for the call.
-        let (ctx, msg) = unsafe { (&*(ctx as *const HostCtx), abi_string(msg)) };
+        let Some(ctx) = lookup(ctx) else { return };
+        // SAFETY: `msg` is valid for the call (the ABI's contract).
+        let msg = unsafe { abi_string(msg) };
         match level {
             0 => tracing::error!(proposer = %ctx.proposer, "{msg}"),
             1 => tracing::warn!(proposer = %ctx.proposer, "{msg}"),
@@ -111,11 +152,9 @@ pub(super) unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: abi:
 
 pub(super) unsafe extern "C" fn host_counter(ctx: *mut c_void, name: abi::Str, value: u64) {
     callback("counter_add", (), || {
-        if ctx.is_null() {
-            return;
-        }
-        // SAFETY: as in `host_log`.
-        let (ctx, name) = unsafe { (&*(ctx as *const HostCtx), abi_string(name)) };
+        let Some(ctx) = lookup(ctx) else { return };
+        // SAFETY: `name` is valid for the call (the ABI's contract).
+        let name = unsafe { abi_string(name) };
         let clean: String = name
             .chars()
             .take(64)
@@ -134,11 +173,10 @@ pub(super) unsafe extern "C" fn host_embed(
     cap: usize,
 ) -> usize {
     callback("embed", 0, || {
-        if ctx.is_null() || tokens.is_null() || out.is_null() {
+        if tokens.is_null() || out.is_null() {
             return 0;
         }
-        // SAFETY: as in `host_log`.
-        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(ctx) = lookup(ctx) else { return 0 };
         let Some(m) = ctx.model() else { return 0 };
         let h = m.config.hidden;
         // Checked before any pointer is read: `n * h` may overflow.
@@ -174,11 +212,10 @@ pub(super) unsafe extern "C" fn host_lm_head(
     cap: usize,
 ) -> usize {
     callback("lm_head", 0, || {
-        if ctx.is_null() || hidden.is_null() || out.is_null() {
+        if hidden.is_null() || out.is_null() {
             return 0;
         }
-        // SAFETY: as in `host_log`.
-        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(ctx) = lookup(ctx) else { return 0 };
         let Some(m) = ctx.model() else { return 0 };
         let (h, v) = (m.config.hidden, m.config.vocab_size);
         let (Some(need), Some(input)) = (rows.checked_mul(v), rows.checked_mul(h)) else {
@@ -211,11 +248,7 @@ pub(super) unsafe extern "C" fn host_token_text(
     cap: usize,
 ) -> usize {
     callback("token_text", 0, || {
-        if ctx.is_null() {
-            return 0;
-        }
-        // SAFETY: as in `host_log`.
-        let ctx = unsafe { &*(ctx as *const HostCtx) };
+        let Some(ctx) = lookup(ctx) else { return 0 };
         let Some(text) = ctx.tokenizer().and_then(|t| t.id_to_token(token)) else {
             return 0;
         };

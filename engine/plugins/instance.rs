@@ -1,12 +1,11 @@
 //! A plugin instance adapted to the engine's `Proposer` trait.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use specd_plugin_abi as abi;
 
 use super::callbacks::{
-    host_counter, host_embed, host_lm_head, host_log, host_token_text, HostCtx,
+    host_counter, host_embed, host_lm_head, host_log, host_token_text, CtxHandle, HostCtx,
 };
 use super::library::PluginLibrary;
 use crate::error::{Result, SpecdError};
@@ -36,6 +35,48 @@ impl TargetDims {
     }
 }
 
+/// Most hidden layers a proposer may ask for (the ABI's array size).
+pub(crate) const MAX_HIDDEN_LAYERS: usize = 8;
+
+/// What a plugin declares must fit the target: hidden layers that exist,
+/// at most `MAX_HIDDEN_LAYERS` of them, none twice. A layer past the
+/// target would fail every forward that carries one of its sequences
+/// (other requests' too), so such a proposer is refused when created.
+pub(crate) fn check_caps(
+    name: &str,
+    caps: &Capabilities,
+    dims: TargetDims,
+) -> std::result::Result<(), String> {
+    let layers = &caps.hidden_layers;
+    if layers.len() > MAX_HIDDEN_LAYERS {
+        return Err(format!(
+            "proposer '{name}': {} hidden layers declared, at most {MAX_HIDDEN_LAYERS}",
+            layers.len()
+        ));
+    }
+    // Layer `l < layers` is the residual stream after block `l`, layer
+    // `layers` the final-normed state.
+    if let Some(&bad) = layers.iter().find(|&&l| l > dims.layers) {
+        return Err(format!(
+            "proposer '{name}': hidden layer {bad} declared, but the target has {} layers \
+             (0 to {} after each block, {} for the final-normed state)",
+            dims.layers,
+            dims.layers.saturating_sub(1),
+            dims.layers
+        ));
+    }
+    if let Some((i, &l)) = layers
+        .iter()
+        .enumerate()
+        .find(|(i, l)| layers[..*i].contains(l))
+    {
+        return Err(format!(
+            "proposer '{name}': hidden layer {l} declared twice (entry {i})"
+        ));
+    }
+    Ok(())
+}
+
 /// A plugin instance as an engine `Proposer`.
 pub struct PluginProposer {
     name: String,
@@ -46,7 +87,8 @@ pub struct PluginProposer {
     hidden: usize,
     // Boxed so the pointers handed to the plugin stay put.
     _host: Box<abi::HostApi>,
-    _ctx: Box<HostCtx>,
+    /// Unregistered after `destroy` (fields drop after `Drop::drop`).
+    _ctx: CtxHandle,
     /// Output buffers kept between calls (q can be `nodes x vocab` floats
     /// per sequence: allocated once, never zeroed per step).
     bufs: Buffers,
@@ -123,12 +165,12 @@ impl PluginProposer {
             hidden,
             layers,
         } = dims;
-        let ctx = Box::new(ctx);
+        let ctx = CtxHandle::register(ctx);
         let host = Box::new(abi::HostApi {
             struct_size: abi::size_of::<abi::HostApi>(),
             vocab_size: vocab as u32,
             hidden_size: hidden as u32,
-            ctx: &*ctx as *const HostCtx as *mut c_void,
+            ctx: ctx.as_ptr(),
             log: Some(host_log),
             counter_add: Some(host_counter),
             embed: Some(host_embed),
@@ -184,10 +226,19 @@ impl PluginProposer {
             _ctx: ctx,
             bufs: Buffers::default(),
         };
-        if p.caps.n_hidden_layers > 8 {
+        if p.caps.n_hidden_layers as usize > MAX_HIDDEN_LAYERS {
             return Err(SpecdError::Plugin(format!(
-                "proposer '{name}': {} hidden layers declared, at most 8",
+                "proposer '{name}': {} hidden layers declared, at most {MAX_HIDDEN_LAYERS}",
                 p.caps.n_hidden_layers
+            )));
+        }
+        check_caps(name, &p.capabilities(), dims).map_err(SpecdError::Plugin)?;
+        // q buffers are sized by `sparse_k` entries per drafted token.
+        let k_limit = if vocab > 0 { vocab } else { 1 << 16 };
+        if p.caps.q_kind == abi::Q_SPARSE && p.caps.sparse_k as usize > k_limit {
+            return Err(SpecdError::Plugin(format!(
+                "proposer '{name}': sparse_k {} declared, at most {k_limit} (the vocabulary)",
+                p.caps.sparse_k
             )));
         }
         if p.caps.q_kind == abi::Q_FULL && p.vocab == 0 {

@@ -18,7 +18,7 @@
 //!   process: the `Drafter` sees the `Err`.
 
 use std::collections::{HashMap, HashSet};
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -112,6 +112,9 @@ enum Failure {
     Died(String),
     Protocol(String),
 }
+
+/// Largest init reply accepted (capabilities and a few names).
+const MAX_INIT_REPLY: usize = 1 << 20;
 
 /// A proposer served by a plugin-host child process.
 pub struct ProcessProposer {
@@ -278,6 +281,10 @@ impl ProcessProposer {
                 }));
             }
         };
+        if let Err(why) = super::instance::check_caps(&spec.name, &caps, spec.dims) {
+            kill(&mut child);
+            return Err(err(why));
+        }
         info.path = Some(spec.library.display().to_string());
         metrics::gauge!("specd_proposer_up", "proposer" => name.clone()).set(1.0);
         Ok(Self {
@@ -441,7 +448,9 @@ impl ProcessProposer {
             } => {
                 let mut hung_up = false;
                 let mut chunk = [0u8; 4096];
-                loop {
+                // Up to one whole init reply: a child that floods the
+                // socket is not read past `MAX_INIT_REPLY`.
+                while got.len() <= MAX_INIT_REPLY + 4 {
                     match stream.read(&mut chunk) {
                         Ok(0) => {
                             hung_up = true;
@@ -464,12 +473,20 @@ impl ProcessProposer {
                 };
                 match complete {
                     Some(n) if ok => match parse_init(&got[4..4 + n]) {
-                        Ok((_, info)) => self.came_up(info),
+                        // The engine plans, validates and accepts by the
+                        // first child's declaration (sibling draws, q
+                        // kind): a replacement must declare the same.
+                        Ok((caps, info)) if caps == self.caps => self.came_up(info),
+                        Ok(_) => self.fail(Failure::Protocol(
+                            "the restarted plugin host declares other capabilities than the first \
+                             (was the library replaced?); restart the daemon to load a new one"
+                                .into(),
+                        )),
                         Err(f) => self.fail(f),
                     },
                     _ if hung_up => self.fail(Failure::Died("hung up during init".into())),
                     Some(_) => self.fail(Failure::Died("socket error during init".into())),
-                    None if len.is_some_and(|n| n > wire::MAX_FRAME) => {
+                    None if len.is_some_and(|n| n > MAX_INIT_REPLY) => {
                         self.fail(Failure::Protocol("oversized init reply".into()))
                     }
                     None if now - since > self.spec.init_timeout => {
@@ -657,23 +674,50 @@ fn exchange(
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Failure::Timeout(what),
         _ => Failure::Died(format!("hung up ({e})")),
     };
-    stream
-        .set_write_timeout(Some(timeout))
-        .map_err(|e| io(e, "propose"))?;
-    wire::write_frame(stream, payload).map_err(|e| io(e, "propose"))?;
-    let left = deadline.saturating_duration_since(Instant::now());
-    read_reply(stream, reply, left.max(Duration::from_millis(1)))
+    let mut s = ByDeadline { stream, deadline };
+    wire::write_frame(&mut s, payload).map_err(|e| io(e, "propose"))?;
+    read_reply(&mut s, reply)
 }
 
-fn read_reply(
-    stream: &mut UnixStream,
-    reply: &mut Vec<u8>,
-    timeout: Duration,
-) -> std::result::Result<(), Failure> {
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| Failure::Died(e.to_string()))?;
-    match wire::read_frame(stream, reply) {
+/// A socket whose reads and writes all end by one deadline. A socket
+/// timeout alone restarts with every call: a child trickling a byte at a
+/// time would hold the engine forever.
+struct ByDeadline<'a> {
+    stream: &'a mut UnixStream,
+    deadline: Instant,
+}
+
+impl ByDeadline<'_> {
+    fn left(&self) -> std::io::Result<Duration> {
+        match self.deadline.saturating_duration_since(Instant::now()) {
+            d if d.is_zero() => Err(std::io::ErrorKind::TimedOut.into()),
+            d => Ok(d),
+        }
+    }
+}
+
+impl Read for ByDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for ByDeadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_write_timeout(Some(left))?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+fn read_reply(s: &mut ByDeadline<'_>, reply: &mut Vec<u8>) -> std::result::Result<(), Failure> {
+    match wire::read_frame(s, reply) {
         Ok(true) => Ok(()),
         Ok(false) => Err(Failure::Died("hung up".into())),
         Err(e) => match e.kind() {
@@ -773,7 +817,7 @@ impl Proposer for ProcessProposer {
             if n != asked.len() {
                 return Err(format!("{n} drafts for {} sequences", asked.len()));
             }
-            (0..n).map(|_| r.draft()).collect()
+            asked.iter().map(|&i| r.draft(batch[i].max_draft)).collect()
         })();
         match parsed {
             Ok(drafts) => {
@@ -819,5 +863,40 @@ impl Proposer for ProcessProposer {
         if let Err(e) = self.maybe_flush() {
             tracing::warn!(proposer = %self.spec.name, "finish: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_trickled_a_byte_at_a_time_times_out_by_the_deadline() {
+        // Each read would get the full socket timeout again; the exchange
+        // as a whole must still end at its deadline.
+        let (mut ours, mut child) = UnixStream::pair().unwrap();
+        let trickle = std::thread::spawn(move || {
+            let mut req = Vec::new();
+            let _ = wire::read_frame(&mut child, &mut req);
+            let _ = child.write_all(&1000u32.to_le_bytes());
+            for _ in 0..40 {
+                std::thread::sleep(Duration::from_millis(50));
+                if child.write_all(&[0]).is_err() {
+                    break;
+                }
+            }
+        });
+        let t = Instant::now();
+        let mut reply = Vec::new();
+        let r = exchange(&mut ours, b"ping", &mut reply, Duration::from_millis(300));
+        let took = t.elapsed();
+        assert!(
+            matches!(r, Err(Failure::Timeout(_))),
+            "{:?}",
+            r.err().map(|_| ())
+        );
+        assert!(took < Duration::from_millis(1500), "took {took:?}");
+        drop(ours);
+        trickle.join().unwrap();
     }
 }

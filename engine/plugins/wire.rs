@@ -246,13 +246,27 @@ impl<'a> Reader<'a> {
         })
     }
 
-    pub fn draft(&mut self) -> Result<Draft, String> {
+    /// One draft of at most `max_tokens` tokens (what was asked for), with
+    /// one q per token; what a `Q_SAME_AS` copies counts against the
+    /// frame's size, so no reply makes the reader allocate much more than
+    /// the reply itself.
+    pub fn draft(&mut self, max_tokens: usize) -> Result<Draft, String> {
         let tokens = self.u32s()?;
+        if tokens.len() > max_tokens {
+            return Err(format!(
+                "{} draft tokens, at most {max_tokens} were asked for",
+                tokens.len()
+            ));
+        }
         let parents = match self.u8()? {
             0 => None,
             _ => Some(self.u32s()?.into_iter().map(|p| p as i32).collect()),
         };
         let n = self.count(1)?;
+        if n != tokens.len() {
+            return Err(format!("{n} q entries for {} draft tokens", tokens.len()));
+        }
+        let mut copied = 0usize;
         let mut q: Vec<DraftQ> = Vec::with_capacity(n);
         for _ in 0..n {
             let e = match self.u8()? {
@@ -264,9 +278,17 @@ impl<'a> Reader<'a> {
                 Q_FULL => DraftQ::Full(self.f32s()?.into()),
                 Q_SAME_AS => {
                     let j = self.u32()? as usize;
-                    q.get(j)
-                        .cloned()
-                        .ok_or_else(|| format!("q refers to node {j}, not yet sent"))?
+                    let e = q
+                        .get(j)
+                        .ok_or_else(|| format!("q refers to node {j}, not yet sent"))?;
+                    // A full q is shared (`Arc`); a sparse one is copied.
+                    if let DraftQ::Sparse(d) = e {
+                        copied = copied.saturating_add(d.ids.len());
+                        if copied > self.buf.len() {
+                            return Err("sparse q copies exceed the frame's size".into());
+                        }
+                    }
+                    e.clone()
                 }
                 k => return Err(format!("unknown q kind {k}")),
             };
@@ -307,9 +329,12 @@ pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> std::io::Result<bool>
             format!("frame of {n} bytes is over the limit"),
         ));
     }
+    // Grown as bytes arrive, not sized from the header alone.
     buf.clear();
-    buf.resize(n, 0);
-    r.read_exact(buf)?;
+    r.take(n as u64).read_to_end(buf)?;
+    if buf.len() < n {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(true)
 }
 
@@ -358,7 +383,7 @@ mod tests {
         }
         let mut r = Reader::new(&w.buf);
         assert_eq!(r.caps().unwrap(), caps);
-        let back: Vec<Draft> = (0..3).map(|_| r.draft().unwrap()).collect();
+        let back: Vec<Draft> = (0..3).map(|_| r.draft(8).unwrap()).collect();
         assert_eq!(back, drafts);
         assert!(r.done());
         // Siblings still share one q after the trip.
@@ -369,9 +394,44 @@ mod tests {
         // Every truncation is an error, never a panic.
         for cut in 0..w.buf.len() {
             let mut r = Reader::new(&w.buf[..cut]);
-            let ok = r.caps().is_ok() && (0..3).all(|_| r.draft().is_ok());
+            let ok = r.caps().is_ok() && (0..3).all(|_| r.draft(8).is_ok());
             assert!(!ok, "a frame cut at {cut} bytes decoded");
         }
+        // More tokens than were asked for is an error, not an allocation.
+        let mut r = Reader::new(&w.buf);
+        r.caps().unwrap();
+        let e = r.draft(2).unwrap_err();
+        assert!(e.contains("3 draft tokens, at most 2"), "{e}");
+    }
+
+    #[test]
+    fn a_small_reply_cannot_make_the_reader_allocate_without_bound() {
+        // One sparse q of 4096 entries, then 4096 nodes that each copy it:
+        // 48 KB on the wire, 16M entries (200 MB) if copies were free.
+        let k = 4096u32;
+        let mut w = Writer::default();
+        w.u32s(&vec![1; k as usize]);
+        w.u8(0);
+        w.u32(k);
+        w.u8(Q_SPARSE);
+        w.u32s(&(0..k).collect::<Vec<_>>());
+        w.f32s(&vec![1.0 / k as f32; k as usize]);
+        for _ in 1..k {
+            w.u8(Q_SAME_AS);
+            w.u32(0);
+        }
+        let e = Reader::new(&w.buf).draft(k as usize).unwrap_err();
+        assert!(e.contains("exceed the frame"), "{e}");
+        // A q count that is not the token count is refused before any q.
+        let mut w = Writer::default();
+        w.u32s(&[1, 2]);
+        w.u8(0);
+        w.u32(3);
+        for _ in 0..3 {
+            w.u8(Q_ONE_HOT);
+        }
+        let e = Reader::new(&w.buf).draft(8).unwrap_err();
+        assert!(e.contains("3 q entries for 2 draft tokens"), "{e}");
     }
 
     #[test]

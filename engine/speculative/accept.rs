@@ -199,6 +199,20 @@ impl<'a> Residual<'a> {
     }
 }
 
+/// The total mass q reports (1 up to the plugin's rounding).
+fn q_total(q: &DraftQ) -> f64 {
+    match q {
+        DraftQ::OneHot => 1.0,
+        DraftQ::Sparse(d) => d
+            .probs
+            .iter()
+            .filter(|&&p| p > 0.0)
+            .map(|&p| f64::from(p))
+            .sum(),
+        DraftQ::Full(v) => v.iter().filter(|&&p| p > 0.0).map(|&p| f64::from(p)).sum(),
+    }
+}
+
 /// The support of q given that `drafted` was drawn from it, scaled by
 /// `scale`, without the tokens in `removed`.
 fn q_support(q: &DraftQ, drafted: u32, removed: &[u32], scale: f64) -> Vec<(u32, f64)> {
@@ -366,12 +380,16 @@ pub fn accept_tree(
             let mut next = None;
             if let Some(&first) = kids.first() {
                 let (qb, qt) = (&draft.q[first], draft.tokens[first]);
+                // q as drawn from: its own total, not 1 (validation lets a
+                // plugin's sum be off by 1e-3; a without-replacement draw
+                // of a sibling is from the mass left, `total - removed`).
+                let total = q_total(qb);
                 // Without replacement: tokens already drawn, and their mass.
                 let mut removed: Vec<u32> = Vec::new();
                 let mut removed_mass = 0f64;
                 for &c in kids {
                     let x = draft.tokens[c];
-                    let scale = 1.0 / (1.0 - removed_mass).max(f64::MIN_POSITIVE);
+                    let scale = 1.0 / (total - removed_mass).max(f64::MIN_POSITIVE);
                     let qx = if removed.contains(&x) {
                         0.0
                     } else {
@@ -674,6 +692,53 @@ mod tests {
     /// Multi-candidate rejection sampling at one node, siblings drawn
     /// without replacement: the first emitted token is distributed as p
     /// with the q update, and not without it.
+    #[test]
+    fn siblings_without_replacement_use_the_mass_q_reports() {
+        // Validation lets q's sum be off by 1e-3. A q of {a: 1, b: 0.0009}
+        // (sum 1.0009) draws b second; renormalising by 1 - q(a) = 0
+        // instead of 1.0009 - q(a) would never accept b, and b would
+        // vanish from the output.
+        let v = 4;
+        let p = [0.1f32, 0.45, 0.45, 0.0];
+        let q = [1.0f32, 0.0009, 0.0, 0.0];
+        let qa: std::sync::Arc<[f32]> = q.to_vec().into();
+        let rows: Vec<f32> = logits_for(&p).repeat(3);
+        let params = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let (mut rng, mut draw) = (Rng::new(21), Rng::new(22));
+        let mut counts = [0usize; 4];
+        let n = 60000;
+        for _ in 0..n {
+            // Two children drawn from q/sum(q) without replacement.
+            let first = if draw.next_f64() * 1.0009 < 1.0 { 0 } else { 1 };
+            let d = Draft {
+                tokens: vec![first, 1 - first],
+                q: vec![DraftQ::Full(qa.clone()); 2],
+                parents: Some(vec![-1, -1]),
+                source: None,
+            };
+            let (a, _) = accept_tree(
+                &rows,
+                v,
+                &d,
+                SiblingMode::WithoutReplacement,
+                &[],
+                &[],
+                &params,
+                &mut rng,
+                Acceptance::Exact,
+            )
+            .unwrap();
+            counts[a.tokens[0] as usize] += 1;
+        }
+        for t in 0..4 {
+            let f = counts[t] as f64 / n as f64;
+            assert!((f - f64::from(p[t])).abs() < 0.01, "{counts:?} vs {p:?}");
+        }
+    }
+
     #[test]
     fn siblings_without_replacement_need_the_q_update() {
         let v = 4;

@@ -176,9 +176,11 @@ pub struct Host {
     api: HostApi,
 }
 
-// SAFETY: the host guarantees its callbacks may be called from the thread
-// that owns the plugin instance; the SDK never shares `Host` across threads
-// concurrently (instances are driven by one thread at a time).
+// SAFETY: specd's callbacks are thread-safe and catch their own panics, and
+// the `ctx` they receive is a handle the host looks up in a table of live
+// instances (never dereferenced as an address): a copy of `Host` used from
+// another thread, even after its instance was destroyed, gets the
+// callbacks' error results, never freed memory.
 unsafe impl Send for Host {}
 
 fn to_str(s: &str) -> Str {
@@ -426,7 +428,12 @@ macro_rules! export_proposer {
         pub extern "C" fn specd_proposer_entry() -> *const $crate::abi::Descriptor {
             static DESC: ::std::sync::OnceLock<$crate::abi::Descriptor> =
                 ::std::sync::OnceLock::new();
-            DESC.get_or_init($crate::ffi::descriptor::<$ty>) as *const _
+            // A panic in the plugin's `default_capabilities` must not
+            // unwind into the host: no descriptor, which the host reports.
+            ::std::panic::catch_unwind(|| {
+                DESC.get_or_init($crate::ffi::descriptor::<$ty>) as *const $crate::abi::Descriptor
+            })
+            .unwrap_or(::core::ptr::null())
         }
     };
 }
