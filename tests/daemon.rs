@@ -219,6 +219,11 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             "repetition_penalty",
         ),
         (
+            json!({"prompt": "x", "stream_options": {"include_usage": true}}).to_string(),
+            400,
+            "`stream_options` is only allowed when `stream` is true",
+        ),
+        (
             json!({"prompt": vec!["Hi"; 20], "n": 16, "max_tokens": 2}).to_string(),
             400,
             "queues at most 256",
@@ -1289,4 +1294,36 @@ fn echo_returns_the_prompt_with_its_logprobs() {
         &json!({"prompt": prompt, "max_tokens": 0}),
     );
     assert_eq!(r.status, 400, "max_tokens 0 without echo: {}", r.body);
+}
+
+#[test]
+fn the_served_context_is_what_the_kv_budget_holds() {
+    // 4 blocks of 64 tokens: a request that fits the model's context but
+    // not the KV budget is refused up front (it could only fail after its
+    // prefill), and /v1/models says so.
+    let d = Daemon::start("[engine]\nkv_blocks = 4\nmax_running = 2\n", &[]);
+    let models = d.request("GET", "/v1/models", None, &[]);
+    assert_eq!(
+        models.json()["data"][0]["max_model_len"],
+        256,
+        "{}",
+        models.body
+    );
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "Tell me a story.", "max_tokens": 300, "temperature": 0}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body.contains("exceeds the context of 256 tokens"),
+        "{}",
+        r.body
+    );
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "Tell me a story.", "max_tokens": 200, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 200);
 }

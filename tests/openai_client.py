@@ -48,6 +48,46 @@ streamed = "".join(pieces)
 print("stream:", repr(streamed), "finish:", finish)
 assert streamed and finish in ("stop", "length")
 
+# stream_options.include_usage: every chunk's usage is null but the
+# last, which has no choices and the request's totals.
+chunks = list(
+    client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Name three colors."}],
+        max_tokens=24,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+)
+assert all(ch.usage is None for ch in chunks[:-1]), [ch.usage for ch in chunks[:-1]]
+last = chunks[-1]
+assert last.choices == [] and last.usage is not None, last
+per_choice = {}
+for ch in chunks[:-1]:
+    for c in ch.choices:
+        per_choice.setdefault(c.index, []).append(c.delta.content or "")
+assert sorted(per_choice) == [0, 1], per_choice
+assert "".join(per_choice[0]) == streamed, per_choice
+ids = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Name three colors."}],
+    max_tokens=24,
+    temperature=0,
+)
+assert last.usage.completion_tokens == 2 * ids.usage.completion_tokens, (last.usage, ids.usage)
+assert last.usage.prompt_tokens == ids.usage.prompt_tokens, (last.usage, ids.usage)
+print("include_usage:", last.usage.prompt_tokens, last.usage.completion_tokens)
+
+# The model by id, and a 404 for another.
+assert client.models.retrieve(model).id == model
+try:
+    client.models.retrieve("gpt-9")
+    raise AssertionError("an unknown model was found")
+except openai.NotFoundError as e:
+    print("unknown model:", e.status_code)
+
 same = client.chat.completions.create(
     model=model,
     messages=[{"role": "user", "content": "Name three colors."}],

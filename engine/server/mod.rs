@@ -75,7 +75,9 @@ impl AppState {
     pub fn new(p: AppParts) -> Self {
         Self {
             engine: p.engine,
-            max_seq_len: p.model.config.max_seq_len,
+            // The context the engine serves (the KV budget may hold less
+            // than the model's).
+            max_seq_len: p.config.engine_config(&p.model).scheduler.max_seq_len,
             model: p.model,
             tokenizer: p.tokenizer,
             model_name: p.model_name,
@@ -87,6 +89,15 @@ impl AppState {
             split_rng: std::sync::Mutex::new(crate::sampler::Rng::new(0x5eed)),
             reload_lock: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// Token ids a request may use: the tokenizer's and the model's
+    /// vocabulary both (a tokenizer with added tokens can be larger; an id
+    /// past the model's would fail the whole forward it joins).
+    pub fn vocab(&self) -> usize {
+        self.tokenizer
+            .vocab_size()
+            .min(self.model.config.vocab_size)
     }
 
     /// A snapshot of the running config.

@@ -121,6 +121,15 @@ pub struct Speculation {
     pub max_draft: Option<UInt>,
 }
 
+/// OpenAI's `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// A last chunk before `[DONE]` with no choices and the request's
+    /// usage; every other chunk's `usage` is null.
+    pub include_usage: Option<Flag>,
+}
+
 /// The fields both endpoints share.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Common {
@@ -130,6 +139,7 @@ pub struct Common {
     pub logprobs: Option<Value>,
     pub echo: Option<Flag>,
     pub stream: Option<Flag>,
+    pub stream_options: Option<StreamOptions>,
     pub max_tokens: Option<UInt>,
     pub max_completion_tokens: Option<UInt>,
     pub temperature: Option<Num>,
@@ -500,6 +510,8 @@ pub fn chat_messages(b: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
 pub struct Parsed {
     pub req: Request,
     pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
     /// Choices to generate for the prompt (`n`).
     pub n: usize,
 }
@@ -518,6 +530,17 @@ fn rand_seed() -> u64 {
 /// Validate the fields both endpoints share into an engine request for
 /// `prompt`.
 pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, ApiError> {
+    let stream = c.stream.is_some_and(|s| s.0);
+    let include_usage = match &c.stream_options {
+        Some(_) if !stream => {
+            return Err(ApiError::bad_field(
+                "stream_options",
+                "`stream_options` is only allowed when `stream` is true",
+            ))
+        }
+        Some(o) => o.include_usage.is_some_and(|f| f.0),
+        None => false,
+    };
     if let Some(m) = &c.model {
         if *m != st.model_name {
             return Err(ApiError {
@@ -593,7 +616,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         frequency_penalty: f(c.frequency_penalty, 0.0),
         repetition_penalty: f(c.repetition_penalty, 1.0),
         seed: c.seed.map(|s| s.0).unwrap_or_else(rand_seed),
-        logit_bias: logit_bias(c.logit_bias.as_ref(), st.tokenizer.vocab_size())?,
+        logit_bias: logit_bias(c.logit_bias.as_ref(), st.vocab())?,
     };
     params.validate().map_err(|e| {
         let msg = match e {
@@ -656,7 +679,8 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             fork_of: None,
             prompt_logprobs: None,
         },
-        stream: c.stream.is_some_and(|s| s.0),
+        stream,
+        include_usage,
         n,
     })
 }
@@ -717,6 +741,13 @@ pub fn encode_chat(st: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, 
 fn check_prompt(st: &AppState, ids: Vec<u32>) -> Result<Vec<u32>, ApiError> {
     if ids.is_empty() {
         return Err(ApiError::bad_field("prompt", "prompt is empty"));
+    }
+    let vocab = st.vocab();
+    if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_field(
+            "prompt",
+            format!("the tokenizer gave token id {t}, outside the model's vocabulary of {vocab}"),
+        ));
     }
     if ids.len() >= st.max_seq_len {
         return Err(ApiError {

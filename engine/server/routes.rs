@@ -50,10 +50,8 @@ pub(super) fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiErro
 async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
     let body = requests::body_object(&body)?;
-    let prompts = requests::completion_prompts(
-        requests::from_body::<CompletionBody>(&body)?,
-        st.tokenizer.vocab_size(),
-    )?;
+    let prompts =
+        requests::completion_prompts(requests::from_body::<CompletionBody>(&body)?, st.vocab())?;
     let mut common: Common = requests::from_body(&body)?;
     // echo: each prompt comes back before its choice (with its logprobs
     // when logprobs are asked); with max_tokens 0, the prompt alone.
@@ -120,6 +118,7 @@ async fn run_choices(
     echo: Option<Echo>,
 ) -> Result<HttpResponse, ApiError> {
     let stream = parsed[0].stream;
+    let include_usage = parsed[0].include_usage;
     let logprobs = parsed[0].req.logprobs.is_some();
     let n = parsed[0].n.max(1);
     // More sequences than the queue holds can never be admitted together:
@@ -177,7 +176,7 @@ async fn run_choices(
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
-            .streaming(SseStream::new(parts, shape)));
+            .streaming(SseStream::new(parts, shape, n, include_usage)));
     }
     let mut done = Vec::with_capacity(parts.len());
     for (rx, guard) in &mut parts {
@@ -221,8 +220,37 @@ async fn models(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
     Ok(HttpResponse::Ok().json(json!({
         "object": "list",
-        "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "specd", "max_model_len": st.max_seq_len}],
+        "data": [model_card(&st)],
     })))
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404 naming it.
+async fn model(
+    req: HttpRequest,
+    id: web::Path<String>,
+    st: State,
+) -> Result<HttpResponse, ApiError> {
+    check_auth(&req, &st)?;
+    if *id != st.model_name {
+        return Err(ApiError {
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            ..ApiError::status(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!(
+                    "model `{id}` does not exist; this server serves `{}`",
+                    st.model_name
+                ),
+            )
+        });
+    }
+    Ok(HttpResponse::Ok().json(model_card(&st)))
+}
+
+/// The served model as `/v1/models` lists it.
+fn model_card(st: &AppState) -> Value {
+    json!({"id": st.model_name, "object": "model", "created": 0, "owned_by": "specd", "max_model_len": st.max_seq_len})
 }
 
 async fn speculation_stats(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {
@@ -306,6 +334,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, body_limit: usize) {
         .route("/v1/completions", web::post().to(completions))
         .route("/v1/chat/completions", web::post().to(chat))
         .route("/v1/models", web::get().to(models))
+        .route("/v1/models/{id:.+}", web::get().to(model))
         .route("/v1/speculation/stats", web::get().to(speculation_stats))
         .route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))

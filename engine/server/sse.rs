@@ -225,28 +225,35 @@ impl Shape {
                 }
             })
             .collect();
-        let mut stats = crate::speculative::SpecStats::default();
-        for c in cs {
-            stats.add(&c.stats);
-        }
-        stats.proposer = cs
-            .first()
-            .map(|c| c.stats.proposer.clone())
-            .unwrap_or_default();
-        let prompt: usize = cs.iter().step_by(n.max(1)).map(|c| c.prompt_tokens).sum();
-        let completion: usize = if self.echo.as_ref().is_some_and(|e| e.drop_generated) {
-            0
-        } else {
-            cs.iter().map(|c| c.tokens.len()).sum()
-        };
         json!({
             "id": self.id,
             "object": if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" },
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage_of(prompt, completion, &stats),
+            "usage": self.usage_many(cs.iter(), n),
         })
+    }
+
+    /// Usage of several choices (`n` per prompt, prompts in order):
+    /// speculation figures summed, prompt tokens counted once per prompt.
+    fn usage_many<'a>(&self, cs: impl Iterator<Item = &'a Completion> + Clone, n: usize) -> Value {
+        let mut stats = crate::speculative::SpecStats::default();
+        for c in cs.clone() {
+            stats.add(&c.stats);
+        }
+        stats.proposer = cs
+            .clone()
+            .next()
+            .map(|c| c.stats.proposer.clone())
+            .unwrap_or_default();
+        let prompt: usize = cs.clone().step_by(n.max(1)).map(|c| c.prompt_tokens).sum();
+        let completion: usize = if self.echo.as_ref().is_some_and(|e| e.drop_generated) {
+            0
+        } else {
+            cs.map(|c| c.tokens.len()).sum()
+        };
+        usage_of(prompt, completion, &stats)
     }
 }
 
@@ -272,24 +279,38 @@ pub(super) struct Part {
     guard: AbortGuard,
     first: bool,
     done: bool,
+    /// Its completion, once finished (for `include_usage`'s totals).
+    completion: Option<Completion>,
     /// Characters of this choice's tokens so far (completions' text_offset).
     offset: usize,
 }
 
 /// Server-sent events for one request, or for several prompts of one
 /// request (a choice each, indexed in order; events interleave as they
-/// come). `[DONE]` follows the last choice's final chunk; each final chunk
-/// carries its choice's usage.
+/// come). `[DONE]` follows the last choice's final chunk, also when the
+/// engine drops a choice without a result (that choice gets an error
+/// chunk). Each final chunk carries its choice's usage; with
+/// `stream_options.include_usage` instead, every chunk's `usage` is null
+/// and one chunk with no choices and the request's usage precedes
+/// `[DONE]` (OpenAI's shape).
 pub(super) struct SseStream {
     parts: Vec<Part>,
     shape: Shape,
+    /// Choices per prompt.
+    n: usize,
+    include_usage: bool,
     /// Where the next poll starts, so no choice starves the others.
     next: usize,
     done: bool,
 }
 
 impl SseStream {
-    pub(super) fn new(parts: Vec<(UnboundedReceiver<Event>, AbortGuard)>, shape: Shape) -> Self {
+    pub(super) fn new(
+        parts: Vec<(UnboundedReceiver<Event>, AbortGuard)>,
+        shape: Shape,
+        n: usize,
+        include_usage: bool,
+    ) -> Self {
         Self {
             parts: parts
                 .into_iter()
@@ -298,19 +319,40 @@ impl SseStream {
                     guard,
                     first: true,
                     done: false,
+                    completion: None,
                     offset: 0,
                 })
                 .collect(),
             shape,
+            n,
+            include_usage,
             next: 0,
             done: false,
         }
     }
 
-    fn frame(&mut self, v: Value) -> Poll<Option<Result<Bytes, actix_web::Error>>> {
+    fn frame(&mut self, mut v: Value) -> Poll<Option<Result<Bytes, actix_web::Error>>> {
+        if self.include_usage && v.get("choices").is_some() {
+            v["usage"] = Value::Null;
+        }
         let mut s = format!("data: {v}\n\n");
         if self.parts.iter().all(|p| p.done) {
             self.done = true;
+            if self.include_usage {
+                let usage = self.shape.usage_many(
+                    self.parts.iter().filter_map(|p| p.completion.as_ref()),
+                    self.n,
+                );
+                let last = json!({
+                    "id": self.shape.id,
+                    "object": if self.shape.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                    "created": self.shape.created,
+                    "model": self.shape.model,
+                    "choices": [],
+                    "usage": usage,
+                });
+                s.push_str(&format!("data: {last}\n\n"));
+            }
             s.push_str("data: [DONE]\n\n");
         }
         Poll::Ready(Some(Ok(Bytes::from(s))))
@@ -361,6 +403,7 @@ impl futures_core::Stream for SseStream {
                             &[],
                             &mut 0,
                         );
+                        self.parts[i].completion = Some(c);
                         return self.frame(v);
                     }
                     Poll::Ready(Some(Event::Error(e))) => {
@@ -372,13 +415,13 @@ impl futures_core::Stream for SseStream {
                     }
                     Poll::Ready(None) => {
                         // The engine dropped the channel without a final
-                        // event: this choice ends here.
+                        // event: this choice ends here, with an error the
+                        // client can see (and `[DONE]` if it was the last).
                         part.done = true;
-                        if self.parts.iter().all(|p| p.done) {
-                            self.done = true;
-                            return Poll::Ready(None);
-                        }
-                        break;
+                        part.guard.armed = false;
+                        self.next = (i + 1) % n;
+                        let v = json!({"error": {"message": "the engine stopped before this choice finished", "type": "server_error", "param": null, "code": null, "index": i}});
+                        return self.frame(v);
                     }
                 }
             }
