@@ -264,22 +264,35 @@ impl Compose {
         (1.0 + expected) / (1.0 + self.verify_cost * n + self.members[m].cost)
     }
 
-    /// A member's q in the composite's declared kind.
+    /// A member's q in the composite's declared kind: one-hot lifted to
+    /// sparse or full, sparse to full. Siblings that carried one q carry
+    /// one (shared) q after the conversion.
     fn convert(&self, mut d: Draft) -> Draft {
-        for (q, &t) in d.q.iter_mut().zip(&d.tokens) {
-            if matches!(q, DraftQ::OneHot) {
-                match self.caps.q_kind {
-                    QKind::OneHot => {}
-                    QKind::Sparse => *q = DraftQ::Sparse(Distribution::one_hot(t)),
-                    QKind::Full => {
-                        let mut v = vec![0f32; self.vocab];
-                        if let Some(x) = v.get_mut(t as usize) {
-                            *x = 1.0;
-                        }
-                        *q = DraftQ::Full(v.into());
-                    }
+        let dense = |ids: &[u32], probs: &[f32]| -> DraftQ {
+            let mut v = vec![0f32; self.vocab];
+            for (&i, &p) in ids.iter().zip(probs) {
+                if let Some(x) = v.get_mut(i as usize) {
+                    *x = p;
                 }
             }
+            DraftQ::Full(v.into())
+        };
+        let mut done: Vec<(Distribution, DraftQ)> = Vec::new();
+        for (q, &t) in d.q.iter_mut().zip(&d.tokens) {
+            let new = match (&*q, self.caps.q_kind) {
+                (DraftQ::OneHot, QKind::Sparse) => DraftQ::Sparse(Distribution::one_hot(t)),
+                (DraftQ::OneHot, QKind::Full) => dense(&[t], &[1.0]),
+                (DraftQ::Sparse(s), QKind::Full) => match done.iter().find(|(k, _)| k == s) {
+                    Some((_, f)) => f.clone(),
+                    None => {
+                        let f = dense(&s.ids, &s.probs);
+                        done.push((s.clone(), f.clone()));
+                        f
+                    }
+                },
+                _ => continue,
+            };
+            *q = new;
         }
         d
     }
@@ -771,5 +784,47 @@ mod tests {
             .all(|q| *q == DraftQ::Sparse(Distribution::one_hot(5))));
         let caps = c.capabilities();
         assert!(super::super::proposer::validate_draft(&d[0], &caps, Some(16), false).is_ok());
+    }
+
+    #[test]
+    fn sparse_member_drafts_become_full_in_a_full_composite_keeping_siblings_shared() {
+        let mut c = pair(
+            ("a", Box::new(Fake::new("a", 7, 4, None, vec![])), 0.0),
+            ("b", Box::new(Fake::new("b", 9, 3, None, vec![])), 0.0),
+        );
+        // As if one member declared full q (a draft model) and another
+        // sparse (Medusa heads): the composite declares full.
+        c.caps.q_kind = QKind::Full;
+        c.caps.tree = true;
+        let at_root = Distribution {
+            ids: vec![3, 5],
+            probs: vec![0.75, 0.25],
+        };
+        let below = Distribution {
+            ids: vec![1],
+            probs: vec![1.0],
+        };
+        let d = Draft {
+            tokens: vec![3, 5, 1],
+            q: vec![
+                DraftQ::Sparse(at_root.clone()),
+                DraftQ::Sparse(at_root),
+                DraftQ::Sparse(below),
+            ],
+            parents: Some(vec![-1, -1, 0]),
+            source: None,
+        };
+        let d = c.convert(d);
+        match (&d.q[0], &d.q[1], &d.q[2]) {
+            (DraftQ::Full(a), DraftQ::Full(b), DraftQ::Full(x)) => {
+                assert!(std::sync::Arc::ptr_eq(a, b), "siblings share one q");
+                assert_eq!((a[3], a[5], a.len()), (0.75, 0.25, 16));
+                assert_eq!(x[1], 1.0);
+            }
+            q => panic!("not converted: {q:?}"),
+        }
+        for greedy in [true, false] {
+            crate::speculative::proposer::validate_draft(&d, &c.caps, Some(16), greedy).unwrap();
+        }
     }
 }
