@@ -515,6 +515,34 @@ fn a_request_whose_receiver_is_gone_is_aborted_at_the_next_step() {
 }
 
 #[test]
+fn a_forked_choice_outlives_a_parent_that_ends_while_it_waits() {
+    // With one token of budget per step, the child (forked from its
+    // parent's prompt cache) sits out while the parent decodes its last
+    // token and ends; the child must then prefill by itself, not copy a
+    // released cache.
+    let (_d, model) = tiny_model(&TINY, 9);
+    let prompt = prompts(TINY.vocab as u32)[3].clone();
+    let mut cfg = EngineConfig::for_model(&model);
+    cfg.scheduler.max_batch_tokens = 1;
+    cfg.scheduler.max_waiting = usize::MAX;
+    let mut e = SyncDriver::new(model.clone(), None, cfg, Drafter::new());
+    let mut parent = Request::greedy(prompt.clone(), 2);
+    parent.ignore_eos = true;
+    let p = e.add(parent, None).unwrap();
+    let mut child = Request::greedy(prompt.clone(), 6);
+    child.ignore_eos = true;
+    child.fork_of = Some(p);
+    let c = e.add(child, None).unwrap();
+    let mut done = e.run_to_completion().unwrap();
+    done.sort_by_key(|x| x.id);
+    let want = plain_no_eos(&model, &prompt, 6);
+    assert_eq!(done.len(), 2);
+    assert_eq!((done[0].id, &done[0].tokens[..]), (p, &want[..2]));
+    assert_eq!((done[1].id, &done[1].tokens[..]), (c, &want[..]));
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+}
+
+#[test]
 fn temperatures_too_small_for_floats_decode_greedily_with_every_transform() {
     // 1 / 1e-40 is not a finite f32: such requests are greedy (as is
     // anything under 1e-5), never a NaN distribution that hangs top-p or

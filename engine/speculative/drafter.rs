@@ -227,6 +227,27 @@ impl Drafter {
                 slots.insert(k.clone(), s);
             }
         }
+        // Sequences still on an instance that goes now (one replaced or
+        // removed without being retired: a sequence that ended in the
+        // step the reload followed, or one orphaned by an earlier removal)
+        // are finished on it and detached: a new instance under the same
+        // name never started them, and a strict one would fail on them.
+        let stale: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, name)| old.contains_key(name.as_str()))
+            .map(|(&seq, _)| seq)
+            .collect();
+        for seq in stale {
+            let Some(name) = self.seqs.remove(&seq) else {
+                continue;
+            };
+            if let Some(slot) = old.get_mut(&name) {
+                if slot.poisoned.is_none() {
+                    let _ = catch_unwind(AssertUnwindSafe(|| slot.proposer.finish(seq)));
+                }
+            }
+        }
         for p in set.proposers {
             let caps = p.capabilities();
             slots.insert(
@@ -664,6 +685,16 @@ mod tests {
         assert_eq!(draft_of(&mut d, 1), [10], "a keeps its instance");
         assert_eq!(draft_of(&mut d, 2), [20], "seq 2 keeps the replaced b");
         assert!(draft_of(&mut d, 3).is_empty(), "c was removed: plain");
+        // Adding c back does not hand seq 3 to an instance that never
+        // started it.
+        d.swap(
+            ProposerSet {
+                proposers: vec![fixed("c", 31, 4)],
+                keep: vec!["a".into(), "b".into(), "d".into()],
+            },
+            &[],
+        );
+        assert!(draft_of(&mut d, 3).is_empty(), "seq 3 stays plain");
         d.start(4, "b", &[1]);
         assert_eq!(draft_of(&mut d, 4), [21], "a new sequence gets the new b");
         let roles: Vec<_> = d.list().iter().map(|l| (l.name.clone(), l.role)).collect();
@@ -674,5 +705,84 @@ mod tests {
         assert!(d.list().iter().all(|l| l.role != "retired"));
         d.finish(3);
         assert_eq!(draft_of(&mut d, 1), [10]);
+    }
+
+    /// Fails on any sequence it did not start (as the suffix plugin does).
+    struct Strict {
+        started: Vec<SeqId>,
+        finished: std::sync::Arc<std::sync::Mutex<Vec<SeqId>>>,
+    }
+
+    impl Proposer for Strict {
+        fn name(&self) -> &str {
+            "x"
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                max_draft: 2,
+                ..Capabilities::default()
+            }
+        }
+        fn start(&mut self, seq: SeqId, _: &[u32]) -> Result<(), String> {
+            self.started.push(seq);
+            Ok(())
+        }
+        fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+            batch
+                .iter()
+                .map(|b| match self.started.contains(&b.seq) {
+                    true => Ok(Draft::default()),
+                    false => Err(format!("propose for unknown sequence {}", b.seq)),
+                })
+                .collect()
+        }
+        fn observe(&mut self, seq: SeqId, _: &[u32]) -> Result<(), String> {
+            match self.started.contains(&seq) {
+                true => Ok(()),
+                false => Err(format!("observe for unknown sequence {seq}")),
+            }
+        }
+        fn finish(&mut self, seq: SeqId) {
+            self.finished.lock().unwrap().push(seq);
+        }
+    }
+
+    #[test]
+    fn a_replacement_never_sees_sequences_its_predecessor_started() {
+        // A sequence that ended in the step a reload followed is not
+        // retired (it is no longer running), but its last observe and
+        // finish arrive after the swap: they must not reach the new
+        // instance, which would fail on them and be poisoned for all.
+        let (old_done, new_done) = (Default::default(), Default::default());
+        let mut d = Drafter::new();
+        d.add(Box::new(Strict {
+            started: Vec::new(),
+            finished: std::sync::Arc::clone(&old_done),
+        }));
+        d.start(7, "x", &[1, 2]);
+        d.swap(
+            ProposerSet {
+                proposers: vec![Box::new(Strict {
+                    started: Vec::new(),
+                    finished: std::sync::Arc::clone(&new_done),
+                })],
+                keep: Vec::new(),
+            },
+            &[],
+        );
+        assert_eq!(
+            *old_done.lock().unwrap(),
+            [7],
+            "finished on its own instance"
+        );
+        d.observe(7, &[3], &[]);
+        d.finish(7);
+        assert!(d.poisoned("x").is_none(), "{:?}", d.poisoned("x"));
+        assert!(new_done.lock().unwrap().is_empty());
+        // The new instance serves new sequences.
+        d.start(8, "x", &[1]);
+        d.observe(8, &[2], &[]);
+        assert!(draft_of(&mut d, 8).is_empty());
+        assert!(d.poisoned("x").is_none(), "{:?}", d.poisoned("x"));
     }
 }

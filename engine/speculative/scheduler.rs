@@ -848,11 +848,21 @@ impl Scheduler {
     /// the front of the queue to be recomputed; deferred ones sit out this
     /// step; sequences that can never fit fail.
     pub fn apply_grant(&mut self, items: Vec<PlanItem>, grant: &Grant) -> Vec<PlanItem> {
-        // A forked choice whose parent goes away before the copy prefills
-        // its prompt itself (from the next step).
+        // A forked choice whose parent goes away before the copy (preempted
+        // or too big now, or ended in an earlier step while the choice sat
+        // out for budget or KV: its cache is released before this step
+        // runs) prefills its prompt itself (from the next step).
+        let gone: Vec<SeqId> = self
+            .seqs
+            .values()
+            .filter_map(|s| s.fork_from)
+            .filter(|p| !self.seqs.contains_key(p))
+            .collect();
         let mut unforked = Vec::new();
         for s in self.seqs.values_mut() {
-            if s.fork_from.is_some_and(|p| grant.preempted.contains(&p)) {
+            if s.fork_from.is_some_and(|p| {
+                grant.preempted.contains(&p) || grant.too_big.contains(&p) || gone.contains(&p)
+            }) {
                 s.fork_from = None;
                 s.cached = 0;
                 s.status = SeqStatus::Prefill;
