@@ -142,3 +142,56 @@ fn repeats_start_from_fresh_proposers() {
         }
     }
 }
+
+#[test]
+fn arms_on_the_same_proposer_draft_from_their_own_instances() {
+    // Two arms on one suffix proposer, back to back on every prompt: with
+    // a shared instance, whichever ran second would draft the first's
+    // identical greedy output from the tree. Each has its own, so both
+    // draft and accept exactly the same.
+    common::smollm_path();
+    let dir = common::TempDir::new("ab-shared");
+    let cfg = dir.0.join("ab.toml");
+    std::fs::write(
+        &cfg,
+        "[[proposer]]\nname = \"suffix\"\nplugin = \"suffix\"\nmax_draft = 6\n\
+         [ab]\ndataset = \"humaneval\"\nlimit_per_category = 3\nmax_tokens = 32\nbootstrap = 50\n\
+         [[ab.arm]]\nname = \"suffix\"\nproposer = \"suffix\"\n\
+         [[ab.arm]]\nname = \"suffix-again\"\nproposer = \"suffix\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["ab", "--config", cfg.to_str().unwrap(), "--out"])
+        .arg(dir.0.join("out"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("out/results.json")).unwrap())
+            .unwrap();
+    let of = |arm: &str| -> Vec<(String, u64, u64)> {
+        let mut v: Vec<_> = r["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| x["arm"] == arm)
+            .map(|x| {
+                (
+                    x["prompt_id"].as_str().unwrap().to_string(),
+                    x["drafted"].as_u64().unwrap(),
+                    x["accepted"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let (a, b) = (of("suffix"), of("suffix-again"));
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, b, "the arms drafted differently");
+}

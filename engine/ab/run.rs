@@ -186,13 +186,44 @@ pub fn run(
     chat: bool,
 ) -> Result<AbReport> {
     ab.sampling.validate()?;
+    // Records pair by prompt id: two prompts with one id would pair an
+    // arm's record with another prompt's plain one.
+    let mut ids = std::collections::HashSet::new();
+    if let Some(p) = prompts.iter().find(|p| !ids.insert(p.id.as_str())) {
+        return Err(SpecdError::InvalidRequest(format!(
+            "prompt id `{}` appears more than once in the dataset (ids pair each arm's records with plain decoding's); give every prompt its own id",
+            p.id
+        )));
+    }
     let (arms, plain) = arms_with_plain(ab);
+    // Arms that name the same proposer (to compare draft caps or pricing)
+    // get an instance each, under an alias: one shared instance would
+    // learn one arm's output and draft it for the next arm on the same
+    // prompt (the suffix tree does), inflating whichever runs second.
+    let aliases: Vec<Option<String>> = arms
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            (a.proposer != "none" && arms[..i].iter().any(|b| b.proposer == a.proposer))
+                .then(|| format!("{}#{}", a.proposer, a.name))
+        })
+        .collect();
     // Proposers keep state across requests (the suffix proposer's global
     // tree learns every output); each repeat gets fresh instances, or a
     // later repeat would draft from the identical greedy output of an
     // earlier one.
     let fresh_engine = || -> Result<SyncDriver> {
-        let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
+        let mut drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
+        for (arm, alias) in arms.iter().zip(&aliases) {
+            let (Some(alias), Some(pc)) =
+                (alias, cfg.proposer.iter().find(|p| p.name == arm.proposer))
+            else {
+                continue;
+            };
+            let mut pc = pc.clone();
+            pc.name = alias.clone();
+            drafter.add(cfg.build_proposer(&pc, &model, Some(tok.clone()))?);
+        }
         let mut ec = cfg.engine_config(&model);
         ec.scheduler.max_running = 1;
         // Every arm prefills its prompt itself: the arms that run a prompt
@@ -228,8 +259,12 @@ pub fn run(
             let n = arms.len();
             for k in 0..n {
                 // Rotate the arm order prompt by prompt (and repeat by repeat).
-                let arm = &arms[(i + rep + k) % n];
-                let req = arm_request(ab, ids, arm, i as u64 * 7919 + rep as u64, &model);
+                let a = (i + rep + k) % n;
+                let arm = &arms[a];
+                let mut req = arm_request(ab, ids, arm, i as u64 * 7919 + rep as u64, &model);
+                if let Some(alias) = &aliases[a] {
+                    req.proposer = Some(alias.clone());
+                }
                 engine.scheduler.config.measured_pricing = arm
                     .draft_pricing
                     .map_or(measured, |p| p == crate::config::DraftPricing::Measured);

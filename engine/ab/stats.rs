@@ -76,11 +76,27 @@ pub fn summarize(
                 }
             };
             let speedup = ratio(&pairs);
+            // Repeats of a prompt are nearly the same run (greedy: the same
+            // tokens): the bootstrap resamples prompts, each with all its
+            // repeats, so the interval reflects the number of prompts, not
+            // prompts x repeats.
+            let mut by_prompt: BTreeMap<&str, Vec<(&Record, &Record)>> = BTreeMap::new();
+            for &(a, b) in &pairs {
+                by_prompt
+                    .entry(a.prompt_id.as_str())
+                    .or_default()
+                    .push((a, b));
+            }
+            let clusters: Vec<Vec<(&Record, &Record)>> = by_prompt.into_values().collect();
             let mut rng = Rng::new(seed);
-            let mut boots: Vec<f64> = (0..if pairs.is_empty() { 0 } else { bootstrap })
+            let mut boots: Vec<f64> = (0..if clusters.is_empty() { 0 } else { bootstrap })
                 .map(|_| {
-                    let sample: Vec<(&Record, &Record)> = (0..pairs.len())
-                        .map(|_| pairs[(rng.next_u64() % pairs.len() as u64) as usize])
+                    let sample: Vec<(&Record, &Record)> = (0..clusters.len())
+                        .flat_map(|_| {
+                            clusters[(rng.next_u64() % clusters.len() as u64) as usize]
+                                .iter()
+                                .copied()
+                        })
                         .collect();
                     ratio(&sample)
                 })
@@ -216,6 +232,41 @@ mod tests {
             steps_by_tokens: Vec::new(),
             members: Vec::new(),
         }
+    }
+
+    #[test]
+    fn repeats_of_a_prompt_do_not_narrow_the_interval() {
+        // 8 prompts whose speedups spread from 0.8x to 1.5x. Five repeats
+        // of each (the same run again, as greedy repeats nearly are) add
+        // no information: the interval must stay as wide, not shrink by
+        // about the square root of 5.
+        let speed = |i: usize| 0.8 + 0.1 * i as f64;
+        let records = |repeats: usize| -> Vec<Record> {
+            let mut v = Vec::new();
+            for i in 0..8 {
+                for rep in 0..repeats {
+                    let id = format!("p{i}");
+                    let mut p = rec(&id, "plain", vec![1; 10], 1.0);
+                    let mut a = rec(&id, "spec", vec![1; 10], 1.0 / speed(i));
+                    p.repeat = rep;
+                    a.repeat = rep;
+                    v.extend([p, a]);
+                }
+            }
+            v
+        };
+        let width = |repeats: usize| {
+            let rs = records(repeats);
+            let refs: Vec<&Record> = rs.iter().collect();
+            let s = summarize(&refs, &["plain".into(), "spec".into()], "plain", 2000, 3);
+            s[1].speedup_ci95.1 - s[1].speedup_ci95.0
+        };
+        let (one, five) = (width(1), width(5));
+        assert!(one > 0.1, "{one}");
+        assert!(
+            five > 0.8 * one,
+            "five repeats narrowed the CI: {five} vs {one}"
+        );
     }
 
     #[test]
