@@ -445,6 +445,18 @@ impl Config {
                     Some(_) => {}
                 }
             }
+            if let Some(v) = p.options.get("verify_cost") {
+                if !v
+                    .as_float()
+                    .or(v.as_integer().map(|i| i as f64))
+                    .is_some_and(|x| x.is_finite() && x >= 0.0)
+                {
+                    return err(format!(
+                        "proposer `{}`: verify_cost must be a non-negative number, got {v}",
+                        p.name
+                    ));
+                }
+            }
             let known_opts = ["costs", "verify_cost"];
             if let Some(k) = p.options.keys().find(|k| !known_opts.contains(&k.as_str())) {
                 return err(format!(
@@ -514,10 +526,19 @@ impl Config {
             }
         }
         if let Some(ab) = &self.ab {
+            if ab.repeats == 0 || ab.bootstrap == 0 {
+                return err("ab.repeats and ab.bootstrap must be at least 1".into());
+            }
             let mut names = std::collections::HashSet::new();
             for a in &ab.arm {
                 if !names.insert(a.name.as_str()) {
                     return err(format!("ab arm `{}` is defined twice", a.name));
+                }
+                if a.name == "plain" && a.proposer != "none" {
+                    return err(format!(
+                        "ab arm `plain` is the baseline every run adds (proposer none); name the `{}` arm otherwise",
+                        a.proposer
+                    ));
                 }
                 if !known(&a.proposer) {
                     return err(format!(
@@ -529,6 +550,17 @@ impl Config {
         }
         if self.engine.max_running == 0 || self.engine.max_batch_tokens == 0 {
             return err("engine.max_running and engine.max_batch_tokens must be at least 1".into());
+        }
+        if !(self.engine.draft_cost.is_finite() && self.engine.draft_cost >= 0.0) {
+            return err(format!(
+                "engine.draft_cost must be a finite number >= 0 (a fraction of a one-token target forward), got {}",
+                self.engine.draft_cost
+            ));
+        }
+        if self.server.max_queue == 0 {
+            return err(
+                "server.max_queue must be at least 1 (requests wait there to be admitted)".into(),
+            );
         }
         Ok(())
     }
@@ -760,6 +792,9 @@ impl Config {
         merged.server.allow_request_proposer = new.server.allow_request_proposer;
         merged.engine.default_proposer = new.engine.default_proposer.clone();
         merged.source = new.source.clone();
+        // `[ab]` means nothing to a server, but its arms name proposers:
+        // checked against the new set, not the running one.
+        merged.ab = new.ab.clone();
         let file = new
             .source
             .as_ref()
@@ -905,11 +940,50 @@ mod tests {
         );
         let c = Config::parse("[model]\nkv_dtype = \"f32\"\n", None).unwrap();
         assert_eq!(c.model.kv_dtype, Some(crate::model::KvDtype::F32));
+        // Values that would run nothing, mislead or divide by nothing.
+        for (toml, needle) in [
+            ("[engine]\ndraft_cost = nan\n", "engine.draft_cost must be a finite number >= 0"),
+            ("[engine]\ndraft_cost = -0.5\n", "engine.draft_cost must be a finite number >= 0"),
+            ("[server]\nmax_queue = 0\n", "server.max_queue must be at least 1"),
+            ("[ab]\nrepeats = 0\n", "ab.repeats and ab.bootstrap must be at least 1"),
+            ("[ab]\nbootstrap = 0\n", "ab.repeats and ab.bootstrap must be at least 1"),
+            (
+                "[[proposer]]\nname = \"ngram\"\n[ab]\n[[ab.arm]]\nname = \"plain\"\nproposer = \"ngram\"\n",
+                "ab arm `plain` is the baseline",
+            ),
+            (
+                "[[proposer]]\nname = \"ngram\"\n[[proposer]]\nname = \"h\"\ncompose = [\"ngram\"]\n[proposer.options]\nverify_cost = \"0.2\"\n",
+                "verify_cost must be a non-negative number",
+            ),
+        ] {
+            let e = Config::parse(toml, None).unwrap_err().to_string();
+            assert!(e.contains(needle), "{toml}: {e}");
+        }
         let e = Config::parse("[model\n", None).unwrap_err().to_string();
         assert!(
             e.contains("<built-in default>") || e.contains("config"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_reload_checks_ab_arms_against_the_new_proposers() {
+        // Removing a proposer and its `[ab]` arm together is a valid
+        // reload (the running `[ab]` section is not the new one).
+        let text = |with_suffix: bool| {
+            let mut t = String::from("[[proposer]]\nname = \"ngram\"\n");
+            if with_suffix {
+                t.push_str("[[proposer]]\nname = \"suffix\"\n");
+            }
+            t.push_str("[ab]\n[[ab.arm]]\nname = \"ngram\"\nproposer = \"ngram\"\n");
+            if with_suffix {
+                t.push_str("[[ab.arm]]\nname = \"suffix\"\nproposer = \"suffix\"\n");
+            }
+            Config::parse(&t, None).unwrap()
+        };
+        let (before, after) = (text(true), text(false));
+        let plan = before.plan_reload(&before, &after).unwrap();
+        assert_eq!(plan.removed, ["suffix"]);
     }
 
     #[test]

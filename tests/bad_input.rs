@@ -201,4 +201,40 @@ fn check_config_refuses_a_model_path_that_does_not_exist() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("(not fetched yet)"));
+    // Every shipped config checks out (composed proposers included, whose
+    // members are the plugins); the API key is not printed.
+    let configs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let mut files: Vec<_> = std::fs::read_dir(&configs)
+        .unwrap()
+        .chain(std::fs::read_dir(configs.join("ab")).unwrap())
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 8, "{files:?}");
+    for f in &files {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+            .args(["serve", "--config", f.to_str().unwrap(), "--check-config"])
+            .env("SPECD_HOME", dir.0.join("empty-home"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::write(&cfg, "[server]\napi_key = \"s3cret-token\"\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+        .args(["serve", "--config", cfg.to_str().unwrap(), "--check-config"])
+        .env("SPECD_HOME", dir.0.join("empty-home"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("<redacted>"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("s3cret-token"), "{stdout}");
 }

@@ -20,7 +20,7 @@ pub struct BenchArgs {
     /// Tree sizes (drafted nodes) whose verify cost is measured too.
     #[arg(long, value_delimiter = ',', default_value = "8,16,32,64")]
     pub trees: Vec<usize>,
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, default_value_t = 15, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub reps: usize,
     /// Also time decoding through the engine at this temperature (alone,
     /// and with --top-p) beside greedy, for each of --proposers.

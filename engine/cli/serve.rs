@@ -50,6 +50,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.check_config {
         let dirs = cfg.plugin_dirs();
         for p in &cfg.proposer {
+            if !p.compose.is_empty() {
+                // Its members are checked in their own turn.
+                println!(
+                    "# proposer `{}`: composes {}",
+                    p.name,
+                    p.compose.join(" + ")
+                );
+                continue;
+            }
             let path = match &p.path {
                 Some(path) => cfg.resolve(path),
                 None => specd::plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)?,
@@ -81,7 +90,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
             }
         );
         println!("# config: {}", describe(&cfg));
-        print!("{}", toml::to_string_pretty(&cfg)?);
+        // The config as it will run, but not its secret.
+        let mut shown = cfg.clone();
+        if !shown.server.api_key.is_empty() {
+            shown.server.api_key = "<redacted>".into();
+        }
+        print!("{}", toml::to_string_pretty(&shown)?);
         return Ok(());
     }
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
