@@ -587,19 +587,42 @@ fn preemption_and_resume_give_the_same_greedy_output() {
     let n = 100;
     let want: Vec<Vec<u32>> = ps.iter().map(|p| plain_no_eos(&model, p, n)).collect();
     let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
-    let oracle = OracleProposer::new(answers, 0.3, 4, TINY.vocab as u32);
+    let oracle = || {
+        Box::new(OracleProposer::new(
+            answers.clone(),
+            0.3,
+            4,
+            TINY.vocab as u32,
+        ))
+    };
     // Four sequences that grow from 5 to 9 blocks of 64 slots, in 6 blocks:
     // the later ones are evicted mid-decode and recomputed.
-    let mut e = engine(&model, None, vec![Box::new(oracle)], 4, Some(6));
-    let reqs = ps
-        .iter()
-        .map(|p| Request {
-            proposer: Some("oracle".into()),
-            ignore_eos: true,
-            ..Request::greedy(p.clone(), n)
-        })
-        .collect();
-    let done = run_all(&mut e, reqs);
+    let mut e = engine(&model, None, vec![oracle()], 4, Some(6));
+    // Prompt log-probabilities too (echo): a recompute must report the
+    // prompt's, once, not the generated tokens it also feeds.
+    let reqs = || -> Vec<Request> {
+        ps.iter()
+            .map(|p| Request {
+                proposer: Some("oracle".into()),
+                ignore_eos: true,
+                prompt_logprobs: Some(1),
+                ..Request::greedy(p.clone(), n)
+            })
+            .collect()
+    };
+    let done = run_all(&mut e, reqs());
+    let mut roomy = engine(&model, None, vec![oracle()], 4, None);
+    let unpreempted = run_all(&mut roomy, reqs());
+    assert!(unpreempted.iter().all(|c| c.preemptions == 0));
+    for ((c, u), p) in done.iter().zip(&unpreempted).zip(&ps) {
+        assert_eq!(
+            c.prompt_logprobs.len(),
+            p.len() - 1,
+            "preemptions {}",
+            c.preemptions
+        );
+        assert_eq!(c.prompt_logprobs, u.prompt_logprobs);
+    }
     let preempted: u32 = done.iter().map(|c| c.preemptions).sum();
     let lens: Vec<usize> = want.iter().map(|w| w.len()).collect();
     assert!(

@@ -283,7 +283,9 @@ impl TargetRunner {
                             .collect();
                         let mut logits = o.logits;
                         let prompt_logprobs = match &it.prompt_logprobs {
-                            Some((k, next)) if o.rows == next.len() && o.rows > 0 => {
+                            // The first `next.len()` rows (a chunk may
+                            // run past the prompt after a preemption).
+                            Some((k, next)) if o.rows >= next.len() && o.rows > 0 => {
                                 let v = logits.len() / o.rows;
                                 let lps = next
                                     .iter()

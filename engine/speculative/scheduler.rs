@@ -831,10 +831,13 @@ impl Scheduler {
                 moves: Vec::new(),
                 siblings: Default::default(),
                 fork_from: None,
-                prompt_logprobs: s
-                    .req
-                    .prompt_logprobs
-                    .map(|k| (k, s.tokens[s.cached + 1..s.cached + n + 1].to_vec())),
+                // Positions before the prompt's last predict prompt
+                // tokens; a recompute after a preemption also feeds the
+                // generated ones, whose log-probabilities are not asked.
+                prompt_logprobs: s.req.prompt_logprobs.and_then(|k| {
+                    let end = (s.cached + n).min(s.prompt_len.saturating_sub(1));
+                    (end > s.cached).then(|| (k, s.tokens[s.cached + 1..end + 1].to_vec()))
+                }),
             });
             wants.push(Want {
                 seq: id,
