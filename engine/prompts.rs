@@ -261,34 +261,85 @@ pub fn word_ngrams(text: &str, n: usize) -> Vec<String> {
     w.windows(n).map(|g| g.join(" ")).collect()
 }
 
-/// The n-grams of a set of texts, for overlap checks.
+/// Texts this short (in words) are too generic to count as overlap
+/// ("Why?"); longer ones under `NGRAM` words are matched whole.
+const MIN_PHRASE_WORDS: usize = 4;
+
+/// The n-grams of a set of texts, for overlap checks. A text shorter than
+/// `NGRAM` words (but at least `MIN_PHRASE_WORDS`) has no n-gram: it is
+/// kept whole, and a text containing its words in a row overlaps it.
 #[derive(Debug, Default)]
 pub struct NgramIndex {
     grams: HashSet<String>,
+    /// Short texts' words, joined and padded by spaces.
+    phrases: Vec<String>,
 }
 
 impl NgramIndex {
     pub fn new<'a>(texts: impl IntoIterator<Item = &'a str>) -> Self {
         let mut grams = HashSet::new();
+        let mut phrases = Vec::new();
         for t in texts {
-            grams.extend(word_ngrams(t, NGRAM));
+            let w = words(t);
+            if w.len() < NGRAM {
+                if w.len() >= MIN_PHRASE_WORDS {
+                    phrases.push(format!(" {} ", w.join(" ")));
+                }
+            } else {
+                grams.extend(w.windows(NGRAM).map(|g| g.join(" ")));
+            }
         }
-        Self { grams }
+        phrases.sort();
+        phrases.dedup();
+        Self { grams, phrases }
     }
 
     /// The first 8-gram of `text` that the index holds.
     pub fn shared(&self, text: &str) -> Option<String> {
-        word_ngrams(text, NGRAM)
-            .into_iter()
+        self.shared_where(text, |_| true)
+    }
+
+    /// `shared`, ignoring runs of numbers and single characters ("1 2 3 4
+    /// 5 6 7 8", which HumanEval's examples and any numbered list hold):
+    /// for checking the target's responses, where such runs are no sign of
+    /// an evaluation text.
+    pub fn shared_content(&self, text: &str) -> Option<String> {
+        self.shared_where(text, |g: &[String]| {
+            g.iter()
+                .any(|w| w.chars().count() > 1 && !w.chars().all(|c| c.is_numeric()))
+        })
+    }
+
+    fn shared_where(&self, text: &str, counts: impl Fn(&[String]) -> bool) -> Option<String> {
+        let w = words(text);
+        if let Some(g) = w
+            .windows(NGRAM)
+            .filter(|g| counts(g))
+            .map(|g| g.join(" "))
             .find(|g| self.grams.contains(g))
+        {
+            return Some(g);
+        }
+        if self.phrases.is_empty() || w.len() < MIN_PHRASE_WORDS {
+            return None;
+        }
+        let padded = format!(" {} ", w.join(" "));
+        self.phrases
+            .iter()
+            .filter(|p| {
+                let pw: Vec<String> = p.split_whitespace().map(str::to_string).collect();
+                counts(&pw)
+            })
+            .find(|p| padded.contains(p.as_str()))
+            .map(|p| p.trim().to_string())
     }
 
     pub fn len(&self) -> usize {
-        self.grams.len()
+        self.grams.len() + self.phrases.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.grams.is_empty()
+        self.grams.is_empty() && self.phrases.is_empty()
     }
 }
 
@@ -652,6 +703,45 @@ mod tests {
         let idx = NgramIndex::new(["a b c d e f g h"]);
         assert!(idx.shared("x A-B-C d e f g h y").is_some());
         assert!(idx.shared("a b c d e f g x").is_none());
+        // Texts under 8 words are matched whole (from 4 words on): a
+        // training text that quotes one overlaps it.
+        let idx = NgramIndex::new(["Prove the Pythagorean theorem.", "Why?"]);
+        assert_eq!(
+            idx.shared("First, prove the Pythagorean theorem; then rest.")
+                .as_deref(),
+            Some("prove the pythagorean theorem")
+        );
+        assert!(idx.shared("We prove the Pythagorean theorems").is_none());
+        assert!(
+            idx.shared("Why? Because.").is_none(),
+            "too generic to count"
+        );
+        // Responses: runs of numbers are no sign of an evaluation text.
+        let idx = NgramIndex::new(["1, 2, 3, 4, 5, 6, 7, 8 are the first", "a b c d e f g h"]);
+        assert!(idx.shared("count: 1 2 3 4 5 6 7 8").is_some());
+        assert!(idx.shared_content("count: 1 2 3 4 5 6 7 8").is_none());
+        assert!(idx.shared_content("2 3 4 5 6 7 8 are the first").is_some());
+        assert!(idx.shared_content("so a b c d e f g h").is_none());
+    }
+
+    #[test]
+    fn short_evaluation_texts_drop_no_templated_prompt() {
+        // Matching short evaluation texts whole must not change the
+        // templated prompts the shipped heads were trained on (their
+        // reproduce commands stay valid).
+        let eval = crate::ab::evaluation_texts();
+        let full = NgramIndex::new(eval.iter().map(String::as_str));
+        let long: Vec<&str> = eval
+            .iter()
+            .map(String::as_str)
+            .filter(|t| words(t).len() >= NGRAM)
+            .collect();
+        let grams_only = NgramIndex::new(long);
+        assert!(full.len() > grams_only.len(), "some texts are short");
+        let (a, da) = training_prompts(usize::MAX, 7, &full);
+        let (b, db) = training_prompts(usize::MAX, 7, &grams_only);
+        assert_eq!((a.len(), da), (b.len(), db));
+        assert!(a == b);
     }
 
     #[test]

@@ -268,3 +268,62 @@ fn compact_distill_learns_the_target_and_its_draft_is_lossless() {
     }
     assert!(drafted > 0 && accepted > 0, "{accepted}/{drafted}");
 }
+
+#[test]
+fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
+    // The target's greedy answer to a prompt, made an "evaluation text":
+    // a fresh run keeps no sample with that answer (only the other
+    // prompt's), and a cache reused later is checked again.
+    use specd::distill::{training_data, training_data_excluding, DataConfig};
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let dir = TempDir::new("distill-exclude");
+    let prompt = |t: &str| {
+        tok.encode(
+            &tok.apply_chat_template(&[specd::tokenizer::ChatMessage::user(t)], true)
+                .unwrap(),
+            false,
+        )
+        .unwrap()
+    };
+    let cfg = DataConfig {
+        gen_tokens: 80,
+        gen_max_tokens: 24,
+        temperature: 0.0,
+        sampled_fraction: 0.0,
+        concurrency: 4,
+        seed: 1,
+        prompt_ids: vec![
+            prompt("Describe a lighthouse keeper's morning routine."),
+            prompt("List three uses of copper wire."),
+        ],
+        mix: specd::prompts::PromptMix::Templated,
+    };
+    let response = |s: &specd::distill::Sample| s.tokens[s.prompt_len..].to_vec();
+    let all = training_data(&model, &tok, &cfg, &dir.0.join("a")).unwrap();
+    let first = all
+        .iter()
+        .find(|s| s.tokens[..s.prompt_len] == cfg.prompt_ids[0][..])
+        .map(response)
+        .unwrap();
+    let text = tok.decode(&first, true).unwrap();
+    assert!(specd::prompts::words(&text).len() >= 8, "{text}");
+    let kept = training_data_excluding(
+        &model,
+        &tok,
+        &cfg,
+        &dir.0.join("b"),
+        std::slice::from_ref(&text),
+    )
+    .unwrap();
+    assert!(!kept.is_empty());
+    assert!(
+        kept.iter().all(|s| response(s) != first),
+        "an overlapping answer was kept"
+    );
+    // Reusing the first cache under the exclusion drops the same samples
+    // (and, short of the budget then, generates anew without them).
+    let again = training_data_excluding(&model, &tok, &cfg, &dir.0.join("a"), &[text]).unwrap();
+    assert!(again.iter().all(|s| response(s) != first));
+}

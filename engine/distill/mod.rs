@@ -18,7 +18,10 @@
 //!   (`specd distill eagle`).
 //!
 //! Invariant: no evaluation prompt (or a text sharing an 8-gram of words
-//! with one) is ever trained on.
+//! with one, or quoting a shorter one whole) is ever trained on: prompts
+//! are checked before they are asked, the target's responses as they
+//! finish and again when a cache is reused (a sample whose response
+//! overlaps is dropped and does not count toward the token budget).
 
 pub mod draft;
 pub mod eagle;
@@ -128,17 +131,69 @@ pub fn training_data(
     cfg: &DataConfig,
     out: &Path,
 ) -> Result<Vec<Sample>> {
+    training_data_excluding(model, tok, cfg, out, &[])
+}
+
+/// What a cache of samples was generated with: reused only for the same.
+fn data_meta(model: &Model, cfg: &DataConfig) -> serde_json::Value {
+    let c = &model.config;
+    serde_json::json!({
+        "mix": format!("{:?}", cfg.mix),
+        "seed": cfg.seed,
+        "gen_max_tokens": cfg.gen_max_tokens,
+        "temperature": cfg.temperature,
+        "sampled_fraction": cfg.sampled_fraction,
+        "prompt_ids": cfg.prompt_ids,
+        "target": [c.vocab_size, c.hidden, c.layers],
+    })
+}
+
+/// `training_data`, also keeping out of training any response that
+/// overlaps one of `exclude` (texts beyond the shipped evaluation sets,
+/// e.g. a private benchmark).
+pub fn training_data_excluding(
+    model: &Arc<Model>,
+    tok: &Arc<Tokenizer>,
+    cfg: &DataConfig,
+    out: &Path,
+    exclude: &[String],
+) -> Result<Vec<Sample>> {
+    let eval = crate::ab::evaluation_texts();
+    let index = crate::prompts::NgramIndex::new(eval.iter().chain(exclude).map(String::as_str));
+    let overlaps = |s: &Sample| -> Result<bool> {
+        let response = tok.decode(s.tokens.get(s.prompt_len..).unwrap_or(&[]), true)?;
+        Ok(index.shared_content(&response).is_some())
+    };
     let path = out.join("samples.json");
+    let meta_path = out.join("samples.meta.json");
+    let meta = data_meta(model, cfg);
     if let Ok(text) = std::fs::read_to_string(&path) {
-        let d: Vec<Sample> = serde_json::from_str(&text).map_err(|e| json_err(&path, e))?;
-        let n: usize = d.iter().map(|s| s.tokens.len() - s.prompt_len).sum();
-        if n >= cfg.gen_tokens {
+        let same = std::fs::read_to_string(&meta_path)
+            .ok()
+            .and_then(|m| serde_json::from_str::<serde_json::Value>(&m).ok())
+            .is_some_and(|m| m == meta);
+        if same {
+            let d: Vec<Sample> = serde_json::from_str(&text).map_err(|e| json_err(&path, e))?;
+            let mut kept = Vec::with_capacity(d.len());
+            for s in d {
+                if s.prompt_len < s.tokens.len() && !overlaps(&s)? {
+                    kept.push(s);
+                }
+            }
+            let n: usize = kept.iter().map(|s| s.tokens.len() - s.prompt_len).sum();
+            if n >= cfg.gen_tokens {
+                eprintln!(
+                    "specd distill: reusing {n} response tokens of {} samples from {}",
+                    kept.len(),
+                    path.display()
+                );
+                return Ok(kept);
+            }
+        } else {
             eprintln!(
-                "specd distill: reusing {n} response tokens of {} samples from {}",
-                d.len(),
+                "specd distill: {} was generated with other settings (or by an older version): generating anew",
                 path.display()
             );
-            return Ok(d);
         }
     }
     let mut ec = EngineConfig::for_model(model);
@@ -160,6 +215,8 @@ pub fn training_data(
         tok,
         cfg,
         bar: &bar,
+        evaluation: &index,
+        dropped: 0,
     };
     let text = |v: Vec<(String, bool)>| -> Vec<Prompt> {
         v.into_iter()
@@ -208,11 +265,16 @@ pub fn training_data(
         done.into_iter().chain(more).map(|(_, s)| s).collect()
     };
     bar.finish_and_clear();
+    eprintln!(
+        "specd distill: {} responses dropped for sharing an 8-gram with Spec-Bench, HumanEval or an excluded text",
+        gen.dropped
+    );
     std::fs::create_dir_all(out)?;
     std::fs::write(
         &path,
         serde_json::to_string(&data).map_err(|e| json_err(&path, e))?,
     )?;
+    std::fs::write(&meta_path, meta.to_string())?;
     let total: usize = data.iter().map(|s| s.tokens.len() - s.prompt_len).sum();
     eprintln!(
         "specd distill: {total} generated tokens from {} prompts",
@@ -229,6 +291,10 @@ struct Generator<'a> {
     tok: &'a Tokenizer,
     cfg: &'a DataConfig,
     bar: &'a indicatif::ProgressBar,
+    /// Responses sharing an n-gram with these texts are not kept.
+    evaluation: &'a crate::prompts::NgramIndex,
+    /// Responses dropped for that.
+    dropped: usize,
 }
 
 impl Generator<'_> {
@@ -281,6 +347,16 @@ impl Generator<'_> {
             for c in self.engine.step()?.finished {
                 // (Requests an earlier call aborted finish here too.)
                 if let Some((k, ids)) = prompt_of.remove(&c.id) {
+                    // A response that overlaps an evaluation text is not
+                    // trained on, and does not count toward the budget.
+                    if self
+                        .evaluation
+                        .shared_content(&tok.decode(&c.tokens, true)?)
+                        .is_some()
+                    {
+                        self.dropped += 1;
+                        continue;
+                    }
                     total += c.tokens.len();
                     self.bar.inc(c.tokens.len() as u64);
                     done.push((k, ids, c.tokens));
