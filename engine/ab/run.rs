@@ -251,10 +251,37 @@ pub fn run(
     );
     let mut records = Vec::new();
     let greedy = ab.sampling.is_greedy();
+    // A proposer that fails mid-run decodes plainly from then on: its
+    // arm's figures would be plain decoding's under its name.
+    let check_health = |engine: &SyncDriver| -> Result<()> {
+        for (arm, alias) in arms.iter().zip(&aliases) {
+            let name = alias.as_deref().unwrap_or(&arm.proposer);
+            if let Some(why) = engine.drafter.poisoned(name) {
+                return Err(SpecdError::InvalidRequest(format!(
+                    "arm `{}`: proposer `{}` failed during the run ({why}); its figures would be plain decoding's, so no report is written",
+                    arm.name, arm.proposer
+                )));
+            }
+        }
+        Ok(())
+    };
+    // One untimed plain request on each fresh engine: the first timed
+    // request (plain's, in repeat 0) would otherwise pay the first touch
+    // of its buffers alone.
+    let warm_up = |engine: &mut SyncDriver| -> Result<()> {
+        if let (Some(ids), Some(p)) = (encoded.first(), arms.iter().find(|a| a.name == plain)) {
+            let mut req = arm_request(ab, ids, p, u64::MAX, &model);
+            req.max_tokens = req.max_tokens.min(8);
+            run_one(engine, req, max_batch_tokens)?;
+        }
+        Ok(())
+    };
     for rep in 0..ab.repeats {
         if rep > 0 {
+            check_health(&engine)?;
             engine = fresh_engine()?;
         }
+        warm_up(&mut engine)?;
         for (i, (p, ids)) in prompts.iter().zip(&encoded).enumerate() {
             let n = arms.len();
             for k in 0..n {
@@ -281,6 +308,7 @@ pub fn run(
         }
     }
     bar.finish_and_clear();
+    check_health(&engine)?;
     let names: Vec<String> = arms.iter().map(|a| a.name.clone()).collect();
     let all: Vec<&Record> = records.iter().collect();
     let overall = summarize(&all, &names, &plain, ab.bootstrap, 1);
