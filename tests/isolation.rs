@@ -464,3 +464,40 @@ fn admin_endpoints_need_the_api_key_and_vanish_when_disabled() {
         assert_eq!(d.request(method, path, None, &[]).status, 404);
     }
 }
+
+#[test]
+fn a_reload_rebuilds_a_poisoned_proposer_even_when_its_config_is_unchanged() {
+    // An in-process plugin that panics on its first propose is poisoned
+    // (its requests decode plainly); reloading the same file is how an
+    // operator recovers it, so the poisoned instance is replaced.
+    let lib = crashy();
+    let config = format!(
+        "{}\n[[proposer]]\nname = \"flaky\"\npath = \"{lib}\"\noptions = {{ mode = \"panic\", at = 1 }}\n",
+        proposers_config("", &[("ngram", "ngram", "")])
+    );
+    let d = Daemon::start(&config, &[]);
+    let (text, usage) = complete(&d.addr, PROMPTS[0], "flaky", false);
+    assert!(!text.is_empty(), "{usage}");
+    let state = |d: &Daemon| -> Option<serde_json::Value> {
+        listing(d)
+            .into_iter()
+            .find(|p| p["name"] == "flaky" && p["role"] == "live")
+            .map(|p| p["poisoned"].clone())
+    };
+    assert!(
+        state(&d).is_some_and(|p| p.is_string()),
+        "{:?}",
+        listing(&d)
+    );
+    let r = d.request("POST", "/v1/admin/proposers/reload", None, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let rep = r.json();
+    assert_eq!(rep["replaced"], json!(["flaky"]), "{rep}");
+    assert_eq!(rep["unchanged"], json!(["ngram"]), "{rep}");
+    assert_eq!(
+        state(&d),
+        Some(serde_json::Value::Null),
+        "{:?}",
+        listing(&d)
+    );
+}

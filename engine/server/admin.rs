@@ -72,7 +72,23 @@ pub async fn reload(st: &AppState) -> Result<ReloadReport, ReloadError> {
         .read()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
-    let plan = current.plan_reload(&file_before, &new).map_err(bad)?;
+    let mut plan = current.plan_reload(&file_before, &new).map_err(bad)?;
+    // A poisoned instance (a plugin that failed) is rebuilt even when its
+    // config is unchanged: a reload is how an operator recovers it.
+    if let Some(listing) = st.engine.proposers().await {
+        let poisoned: Vec<String> = listing
+            .iter()
+            .filter(|l| l.role == "live" && l.poisoned.is_some())
+            .map(|l| l.name.clone())
+            .collect();
+        plan.keep.retain(|n| {
+            let rebuild = poisoned.contains(n);
+            if rebuild {
+                plan.replaced.push(n.clone());
+            }
+            !rebuild
+        });
+    }
     // Build every new instance off the reactor (plugins may load models or
     // start plugin-host children); one failure drops them all.
     let (model, tok) = (st.model.clone(), st.tokenizer.clone());
