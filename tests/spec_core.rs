@@ -543,6 +543,53 @@ fn a_forked_choice_outlives_a_parent_that_ends_while_it_waits() {
 }
 
 #[test]
+fn a_sequence_the_budget_leaves_idle_cannot_starve_the_kv_for_ever() {
+    // A 9-token budget and 8-token drafts: the first decode takes the
+    // whole budget every step, so the other sequence never gets a want.
+    // When the first needs a block that only the idle one holds, the idle
+    // one is evicted (and recomputed later) instead of the first waiting
+    // for ever.
+    let (_d, model) = tiny_model(&TINY, 10);
+    let ps = prompts(TINY.vocab as u32);
+    let (pa, pb) = (ps[3].clone(), ps[0].clone());
+    let want_a = plain_no_eos(&model, &pa, 100);
+    let want_b = plain_no_eos(&model, &pb, 20);
+    let oracle = OracleProposer::new(
+        vec![(pa.clone(), want_a.clone()), (pb.clone(), want_b.clone())],
+        0.3,
+        8,
+        TINY.vocab as u32,
+    );
+    let mut e = engine(&model, None, vec![Box::new(oracle)], 2, Some(3));
+    e.scheduler.config.max_batch_tokens = 9;
+    let req = |p: &Vec<u32>, n| Request {
+        proposer: Some("oracle".into()),
+        ignore_eos: true,
+        ..Request::greedy(p.clone(), n)
+    };
+    let a = e.add(req(&pa, 100), None).unwrap();
+    let b = e.add(req(&pb, 20), None).unwrap();
+    let mut done = Vec::new();
+    for _ in 0..3000 {
+        done.extend(e.step().unwrap().finished);
+        if done.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(
+        done.len(),
+        2,
+        "a sequence starved: {:?}",
+        done.iter().map(|c| c.id).collect::<Vec<_>>()
+    );
+    done.sort_by_key(|c| c.id);
+    assert_eq!((done[0].id, &done[0].tokens), (a, &want_a));
+    assert_eq!((done[1].id, &done[1].tokens), (b, &want_b));
+    assert!(done[1].preemptions > 0, "the idle holder was evicted");
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+}
+
+#[test]
 fn temperatures_too_small_for_floats_decode_greedily_with_every_transform() {
     // 1 / 1e-40 is not a finite f32: such requests are greedy (as is
     // anything under 1e-5), never a NaN distribution that hangs top-p or

@@ -204,15 +204,25 @@ pub struct Grant {
 }
 
 /// Grant `wants` (highest priority first) from `kv`, evicting the lowest
-/// priority holders when blocks run out.
-pub fn grant(kv: &mut KvManager, wants: &[Want]) -> Grant {
+/// priority holders when blocks run out, and as a last resort `idle`
+/// holders (running sequences that sit this step out: the step's token
+/// budget ran out before them), newest first. Without that, a want that
+/// only an idle holder's blocks could satisfy would wait for ever when the
+/// same wants come first every step.
+pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[SeqId]) -> Grant {
     let mut g = Grant::default();
     let capacity = kv
         .usage(Pool::Target)
         .map(|u| u.capacity_blocks)
         .unwrap_or(0);
-    // Lower-priority wants not yet granted: eviction candidates, last first.
-    let mut evictable: Vec<SeqId> = wants.iter().map(|w| w.seq).collect();
+    // Lower-priority wants not yet granted: eviction candidates, last
+    // first; idle holders below them all.
+    let mut evictable: Vec<SeqId> = idle
+        .iter()
+        .copied()
+        .filter(|s| !wants.iter().any(|w| w.seq == *s))
+        .chain(wants.iter().map(|w| w.seq))
+        .collect();
     for w in wants {
         if g.preempted.contains(&w.seq) {
             continue;
@@ -246,6 +256,34 @@ pub fn grant(kv: &mut KvManager, wants: &[Want]) -> Grant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idle_holders_are_evicted_only_when_nothing_else_frees_enough() {
+        // 4 blocks of 16: A holds 2 and wants a 3rd; B (a prefill want)
+        // holds 1; C sits the step out holding 1.
+        let setup = || {
+            let mut kv = KvManager::new(16, 4);
+            kv.reserve(1, &[(Pool::Target, 32)]).unwrap();
+            kv.reserve(2, &[(Pool::Target, 16)]).unwrap();
+            kv.reserve(3, &[(Pool::Target, 16)]).unwrap();
+            kv
+        };
+        let a = Want { seq: 1, len: 40 };
+        let b = Want { seq: 2, len: 16 };
+        // The want below A goes first.
+        let g = grant(&mut setup(), &[a.clone(), b], &[3]);
+        assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
+        // With no other want, the idle holder goes rather than A waiting
+        // for ever.
+        let g = grant(&mut setup(), std::slice::from_ref(&a), &[3]);
+        assert_eq!(
+            (g.granted, g.preempted, g.deferred),
+            (vec![1], vec![3], vec![])
+        );
+        // Without idle holders, A waits (the old behaviour).
+        let g = grant(&mut setup(), &[a], &[]);
+        assert_eq!((g.granted, g.deferred), (vec![], vec![1]));
+    }
 
     #[test]
     fn reserve_commit_free_keep_usage_exact() {

@@ -48,6 +48,9 @@ use crate::sampler::SamplingParams;
 pub struct GrantRequest {
     pub release: Vec<SeqId>,
     pub wants: Vec<Want>,
+    /// Running sequences without a want this step that hold blocks:
+    /// evicted only when nothing else frees enough (`kv_manager::grant`).
+    pub idle: Vec<SeqId>,
 }
 
 /// One sequence's owned draft input.
@@ -168,6 +171,7 @@ impl Step {
     ) -> (Step, GrantRequest) {
         sched.begin_step();
         let (items, wants) = sched.wants(caps);
+        let idle = sched.idle_holders(&wants);
         // Finished, aborted or failed sequences (and this plan's
         // admissions) known before the grant: their blocks are freed first.
         let early = sched.take_lifecycle();
@@ -190,6 +194,7 @@ impl Step {
             GrantRequest {
                 release: early.released,
                 wants,
+                idle,
             },
         )
     }
@@ -456,7 +461,7 @@ impl KvManager {
         for id in &req.release {
             self.free(*id);
         }
-        kv_manager::grant(self, &req.wants)
+        kv_manager::grant(self, &req.wants, &req.idle)
     }
 
     /// After commit: lower each sequence to its committed length and free

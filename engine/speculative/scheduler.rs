@@ -847,6 +847,25 @@ impl Scheduler {
         (items, wants)
     }
 
+    /// Running sequences that hold KV but want nothing this step (the
+    /// token budget ran out before them), in admission order: the grant's
+    /// last-resort victims. A forked choice before its first step holds
+    /// nothing yet.
+    pub fn idle_holders(&self, wants: &[super::kv_manager::Want]) -> Vec<SeqId> {
+        self.running
+            .iter()
+            .copied()
+            .filter(|id| !wants.iter().any(|w| w.seq == *id))
+            .filter(|id| {
+                self.seqs.get(id).is_some_and(|s| {
+                    s.cached > 0
+                        && s.fork_from.is_none()
+                        && matches!(s.status, SeqStatus::Decoding | SeqStatus::Prefill)
+                })
+            })
+            .collect()
+    }
+
     /// Step 2: apply the KV manager's grant. Preempted sequences go back to
     /// the front of the queue to be recomputed; deferred ones sit out this
     /// step; sequences that can never fit fail.
