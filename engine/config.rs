@@ -445,12 +445,14 @@ impl Config {
                     Some(_) => {}
                 }
             }
-            if let Some(v) = p.options.get("verify_cost") {
-                if !v
-                    .as_float()
+            // A cost: a finite number >= 0, float or integer.
+            let is_cost = |v: &toml::Value| {
+                v.as_float()
                     .or(v.as_integer().map(|i| i as f64))
                     .is_some_and(|x| x.is_finite() && x >= 0.0)
-                {
+            };
+            if let Some(v) = p.options.get("verify_cost") {
+                if !is_cost(v) {
                     return err(format!(
                         "proposer `{}`: verify_cost must be a non-negative number, got {v}",
                         p.name
@@ -478,11 +480,7 @@ impl Config {
                             p.name
                         ));
                     }
-                    if !v
-                        .as_float()
-                        .or(v.as_integer().map(|i| i as f64))
-                        .is_some_and(|x| x.is_finite() && x >= 0.0)
-                    {
+                    if !is_cost(v) {
                         return err(format!(
                             "proposer `{}`: cost of `{k}` must be a non-negative number",
                             p.name

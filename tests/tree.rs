@@ -390,17 +390,21 @@ fn compaction_after_a_non_first_branch_matches_plain_decoding_bit_for_bit() {
     }
 }
 
+/// The `hidden-probe` fixture plugin, built.
+fn hidden_probe_lib() -> std::path::PathBuf {
+    common::build_fixture_plugins().join(format!(
+        "{}specd_fixture_hidden_probe{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ))
+}
+
 #[test]
 fn a_plugin_declaring_layers_the_target_lacks_is_refused_when_created() {
     // A layer past the target would fail every forward carrying one of the
     // plugin's sequences, other requests' included: refused up front, in
     // process and in a plugin-host child alike, naming the layer.
-    let release = common::build_fixture_plugins();
-    let lib = release.join(format!(
-        "{}specd_fixture_hidden_probe{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    let lib = hidden_probe_lib();
     let (_dir, model) = tiny_model(&TINY, 52);
     let n = model.config.layers;
     for isolation in ["none", "process"] {
@@ -440,12 +444,7 @@ fn a_plugin_declaring_layers_the_target_lacks_is_refused_when_created() {
 
 #[test]
 fn a_plugin_gets_every_declared_layer_in_its_order_from_prefill_on() {
-    let release = common::build_fixture_plugins();
-    let lib = release.join(format!(
-        "{}specd_fixture_hidden_probe{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    let lib = hidden_probe_lib();
     let (dir, model) = tiny_model(&TINY, 51);
     let dump = dir.0.join("hidden.txt");
     let cfg = specd::config::Config::parse(

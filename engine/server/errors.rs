@@ -20,6 +20,19 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// 404 for a model this server does not serve (`served`).
+    pub fn model_not_found(asked: &str, served: &str) -> Self {
+        Self {
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            ..Self::status(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("model `{asked}` does not exist; this server serves `{served}`"),
+            )
+        }
+    }
+
     pub fn bad_field(param: &str, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,

@@ -12,7 +12,6 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use actix_web::http::StatusCode;
 use actix_web::web::Bytes;
 use serde::de::{self, Deserializer, Unexpected, Visitor};
 use serde::Deserialize;
@@ -543,18 +542,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
     };
     if let Some(m) = &c.model {
         if *m != st.model_name {
-            return Err(ApiError {
-                code: Some("model_not_found"),
-                param: Some("model".into()),
-                ..ApiError::status(
-                    StatusCode::NOT_FOUND,
-                    "invalid_request_error",
-                    format!(
-                        "model `{m}` does not exist; this server serves `{}`",
-                        st.model_name
-                    ),
-                )
-            });
+            return Err(ApiError::model_not_found(m, &st.model_name));
         }
     }
     unimplemented_fields(&c)?;

@@ -232,18 +232,7 @@ async fn model(
 ) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
     if *id != st.model_name {
-        return Err(ApiError {
-            code: Some("model_not_found"),
-            param: Some("model".into()),
-            ..ApiError::status(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                format!(
-                    "model `{id}` does not exist; this server serves `{}`",
-                    st.model_name
-                ),
-            )
-        });
+        return Err(ApiError::model_not_found(&id, &st.model_name));
     }
     Ok(HttpResponse::Ok().json(model_card(&st)))
 }
