@@ -165,11 +165,13 @@ unsafe fn avx2_go<const K: u8>(
 /// 16 bits (at most 30480), then widened once (Q5_0, 5-bit codes: every
 /// two step pairs, at most 31496); Q8_0 codes are turned back
 /// to signed (stored + 128), their sign moved onto the activations so
-/// `vpmaddubsw` sees magnitudes, and each step widened. The chains start
-/// from the offset correction (Q4_0: 8, Q5_0: 16 times the block's
-/// activation sum),
+/// `vpmaddubsw` sees magnitudes, and each step widened. The offset
+/// correction (Q4_0: 8, Q5_0: 16 times the block's activation sum) is added
+/// to the widened sum (integers: the order of the adds changes no bit),
 /// then one scaled float accumulate (two for Q4_1 and Q5_1) per activation
-/// row.
+/// row. Activation data is read through raw pointers (no bounds checks in
+/// the inner loop), and no per-row integer accumulator lives across the
+/// Q4 steps, so four rows fit the 16 vector registers without spills.
 /// Lane l of half h is row 16t + 8h + l; the operation sequence per
 /// (row, activation row) is the same for every R.
 ///
@@ -191,6 +193,17 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
     let mask4 = _mm256_set1_epi8(0x0f);
     let flip = _mm256_set1_epi8(-128);
     let ones = _mm256_set1_epi16(1);
+    // Activation rows i0..i0 + R: their first block's codes and metadata.
+    // Raw pointers, so the inner loops carry no bounds checks: the caller
+    // guarantees (as `drive_tiles` asserts) `nb` blocks for every row.
+    let xq: [*const i8; R] =
+        core::array::from_fn(|j| x.qs.as_ptr().wrapping_add((i0 + j) * nb * QK));
+    let xm = (i0 * nb) as isize;
+    let (qd, qsum, isum) = (
+        x.qd.as_ptr().wrapping_offset(xm),
+        x.qsum.as_ptr().wrapping_offset(xm),
+        x.isum.as_ptr().wrapping_offset(xm),
+    );
     let mut o = [[0f32; TILE]; R];
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); R];
@@ -202,23 +215,18 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                     _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH16 + off) as *const i8);
                 }
             }
-            let xb: [usize; R] = core::array::from_fn(|j| (i0 + j) * nb + b);
             // 4 activation bytes of step s of row j, broadcast.
             let xs = |j: usize, s: usize| {
-                // SAFETY: bytes 4s..4s + 4 of activation block xb[j].
-                let v = unsafe {
-                    (x.qs.as_ptr().add(xb[j] * QK + 4 * s) as *const i32).read_unaligned()
-                };
+                // SAFETY: bytes 4s..4s + 4 of block b of activation row
+                // i0 + j, which exists (the caller's guarantee).
+                let v = unsafe { (xq[j].add(b * QK + 4 * s) as *const i32).read_unaligned() };
                 _mm256_set1_epi32(v)
             };
-            let mut ip: [__m256i; R] = core::array::from_fn(|j| {
-                let s = x.isum[xb[j]];
-                match K {
-                    Q4_0 => _mm256_set1_epi32(-(s << 3)),
-                    Q5_0 => _mm256_set1_epi32(-(s << 4)),
-                    _ => _mm256_setzero_si256(),
-                }
-            });
+            // The block's exact integer dot products, per row: the offset
+            // correction (Q4_0: 8, Q5_0: 16 times the activation sum) plus
+            // the code products. Integer sums are exact, so the order in
+            // which they are added does not change a bit.
+            let mut ip = [_mm256_setzero_si256(); R];
             if K == Q8_0 {
                 for s in 0..8 {
                     // SAFETY: half h of step s lies in the record's codes.
@@ -232,42 +240,49 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                     }
                 }
             } else {
-                let mut p16 = [_mm256_setzero_si256(); R];
-                let plane = if K == Q5_0 || K == Q5_1 {
-                    // SAFETY: half h of Q5_0's fifth-bit plane, which
-                    // follows the record's nibbles.
+                let five = K == Q5_0 || K == Q5_1;
+                let plane = if five {
+                    // SAFETY: half h of the fifth-bit plane, which follows
+                    // the record's nibbles.
                     unsafe { _mm256_loadu_si256(blk.add(Q5_HIGH + 32 * h) as *const __m256i) }
                 } else {
                     _mm256_setzero_si256()
                 };
-                for u in 0..4 {
-                    // SAFETY: half h of packed steps 2u, 2u + 1 lies in the
-                    // record's codes.
-                    let raw =
-                        unsafe { _mm256_loadu_si256(blk.add(64 * u + 32 * h) as *const __m256i) };
-                    let mut we = _mm256_and_si256(raw, mask4);
-                    let mut wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
-                    if K == Q5_0 || K == Q5_1 {
-                        we = _mm256_or_si256(we, fifth_bits_avx2(plane, 2 * u));
-                        wo = _mm256_or_si256(wo, fifth_bits_avx2(plane, 2 * u + 1));
-                    }
-                    for j in 0..R {
-                        let e = _mm256_maddubs_epi16(we, xs(j, 2 * u));
-                        let d = _mm256_maddubs_epi16(wo, xs(j, 2 * u + 1));
-                        p16[j] = _mm256_add_epi16(p16[j], _mm256_add_epi16(e, d));
-                    }
-                    // Q5_0 pairs reach 4 * 31 * 127: widen every 2 pairs.
-                    if (K == Q5_0 || K == Q5_1) && u % 2 == 1 {
+                // Q4: the 8 steps' pair sums stay within 16 bits (at most
+                // 8 * 2 * 15 * 127 = 30480) and are widened once; Q5 pairs
+                // reach 4 * 31 * 127 per step pair: widen every 2 pairs.
+                for g in 0..(if five { 2 } else { 1 }) {
+                    let us = if five { 2 * g..2 * g + 2 } else { 0..4 };
+                    let mut p16 = [_mm256_setzero_si256(); R];
+                    for u in us {
+                        // SAFETY: half h of packed steps 2u, 2u + 1 lies in
+                        // the record's codes.
+                        let raw = unsafe {
+                            _mm256_loadu_si256(blk.add(64 * u + 32 * h) as *const __m256i)
+                        };
+                        let mut we = _mm256_and_si256(raw, mask4);
+                        let mut wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
+                        if five {
+                            we = _mm256_or_si256(we, fifth_bits_avx2(plane, 2 * u));
+                            wo = _mm256_or_si256(wo, fifth_bits_avx2(plane, 2 * u + 1));
+                        }
                         for j in 0..R {
-                            ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
-                            p16[j] = _mm256_setzero_si256();
+                            let e = _mm256_maddubs_epi16(we, xs(j, 2 * u));
+                            let d = _mm256_maddubs_epi16(wo, xs(j, 2 * u + 1));
+                            p16[j] = _mm256_add_epi16(p16[j], _mm256_add_epi16(e, d));
                         }
                     }
-                }
-                if K != Q5_0 && K != Q5_1 {
                     for j in 0..R {
                         ip[j] = _mm256_add_epi32(ip[j], _mm256_madd_epi16(p16[j], ones));
                     }
+                }
+            }
+            if K == Q4_0 || K == Q5_0 {
+                for j in 0..R {
+                    // SAFETY: block b of activation row i0 + j exists.
+                    let s = unsafe { *isum.add(j * nb + b) };
+                    let corr = if K == Q4_0 { -(s << 3) } else { -(s << 4) };
+                    ip[j] = _mm256_add_epi32(ip[j], _mm256_set1_epi32(corr));
                 }
             }
             // SAFETY: the record's 16 scales follow its codes; half h is
@@ -283,10 +298,12 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                 _mm256_setzero_ps()
             };
             for j in 0..R {
-                let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.qd[xb[j]]));
+                // SAFETY: block b of activation row i0 + j exists.
+                let (d, m) = unsafe { (*qd.add(j * nb + b), *qsum.add(j * nb + b)) };
+                let sc = _mm256_mul_ps(dw, _mm256_set1_ps(d));
                 acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[j]), sc, acc[j]);
                 if K == Q4_1 || K == Q5_1 {
-                    acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.qsum[xb[j]]), acc[j]);
+                    acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), acc[j]);
                 }
             }
         }
