@@ -164,19 +164,25 @@ fn tree_pairs(
     acceptance: Acceptance,
     n: usize,
 ) -> (Vec<u64>, f64) {
+    let mode = TreeMode::Random {
+        width,
+        depth: 3,
+        peak,
+    };
+    tree_pairs_with(model, prompt, params, siblings, mode, acceptance, (n, 3))
+}
+
+fn tree_pairs_with(
+    model: &Arc<Model>,
+    prompt: &[u32],
+    params: &SamplingParams,
+    siblings: SiblingMode,
+    mode: TreeMode,
+    acceptance: Acceptance,
+    (n, max_tokens): (usize, usize),
+) -> (Vec<u64>, f64) {
     let v = model.config.vocab_size;
-    let tree = TreeProposer::new(
-        "tree",
-        v,
-        16,
-        siblings,
-        TreeMode::Random {
-            width,
-            depth: 3,
-            peak,
-        },
-        23,
-    );
+    let tree = TreeProposer::new("tree", v, 16, siblings, mode, 23);
     let mut e = engine(model, None, vec![Box::new(tree)], 64);
     e.sampler.acceptance = acceptance;
     let reqs = (0..n)
@@ -187,7 +193,7 @@ fn tree_pairs(
             },
             proposer: Some("tree".into()),
             ignore_eos: true,
-            ..Request::greedy(prompt.to_vec(), 3)
+            ..Request::greedy(prompt.to_vec(), max_tokens)
         })
         .collect();
     let done = run_all(&mut e, reqs);
@@ -256,6 +262,80 @@ fn tree_sampling_keeps_the_target_distribution_in_both_sibling_modes() {
             "{siblings:?}: the test cannot tell {control:?} apart: {bstat}"
         );
     }
+}
+
+#[test]
+fn one_hot_tree_sampling_tries_every_sibling_and_keeps_the_target_distribution() {
+    // A one-hot proposer's siblings are deterministic candidates: each is
+    // tried against the residual in turn (not only the first), and the
+    // emitted tokens keep exactly p.
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let (_d, model) = tiny_model(&spec, 8);
+    let prompt = [3u32, 7, 1, 9];
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = common::exact_first_two(&model, &prompt, &params);
+    let n = 12000;
+    let mode = || TreeMode::RandomOneHot { width: 4, depth: 3 };
+    let sib = SiblingMode::WithoutReplacement;
+    let (good, acc) = tree_pairs_with(
+        &model,
+        &prompt,
+        &params,
+        sib,
+        mode(),
+        Acceptance::Exact,
+        (n, 3),
+    );
+    let (stat, df) = common::chi_square(&good, &exact);
+    let crit = common::chi2_crit_999(df);
+    eprintln!("one-hot trees: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
+    assert!(
+        stat < crit,
+        "one-hot tree sampling is biased: chi2 {stat} > {crit}"
+    );
+    // One level of up to 4 distinct candidates against one candidate: if
+    // only the first sibling could be accepted the two would accept alike.
+    let level = |width| TreeMode::RandomOneHot { width, depth: 1 };
+    let exact_only = Acceptance::Exact;
+    let one = tree_pairs_with(
+        &model,
+        &prompt,
+        &params,
+        sib,
+        level(1),
+        exact_only,
+        (1000, 24),
+    );
+    let four = tree_pairs_with(
+        &model,
+        &prompt,
+        &params,
+        sib,
+        level(4),
+        exact_only,
+        (1000, 24),
+    );
+    eprintln!(
+        "accepted per request: 1 candidate {:.3}, up to 4: {:.3}",
+        one.1, four.1
+    );
+    assert!(
+        four.1 > 1.6 * one.1,
+        "later siblings must be accepted too: {:.3} vs {:.3}",
+        four.1,
+        one.1
+    );
+    let control = Acceptance::ResidualFromP;
+    let (bad, _) = tree_pairs_with(&model, &prompt, &params, sib, level(4), control, (n, 8));
+    let (bstat, bdf) = common::chi_square(&bad, &exact);
+    eprintln!("one-hot trees with {control:?}: chi2 {bstat:.1} (df {bdf})");
+    assert!(
+        bstat > 1.5 * common::chi2_crit_999(bdf),
+        "the test cannot tell {control:?} apart: {bstat}"
+    );
 }
 
 /// Random tree of `n` nodes in level order (the way EAGLE-style drafters

@@ -295,6 +295,9 @@ pub fn accept(
 /// q_{i+1} = norm(q_i with x_i removed); if every child is rejected (or
 /// the node is a leaf) sample from the residual. By induction on the
 /// children, the token emitted at each node is distributed exactly as p.
+/// One-hot siblings (lookup proposers' trees) are deterministic
+/// candidates: each is tried in turn with q = 1 on its own token, so any of
+/// them can be accepted, still exactly p.
 #[allow(clippy::too_many_arguments)]
 pub fn accept_tree(
     rows: &[f32],
@@ -378,7 +381,31 @@ pub fn accept_tree(
             let p = target(row, &ctx, &gen, &target_params);
             let mut res = Residual::new(&p, vocab);
             let mut next = None;
-            if let Some(&first) = kids.first() {
+            // One-hot siblings are deterministic candidates: each carries q
+            // = 1 on its own token. Trying them in turn against the residual
+            // (accept x_i with probability p_i(x_i), else zero x_i out and
+            // renormalise) emits each x_i with probability p(x_i) and
+            // otherwise samples p without them: exactly p.
+            let one_hot = kids
+                .first()
+                .is_some_and(|&f| matches!(draft.q[f], DraftQ::OneHot));
+            if one_hot {
+                let mut tried: Vec<u32> = Vec::new();
+                for &c in kids {
+                    let x = draft.tokens[c];
+                    if tried.contains(&x) {
+                        continue;
+                    }
+                    if rng.next_f64() < res.prob(x).min(1.0) {
+                        next = Some(c);
+                        break;
+                    }
+                    if acceptance != Acceptance::ResidualFromP {
+                        res.subtract(&[(x, 1.0)]);
+                    }
+                    tried.push(x);
+                }
+            } else if let Some(&first) = kids.first() {
                 let (qb, qt) = (&draft.q[first], draft.tokens[first]);
                 // q as drawn from: its own total, not 1 (validation lets a
                 // plugin's sum be off by 1e-3; a without-replacement draw
@@ -812,5 +839,68 @@ mod tests {
             off > 0.03,
             "the naive rule should be biased: {bad:?} vs {p:?}"
         );
+    }
+
+    #[test]
+    fn one_hot_siblings_are_each_tried_and_keep_p() {
+        // Two deterministic candidates [1, 2] at the root: token 1 is kept
+        // with probability p(1), token 2 with p(2) (tried after 1 is
+        // rejected, against the residual), and anything else has its own
+        // p; with the residual left at p (the lossy control) token 2 is
+        // accepted too rarely and 1 comes back as the correction.
+        let v = 4;
+        let p = [0.1f32, 0.3, 0.4, 0.2];
+        let rows: Vec<f32> = logits_for(&p).repeat(3);
+        let params = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let d = Draft {
+            tokens: vec![1, 2],
+            q: vec![DraftQ::OneHot; 2],
+            parents: Some(vec![-1, -1]),
+            source: None,
+        };
+        let freq = |acceptance: Acceptance| {
+            let mut rng = Rng::new(21);
+            let (mut counts, mut accepted) = ([0usize; 4], [0usize; 4]);
+            let n = 60000;
+            for _ in 0..n {
+                let (a, path) = accept_tree(
+                    &rows,
+                    v,
+                    &d,
+                    SiblingMode::WithoutReplacement,
+                    &[],
+                    &[],
+                    &params,
+                    &mut rng,
+                    acceptance,
+                )
+                .unwrap();
+                counts[a.tokens[0] as usize] += 1;
+                if let Some(&c) = path.first() {
+                    accepted[d.tokens[c] as usize] += 1;
+                }
+            }
+            (
+                counts.map(|c| c as f64 / n as f64),
+                accepted.map(|c| c as f64 / n as f64),
+            )
+        };
+        let (good, acc) = freq(Acceptance::Exact);
+        for t in 0..4 {
+            assert!((good[t] - p[t] as f64).abs() < 0.01, "{good:?} vs {p:?}");
+        }
+        // Every emitted 1 or 2 is an accepted draft.
+        assert!(
+            (acc[1] - 0.3).abs() < 0.01 && (acc[2] - 0.4).abs() < 0.01,
+            "{acc:?}"
+        );
+        let (bad, _) = freq(Acceptance::ResidualFromP);
+        let off = (0..4)
+            .map(|t| (bad[t] - p[t] as f64).abs())
+            .fold(0.0, f64::max);
+        assert!(off > 0.03, "the control should be biased: {bad:?} vs {p:?}");
     }
 }

@@ -975,6 +975,11 @@ pub enum TreeMode {
         depth: usize,
         peak: i32,
     },
+    /// Sampling with a one-hot proposer (as suffix and n-gram lookups
+    /// draft): trees shaped as `Random`'s, siblings distinct tokens, every
+    /// node reporting q = 1 on its own token; candidates drawn from one
+    /// fixed peaked distribution.
+    RandomOneHot { width: usize, depth: usize },
 }
 
 /// A test-only tree proposer (see `TreeMode`).
@@ -1105,7 +1110,12 @@ impl TreeProposer {
         }
     }
 
-    fn random_tree(&mut self, max: usize, width: usize, depth: usize, peak: i32) -> Draft {
+    fn random_tree(
+        &mut self,
+        max: usize,
+        (width, depth, peak): (usize, usize, i32),
+        one_hot: bool,
+    ) -> Draft {
         use specd::speculative::proposer::SiblingMode;
         let mut d = Draft {
             parents: Some(Vec::new()),
@@ -1122,21 +1132,38 @@ impl TreeProposer {
             } else {
                 (self.rng.next_u64() % (width as u64 + 1)) as usize
             };
-            let q: std::sync::Arc<[f32]> = self.random_q(peak).into();
+            // One-hot trees draw their candidates from one fixed peaked q
+            // (as a lookup proposer favours the same continuations), so a
+            // lossy rule's bias does not average out over random q's.
+            let q: std::sync::Arc<[f32]> = if one_hot {
+                let mut r = Rng::new(7);
+                let w: Vec<f64> = (0..self.vocab).map(|_| r.next_f64().powi(3)).collect();
+                let z: f64 = w.iter().sum();
+                w.iter()
+                    .map(|x| (x / z) as f32)
+                    .collect::<Vec<f32>>()
+                    .into()
+            } else {
+                self.random_q(peak).into()
+            };
             let mut drawn = Vec::new();
             for _ in 0..k {
                 if d.tokens.len() >= max {
                     break;
                 }
                 let removed: &[u32] = match self.siblings {
-                    SiblingMode::Iid => &[],
-                    SiblingMode::WithoutReplacement => &drawn,
+                    SiblingMode::Iid if !one_hot => &[],
+                    _ => &drawn,
                 };
                 let x = self.draw(&q, removed);
                 drawn.push(x);
                 frontier.push((d.tokens.len() as i32, level + 1));
                 d.tokens.push(x);
-                d.q.push(DraftQ::Full(q.clone()));
+                d.q.push(if one_hot {
+                    DraftQ::OneHot
+                } else {
+                    DraftQ::Full(q.clone())
+                });
                 d.parents.as_mut().unwrap().push(parent);
             }
         }
@@ -1151,7 +1178,7 @@ impl Proposer for TreeProposer {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             q_kind: match self.mode {
-                TreeMode::Oracle { .. } => QKind::OneHot,
+                TreeMode::Oracle { .. } | TreeMode::RandomOneHot { .. } => QKind::OneHot,
                 TreeMode::Random { .. } => QKind::Full,
             },
             max_draft: self.max_nodes,
@@ -1188,8 +1215,12 @@ impl Proposer for TreeProposer {
                     self.oracle_tree(&truth, b.max_draft, error)
                 }
                 TreeMode::Random { width, depth, peak } => {
-                    let (w, dp, pk) = (*width, *depth, *peak);
-                    self.random_tree(b.max_draft, w, dp, pk)
+                    let shape = (*width, *depth, *peak);
+                    self.random_tree(b.max_draft, shape, false)
+                }
+                TreeMode::RandomOneHot { width, depth } => {
+                    let shape = (*width, *depth, 1);
+                    self.random_tree(b.max_draft, shape, true)
                 }
             };
             out.push(d);
