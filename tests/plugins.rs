@@ -92,7 +92,7 @@ fn ngram_and_suffix_are_lossless_on_20_humaneval_prompts() {
     let n = 48;
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| plain(&model, p, n)).collect();
     let cfg = Config::builtin();
-    for proposer in ["ngram", "suffix"] {
+    for proposer in ["ngram", "suffix", "suffix-tree", "ngram-tree"] {
         let (_, done) = run(&model, &cfg, proposer, &prompts, n, Some(tok.clone()));
         let mut drafted = 0;
         for (i, (c, w)) in done.iter().zip(&want).enumerate() {
@@ -257,7 +257,7 @@ fn ngram_and_suffix_keep_the_sampled_distribution() {
     };
     let exact = common::exact_first_two(&model, &prompt, &params);
     let cfg = Config::builtin();
-    for proposer in ["ngram", "suffix"] {
+    for proposer in ["ngram", "suffix", "suffix-tree", "ngram-tree"] {
         let sample = |acceptance: Acceptance| {
             let drafter = cfg.build_drafter(&model, None).unwrap();
             let mut ec = EngineConfig::for_model(&model);

@@ -136,10 +136,12 @@ impl AttentionPlan {
                 // Tree tokens: each task covers whole rows (every range),
                 // computed in the layout plain decoding would use
                 // (`attend_tree`).
+                // Balanced chunks of at most ATTN_TREE_TOKENS_PER_TASK.
+                let per = m.n.div_ceil(m.n.div_ceil(ATTN_TREE_TOKENS_PER_TASK).max(1));
                 for g in 0..nkv {
                     let mut t0 = 0;
                     while t0 < m.n {
-                        let t1 = (t0 + ATTN_TOKENS_PER_TASK).min(m.n);
+                        let t1 = (t0 + per.max(1)).min(m.n);
                         tasks.push((si, g, t0, t1, 0, nblocks.max(1)));
                         t0 = t1;
                     }
@@ -290,6 +292,11 @@ impl AttentionPlan {
 /// Query tokens per attention task (a task widens each cache block to f32
 /// once for all its tokens).
 const ATTN_TOKENS_PER_TASK: usize = 4;
+
+/// Tree tokens per attention task: each task reads the whole context for
+/// its tokens, so fewer, larger tasks read it fewer times (a token's result
+/// does not depend on which others share its task).
+const ATTN_TREE_TOKENS_PER_TASK: usize = 8;
 
 /// Forwards of at most this many tokens per sequence (decode, verify) keep
 /// a sequence's tokens in one attention task per (kv head, slot range).

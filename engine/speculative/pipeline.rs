@@ -288,8 +288,15 @@ impl Step {
                     tokens.push(*last);
                     tokens.extend_from_slice(&draft.tokens);
                     // The root (the last committed token) is new token 0;
-                    // node i is new token i + 1.
-                    let tree = draft.parents.as_ref().map(|_| TreeMask {
+                    // node i is new token i + 1. A tree that is a chain
+                    // (every node the child of the one before; empty
+                    // included) is verified as one: the causal mask is its
+                    // tree mask, and chains take the cheaper attention.
+                    let linear = draft
+                        .parents
+                        .as_ref()
+                        .is_none_or(|p| p.iter().enumerate().all(|(i, &x)| x == i as i32 - 1));
+                    let tree = (!linear).then(|| TreeMask {
                         parents: std::iter::once(None)
                             .chain(
                                 (0..draft.tokens.len())

@@ -9,8 +9,18 @@
 //! `floor(factor * match_length)` tokens (capped by `max_draft`). q is
 //! one-hot.
 //!
+//! With `tree = true` the draft is a speculation tree instead, as
+//! SuffixDecoding drafts them: from the match, the continuations are
+//! expanded best first by their empirical path probability (counts in the
+//! suffix tree), up to the engine's node budget, `floor(factor *
+//! match_length)` deep, leaving out steps rarer than `min_prob`; of the
+//! per-request and the global tree's trees the one with the larger
+//! expected accepted length is drafted. Siblings are distinct tokens, each
+//! a one-hot candidate the engine tries in turn, so sampling stays exact.
+//!
 //! Options: `max_depth` (32), `factor` (1.0), `min_match` (1),
-//! `max_draft` (8), `max_global_nodes` (200000), `global` (true).
+//! `max_draft` (8 chain tokens; 16 tree nodes), `max_global_nodes`
+//! (200000), `global` (true), `tree` (false), `min_prob` (0.1).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -197,6 +207,71 @@ impl SuffixTree {
         out
     }
 
+    /// A speculation tree from `node` (SuffixDecoding's): candidates are
+    /// scored by their empirical path probability (the product, along the
+    /// path, of each child's count over the sum of its siblings' counts);
+    /// the best-scoring candidate joins the tree next (best first, so a
+    /// parent always precedes its children and the kept nodes are the
+    /// `budget` most probable paths' nodes), until `budget` nodes, depth
+    /// `depth`, or no candidate whose step probability is at least
+    /// `min_prob`. Returns (tokens, parents, scores), parents as indices
+    /// into the returned nodes (-1: a child of the context).
+    pub fn speculate(
+        &self,
+        node: u32,
+        budget: usize,
+        depth: usize,
+        min_prob: f64,
+    ) -> (Vec<u32>, Vec<i32>, Vec<f64>) {
+        // (score, tree node, parent index, depth); a max-heap by score,
+        // ties to the earlier-pushed candidate so the result is stable.
+        let mut heap: std::collections::BinaryHeap<Candidate> = Default::default();
+        let mut seq = 0u64;
+        let mut push_children = |heap: &mut std::collections::BinaryHeap<Candidate>,
+                                 at: u32,
+                                 score: f64,
+                                 parent: i32,
+                                 d: usize| {
+            if d >= depth {
+                return;
+            }
+            let kids = &self.nodes[at as usize].children;
+            let total: u64 = kids
+                .iter()
+                .map(|&(_, c)| u64::from(self.nodes[c as usize].count))
+                .sum();
+            if total == 0 {
+                return;
+            }
+            for &(tok, c) in kids {
+                let p = f64::from(self.nodes[c as usize].count) / total as f64;
+                if p < min_prob {
+                    continue;
+                }
+                seq += 1;
+                heap.push(Candidate {
+                    score: score * p,
+                    seq,
+                    tok,
+                    node: c,
+                    parent,
+                    depth: d + 1,
+                });
+            }
+        };
+        push_children(&mut heap, node, 1.0, -1, 0);
+        let (mut tokens, mut parents, mut scores) = (Vec::new(), Vec::new(), Vec::new());
+        while tokens.len() < budget {
+            let Some(c) = heap.pop() else { break };
+            let me = tokens.len() as i32;
+            tokens.push(c.tok);
+            parents.push(c.parent);
+            scores.push(c.score);
+            push_children(&mut heap, c.node, c.score, me, c.depth);
+        }
+        (tokens, parents, scores)
+    }
+
     /// Occurrence count of the path `tokens` (0 if absent).
     pub fn count(&self, tokens: &[u32]) -> u32 {
         let mut node = ROOT;
@@ -207,6 +282,37 @@ impl SuffixTree {
             }
         }
         self.nodes[node as usize].count
+    }
+}
+
+/// A node waiting to join a speculation tree.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    score: f64,
+    /// Push order: among equal scores the earlier candidate wins.
+    seq: u64,
+    tok: u32,
+    node: u32,
+    parent: i32,
+    depth: usize,
+}
+
+impl PartialEq for Candidate {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for Candidate {}
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Candidate {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.score
+            .total_cmp(&o.score)
+            .then_with(|| o.seq.cmp(&self.seq))
     }
 }
 
@@ -259,14 +365,56 @@ pub struct Suffix {
     min_match: usize,
     max_draft: usize,
     use_global: bool,
+    /// Draft speculation trees (else chains of the most frequent path).
+    tree: bool,
+    /// Least step probability of a tree node.
+    min_prob: f64,
     global: GlobalTree,
     seqs: HashMap<u64, SeqState>,
     host: Host,
 }
 
 impl Suffix {
-    /// Draft for one context with this proposer's trees.
-    fn draft(&self, seq: u64, context: &[u32], cap: usize) -> Vec<u32> {
+    /// Draft for one context: a speculation tree grown from the match in
+    /// the per-request and in the global tree, whichever expects more
+    /// accepted tokens (the sum of its nodes' path probabilities), or with
+    /// `tree = false` the chain `draft_chain` gives.
+    fn draft(&self, seq: u64, context: &[u32], cap: usize) -> Proposal {
+        if !self.tree {
+            return Proposal::one_hot(self.draft_chain(seq, context, cap));
+        }
+        let budget = cap.min(self.max_draft);
+        let mut best: Option<(f64, Vec<u32>, Vec<i32>)> = None;
+        let local = self.seqs.get(&seq).map(|s| &s.tree);
+        let global = self.use_global.then_some(&self.global.tree);
+        for tree in [local, global].into_iter().flatten() {
+            let Some((node, len)) = tree.longest_match(context) else {
+                continue;
+            };
+            if len < self.min_match || budget == 0 {
+                continue;
+            }
+            let depth = ((self.factor * len as f64).floor() as usize)
+                .max(1)
+                .min(self.max_depth);
+            let (tokens, parents, scores) = tree.speculate(node, budget, depth, self.min_prob);
+            let value: f64 = scores.iter().sum();
+            if !tokens.is_empty() && best.as_ref().is_none_or(|b| value > b.0) {
+                best = Some((value, tokens, parents));
+            }
+        }
+        match best {
+            Some((_, tokens, parents)) => Proposal {
+                tokens,
+                q: Vec::new(),
+                parents: Some(parents),
+            },
+            None => Proposal::one_hot(Vec::new()),
+        }
+    }
+
+    /// A chain: the most frequent continuation of the longer match.
+    fn draft_chain(&self, seq: u64, context: &[u32], cap: usize) -> Vec<u32> {
         let local = self
             .seqs
             .get(&seq)
@@ -297,12 +445,26 @@ impl Suffix {
     }
 }
 
+impl Suffix {
+    /// One-hot drafts of up to `max_draft` tokens (tree nodes), as trees
+    /// of distinct siblings at most `max_depth` deep when `tree`.
+    fn caps(max_draft: usize, tree: bool, max_depth: usize) -> Caps {
+        let mut c = Caps::one_hot(max_draft as u32);
+        if tree {
+            c.tree = true;
+            c.max_depth = max_depth.min(max_draft) as u32;
+            c.siblings = specd_plugin_sdk::Siblings::WithoutReplacement;
+        }
+        c
+    }
+}
+
 impl Plugin for Suffix {
     const NAME: &'static str = "suffix";
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn default_capabilities() -> Caps {
-        Caps::one_hot(8)
+        Self::caps(8, false, 32)
     }
 
     fn create(o: &Options, host: Host) -> Result<Self, String> {
@@ -313,18 +475,29 @@ impl Plugin for Suffix {
             "max_draft",
             "max_global_nodes",
             "global",
+            "tree",
+            "min_prob",
         ])?;
         let max_depth = o.get("max_depth", 32usize)?;
         let factor = o.get("factor", 1.0f64)?;
         if max_depth == 0 || factor.is_nan() || factor <= 0.0 {
             return Err("option `max_depth` must be >= 1 and `factor` > 0".into());
         }
+        let tree = o.get("tree", false)?;
+        let min_prob = o.get("min_prob", 0.1f64)?;
+        if !(0.0..=1.0).contains(&min_prob) {
+            return Err(format!(
+                "option `min_prob` must be in [0, 1], got {min_prob}"
+            ));
+        }
         Ok(Self {
             max_depth,
             factor,
             min_match: o.get("min_match", 1usize)?,
-            max_draft: o.get("max_draft", 8usize)?,
+            max_draft: o.get("max_draft", if tree { 16usize } else { 8 })?,
             use_global: o.get("global", true)?,
+            tree,
+            min_prob,
             global: GlobalTree::new(max_depth, o.get("max_global_nodes", 200_000usize)?),
             seqs: HashMap::new(),
             host,
@@ -332,7 +505,7 @@ impl Plugin for Suffix {
     }
 
     fn capabilities(&self) -> Caps {
-        Caps::one_hot(self.max_draft as u32)
+        Self::caps(self.max_draft, self.tree, self.max_depth)
     }
 
     fn start(&mut self, seq: u64, tokens: &[u32]) -> Result<(), String> {
@@ -358,7 +531,7 @@ impl Plugin for Suffix {
     fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
         let drafts: Vec<Proposal> = batch
             .iter()
-            .map(|s| Proposal::one_hot(self.draft(s.seq, s.tokens, s.max_draft)))
+            .map(|s| self.draft(s.seq, s.tokens, s.max_draft))
             .collect();
         let hits = drafts.iter().filter(|d| !d.tokens.is_empty()).count();
         self.host.counter("suffix_matches", hits as u64);
@@ -458,5 +631,47 @@ mod tests {
         // The newest document survives.
         assert_eq!(g.tree.count(&[190, 191]), 1);
         assert_eq!(g.tree.count(&[0, 1]), 0);
+    }
+
+    #[test]
+    fn speculation_trees_take_the_most_probable_paths_best_first() {
+        let mut t = SuffixTree::new(8);
+        // After [1]: 2 three times (then 3 twice, 4 once), 5 once.
+        t.insert(&[1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 5]);
+        let (node, len) = t.longest_match(&[7, 1]).unwrap();
+        assert_eq!(len, 1);
+        let (tokens, parents, scores) = t.speculate(node, 3, 8, 0.0);
+        // 2 (3/4), then 2 -> 3 (3/4 * 2/3 = 1/2), then 3 -> 9 (1/2 * 1),
+        // ahead of 5 and 2 -> 4 (1/4 each).
+        assert_eq!(tokens, vec![2, 3, 9]);
+        assert_eq!(parents, vec![-1, 0, 1]);
+        // The frequent path runs on (9 -> 1 -> 2 ...: probability 1/2)
+        // before the rarer branches (5, 2 -> 4: 1/4) join.
+        let (tokens, parents, _) = t.speculate(node, 6, 8, 0.0);
+        assert_eq!(parents[..5], [-1, 0, 1, 2, 3]);
+        assert_eq!(tokens[5], 5);
+        assert!((scores[0] - 0.75).abs() < 1e-12 && (scores[1] - 0.5).abs() < 1e-12);
+        // Parents precede their children; scores never rise along a path.
+        let (tokens, parents, scores) = t.speculate(node, 64, 8, 0.0);
+        for (i, &p) in parents.iter().enumerate() {
+            assert!(p < i as i32);
+            if p >= 0 {
+                assert!(scores[i] <= scores[p as usize]);
+            }
+        }
+        // Every node of the trie below the match is reached (depth 8).
+        assert!(tokens.len() >= 7, "{tokens:?}");
+        // min_prob drops rare steps; depth bounds the paths.
+        let (tokens, parents, scores) = t.speculate(node, 64, 8, 0.3);
+        assert!(!tokens
+            .iter()
+            .zip(&parents)
+            .any(|(&t, &p)| t == 5 && p == -1));
+        for (i, &p) in parents.iter().enumerate() {
+            let step = scores[i] / if p < 0 { 1.0 } else { scores[p as usize] };
+            assert!(step >= 0.3, "{tokens:?} {scores:?}");
+        }
+        let (_, parents, _) = t.speculate(node, 64, 1, 0.0);
+        assert!(parents.iter().all(|&p| p == -1));
     }
 }
