@@ -137,11 +137,12 @@ impl AttentionPlan {
                 // computed in the layout plain decoding would use
                 // (`attend_tree`).
                 // Balanced chunks of at most ATTN_TREE_TOKENS_PER_TASK.
+                // (`per` >= 1 whenever the loop runs: m.n >= 1.)
                 let per = m.n.div_ceil(m.n.div_ceil(ATTN_TREE_TOKENS_PER_TASK).max(1));
                 for g in 0..nkv {
                     let mut t0 = 0;
                     while t0 < m.n {
-                        let t1 = (t0 + per.max(1)).min(m.n);
+                        let t1 = (t0 + per).min(m.n);
                         tasks.push((si, g, t0, t1, 0, nblocks.max(1)));
                         t0 = t1;
                     }

@@ -61,7 +61,7 @@ pub fn lookup_tree(
             if found == branches || out.len() == budget {
                 break;
             }
-            if &tokens[start..start + n] != suffix || start + n >= len {
+            if &tokens[start..start + n] != suffix {
                 continue;
             }
             found += 1;
