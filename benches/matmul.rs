@@ -1,7 +1,7 @@
 //! Quantized matmul kernels on SmolLM2-135M's shapes (and a 7B-sized square
 //! one), Q4_1 beside Q5_0 and the K-quants: time per call for 1 to 8 activation
-//! rows, so the per-row cost of a verify shows apart from the weight
-//! streaming every call pays. Uses the global rayon pool (all cores);
+//! rows (and 16 and 64, where prefill's AMX path runs), so the per-row cost
+//! of a verify shows apart from the weight streaming every call pays. Uses the global rayon pool (all cores);
 //! `SPECD_NO_AVX512=1` times the AVX2 path.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -78,7 +78,7 @@ fn bench(c: &mut Criterion) {
     for (name, format, rows, cols) in shapes {
         let w = matrix(format, rows, cols, &mut seed);
         let mut g = c.benchmark_group(format!("matmul_{name}_{path:?}"));
-        for n in [1usize, 2, 4, 8] {
+        for n in [1usize, 2, 4, 8, 16, 64] {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
             let mut a = Activations::new(path);
             g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {

@@ -60,7 +60,9 @@ impl Activations {
             );
             match self.path {
                 #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2 | KernelPath::Vnni => super::simd::quantize_blocks(x, out),
+                KernelPath::Avx2 | KernelPath::Vnni | KernelPath::Amx => {
+                    super::simd::quantize_blocks(x, out)
+                }
                 _ => quantize_q8(x, out),
             }
             half_sums(&self.qs, &mut self.hsum);

@@ -5,8 +5,8 @@
 //! Invariant (batch invariance): every output element is computed from one
 //! activation row and one weight row by an operation sequence that does not
 //! depend on how many rows share the call; every path runs the same
-//! sequence per lane, so the portable, AVX2 and VNNI paths agree bit for
-//! bit.
+//! sequence per lane, so the portable, AVX2, VNNI and AMX paths agree bit
+//! for bit.
 
 use half::f16;
 use rayon::prelude::*;
@@ -143,8 +143,18 @@ pub(crate) fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, ou
             }
         }
         WeightData::Quant(q) if a.quantized => match a.path {
+            // Tile products pay only over full 16-row chunks; fewer rows
+            // (decode, verify, trees) run faster on VNNI (the `amx` module
+            // comment has the figures). Every path gives a row the same
+            // bits, so the switch changes no result.
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Vnni => super::simd::vnni::rows16(q, &a.plain(), r0, r1, out),
+            KernelPath::Amx if n >= super::amx::MIN_ROWS => {
+                super::amx::rows16(q, &a.plain(), r0, r1, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Vnni | KernelPath::Amx => {
+                super::simd::vnni::rows16(q, &a.plain(), r0, r1, out)
+            }
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2 => super::simd::rows16(q, &a.plain(), r0, r1, out),
             _ => quant_rows_portable(q, &a.plain(), r0, r1, out),

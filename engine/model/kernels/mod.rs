@@ -17,9 +17,12 @@
 //! portable kernel), `activations` (activation quantization), `matmul`
 //! (the portable kernel and the rayon split), `path` (which path runs), `elementwise` (norms, exp, SiLU),
 //! `simd` and `simd_k` (the x86-64 paths, which depend on `layout` and
-//! `kquant`'s record offsets only).
+//! `kquant`'s record offsets only), `amx` (Intel AMX tile products for
+//! many activation rows, on the same layout and epilogue).
 
 mod activations;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod elementwise;
 mod kquant;
 mod layout;

@@ -11,14 +11,20 @@ pub enum KernelPath {
     /// AVX-512 VNNI on the row-tile layout: 16 rows per vector, one
     /// `vpdpbusd` per 4-byte step of a block.
     Vnni,
+    /// Intel AMX for products of `amx::MIN_ROWS` or more activation rows
+    /// (one `tdpbsud` per block serves up to 16 of them), VNNI for fewer.
+    Amx,
 }
 
 impl KernelPath {
-    /// The fastest path this CPU supports (`SPECD_NO_SIMD` / `SPECD_NO_AVX512`
-    /// turn the SIMD paths off).
+    /// The fastest path this CPU supports (`SPECD_NO_SIMD` /
+    /// `SPECD_NO_AVX512` / `SPECD_NO_AMX` turn the SIMD paths off).
     pub fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
+            if super::amx::available() {
+                return Self::Amx;
+            }
             if super::simd::vnni::available() {
                 return Self::Vnni;
             }
@@ -39,6 +45,9 @@ impl KernelPath {
             }
             if super::simd::vnni::available() {
                 v.push(Self::Vnni);
+            }
+            if super::amx::available() {
+                v.push(Self::Amx);
             }
         }
         v

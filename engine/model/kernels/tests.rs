@@ -746,3 +746,80 @@ fn evicting_weights_from_the_caches_changes_no_result() {
         }
     }
 }
+
+#[test]
+fn amx_gives_every_path_the_same_bits_for_1_to_64_rows() {
+    if !KernelPath::supported().contains(&KernelPath::Amx) {
+        // A visible skip: this CPU (or SPECD_NO_AMX, or the OS) leaves the
+        // AMX path off, so there is nothing of it to compare.
+        eprintln!("SKIPPED amx_gives_every_path_the_same_bits_for_1_to_64_rows: no AMX here");
+        return;
+    }
+    let mut seed = 29u64;
+    let all = [
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ];
+    // 72 rows: a task of 64 and a partial tile; 512 columns: 16 blocks,
+    // two K-quant super-blocks.
+    let (rows, cols, total) = (72usize, 512usize, 64usize);
+    let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed) * 3.0).collect();
+    for format in all {
+        let raw = if matches!(
+            format,
+            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K
+        ) {
+            random_k_blocks(format, rows, cols, &mut seed)
+        } else {
+            let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+            pack(format, &w, rows, cols).1
+        };
+        let qm = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+        // Every row alone on VNNI: the bits each row must have.
+        let mut want = vec![0f32; total * rows];
+        for i in 0..total {
+            let mut a = Activations::new(KernelPath::Vnni);
+            a.prepare(&x[i * cols..(i + 1) * cols], 1, cols, true);
+            let mut o = Vec::new();
+            matmul_many(&a, &[&qm], &mut [&mut o]);
+            want[i * rows..(i + 1) * rows].copy_from_slice(&o);
+        }
+        let WeightData::Quant(q) = &qm.data else {
+            unreachable!("quantized")
+        };
+        for n in 1..=total {
+            let start = (n * 7) % (total - n + 1);
+            // The AMX kernel itself at every row count (the matmul routes
+            // fewer than `amx::MIN_ROWS` rows to VNNI).
+            let mut a = Activations::new(KernelPath::Amx);
+            a.prepare(&x[start * cols..(start + n) * cols], n, cols, true);
+            let mut o = vec![0f32; n * rows];
+            super::amx::rows16(q, &a.plain(), 0, rows, &mut o);
+            let w = &want[start * rows..(start + n) * rows];
+            assert!(
+                o.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "AMX kernel {format:?} n={n}: bits differ from one row alone"
+            );
+            for path in [KernelPath::Amx, KernelPath::Vnni, KernelPath::Portable] {
+                if path == KernelPath::Portable && n % 8 != 1 {
+                    continue; // the slow path at a few sizes
+                }
+                let mut a = Activations::new(path);
+                a.prepare(&x[start * cols..(start + n) * cols], n, cols, true);
+                let mut o = Vec::new();
+                matmul_many(&a, &[&qm], &mut [&mut o]);
+                let w = &want[start * rows..(start + n) * rows];
+                assert!(
+                    o.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{path:?} {format:?} n={n}: bits differ from one row alone"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,660 @@
+//! Intel AMX (`TDPBSUD`) kernel on the row-tile layout, for products of
+//! many activation rows (prefill, long verifies: `MIN_ROWS`). Fewer rows
+//! stay on VNNI, where this kernel's fixed cost per block is more than the
+//! tile products save.
+//!
+//! The row-tile layout is already AMX's "VNNI" B-operand layout: a 64-byte
+//! step holds 4 consecutive elements of each of 16 weight rows, so the 8
+//! steps of a 32-element block are the 8 rows of a B tile (K = 32, N = 16
+//! weight rows). Per (weight tile, block) the block's codes are unpacked to
+//! unsigned bytes (Q8_0's stored `q + 128` are used as they are), up to 16
+//! activation rows' 32 signed codes form the A tile, and one `TDPBSUD`
+//! gives every (activation row, weight row) block dot product as an exact
+//! int32 — the same integer the VNNI chain ends with. The offset correction
+//! is added in integers and the float epilogue is the VNNI kernel's, per
+//! lane and in the same order, so every row gets the same bits as on every
+//! other path whatever the number of rows (the kernels' batch invariance).
+//! Q6_K's two 16-element halves are two products with K = 16.
+//!
+//! Linux grants the tile state to a process only on request
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); `available`
+//! asks once and falls back to VNNI if it is refused. `SPECD_NO_AMX=1`
+//! turns the path off. The tile instructions are written as inline
+//! assembly (Rust's AMX intrinsics are not stable); a thread's tiles are
+//! configured on its first call (again only when the row count changes)
+//! and kept.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use super::kquant::{Q4K_D, Q4K_DMIN, Q4K_M, Q4K_SC, Q5K_HI, Q6K_D, Q6K_HI, Q6K_SC, SUBS};
+use super::layout::{
+    drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, Q5_HIGH, QK, TILE,
+};
+use super::simd::vnni::with_fifth_bits;
+
+/// Most activation rows one tile product serves (an A tile's rows).
+pub const MAX_ROWS: usize = 16;
+
+/// Fewest activation rows a product goes to this kernel with (callers
+/// route fewer to VNNI): at 32 or more, every row chunk fills most of a
+/// tile. Measured single-threaded per call (the matmul bench's shapes), Q4_1
+/// 576x1536: 2 rows 110 us against VNNI's 38, 16 rows 225 against 248, 64
+/// rows 372 against 542; Q8_0 4096x576: 2 rows 205 against 100, 32 rows
+/// 630 against 1,091. Below a full chunk the per-block fixed cost (unpacking
+/// the B tile, storing and reloading C) is more than the products save.
+pub const MIN_ROWS: usize = 32;
+
+/// How far ahead (bytes) the kernel prefetches the record stream.
+const PREFETCH: usize = 8192;
+
+/// Whether the AMX path runs here: AVX-512 VNNI is on (the epilogue and
+/// the unpacking use it), `SPECD_NO_AMX` is unset, the CPU reports
+/// AMX-TILE and AMX-INT8, and the OS granted the tile state (asked once
+/// per process).
+pub fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        super::simd::vnni::available()
+            && std::env::var_os("SPECD_NO_AMX").is_none()
+            && cpu_has_amx_int8()
+            && request_tile_permission()
+            && self_check()
+    })
+}
+
+/// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25).
+fn cpu_has_amx_int8() -> bool {
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    let edx = __cpuid_count(7, 0).edx;
+    edx & (1 << 24) != 0 && edx & (1 << 25) != 0
+}
+
+/// Ask Linux for the AMX tile data state for this process (every thread,
+/// present and future). Other systems: no AMX.
+fn request_tile_permission() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM) only changes which
+        // extended states this process may use; it touches no memory of ours.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        r == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
+/// One tile product against a scalar reference, so a CPU or hypervisor
+/// that reports AMX but computes it wrongly never reaches the model.
+fn self_check() -> bool {
+    let mut a = [0i8; 2 * QK];
+    let mut b = Aligned([0u8; 512]);
+    for (i, v) in a.iter_mut().enumerate() {
+        *v = (i as i32 * 37 % 255 - 127) as i8;
+    }
+    for (i, v) in b.0.iter_mut().enumerate() {
+        *v = (i * 91 % 256) as u8;
+    }
+    let mut c = Aligned([0i32; 2 * TILE]);
+    let cfg = TileConfig::new(2, false);
+    // SAFETY: `available` established the CPU features and the OS
+    // permission before calling this; the config describes A as 2 x 32
+    // bytes (`a`), B as 8 x 64 (`b`) and C as 2 x 64 (`c`), which those
+    // buffers hold at the strides given.
+    unsafe {
+        cfg.load();
+        asm!(
+            "tilezero tmm4",
+            "tileloadd tmm0, [{a} + {sa}*1]",
+            "tileloadd tmm2, [{b} + {sb}*1]",
+            "tdpbsud tmm4, tmm0, tmm2",
+            "tilestored [{c} + {sc}*1], tmm4",
+            a = in(reg) a.as_ptr(),
+            sa = in(reg) QK,
+            b = in(reg) b.0.as_ptr(),
+            sb = in(reg) 64usize,
+            c = in(reg) c.0.as_mut_ptr(),
+            sc = in(reg) 64usize,
+            options(nostack),
+        );
+        release();
+    }
+    (0..2).all(|m| {
+        (0..TILE).all(|n| {
+            let want: i32 = (0..QK)
+                .map(|k| a[m * QK + k] as i32 * b.0[(k / 4) * 64 + 4 * n + k % 4] as i32)
+                .sum();
+            c.0[m * TILE + n] == want
+        })
+    })
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Aligned<T>(T);
+
+/// A palette-1 tile configuration (64 bytes, as `LDTILECFG` reads it):
+/// tmm0/tmm1 A tiles (rows x 32 bytes; Q6_K: x 16), tmm2/tmm3 B tiles
+/// (8 x 64; Q6_K: 4 x 64), tmm4-tmm7 C tiles (rows x 16 int32).
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+impl TileConfig {
+    fn new(rows: usize, halves: bool) -> Self {
+        debug_assert!((1..=MAX_ROWS).contains(&rows));
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let mut set = |i: usize, r: usize, colsb: usize| {
+            c[16 + 2 * i..18 + 2 * i].copy_from_slice(&(colsb as u16).to_le_bytes());
+            c[48 + i] = r as u8;
+        };
+        let (ka, kb) = if halves { (16, 4) } else { (32, 8) };
+        set(0, rows, ka);
+        set(1, rows, ka);
+        set(2, kb, 64);
+        set(3, kb, 64);
+        for i in 4..8 {
+            set(i, rows, 64);
+        }
+        Self(c)
+    }
+
+    /// Load this configuration into the calling thread's tile state.
+    ///
+    /// # Safety
+    /// `available()` holds (AMX present and permitted).
+    unsafe fn load(&self) {
+        // SAFETY: the caller's guarantee; `self` is a 64-byte palette-1
+        // configuration whose every tile fits the palette's limits.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) self.0.as_ptr(), options(nostack, readonly)) };
+    }
+}
+
+/// Release this thread's tile state.
+///
+/// # Safety
+/// `available()` holds.
+unsafe fn release() {
+    // SAFETY: the caller's guarantee; `tilerelease` only returns the tile
+    // state to its initial (unconfigured) state.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// Const-generic stand-ins for `QuantKind` in the kernel.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
+const Q4K: u8 = 5;
+const Q5K: u8 = 6;
+const Q6K: u8 = 7;
+
+/// Rows `r0..r1` of `w` (row tiles, any quantized kind) against every
+/// activation row, written activation-row-major: `out[i * (r1 - r0) + (r -
+/// r0)]`. Up to 16 activation rows share each tile product.
+pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
+    assert!(available());
+    let halves = w.kind == QuantKind::Q6K;
+    let mut scratch = Scratch::new(w.nb);
+    drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
+        configure(rr, halves);
+        // A tile's B operands are unpacked once, for all its row chunks.
+        let fresh = scratch.tile != Some(t);
+        scratch.tile = Some(t);
+        // SAFETY: AMX and AVX-512 VNNI are available and this thread's
+        // tiles are configured for `rr` rows (above); `drive_tiles` checked
+        // that tile t and activation rows i0..i0 + rr exist.
+        unsafe {
+            match w.kind {
+                QuantKind::Q4_0 => tile::<Q4_0>(w, x, t, i0, rr, put, &mut scratch, fresh),
+                QuantKind::Q4_1 => tile::<Q4_1>(w, x, t, i0, rr, put, &mut scratch, fresh),
+                QuantKind::Q5_0 => tile::<Q5_0>(w, x, t, i0, rr, put, &mut scratch, fresh),
+                QuantKind::Q5_1 => tile::<Q5_1>(w, x, t, i0, rr, put, &mut scratch, fresh),
+                QuantKind::Q8_0 => tile::<Q8_0>(w, x, t, i0, rr, put, &mut scratch, fresh),
+                QuantKind::Q4K => tile::<Q4K>(w, x, t, i0, rr, put, &mut scratch, fresh),
+                QuantKind::Q5K => tile::<Q5K>(w, x, t, i0, rr, put, &mut scratch, fresh),
+                QuantKind::Q6K => tile::<Q6K>(w, x, t, i0, rr, put, &mut scratch, fresh),
+            }
+        }
+    });
+}
+
+/// Configure this thread's tiles for `rows` activation rows (Q6_K: half
+/// blocks), unless they already are. The configuration is kept between
+/// calls: loading it (and releasing the tiles) costs about as much as a
+/// small tile product, and a forward makes thousands of calls. Nothing
+/// else on a thread uses the tiles.
+fn configure(rows: usize, halves: bool) {
+    thread_local! {
+        static CONFIGURED: std::cell::Cell<(usize, bool)> = const { std::cell::Cell::new((0, false)) };
+    }
+    CONFIGURED.with(|c| {
+        if c.get() != (rows, halves) {
+            assert!(available() && (1..=MAX_ROWS).contains(&rows));
+            // SAFETY: `available()` holds (asserted).
+            unsafe { TileConfig::new(rows, halves).load() };
+            c.set((rows, halves));
+        }
+    });
+}
+
+/// C tiles per group of products (tmm4-tmm7).
+const GROUP: usize = 4;
+
+/// Up to 4 tile products in one sequence. Product `p` multiplies A from
+/// `a[p]` (row stride `sa`) by B from `b[p]` (stride 64) into C tile
+/// `4 + p`, stored to `c + p` (stride 64). C tiles are zeroed first, each
+/// product's A and B go to alternating registers (tmm0/tmm2, tmm1/tmm3),
+/// and the stores come after every product: a tile store waits for its
+/// product, so storing each product before the next would cost a
+/// product's whole latency per block instead of running them back to back.
+///
+/// # Safety
+/// This thread's tiles are configured; for each of the first `n` (1..=4)
+/// products, `a[p]`, `b[p]` and `c + p` hold the tiles the configuration
+/// describes at those strides.
+#[inline(always)]
+unsafe fn products(
+    a: &[*const i8; GROUP],
+    b: &[*const u8; GROUP],
+    c: *mut [[i32; TILE]; MAX_ROWS],
+    n: usize,
+    sa: usize,
+) {
+    let c = c as *mut u8;
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        match n {
+            1 => asm!(
+                "tilezero tmm4",
+                "tileloadd tmm0, [{a0} + {sa}*1]",
+                "tileloadd tmm2, [{b0} + {s64}*1]",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tilestored [{c} + {s64}*1], tmm4",
+                a0 = in(reg) a[0], b0 = in(reg) b[0], c = in(reg) c,
+                sa = in(reg) sa, s64 = in(reg) 64usize,
+                options(nostack),
+            ),
+            2 => asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tileloadd tmm0, [{a0} + {sa}*1]",
+                "tileloadd tmm2, [{b0} + {s64}*1]",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tileloadd tmm1, [{a1} + {sa}*1]",
+                "tileloadd tmm3, [{b1} + {s64}*1]",
+                "tdpbsud tmm5, tmm1, tmm3",
+                "tilestored [{c} + {s64}*1], tmm4",
+                "tilestored [{c} + {s64}*1 + 1024], tmm5",
+                a0 = in(reg) a[0], b0 = in(reg) b[0],
+                a1 = in(reg) a[1], b1 = in(reg) b[1], c = in(reg) c,
+                sa = in(reg) sa, s64 = in(reg) 64usize,
+                options(nostack),
+            ),
+            3 => asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tileloadd tmm0, [{a0} + {sa}*1]",
+                "tileloadd tmm2, [{b0} + {s64}*1]",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tileloadd tmm1, [{a1} + {sa}*1]",
+                "tileloadd tmm3, [{b1} + {s64}*1]",
+                "tdpbsud tmm5, tmm1, tmm3",
+                "tileloadd tmm0, [{a2} + {sa}*1]",
+                "tileloadd tmm2, [{b2} + {s64}*1]",
+                "tdpbsud tmm6, tmm0, tmm2",
+                "tilestored [{c} + {s64}*1], tmm4",
+                "tilestored [{c} + {s64}*1 + 1024], tmm5",
+                "tilestored [{c} + {s64}*1 + 2048], tmm6",
+                a0 = in(reg) a[0], b0 = in(reg) b[0],
+                a1 = in(reg) a[1], b1 = in(reg) b[1],
+                a2 = in(reg) a[2], b2 = in(reg) b[2], c = in(reg) c,
+                sa = in(reg) sa, s64 = in(reg) 64usize,
+                options(nostack),
+            ),
+            _ => asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                "tileloadd tmm0, [{a0} + {sa}*1]",
+                "tileloadd tmm2, [{b0} + {s64}*1]",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tileloadd tmm1, [{a1} + {sa}*1]",
+                "tileloadd tmm3, [{b1} + {s64}*1]",
+                "tdpbsud tmm5, tmm1, tmm3",
+                "tileloadd tmm0, [{a2} + {sa}*1]",
+                "tileloadd tmm2, [{b2} + {s64}*1]",
+                "tdpbsud tmm6, tmm0, tmm2",
+                "tileloadd tmm1, [{a3} + {sa}*1]",
+                "tileloadd tmm3, [{b3} + {s64}*1]",
+                "tdpbsud tmm7, tmm1, tmm3",
+                "tilestored [{c} + {s64}*1], tmm4",
+                "tilestored [{c} + {s64}*1 + 1024], tmm5",
+                "tilestored [{c} + {s64}*1 + 2048], tmm6",
+                "tilestored [{c} + {s64}*1 + 3072], tmm7",
+                a0 = in(reg) a[0], b0 = in(reg) b[0],
+                a1 = in(reg) a[1], b1 = in(reg) b[1],
+                a2 = in(reg) a[2], b2 = in(reg) b[2],
+                a3 = in(reg) a[3], b3 = in(reg) b[3], c = in(reg) c,
+                sa = in(reg) sa, s64 = in(reg) 64usize,
+                options(nostack),
+            ),
+        }
+    }
+}
+
+/// Unpack a 32-element block (or K-quant sub-block) whose packed code
+/// bytes start at `lo` into 8 steps of 64 unsigned codes in `dst` (the B
+/// tile): low and high nibbles, plus Q5's fifth bits from `plane` or
+/// Q6_K's high bits from `hi6`.
+///
+/// # Safety
+/// AVX-512F/BW are available; `lo` has 256 readable bytes, `plane` 64
+/// (Q5 kinds), `hi6` 128 (Q6_K).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack<const K: u8>(
+    lo: *const u8,
+    plane: *const u8,
+    hi6: *const u8,
+    dst: &mut [u8; 512],
+) {
+    let mask4 = _mm512_set1_epi8(0x0f);
+    let mhi = _mm512_set1_epi8(0x30);
+    let five = matches!(K, Q5_0 | Q5_1 | Q5K);
+    let pl = if five {
+        // SAFETY: the caller's guarantee: 64 readable bytes at `plane`.
+        unsafe { _mm512_loadu_si512(plane.cast()) }
+    } else {
+        _mm512_setzero_si512()
+    };
+    let hr = if K == Q6K {
+        // SAFETY: the caller's guarantee: 128 readable bytes at `hi6`.
+        unsafe {
+            [
+                _mm512_loadu_si512(hi6.cast()),
+                _mm512_loadu_si512(hi6.add(64).cast()),
+            ]
+        }
+    } else {
+        [_mm512_setzero_si512(); 2]
+    };
+    for u in 0..4 {
+        // SAFETY: packed steps 2u, 2u + 1 are 64 of the block's 256 bytes.
+        let raw = unsafe { _mm512_loadu_si512(lo.add(64 * u).cast()) };
+        let mut we = _mm512_and_si512(raw, mask4);
+        let mut wo = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask4);
+        if five {
+            we = with_fifth_bits(we, pl, 2 * u);
+            wo = with_fifth_bits(wo, pl, 2 * u + 1);
+        }
+        if K == Q6K {
+            let h = hr[u / 2];
+            let (he, ho) = if u % 2 == 0 {
+                (_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<2>(h))
+            } else {
+                (h, _mm512_srli_epi16::<2>(h))
+            };
+            we = _mm512_or_si512(we, _mm512_and_si512(he, mhi));
+            wo = _mm512_or_si512(wo, _mm512_and_si512(ho, mhi));
+        }
+        // SAFETY: steps 2u and 2u + 1 are bytes 128u..128u + 128 of `dst`.
+        unsafe {
+            _mm512_storeu_si512(dst.as_mut_ptr().add(128 * u).cast(), we);
+            _mm512_storeu_si512(dst.as_mut_ptr().add(128 * u + 64).cast(), wo);
+        }
+    }
+}
+
+/// Per-call buffers of the kernel: every unpacked B tile of the current
+/// weight tile, and two groups of stored C tiles. Every byte is written
+/// before it is read.
+pub(crate) struct Scratch {
+    tile: Option<usize>,
+    bt: Vec<Aligned<[u8; 512]>>,
+    ct: [Aligned<[[[i32; TILE]; MAX_ROWS]; GROUP]>; 2],
+}
+
+impl Scratch {
+    fn new(nb: usize) -> Box<Self> {
+        Box::new(Self {
+            tile: None,
+            bt: vec![Aligned([0; 512]); nb],
+            ct: [Aligned([[[0; TILE]; MAX_ROWS]; GROUP]); 2],
+        })
+    }
+}
+
+/// The 16 rows of tile `t` against activation rows `i0..i0 + rr`, handed
+/// to `put`: per block, the exact int32 block dot products from one tile
+/// product, then per activation row the VNNI kernel's epilogue (integer
+/// offset correction, then its float accumulates in its order).
+///
+/// When `fresh`, the tile's blocks are first unpacked into `scratch` (Q8_0
+/// codes are used from the record as they are); later row chunks of the
+/// same tile reuse them. Products go in groups (4 blocks; Q6_K: 2
+/// sub-blocks of two half products), and a group's epilogue runs after the
+/// next group's products are issued, so the vector loads of its stored C
+/// tiles do not wait on the tile unit. Epilogues run in block order, so the
+/// float sums are the other paths'.
+///
+/// # Safety
+/// AMX (configured for `rr` rows, Q6_K with half blocks) and AVX-512
+/// VNNI/F16C are available; tile `t` and activation rows `i0..i0 + rr`
+/// exist (as `drive_tiles` checks); `1 <= rr <= MAX_ROWS`; `scratch` was
+/// made for `w.nb` blocks, and if not `fresh` holds tile `t` unpacked.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile<const K: u8>(
+    w: &QuantWeights,
+    x: &PlainActs<'_>,
+    t: usize,
+    i0: usize,
+    rr: usize,
+    put: &mut dyn FnMut(&[[f32; TILE]]),
+    scratch: &mut Scratch,
+    fresh: bool,
+) {
+    let nb = w.nb;
+    let is_k = matches!(K, Q4K | Q5K | Q6K);
+    let subs = if is_k { SUBS } else { 1 };
+    let rec = tile_record_bytes(w.kind);
+    let cb = TILE * w.kind.block_bytes();
+    let base = w.qs.as_ptr().wrapping_add(t * (nb / subs) * rec);
+    // Block b's record and its index inside it.
+    let record = |b: usize| (base.wrapping_add((b / subs) * rec), b % subs);
+    // Activation row stride in bytes, and row i0's first code.
+    let sa = nb * QK;
+    let xa = x.qs.as_ptr().wrapping_add(i0 * sa);
+    // Blocks per group, groups, and the blocks of group g.
+    let bpg = if K == Q6K { GROUP / 2 } else { GROUP };
+    let ng = nb.div_ceil(bpg);
+    let blocks = |g: usize| g * bpg..((g + 1) * bpg).min(nb);
+    assert!(scratch.bt.len() >= nb);
+    if fresh && K != Q8_0 {
+        for b in 0..nb {
+            let (blk, j) = record(b);
+            if j == 0 {
+                for off in (0..rec).step_by(64) {
+                    // A prefetch never faults, whatever the address.
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + off) as *const i8);
+                }
+            }
+            let dst = &mut scratch.bt[b].0;
+            if K == Q6K {
+                let lo = blk.wrapping_add(256 * j);
+                let hi6 = blk.wrapping_add(Q6K_HI + 128 * j);
+                // SAFETY: sub-block j's 256 code bytes and 128 high-bit
+                // bytes lie in the Q6_K record.
+                unsafe { unpack::<K>(lo, lo, hi6, dst) };
+            } else {
+                let (lo, plane) = if is_k {
+                    (blk.wrapping_add(256 * j), blk.wrapping_add(Q5K_HI + 64 * j))
+                } else {
+                    (blk, blk.wrapping_add(Q5_HIGH))
+                };
+                // SAFETY: the block's 256 packed code bytes (and Q5's
+                // 64-byte plane) lie in the record.
+                unsafe { unpack::<K>(lo, plane, lo, dst) };
+            }
+        }
+    }
+    let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
+    for it in 0..ng + 1 {
+        if it < ng {
+            let g = it;
+            let mut pa = [core::ptr::null::<i8>(); GROUP];
+            let mut pb = [core::ptr::null::<u8>(); GROUP];
+            let mut n = 0;
+            for b in blocks(g) {
+                let a = xa.wrapping_add(b * QK);
+                let bp = scratch.bt[b].0.as_ptr();
+                if K == Q6K {
+                    pa[n] = a;
+                    pb[n] = bp;
+                    pa[n + 1] = a.wrapping_add(16);
+                    pb[n + 1] = bp.wrapping_add(256);
+                    n += 2;
+                } else {
+                    pa[n] = a;
+                    pb[n] = if K == Q8_0 { record(b).0 } else { bp };
+                    n += 1;
+                }
+            }
+            // SAFETY: the tiles are configured for rr rows; product p's A
+            // is rr rows of 32 (Q6_K: 16) bytes of an activation block at
+            // the row stride, which exist; its B the 512 (Q6_K: 256)
+            // unpacked bytes in `scratch` or Q8_0's 512 record code bytes;
+            // its C rr rows of 64 bytes in group slot p of `ct`.
+            unsafe { products(&pa, &pb, scratch.ct[g % 2].0.as_mut_ptr(), n, sa) };
+        }
+        if it >= 1 {
+            let g = it - 1;
+            for (k, b) in blocks(g).enumerate() {
+                let (blk, j) = record(b);
+                let c = &scratch.ct[g % 2].0;
+                let (c0, c1) = if K == Q6K {
+                    (&c[2 * k], &c[2 * k + 1])
+                } else {
+                    (&c[k], &c[k])
+                };
+                let xb0 = i0 * nb + b;
+                match K {
+                    Q4K | Q5K => {
+                        // SAFETY: the record's 16 `d` and `dmin` follow its codes.
+                        let (dk, dmin) = unsafe {
+                            (
+                                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_D).cast())),
+                                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_DMIN).cast())),
+                            )
+                        };
+                        let scales = |off: usize| {
+                            // SAFETY: a sub-block's 16 scale bytes in the record.
+                            let v = unsafe { _mm_loadu_si128(blk.add(off).cast()) };
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
+                        };
+                        let sc = scales(Q4K_SC + TILE * j);
+                        let m = scales(Q4K_M + TILE * j);
+                        for r in 0..rr {
+                            let xb = xb0 + r * nb;
+                            let dx = _mm512_set1_ps(x.qd[xb]);
+                            let sx = _mm512_set1_ps(x.isum[xb] as f32);
+                            // SAFETY: row r of the stored C tile.
+                            let ci = unsafe { _mm512_load_si512(c0[r].as_ptr().cast()) };
+                            let ip = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(ci));
+                            acc[r] = _mm512_fmadd_ps(ip, _mm512_mul_ps(dk, dx), acc[r]);
+                            acc[r] = _mm512_fnmadd_ps(
+                                _mm512_mul_ps(m, sx),
+                                _mm512_mul_ps(dmin, dx),
+                                acc[r],
+                            );
+                        }
+                    }
+                    Q6K => {
+                        // SAFETY: the record's 16 `d` follow its codes.
+                        let dk =
+                            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q6K_D).cast())) };
+                        let scales = |off: usize| {
+                            // SAFETY: a 16-element group's 16 scale bytes.
+                            let v = unsafe { _mm_loadu_si128(blk.add(off).cast()) };
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
+                        };
+                        let slo = scales(Q6K_SC + TILE * (2 * j));
+                        let shi = scales(Q6K_SC + TILE * (2 * j + 1));
+                        for r in 0..rr {
+                            let xb = xb0 + r * nb;
+                            let dx = _mm512_set1_ps(x.qd[xb]);
+                            let (h, s) = (x.hsum[xb], x.isum[xb]);
+                            // SAFETY: row r of the slot's two stored C tiles.
+                            let (cl, chh) = unsafe {
+                                (
+                                    _mm512_load_si512(c0[r].as_ptr().cast()),
+                                    _mm512_load_si512(c1[r].as_ptr().cast()),
+                                )
+                            };
+                            let ia = _mm512_add_epi32(cl, _mm512_set1_epi32(-32 * h));
+                            let ib = _mm512_add_epi32(chh, _mm512_set1_epi32(-32 * (s - h)));
+                            let isc = _mm512_fmadd_ps(
+                                shi,
+                                _mm512_cvtepi32_ps(ib),
+                                _mm512_mul_ps(slo, _mm512_cvtepi32_ps(ia)),
+                            );
+                            acc[r] = _mm512_fmadd_ps(isc, _mm512_mul_ps(dk, dx), acc[r]);
+                        }
+                    }
+                    _ => {
+                        // SAFETY: the record's 16 scales follow its codes.
+                        let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb).cast())) };
+                        let mw = if K == Q4_1 || K == Q5_1 {
+                            // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
+                            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb + 32).cast())) }
+                        } else {
+                            _mm512_setzero_ps()
+                        };
+                        for r in 0..rr {
+                            let xb = xb0 + r * nb;
+                            // SAFETY: row r of the stored C tile.
+                            let mut ip = unsafe { _mm512_load_si512(c0[r].as_ptr().cast()) };
+                            let s = x.isum[xb];
+                            let corr = match K {
+                                Q4_0 => -(s << 3),
+                                Q5_0 => -(s << 4),
+                                Q8_0 => -(s << 7),
+                                _ => 0,
+                            };
+                            ip = _mm512_add_epi32(ip, _mm512_set1_epi32(corr));
+                            let sc = _mm512_mul_ps(dw, _mm512_set1_ps(x.qd[xb]));
+                            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[r]);
+                            if K == Q4_1 || K == Q5_1 {
+                                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.qsum[xb]), acc[r]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let mut o = [[0f32; TILE]; MAX_ROWS];
+    for r in 0..rr {
+        // SAFETY: `o[r]` is exactly 16 floats.
+        unsafe { _mm512_storeu_ps(o[r].as_mut_ptr(), acc[r]) };
+    }
+    put(&o[..rr]);
+}
