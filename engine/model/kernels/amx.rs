@@ -1,5 +1,6 @@
 //! Intel AMX (`TDPBSUD`) kernel on the row-tile layout, for products of
-//! many activation rows (prefill, long verifies: `MIN_ROWS`). Fewer rows
+//! a tile's worth of activation rows or more (prefill, verifies of 16+
+//! tokens: `MIN_ROWS`). Fewer rows
 //! stay on VNNI, where this kernel's fixed cost per block is more than the
 //! tile products save.
 //!
@@ -31,7 +32,8 @@ use std::arch::x86_64::*;
 
 use super::kquant::{Q4K_D, Q4K_DMIN, Q4K_M, Q4K_SC, Q5K_HI, Q6K_D, Q6K_HI, Q6K_SC, SUBS};
 use super::layout::{
-    drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, Q5_HIGH, QK, TILE,
+    check_tiles, drive_tiles, tile_record_bytes, PlainActs, QuantKind, QuantWeights, Q5_HIGH, QK,
+    TILE,
 };
 use super::simd::vnni::with_fifth_bits;
 
@@ -39,13 +41,14 @@ use super::simd::vnni::with_fifth_bits;
 pub const MAX_ROWS: usize = 16;
 
 /// Fewest activation rows a product goes to this kernel with (callers
-/// route fewer to VNNI): at 32 or more, every row chunk fills most of a
-/// tile. Measured single-threaded per call (the matmul bench's shapes), Q4_1
-/// 576x1536: 2 rows 110 us against VNNI's 38, 16 rows 225 against 248, 64
-/// rows 372 against 542; Q8_0 4096x576: 2 rows 205 against 100, 32 rows
-/// 630 against 1,091. Below a full chunk the per-block fixed cost (unpacking
-/// the B tile, storing and reloading C) is more than the products save.
-pub const MIN_ROWS: usize = 32;
+/// route fewer to VNNI). Measured single-threaded per call (in-process,
+/// the matmul bench's shapes), Q4_1 576x1536: 1 row 58 us (VNNI 14), 2
+/// rows 62 (20), 8 rows 85 (66), 16 rows 111 (131), 32 rows 193 (262);
+/// Q8_0 4096x576: 8 rows 270 (266), 16 rows 406 (521), 32 rows 821
+/// (1,068). Unpacking the weight codes into B tiles alone takes 23 us of
+/// the Q4_1 figures (VNNI reads the same codes for one row in 14), so
+/// below a full tile of rows VNNI wins.
+pub const MIN_ROWS: usize = 16;
 
 /// How far ahead (bytes) the kernel prefetches the record stream.
 const PREFETCH: usize = 8192;
@@ -209,7 +212,10 @@ const Q6K: u8 = 7;
 /// r0)]`. Up to 16 activation rows share each tile product.
 pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
     assert!(available());
-    let halves = w.kind == QuantKind::Q6K;
+    if w.kind != QuantKind::Q6K {
+        return rows16_wide(w, x, r0, r1, out);
+    }
+    let halves = true;
     let mut scratch = Scratch::new(w.nb);
     drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
         configure(rr, halves);
@@ -232,6 +238,99 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
             }
         }
     });
+}
+
+/// `rows16` for every kind but Q6_K: weight tiles in groups of `WIDE`
+/// (unpacked once per group), each group against every balanced chunk of
+/// at most 16 activation rows.
+fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
+    check_tiles(w, x, r0, r1, out);
+    let (n, nb, nr) = (x.n, w.nb, r1 - r0);
+    let per = n.div_ceil(n.div_ceil(MAX_ROWS).max(1));
+    // This thread's buffers, reused across calls: allocating and zeroing
+    // them per call cost as much as the products at a few rows.
+    thread_local! {
+        static BUFFERS: std::cell::RefCell<Option<Box<WideBuffers>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let mut bufs = BUFFERS.with(|b| b.borrow_mut().take()).unwrap_or_else(|| {
+        Box::new(WideBuffers {
+            bt: Vec::new(),
+            ct: [Aligned([[[0; TILE]; MAX_ROWS]; GROUP]); 2],
+            res: [[[0.0; TILE]; MAX_ROWS]; WIDE],
+        })
+    });
+    let need = if w.kind == QuantKind::Q8_0 {
+        0
+    } else {
+        WIDE * nb
+    };
+    if bufs.bt.len() < need {
+        bufs.bt.resize(need, Aligned([0; 512]));
+    }
+    let WideBuffers { bt, ct, res } = &mut *bufs;
+    let t_end = r1.div_ceil(TILE);
+    let mut t0 = r0 / TILE;
+    while t0 < t_end {
+        let nt = (t_end - t0).min(WIDE);
+        if w.kind != QuantKind::Q8_0 {
+            for j in 0..nt {
+                let dst = &mut bt[j * nb..(j + 1) * nb];
+                // SAFETY: `available()` holds (asserted by the caller);
+                // tile t0 + j exists (`check_tiles`); `dst` holds nb tiles.
+                unsafe {
+                    match w.kind {
+                        QuantKind::Q4_0 => unpack_tile::<Q4_0>(w, t0 + j, dst),
+                        QuantKind::Q4_1 => unpack_tile::<Q4_1>(w, t0 + j, dst),
+                        QuantKind::Q5_0 => unpack_tile::<Q5_0>(w, t0 + j, dst),
+                        QuantKind::Q5_1 => unpack_tile::<Q5_1>(w, t0 + j, dst),
+                        QuantKind::Q4K => unpack_tile::<Q4K>(w, t0 + j, dst),
+                        QuantKind::Q5K => unpack_tile::<Q5K>(w, t0 + j, dst),
+                        QuantKind::Q8_0 | QuantKind::Q6K => unreachable!("not unpacked here"),
+                    }
+                }
+            }
+        }
+        let mut i0 = 0;
+        while i0 < n {
+            let rr = (n - i0).min(per);
+            configure(rr, false);
+            // SAFETY: AMX and AVX-512 VNNI are available, tiles configured
+            // for rr rows (above); tiles t0..t0 + nt and rows i0..i0 + rr
+            // exist (`check_tiles`); `bt` holds the group unpacked.
+            unsafe {
+                match w.kind {
+                    QuantKind::Q4_0 => wide::<Q4_0>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q4_1 => wide::<Q4_1>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q5_0 => wide::<Q5_0>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q5_1 => wide::<Q5_1>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q8_0 => wide::<Q8_0>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q4K => wide::<Q4K>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q5K => wide::<Q5K>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q6K => unreachable!("Q6_K runs per tile"),
+                }
+            }
+            for j in 0..nt {
+                let t = t0 + j;
+                let live = (r1 - t * TILE).min(TILE);
+                for r in 0..rr {
+                    let o = (i0 + r) * nr + t * TILE - r0;
+                    out[o..o + live].copy_from_slice(&res[j][r][..live]);
+                }
+            }
+            i0 += rr;
+        }
+        t0 += nt;
+    }
+    BUFFERS.with(|b| *b.borrow_mut() = Some(bufs));
+}
+
+/// `rows16_wide`'s per-thread buffers; every element is written before it
+/// is read.
+struct WideBuffers {
+    bt: Vec<Aligned<[u8; 512]>>,
+    ct: [Aligned<[[[i32; TILE]; MAX_ROWS]; GROUP]>; 2],
+    res: [[[f32; TILE]; MAX_ROWS]; WIDE],
 }
 
 /// Configure this thread's tiles for `rows` activation rows (Q6_K: half
@@ -489,32 +588,9 @@ unsafe fn tile<const K: u8>(
     let blocks = |g: usize| g * bpg..((g + 1) * bpg).min(nb);
     assert!(scratch.bt.len() >= nb);
     if fresh && K != Q8_0 {
-        for b in 0..nb {
-            let (blk, j) = record(b);
-            if j == 0 {
-                for off in (0..rec).step_by(64) {
-                    // A prefetch never faults, whatever the address.
-                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + off) as *const i8);
-                }
-            }
-            let dst = &mut scratch.bt[b].0;
-            if K == Q6K {
-                let lo = blk.wrapping_add(256 * j);
-                let hi6 = blk.wrapping_add(Q6K_HI + 128 * j);
-                // SAFETY: sub-block j's 256 code bytes and 128 high-bit
-                // bytes lie in the Q6_K record.
-                unsafe { unpack::<K>(lo, lo, hi6, dst) };
-            } else {
-                let (lo, plane) = if is_k {
-                    (blk.wrapping_add(256 * j), blk.wrapping_add(Q5K_HI + 64 * j))
-                } else {
-                    (blk, blk.wrapping_add(Q5_HIGH))
-                };
-                // SAFETY: the block's 256 packed code bytes (and Q5's
-                // 64-byte plane) lie in the record.
-                unsafe { unpack::<K>(lo, plane, lo, dst) };
-            }
-        }
+        // SAFETY: tile t exists (the caller's guarantee) and `scratch`
+        // holds `nb` blocks.
+        unsafe { unpack_tile::<K>(w, t, &mut scratch.bt[..nb]) };
     }
     let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
     for it in 0..ng + 1 {
@@ -556,98 +632,10 @@ unsafe fn tile<const K: u8>(
                     (&c[k], &c[k])
                 };
                 let xb0 = i0 * nb + b;
-                match K {
-                    Q4K | Q5K => {
-                        // SAFETY: the record's 16 `d` and `dmin` follow its codes.
-                        let (dk, dmin) = unsafe {
-                            (
-                                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_D).cast())),
-                                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_DMIN).cast())),
-                            )
-                        };
-                        let scales = |off: usize| {
-                            // SAFETY: a sub-block's 16 scale bytes in the record.
-                            let v = unsafe { _mm_loadu_si128(blk.add(off).cast()) };
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
-                        };
-                        let sc = scales(Q4K_SC + TILE * j);
-                        let m = scales(Q4K_M + TILE * j);
-                        for r in 0..rr {
-                            let xb = xb0 + r * nb;
-                            let dx = _mm512_set1_ps(x.qd[xb]);
-                            let sx = _mm512_set1_ps(x.isum[xb] as f32);
-                            // SAFETY: row r of the stored C tile.
-                            let ci = unsafe { _mm512_load_si512(c0[r].as_ptr().cast()) };
-                            let ip = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(ci));
-                            acc[r] = _mm512_fmadd_ps(ip, _mm512_mul_ps(dk, dx), acc[r]);
-                            acc[r] = _mm512_fnmadd_ps(
-                                _mm512_mul_ps(m, sx),
-                                _mm512_mul_ps(dmin, dx),
-                                acc[r],
-                            );
-                        }
-                    }
-                    Q6K => {
-                        // SAFETY: the record's 16 `d` follow its codes.
-                        let dk =
-                            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q6K_D).cast())) };
-                        let scales = |off: usize| {
-                            // SAFETY: a 16-element group's 16 scale bytes.
-                            let v = unsafe { _mm_loadu_si128(blk.add(off).cast()) };
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
-                        };
-                        let slo = scales(Q6K_SC + TILE * (2 * j));
-                        let shi = scales(Q6K_SC + TILE * (2 * j + 1));
-                        for r in 0..rr {
-                            let xb = xb0 + r * nb;
-                            let dx = _mm512_set1_ps(x.qd[xb]);
-                            let (h, s) = (x.hsum[xb], x.isum[xb]);
-                            // SAFETY: row r of the slot's two stored C tiles.
-                            let (cl, chh) = unsafe {
-                                (
-                                    _mm512_load_si512(c0[r].as_ptr().cast()),
-                                    _mm512_load_si512(c1[r].as_ptr().cast()),
-                                )
-                            };
-                            let ia = _mm512_add_epi32(cl, _mm512_set1_epi32(-32 * h));
-                            let ib = _mm512_add_epi32(chh, _mm512_set1_epi32(-32 * (s - h)));
-                            let isc = _mm512_fmadd_ps(
-                                shi,
-                                _mm512_cvtepi32_ps(ib),
-                                _mm512_mul_ps(slo, _mm512_cvtepi32_ps(ia)),
-                            );
-                            acc[r] = _mm512_fmadd_ps(isc, _mm512_mul_ps(dk, dx), acc[r]);
-                        }
-                    }
-                    _ => {
-                        // SAFETY: the record's 16 scales follow its codes.
-                        let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb).cast())) };
-                        let mw = if K == Q4_1 || K == Q5_1 {
-                            // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
-                            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb + 32).cast())) }
-                        } else {
-                            _mm512_setzero_ps()
-                        };
-                        for r in 0..rr {
-                            let xb = xb0 + r * nb;
-                            // SAFETY: row r of the stored C tile.
-                            let mut ip = unsafe { _mm512_load_si512(c0[r].as_ptr().cast()) };
-                            let s = x.isum[xb];
-                            let corr = match K {
-                                Q4_0 => -(s << 3),
-                                Q5_0 => -(s << 4),
-                                Q8_0 => -(s << 7),
-                                _ => 0,
-                            };
-                            ip = _mm512_add_epi32(ip, _mm512_set1_epi32(corr));
-                            let sc = _mm512_mul_ps(dw, _mm512_set1_ps(x.qd[xb]));
-                            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[r]);
-                            if K == Q4_1 || K == Q5_1 {
-                                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.qsum[xb]), acc[r]);
-                            }
-                        }
-                    }
-                }
+                // SAFETY: block b lies in record `blk` (sub-block j); `c0`
+                // (and Q6_K's `c1`) hold its stored products for rr rows;
+                // activation rows i0..i0 + rr exist.
+                unsafe { epilogue::<K>(blk, j, cb, c0, c1, x, xb0, nb, rr, &mut acc) };
             }
         }
     }
@@ -657,4 +645,316 @@ unsafe fn tile<const K: u8>(
         unsafe { _mm512_storeu_ps(o[r].as_mut_ptr(), acc[r]) };
     }
     put(&o[..rr]);
+}
+
+/// One block's epilogue for rows `0..rr` of a chunk: the VNNI kernel's
+/// per-lane sequence (integer offset correction, then its float
+/// accumulates in its order) on the stored int32 products `c0` (Q6_K: the
+/// two half blocks `c0`, `c1`) of block `xb0 - i0 * nb` (sub-block `j` of
+/// record `blk`), into `acc`.
+///
+/// # Safety
+/// AVX-512F/BW and F16C are available; `blk` is the block's record of
+/// `K` (with `cb` its code bytes); activation blocks `xb0 + r * nb` exist
+/// for `r < rr <= MAX_ROWS`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn epilogue<const K: u8>(
+    blk: *const u8,
+    j: usize,
+    cb: usize,
+    c0: &[[i32; TILE]; MAX_ROWS],
+    c1: &[[i32; TILE]; MAX_ROWS],
+    x: &PlainActs<'_>,
+    xb0: usize,
+    nb: usize,
+    rr: usize,
+    acc: &mut [__m512; MAX_ROWS],
+) {
+    match K {
+        Q4K | Q5K => {
+            // SAFETY: the record's 16 `d` and `dmin` follow its codes.
+            let (dk, dmin) = unsafe {
+                (
+                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_D).cast())),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_DMIN).cast())),
+                )
+            };
+            let scales = |off: usize| {
+                // SAFETY: a sub-block's 16 scale bytes in the record.
+                let v = unsafe { _mm_loadu_si128(blk.add(off).cast()) };
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
+            };
+            let sc = scales(Q4K_SC + TILE * j);
+            let m = scales(Q4K_M + TILE * j);
+            for r in 0..rr {
+                let xb = xb0 + r * nb;
+                let dx = _mm512_set1_ps(x.qd[xb]);
+                let sx = _mm512_set1_ps(x.isum[xb] as f32);
+                // SAFETY: row r of the stored C tile.
+                let ci = unsafe { _mm512_load_si512(c0[r].as_ptr().cast()) };
+                let ip = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(ci));
+                acc[r] = _mm512_fmadd_ps(ip, _mm512_mul_ps(dk, dx), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(m, sx), _mm512_mul_ps(dmin, dx), acc[r]);
+            }
+        }
+        Q6K => {
+            // SAFETY: the record's 16 `d` follow its codes.
+            let dk = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q6K_D).cast())) };
+            let scales = |off: usize| {
+                // SAFETY: a 16-element group's 16 scale bytes.
+                let v = unsafe { _mm_loadu_si128(blk.add(off).cast()) };
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
+            };
+            let slo = scales(Q6K_SC + TILE * (2 * j));
+            let shi = scales(Q6K_SC + TILE * (2 * j + 1));
+            for r in 0..rr {
+                let xb = xb0 + r * nb;
+                let dx = _mm512_set1_ps(x.qd[xb]);
+                let (h, s) = (x.hsum[xb], x.isum[xb]);
+                // SAFETY: row r of the slot's two stored C tiles.
+                let (cl, chh) = unsafe {
+                    (
+                        _mm512_load_si512(c0[r].as_ptr().cast()),
+                        _mm512_load_si512(c1[r].as_ptr().cast()),
+                    )
+                };
+                let ia = _mm512_add_epi32(cl, _mm512_set1_epi32(-32 * h));
+                let ib = _mm512_add_epi32(chh, _mm512_set1_epi32(-32 * (s - h)));
+                let isc = _mm512_fmadd_ps(
+                    shi,
+                    _mm512_cvtepi32_ps(ib),
+                    _mm512_mul_ps(slo, _mm512_cvtepi32_ps(ia)),
+                );
+                acc[r] = _mm512_fmadd_ps(isc, _mm512_mul_ps(dk, dx), acc[r]);
+            }
+        }
+        _ => {
+            // SAFETY: the record's 16 scales follow its codes.
+            let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb).cast())) };
+            let mw = if K == Q4_1 || K == Q5_1 {
+                // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
+                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb + 32).cast())) }
+            } else {
+                _mm512_setzero_ps()
+            };
+            for r in 0..rr {
+                let xb = xb0 + r * nb;
+                // SAFETY: row r of the stored C tile.
+                let mut ip = unsafe { _mm512_load_si512(c0[r].as_ptr().cast()) };
+                let s = x.isum[xb];
+                let corr = match K {
+                    Q4_0 => -(s << 3),
+                    Q5_0 => -(s << 4),
+                    Q8_0 => -(s << 7),
+                    _ => 0,
+                };
+                ip = _mm512_add_epi32(ip, _mm512_set1_epi32(corr));
+                let sc = _mm512_mul_ps(dw, _mm512_set1_ps(x.qd[xb]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[r]);
+                if K == Q4_1 || K == Q5_1 {
+                    acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.qsum[xb]), acc[r]);
+                }
+            }
+        }
+    }
+}
+
+/// Unpack every block of weight tile `t` into `dst` (one B tile per
+/// block; Q8_0 needs none).
+///
+/// # Safety
+/// AVX-512F/BW are available; tile `t` exists in `w`; `dst` holds `w.nb`
+/// tiles.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_tile<const K: u8>(w: &QuantWeights, t: usize, dst: &mut [Aligned<[u8; 512]>]) {
+    let nb = w.nb;
+    let is_k = matches!(K, Q4K | Q5K | Q6K);
+    let subs = if is_k { SUBS } else { 1 };
+    let rec = tile_record_bytes(w.kind);
+    let base = w.qs.as_ptr().wrapping_add(t * (nb / subs) * rec);
+    assert!(dst.len() >= nb && K != Q8_0);
+    for (b, d) in dst[..nb].iter_mut().enumerate() {
+        let (blk, j) = (base.wrapping_add((b / subs) * rec), b % subs);
+        if j == 0 {
+            for off in (0..rec).step_by(64) {
+                // A prefetch never faults, whatever the address.
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + off) as *const i8);
+            }
+        }
+        if K == Q6K {
+            let lo = blk.wrapping_add(256 * j);
+            let hi6 = blk.wrapping_add(Q6K_HI + 128 * j);
+            // SAFETY: sub-block j's 256 code bytes and 128 high-bit bytes
+            // lie in the Q6_K record of tile t, which exists.
+            unsafe { unpack::<K>(lo, lo, hi6, &mut d.0) };
+        } else {
+            let (lo, plane) = if is_k {
+                (blk.wrapping_add(256 * j), blk.wrapping_add(Q5K_HI + 64 * j))
+            } else {
+                (blk, blk.wrapping_add(Q5_HIGH))
+            };
+            // SAFETY: the block's 256 packed code bytes (and Q5's 64-byte
+            // plane) lie in the record of tile t, which exists.
+            unsafe { unpack::<K>(lo, plane, lo, &mut d.0) };
+        }
+    }
+}
+
+/// Weight tiles one pass of `wide` serves together, sharing each A tile
+/// (C tiles tmm4-tmm7).
+const WIDE: usize = 4;
+
+/// One block's products for `WIDE` weight tiles: the block's A tile
+/// (tmm0, or tmm1 when `odd`, so the next block's A load need not wait for
+/// this block's products) against B tiles `b[j]` into C tile `4 + j`,
+/// stored to `c + j` after all four are issued.
+///
+/// # Safety
+/// This thread's tiles are configured (A tiles `rr x 32`, B `8 x 64`, C `rr
+/// x 64`); `a` (row stride `sa`), every `b[j]` and `c + j` hold those tiles.
+#[inline(always)]
+unsafe fn products_wide(
+    odd: bool,
+    a: *const i8,
+    sa: usize,
+    b: &[*const u8; WIDE],
+    c: *mut [[i32; TILE]; MAX_ROWS],
+) {
+    let c = c as *mut u8;
+    macro_rules! wide {
+        ($a:literal) => {
+            asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                concat!("tileloadd ", $a, ", [{a} + {sa}*1]"),
+                "tileloadd tmm2, [{b0} + {s64}*1]",
+                concat!("tdpbsud tmm4, ", $a, ", tmm2"),
+                "tileloadd tmm3, [{b1} + {s64}*1]",
+                concat!("tdpbsud tmm5, ", $a, ", tmm3"),
+                "tileloadd tmm2, [{b2} + {s64}*1]",
+                concat!("tdpbsud tmm6, ", $a, ", tmm2"),
+                "tileloadd tmm3, [{b3} + {s64}*1]",
+                concat!("tdpbsud tmm7, ", $a, ", tmm3"),
+                "tilestored [{c} + {s64}*1], tmm4",
+                "tilestored [{c} + {s64}*1 + 1024], tmm5",
+                "tilestored [{c} + {s64}*1 + 2048], tmm6",
+                "tilestored [{c} + {s64}*1 + 3072], tmm7",
+                a = in(reg) a, sa = in(reg) sa,
+                b0 = in(reg) b[0], b1 = in(reg) b[1], b2 = in(reg) b[2], b3 = in(reg) b[3],
+                c = in(reg) c, s64 = in(reg) 64usize,
+                options(nostack),
+            )
+        };
+    }
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        if odd {
+            wide!("tmm1")
+        } else {
+            wide!("tmm0")
+        }
+    }
+}
+
+/// Up to `WIDE` weight tiles `t0..t0 + nt` against activation rows
+/// `i0..i0 + rr`: per block one A tile load serves every tile's product,
+/// then the block's epilogues (a block behind the products). Writes the
+/// rows' results per tile to `res`.
+///
+/// # Safety
+/// AMX (configured for `rr` rows, whole blocks) and AVX-512 VNNI/F16C are
+/// available; `K` is not Q6_K; tiles `t0..t0 + nt` (`1 <= nt <= WIDE`) and
+/// activation rows `i0..i0 + rr` exist; `1 <= rr <= MAX_ROWS`; unless `K`
+/// is Q8_0, `bt[j * nb..]` holds tile `t0 + j` unpacked.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn wide<const K: u8>(
+    w: &QuantWeights,
+    x: &PlainActs<'_>,
+    t0: usize,
+    nt: usize,
+    i0: usize,
+    rr: usize,
+    bt: &[Aligned<[u8; 512]>],
+    ct: &mut [Aligned<[[[i32; TILE]; MAX_ROWS]; GROUP]>; 2],
+    res: &mut [[[f32; TILE]; MAX_ROWS]; WIDE],
+) {
+    let nb = w.nb;
+    let is_k = matches!(K, Q4K | Q5K);
+    let subs = if is_k { SUBS } else { 1 };
+    let rec = tile_record_bytes(w.kind);
+    let cb = TILE * w.kind.block_bytes();
+    let record = |t: usize, b: usize| {
+        (
+            w.qs.as_ptr()
+                .wrapping_add((t * (nb / subs) + b / subs) * rec),
+            b % subs,
+        )
+    };
+    let sa = nb * QK;
+    let xa = x.qs.as_ptr().wrapping_add(i0 * sa);
+    assert!((1..=WIDE).contains(&nt) && (K == Q8_0 || bt.len() >= nt * nb));
+    let mut acc = [[_mm512_setzero_ps(); MAX_ROWS]; WIDE];
+    for it in 0..nb + 1 {
+        if it < nb {
+            let b = it;
+            // Tiles past `nt` repeat tile 0's product; their results are
+            // never read.
+            let pb: [*const u8; WIDE] = core::array::from_fn(|j| {
+                let j = if j < nt { j } else { 0 };
+                if K == Q8_0 {
+                    record(t0 + j, b).0
+                } else {
+                    bt[j * nb + b].0.as_ptr()
+                }
+            });
+            // SAFETY: the tiles are configured for rr rows; A is rr rows of
+            // activation block b at the row stride, which exist; each B is
+            // a tile's 512 unpacked bytes (Q8_0: its record's codes); each C
+            // is rr rows of 64 bytes in slot b % 2.
+            unsafe {
+                products_wide(
+                    b % 2 == 1,
+                    xa.wrapping_add(b * QK),
+                    sa,
+                    &pb,
+                    ct[b % 2].0.as_mut_ptr(),
+                )
+            };
+        }
+        if it >= 1 {
+            let b = it - 1;
+            let c = &ct[b % 2].0;
+            for j in 0..nt {
+                let (blk, jj) = record(t0 + j, b);
+                // SAFETY: block b of tile t0 + j lies in record `blk`; slot
+                // j holds its stored products for rr rows; activation rows
+                // i0..i0 + rr exist.
+                unsafe {
+                    epilogue::<K>(
+                        blk,
+                        jj,
+                        cb,
+                        &c[j],
+                        &c[j],
+                        x,
+                        i0 * nb + b,
+                        nb,
+                        rr,
+                        &mut acc[j],
+                    )
+                };
+            }
+        }
+    }
+    for j in 0..nt {
+        for r in 0..rr {
+            // SAFETY: `res[j][r]` is exactly 16 floats.
+            unsafe { _mm512_storeu_ps(res[j][r].as_mut_ptr(), acc[j][r]) };
+        }
+    }
 }

@@ -539,22 +539,8 @@ pub(crate) fn drive_tiles(
     max_rows: usize,
     mut run: impl FnMut(usize, usize, usize, &mut dyn FnMut(&[[f32; TILE]])),
 ) {
-    assert_eq!(
-        w.nb, x.nb,
-        "weights and activations disagree on blocks per row"
-    );
-    assert!(r0.is_multiple_of(TILE) && r0 <= r1 && r1 <= w.rows);
-    assert!(w.nb.is_multiple_of(w.kind.record_blocks()));
-    assert!(
-        w.qs.len()
-            >= w.rows.div_ceil(TILE) * (w.nb / w.kind.record_blocks()) * tile_record_bytes(w.kind)
-    );
-    let (n, nb) = (x.n, x.nb);
-    assert!(x.qs.len() >= n * nb * QK);
-    assert!(x.qd.len() >= n * nb && x.qsum.len() >= n * nb && x.isum.len() >= n * nb);
-    assert!(x.hsum.len() >= n * nb);
-    let nr = r1 - r0;
-    assert!(out.len() >= nr * n);
+    check_tiles(w, x, r0, r1, out);
+    let (n, nr) = (x.n, r1 - r0);
     let chunks = n.div_ceil(max_rows);
     let per = n.div_ceil(chunks.max(1));
     for t in r0 / TILE..r1.div_ceil(TILE) {
@@ -572,4 +558,25 @@ pub(crate) fn drive_tiles(
             i0 += rr;
         }
     }
+}
+
+/// The checks every row-tile kernel relies on: `w` and `x` agree on
+/// blocks per row and hold what their sizes say, `r0..r1` starts on a tile
+/// and lies in `w`, and `out` holds `(r1 - r0) x n` results.
+pub(crate) fn check_tiles(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &[f32]) {
+    assert_eq!(
+        w.nb, x.nb,
+        "weights and activations disagree on blocks per row"
+    );
+    assert!(r0.is_multiple_of(TILE) && r0 <= r1 && r1 <= w.rows);
+    assert!(w.nb.is_multiple_of(w.kind.record_blocks()));
+    assert!(
+        w.qs.len()
+            >= w.rows.div_ceil(TILE) * (w.nb / w.kind.record_blocks()) * tile_record_bytes(w.kind)
+    );
+    let (n, nb) = (x.n, x.nb);
+    assert!(x.qs.len() >= n * nb * QK);
+    assert!(x.qd.len() >= n * nb && x.qsum.len() >= n * nb && x.isum.len() >= n * nb);
+    assert!(x.hsum.len() >= n * nb);
+    assert!(out.len() >= (r1 - r0) * n);
 }
