@@ -1,6 +1,6 @@
 //! Intel AMX (`TDPBSUD`) kernel on the row-tile layout, for products of
-//! a tile's worth of activation rows or more (prefill, verifies of 16+
-//! tokens: `MIN_ROWS`). Fewer rows
+//! a dozen activation rows or more (prefill, verifies of 12+ tokens:
+//! `MIN_ROWS`). Fewer rows
 //! stay on VNNI, where this kernel's fixed cost per block is more than the
 //! tile products save.
 //!
@@ -42,13 +42,12 @@ pub const MAX_ROWS: usize = 16;
 
 /// Fewest activation rows a product goes to this kernel with (callers
 /// route fewer to VNNI). Measured single-threaded per call (in-process,
-/// the matmul bench's shapes), Q4_1 576x1536: 1 row 58 us (VNNI 14), 2
-/// rows 62 (20), 8 rows 85 (66), 16 rows 111 (131), 32 rows 193 (262);
-/// Q8_0 4096x576: 8 rows 270 (266), 16 rows 406 (521), 32 rows 821
-/// (1,068). Unpacking the weight codes into B tiles alone takes 23 us of
-/// the Q4_1 figures (VNNI reads the same codes for one row in 14), so
-/// below a full tile of rows VNNI wins.
-pub const MIN_ROWS: usize = 16;
+/// the matmul bench's shapes), Q4_1 576x1536 against VNNI: 1 row 38 us
+/// (12), 4 rows 46 (36), 8 rows 60 (58), 12 rows 74 (92), 16 rows 88
+/// (116), 32 rows 182 (237). Unpacking the codes into B tiles costs about
+/// what VNNI's whole one-row product does, so below about 10 rows VNNI
+/// wins.
+pub const MIN_ROWS: usize = 12;
 
 /// How far ahead (bytes) the kernel prefetches the record stream.
 const PREFETCH: usize = 8192;
@@ -260,10 +259,14 @@ fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &
             res: [[[0.0; TILE]; MAX_ROWS]; WIDE],
         })
     });
-    let need = if w.kind == QuantKind::Q8_0 {
-        0
-    } else {
-        WIDE * nb
+    // One row chunk: each block's codes are unpacked just before their
+    // products into a ring that stays in L1; several chunks: a group's
+    // codes are unpacked once for all of them.
+    let jit = n <= MAX_ROWS;
+    let need = match (w.kind, jit) {
+        (QuantKind::Q8_0, _) => 0,
+        (_, true) => 2 * WIDE,
+        (_, false) => WIDE * nb,
     };
     if bufs.bt.len() < need {
         bufs.bt.resize(need, Aligned([0; 512]));
@@ -273,7 +276,7 @@ fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &
     let mut t0 = r0 / TILE;
     while t0 < t_end {
         let nt = (t_end - t0).min(WIDE);
-        if w.kind != QuantKind::Q8_0 {
+        if w.kind != QuantKind::Q8_0 && !jit {
             for j in 0..nt {
                 let dst = &mut bt[j * nb..(j + 1) * nb];
                 // SAFETY: `available()` holds (asserted by the caller);
@@ -300,13 +303,13 @@ fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &
             // exist (`check_tiles`); `bt` holds the group unpacked.
             unsafe {
                 match w.kind {
-                    QuantKind::Q4_0 => wide::<Q4_0>(w, x, t0, nt, i0, rr, bt, ct, res),
-                    QuantKind::Q4_1 => wide::<Q4_1>(w, x, t0, nt, i0, rr, bt, ct, res),
-                    QuantKind::Q5_0 => wide::<Q5_0>(w, x, t0, nt, i0, rr, bt, ct, res),
-                    QuantKind::Q5_1 => wide::<Q5_1>(w, x, t0, nt, i0, rr, bt, ct, res),
-                    QuantKind::Q8_0 => wide::<Q8_0>(w, x, t0, nt, i0, rr, bt, ct, res),
-                    QuantKind::Q4K => wide::<Q4K>(w, x, t0, nt, i0, rr, bt, ct, res),
-                    QuantKind::Q5K => wide::<Q5K>(w, x, t0, nt, i0, rr, bt, ct, res),
+                    QuantKind::Q4_0 => wide::<Q4_0>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
+                    QuantKind::Q4_1 => wide::<Q4_1>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
+                    QuantKind::Q5_0 => wide::<Q5_0>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
+                    QuantKind::Q5_1 => wide::<Q5_1>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
+                    QuantKind::Q8_0 => wide::<Q8_0>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
+                    QuantKind::Q4K => wide::<Q4K>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
+                    QuantKind::Q5K => wide::<Q5K>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
                     QuantKind::Q6K => unreachable!("Q6_K runs per tile"),
                 }
             }
@@ -769,36 +772,55 @@ unsafe fn epilogue<const K: u8>(
 /// tiles.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpack_tile<const K: u8>(w: &QuantWeights, t: usize, dst: &mut [Aligned<[u8; 512]>]) {
+    assert!(dst.len() >= w.nb);
+    for (b, d) in dst[..w.nb].iter_mut().enumerate() {
+        // SAFETY: the caller's guarantee; b < nb.
+        unsafe { unpack_block::<K>(w, t, b, d) };
+    }
+}
+
+/// Unpack block `b` of weight tile `t` into the B tile `d` (prefetching
+/// the record stream ahead at each record's first block).
+///
+/// # Safety
+/// AVX-512F/BW are available; tile `t` exists in `w`; `b < w.nb`; `K` is
+/// `w.kind` and not Q8_0.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_block<const K: u8>(
+    w: &QuantWeights,
+    t: usize,
+    b: usize,
+    d: &mut Aligned<[u8; 512]>,
+) {
     let nb = w.nb;
     let is_k = matches!(K, Q4K | Q5K | Q6K);
     let subs = if is_k { SUBS } else { 1 };
     let rec = tile_record_bytes(w.kind);
+    assert!(b < nb && K != Q8_0);
     let base = w.qs.as_ptr().wrapping_add(t * (nb / subs) * rec);
-    assert!(dst.len() >= nb && K != Q8_0);
-    for (b, d) in dst[..nb].iter_mut().enumerate() {
-        let (blk, j) = (base.wrapping_add((b / subs) * rec), b % subs);
-        if j == 0 {
-            for off in (0..rec).step_by(64) {
-                // A prefetch never faults, whatever the address.
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + off) as *const i8);
-            }
+    let (blk, j) = (base.wrapping_add((b / subs) * rec), b % subs);
+    if j == 0 {
+        for off in (0..rec).step_by(64) {
+            // A prefetch never faults, whatever the address.
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + off) as *const i8);
         }
-        if K == Q6K {
-            let lo = blk.wrapping_add(256 * j);
-            let hi6 = blk.wrapping_add(Q6K_HI + 128 * j);
-            // SAFETY: sub-block j's 256 code bytes and 128 high-bit bytes
-            // lie in the Q6_K record of tile t, which exists.
-            unsafe { unpack::<K>(lo, lo, hi6, &mut d.0) };
+    }
+    if K == Q6K {
+        let lo = blk.wrapping_add(256 * j);
+        let hi6 = blk.wrapping_add(Q6K_HI + 128 * j);
+        // SAFETY: sub-block j's 256 code bytes and 128 high-bit bytes lie
+        // in the Q6_K record of tile t, which exists.
+        unsafe { unpack::<K>(lo, lo, hi6, &mut d.0) };
+    } else {
+        let (lo, plane) = if is_k {
+            (blk.wrapping_add(256 * j), blk.wrapping_add(Q5K_HI + 64 * j))
         } else {
-            let (lo, plane) = if is_k {
-                (blk.wrapping_add(256 * j), blk.wrapping_add(Q5K_HI + 64 * j))
-            } else {
-                (blk, blk.wrapping_add(Q5_HIGH))
-            };
-            // SAFETY: the block's 256 packed code bytes (and Q5's 64-byte
-            // plane) lie in the record of tile t, which exists.
-            unsafe { unpack::<K>(lo, plane, lo, &mut d.0) };
-        }
+            (blk, blk.wrapping_add(Q5_HIGH))
+        };
+        // SAFETY: the block's 256 packed code bytes (and Q5's 64-byte
+        // plane) lie in the record of tile t, which exists.
+        unsafe { unpack::<K>(lo, plane, lo, &mut d.0) };
     }
 }
 
@@ -879,7 +901,8 @@ unsafe fn wide<const K: u8>(
     nt: usize,
     i0: usize,
     rr: usize,
-    bt: &[Aligned<[u8; 512]>],
+    bt: &mut [Aligned<[u8; 512]>],
+    jit: bool,
     ct: &mut [Aligned<[[[i32; TILE]; MAX_ROWS]; GROUP]>; 2],
     res: &mut [[[f32; TILE]; MAX_ROWS]; WIDE],
 ) {
@@ -897,17 +920,28 @@ unsafe fn wide<const K: u8>(
     };
     let sa = nb * QK;
     let xa = x.qs.as_ptr().wrapping_add(i0 * sa);
-    assert!((1..=WIDE).contains(&nt) && (K == Q8_0 || bt.len() >= nt * nb));
+    assert!((1..=WIDE).contains(&nt));
+    assert!(K == Q8_0 || bt.len() >= if jit { 2 * WIDE } else { nt * nb });
     let mut acc = [[_mm512_setzero_ps(); MAX_ROWS]; WIDE];
-    for it in 0..nb + 1 {
-        if it < nb {
-            let b = it;
+    // Three stages a block apart: unpack (`jit` only: into a 2-block ring
+    // that stays in L1), products, epilogue.
+    for it in 0..nb + 2 {
+        if jit && K != Q8_0 && it < nb {
+            for j in 0..nt {
+                // SAFETY: tile t0 + j exists, it < nb, K is not Q8_0.
+                unsafe { unpack_block::<K>(w, t0 + j, it, &mut bt[(it % 2) * WIDE + j]) };
+            }
+        }
+        if (1..=nb).contains(&it) {
+            let b = it - 1;
             // Tiles past `nt` repeat tile 0's product; their results are
             // never read.
             let pb: [*const u8; WIDE] = core::array::from_fn(|j| {
                 let j = if j < nt { j } else { 0 };
                 if K == Q8_0 {
                     record(t0 + j, b).0
+                } else if jit {
+                    bt[(b % 2) * WIDE + j].0.as_ptr()
                 } else {
                     bt[j * nb + b].0.as_ptr()
                 }
@@ -926,8 +960,8 @@ unsafe fn wide<const K: u8>(
                 )
             };
         }
-        if it >= 1 {
-            let b = it - 1;
+        if it >= 2 {
+            let b = it - 2;
             let c = &ct[b % 2].0;
             for j in 0..nt {
                 let (blk, jj) = record(t0 + j, b);
