@@ -1,8 +1,7 @@
 //! Intel AMX (`TDPBSUD`) kernel on the row-tile layout, for products of
 //! a dozen activation rows or more (prefill, verifies of 12+ tokens:
-//! `MIN_ROWS`). Fewer rows
-//! stay on VNNI, where this kernel's fixed cost per block is more than the
-//! tile products save.
+//! `MIN_ROWS`). Fewer rows stay on VNNI, where unpacking the codes costs
+//! about what VNNI's whole product does.
 //!
 //! The row-tile layout is already AMX's "VNNI" B-operand layout: a 64-byte
 //! step holds 4 consecutive elements of each of 16 weight rows, so the 8
@@ -15,7 +14,9 @@
 //! is added in integers and the float epilogue is the VNNI kernel's, per
 //! lane and in the same order, so every row gets the same bits as on every
 //! other path whatever the number of rows (the kernels' batch invariance).
-//! Q6_K's two 16-element halves are two products with K = 16.
+//! Four weight tiles share each A tile (`rows16_wide`); Q6_K's two
+//! 16-element halves are two products with K = 16, one weight tile at a
+//! time (`tile_q6k`).
 //!
 //! Linux grants the tile state to a process only on request
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); `available`
@@ -36,6 +37,7 @@ use super::layout::{
     TILE,
 };
 use super::simd::vnni::with_fifth_bits;
+use super::simd_k::with_q6_high_bits;
 
 /// Most activation rows one tile product serves (an A tile's rows).
 pub const MAX_ROWS: usize = 16;
@@ -214,28 +216,17 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
     if w.kind != QuantKind::Q6K {
         return rows16_wide(w, x, r0, r1, out);
     }
-    let halves = true;
+    // Q6_K: two half-block products per block, one weight tile at a time.
     let mut scratch = Scratch::new(w.nb);
     drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
-        configure(rr, halves);
+        configure(rr, true);
         // A tile's B operands are unpacked once, for all its row chunks.
         let fresh = scratch.tile != Some(t);
         scratch.tile = Some(t);
         // SAFETY: AMX and AVX-512 VNNI are available and this thread's
         // tiles are configured for `rr` rows (above); `drive_tiles` checked
         // that tile t and activation rows i0..i0 + rr exist.
-        unsafe {
-            match w.kind {
-                QuantKind::Q4_0 => tile::<Q4_0>(w, x, t, i0, rr, put, &mut scratch, fresh),
-                QuantKind::Q4_1 => tile::<Q4_1>(w, x, t, i0, rr, put, &mut scratch, fresh),
-                QuantKind::Q5_0 => tile::<Q5_0>(w, x, t, i0, rr, put, &mut scratch, fresh),
-                QuantKind::Q5_1 => tile::<Q5_1>(w, x, t, i0, rr, put, &mut scratch, fresh),
-                QuantKind::Q8_0 => tile::<Q8_0>(w, x, t, i0, rr, put, &mut scratch, fresh),
-                QuantKind::Q4K => tile::<Q4K>(w, x, t, i0, rr, put, &mut scratch, fresh),
-                QuantKind::Q5K => tile::<Q5K>(w, x, t, i0, rr, put, &mut scratch, fresh),
-                QuantKind::Q6K => tile::<Q6K>(w, x, t, i0, rr, put, &mut scratch, fresh),
-            }
-        }
+        unsafe { tile_q6k(w, x, t, i0, rr, put, &mut scratch, fresh) }
     });
 }
 
@@ -244,8 +235,7 @@ pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &m
 /// at most 16 activation rows.
 fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
     check_tiles(w, x, r0, r1, out);
-    let (n, nb, nr) = (x.n, w.nb, r1 - r0);
-    let per = n.div_ceil(n.div_ceil(MAX_ROWS).max(1));
+    let (n, nb) = (x.n, w.nb);
     // This thread's buffers, reused across calls: allocating and zeroing
     // them per call cost as much as the products at a few rows.
     thread_local! {
@@ -271,27 +261,53 @@ fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &
     if bufs.bt.len() < need {
         bufs.bt.resize(need, Aligned([0; 512]));
     }
-    let WideBuffers { bt, ct, res } = &mut *bufs;
+    // SAFETY: `available()` holds (asserted by the caller); `check_tiles`
+    // checked `w`, `x`, the rows and `out`; `bufs.bt` holds what `jit`
+    // needs.
+    unsafe {
+        match w.kind {
+            QuantKind::Q4_0 => groups::<Q4_0>(w, x, r0, r1, out, jit, &mut bufs),
+            QuantKind::Q4_1 => groups::<Q4_1>(w, x, r0, r1, out, jit, &mut bufs),
+            QuantKind::Q5_0 => groups::<Q5_0>(w, x, r0, r1, out, jit, &mut bufs),
+            QuantKind::Q5_1 => groups::<Q5_1>(w, x, r0, r1, out, jit, &mut bufs),
+            QuantKind::Q8_0 => groups::<Q8_0>(w, x, r0, r1, out, jit, &mut bufs),
+            QuantKind::Q4K => groups::<Q4K>(w, x, r0, r1, out, jit, &mut bufs),
+            QuantKind::Q5K => groups::<Q5K>(w, x, r0, r1, out, jit, &mut bufs),
+            QuantKind::Q6K => unreachable!("Q6_K runs per tile"),
+        }
+    }
+    BUFFERS.with(|b| *b.borrow_mut() = Some(bufs));
+}
+
+/// `rows16_wide` for kind `K`: weight tiles in groups of `WIDE`, each
+/// group against every balanced chunk of at most 16 activation rows.
+///
+/// # Safety
+/// `available()` holds; `K` is `w.kind` and not Q6_K; `w`, `x`, `r0..r1`
+/// and `out` passed `check_tiles`; `bufs.bt` holds `2 * WIDE` tiles if
+/// `jit` (one chunk), else `WIDE * w.nb` (Q8_0: none).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn groups<const K: u8>(
+    w: &QuantWeights,
+    x: &PlainActs<'_>,
+    r0: usize,
+    r1: usize,
+    out: &mut [f32],
+    jit: bool,
+    bufs: &mut WideBuffers,
+) {
+    let WideBuffers { bt, ct, res } = bufs;
+    let (n, nb, nr) = (x.n, w.nb, r1 - r0);
+    let per = n.div_ceil(n.div_ceil(MAX_ROWS).max(1));
     let t_end = r1.div_ceil(TILE);
     let mut t0 = r0 / TILE;
     while t0 < t_end {
         let nt = (t_end - t0).min(WIDE);
-        if w.kind != QuantKind::Q8_0 && !jit {
+        if K != Q8_0 && !jit {
             for j in 0..nt {
-                let dst = &mut bt[j * nb..(j + 1) * nb];
-                // SAFETY: `available()` holds (asserted by the caller);
-                // tile t0 + j exists (`check_tiles`); `dst` holds nb tiles.
-                unsafe {
-                    match w.kind {
-                        QuantKind::Q4_0 => unpack_tile::<Q4_0>(w, t0 + j, dst),
-                        QuantKind::Q4_1 => unpack_tile::<Q4_1>(w, t0 + j, dst),
-                        QuantKind::Q5_0 => unpack_tile::<Q5_0>(w, t0 + j, dst),
-                        QuantKind::Q5_1 => unpack_tile::<Q5_1>(w, t0 + j, dst),
-                        QuantKind::Q4K => unpack_tile::<Q4K>(w, t0 + j, dst),
-                        QuantKind::Q5K => unpack_tile::<Q5K>(w, t0 + j, dst),
-                        QuantKind::Q8_0 | QuantKind::Q6K => unreachable!("not unpacked here"),
-                    }
-                }
+                // SAFETY: tile t0 + j exists; the slice holds nb tiles.
+                unsafe { unpack_tile::<K>(w, t0 + j, &mut bt[j * nb..(j + 1) * nb]) };
             }
         }
         let mut i0 = 0;
@@ -300,19 +316,8 @@ fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &
             configure(rr, false);
             // SAFETY: AMX and AVX-512 VNNI are available, tiles configured
             // for rr rows (above); tiles t0..t0 + nt and rows i0..i0 + rr
-            // exist (`check_tiles`); `bt` holds the group unpacked.
-            unsafe {
-                match w.kind {
-                    QuantKind::Q4_0 => wide::<Q4_0>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
-                    QuantKind::Q4_1 => wide::<Q4_1>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
-                    QuantKind::Q5_0 => wide::<Q5_0>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
-                    QuantKind::Q5_1 => wide::<Q5_1>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
-                    QuantKind::Q8_0 => wide::<Q8_0>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
-                    QuantKind::Q4K => wide::<Q4K>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
-                    QuantKind::Q5K => wide::<Q5K>(w, x, t0, nt, i0, rr, bt, jit, ct, res),
-                    QuantKind::Q6K => unreachable!("Q6_K runs per tile"),
-                }
-            }
+            // exist; `bt` holds the group unpacked, or room for the ring.
+            unsafe { wide::<K>(w, x, t0, nt, i0, rr, bt, jit, ct, res) };
             for j in 0..nt {
                 let t = t0 + j;
                 let live = (r1 - t * TILE).min(TILE);
@@ -325,7 +330,6 @@ fn rows16_wide(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &
         }
         t0 += nt;
     }
-    BUFFERS.with(|b| *b.borrow_mut() = Some(bufs));
 }
 
 /// `rows16_wide`'s per-thread buffers; every element is written before it
@@ -358,107 +362,56 @@ fn configure(rows: usize, halves: bool) {
 /// C tiles per group of products (tmm4-tmm7).
 const GROUP: usize = 4;
 
-/// Up to 4 tile products in one sequence. Product `p` multiplies A from
+/// Four tile products in one sequence. Product `p` multiplies A from
 /// `a[p]` (row stride `sa`) by B from `b[p]` (stride 64) into C tile
 /// `4 + p`, stored to `c + p` (stride 64). C tiles are zeroed first, each
 /// product's A and B go to alternating registers (tmm0/tmm2, tmm1/tmm3),
 /// and the stores come after every product: a tile store waits for its
 /// product, so storing each product before the next would cost a
-/// product's whole latency per block instead of running them back to back.
+/// product's whole latency each time instead of running them back to back.
 ///
 /// # Safety
-/// This thread's tiles are configured; for each of the first `n` (1..=4)
-/// products, `a[p]`, `b[p]` and `c + p` hold the tiles the configuration
-/// describes at those strides.
+/// This thread's tiles are configured; for each product `p`, `a[p]`,
+/// `b[p]` and `c + p` hold the tiles the configuration describes at those
+/// strides.
 #[inline(always)]
 unsafe fn products(
     a: &[*const i8; GROUP],
     b: &[*const u8; GROUP],
     c: *mut [[i32; TILE]; MAX_ROWS],
-    n: usize,
     sa: usize,
 ) {
     let c = c as *mut u8;
     // SAFETY: the caller's guarantee.
     unsafe {
-        match n {
-            1 => asm!(
-                "tilezero tmm4",
-                "tileloadd tmm0, [{a0} + {sa}*1]",
-                "tileloadd tmm2, [{b0} + {s64}*1]",
-                "tdpbsud tmm4, tmm0, tmm2",
-                "tilestored [{c} + {s64}*1], tmm4",
-                a0 = in(reg) a[0], b0 = in(reg) b[0], c = in(reg) c,
-                sa = in(reg) sa, s64 = in(reg) 64usize,
-                options(nostack),
-            ),
-            2 => asm!(
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tileloadd tmm0, [{a0} + {sa}*1]",
-                "tileloadd tmm2, [{b0} + {s64}*1]",
-                "tdpbsud tmm4, tmm0, tmm2",
-                "tileloadd tmm1, [{a1} + {sa}*1]",
-                "tileloadd tmm3, [{b1} + {s64}*1]",
-                "tdpbsud tmm5, tmm1, tmm3",
-                "tilestored [{c} + {s64}*1], tmm4",
-                "tilestored [{c} + {s64}*1 + 1024], tmm5",
-                a0 = in(reg) a[0], b0 = in(reg) b[0],
-                a1 = in(reg) a[1], b1 = in(reg) b[1], c = in(reg) c,
-                sa = in(reg) sa, s64 = in(reg) 64usize,
-                options(nostack),
-            ),
-            3 => asm!(
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tilezero tmm6",
-                "tileloadd tmm0, [{a0} + {sa}*1]",
-                "tileloadd tmm2, [{b0} + {s64}*1]",
-                "tdpbsud tmm4, tmm0, tmm2",
-                "tileloadd tmm1, [{a1} + {sa}*1]",
-                "tileloadd tmm3, [{b1} + {s64}*1]",
-                "tdpbsud tmm5, tmm1, tmm3",
-                "tileloadd tmm0, [{a2} + {sa}*1]",
-                "tileloadd tmm2, [{b2} + {s64}*1]",
-                "tdpbsud tmm6, tmm0, tmm2",
-                "tilestored [{c} + {s64}*1], tmm4",
-                "tilestored [{c} + {s64}*1 + 1024], tmm5",
-                "tilestored [{c} + {s64}*1 + 2048], tmm6",
-                a0 = in(reg) a[0], b0 = in(reg) b[0],
-                a1 = in(reg) a[1], b1 = in(reg) b[1],
-                a2 = in(reg) a[2], b2 = in(reg) b[2], c = in(reg) c,
-                sa = in(reg) sa, s64 = in(reg) 64usize,
-                options(nostack),
-            ),
-            _ => asm!(
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tilezero tmm6",
-                "tilezero tmm7",
-                "tileloadd tmm0, [{a0} + {sa}*1]",
-                "tileloadd tmm2, [{b0} + {s64}*1]",
-                "tdpbsud tmm4, tmm0, tmm2",
-                "tileloadd tmm1, [{a1} + {sa}*1]",
-                "tileloadd tmm3, [{b1} + {s64}*1]",
-                "tdpbsud tmm5, tmm1, tmm3",
-                "tileloadd tmm0, [{a2} + {sa}*1]",
-                "tileloadd tmm2, [{b2} + {s64}*1]",
-                "tdpbsud tmm6, tmm0, tmm2",
-                "tileloadd tmm1, [{a3} + {sa}*1]",
-                "tileloadd tmm3, [{b3} + {s64}*1]",
-                "tdpbsud tmm7, tmm1, tmm3",
-                "tilestored [{c} + {s64}*1], tmm4",
-                "tilestored [{c} + {s64}*1 + 1024], tmm5",
-                "tilestored [{c} + {s64}*1 + 2048], tmm6",
-                "tilestored [{c} + {s64}*1 + 3072], tmm7",
-                a0 = in(reg) a[0], b0 = in(reg) b[0],
-                a1 = in(reg) a[1], b1 = in(reg) b[1],
-                a2 = in(reg) a[2], b2 = in(reg) b[2],
-                a3 = in(reg) a[3], b3 = in(reg) b[3], c = in(reg) c,
-                sa = in(reg) sa, s64 = in(reg) 64usize,
-                options(nostack),
-            ),
-        }
+        asm!(
+            "tilezero tmm4",
+            "tilezero tmm5",
+            "tilezero tmm6",
+            "tilezero tmm7",
+            "tileloadd tmm0, [{a0} + {sa}*1]",
+            "tileloadd tmm2, [{b0} + {s64}*1]",
+            "tdpbsud tmm4, tmm0, tmm2",
+            "tileloadd tmm1, [{a1} + {sa}*1]",
+            "tileloadd tmm3, [{b1} + {s64}*1]",
+            "tdpbsud tmm5, tmm1, tmm3",
+            "tileloadd tmm0, [{a2} + {sa}*1]",
+            "tileloadd tmm2, [{b2} + {s64}*1]",
+            "tdpbsud tmm6, tmm0, tmm2",
+            "tileloadd tmm1, [{a3} + {sa}*1]",
+            "tileloadd tmm3, [{b3} + {s64}*1]",
+            "tdpbsud tmm7, tmm1, tmm3",
+            "tilestored [{c} + {s64}*1], tmm4",
+            "tilestored [{c} + {s64}*1 + 1024], tmm5",
+            "tilestored [{c} + {s64}*1 + 2048], tmm6",
+            "tilestored [{c} + {s64}*1 + 3072], tmm7",
+            a0 = in(reg) a[0], b0 = in(reg) b[0],
+            a1 = in(reg) a[1], b1 = in(reg) b[1],
+            a2 = in(reg) a[2], b2 = in(reg) b[2],
+            a3 = in(reg) a[3], b3 = in(reg) b[3], c = in(reg) c,
+            sa = in(reg) sa, s64 = in(reg) 64usize,
+            options(nostack),
+        );
     }
 }
 
@@ -479,7 +432,6 @@ unsafe fn unpack<const K: u8>(
     dst: &mut [u8; 512],
 ) {
     let mask4 = _mm512_set1_epi8(0x0f);
-    let mhi = _mm512_set1_epi8(0x30);
     let five = matches!(K, Q5_0 | Q5_1 | Q5K);
     let pl = if five {
         // SAFETY: the caller's guarantee: 64 readable bytes at `plane`.
@@ -508,14 +460,7 @@ unsafe fn unpack<const K: u8>(
             wo = with_fifth_bits(wo, pl, 2 * u + 1);
         }
         if K == Q6K {
-            let h = hr[u / 2];
-            let (he, ho) = if u % 2 == 0 {
-                (_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<2>(h))
-            } else {
-                (h, _mm512_srli_epi16::<2>(h))
-            };
-            we = _mm512_or_si512(we, _mm512_and_si512(he, mhi));
-            wo = _mm512_or_si512(wo, _mm512_and_si512(ho, mhi));
+            (we, wo) = with_q6_high_bits(we, wo, &hr, u);
         }
         // SAFETY: steps 2u and 2u + 1 are bytes 128u..128u + 128 of `dst`.
         unsafe {
@@ -525,10 +470,10 @@ unsafe fn unpack<const K: u8>(
     }
 }
 
-/// Per-call buffers of the kernel: every unpacked B tile of the current
+/// Per-call buffers of `tile_q6k`: every unpacked B tile of the current
 /// weight tile, and two groups of stored C tiles. Every byte is written
 /// before it is read.
-pub(crate) struct Scratch {
+struct Scratch {
     tile: Option<usize>,
     bt: Vec<Aligned<[u8; 512]>>,
     ct: [Aligned<[[[i32; TILE]; MAX_ROWS]; GROUP]>; 2],
@@ -544,27 +489,22 @@ impl Scratch {
     }
 }
 
-/// The 16 rows of tile `t` against activation rows `i0..i0 + rr`, handed
-/// to `put`: per block, the exact int32 block dot products from one tile
-/// product, then per activation row the VNNI kernel's epilogue (integer
-/// offset correction, then its float accumulates in its order).
-///
-/// When `fresh`, the tile's blocks are first unpacked into `scratch` (Q8_0
-/// codes are used from the record as they are); later row chunks of the
-/// same tile reuse them. Products go in groups (4 blocks; Q6_K: 2
-/// sub-blocks of two half products), and a group's epilogue runs after the
-/// next group's products are issued, so the vector loads of its stored C
-/// tiles do not wait on the tile unit. Epilogues run in block order, so the
-/// float sums are the other paths'.
+/// The 16 rows of Q6_K tile `t` against activation rows `i0..i0 + rr`,
+/// handed to `put`: per sub-block, the exact int32 dot products of its two
+/// 16-element halves from two tile products, then per activation row the
+/// VNNI kernel's epilogue. When `fresh`, the tile's sub-blocks are first
+/// unpacked into `scratch`; later row chunks of the same tile reuse them.
+/// Products go in groups of two sub-blocks (four products), and a group's
+/// epilogue runs after the next group's products are issued.
 ///
 /// # Safety
-/// AMX (configured for `rr` rows, Q6_K with half blocks) and AVX-512
-/// VNNI/F16C are available; tile `t` and activation rows `i0..i0 + rr`
+/// AMX (configured for `rr` rows and half blocks) and AVX-512 VNNI/F16C
+/// are available; `w` is Q6_K; tile `t` and activation rows `i0..i0 + rr`
 /// exist (as `drive_tiles` checks); `1 <= rr <= MAX_ROWS`; `scratch` was
 /// made for `w.nb` blocks, and if not `fresh` holds tile `t` unpacked.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile<const K: u8>(
+unsafe fn tile_q6k(
     w: &QuantWeights,
     x: &PlainActs<'_>,
     t: usize,
@@ -575,25 +515,18 @@ unsafe fn tile<const K: u8>(
     fresh: bool,
 ) {
     let nb = w.nb;
-    let is_k = matches!(K, Q4K | Q5K | Q6K);
-    let subs = if is_k { SUBS } else { 1 };
     let rec = tile_record_bytes(w.kind);
-    let cb = TILE * w.kind.block_bytes();
-    let base = w.qs.as_ptr().wrapping_add(t * (nb / subs) * rec);
-    // Block b's record and its index inside it.
-    let record = |b: usize| (base.wrapping_add((b / subs) * rec), b % subs);
+    assert!(w.kind == QuantKind::Q6K && nb.is_multiple_of(SUBS) && scratch.bt.len() >= nb);
+    let base = w.qs.as_ptr().wrapping_add(t * (nb / SUBS) * rec);
     // Activation row stride in bytes, and row i0's first code.
     let sa = nb * QK;
     let xa = x.qs.as_ptr().wrapping_add(i0 * sa);
-    // Blocks per group, groups, and the blocks of group g.
-    let bpg = if K == Q6K { GROUP / 2 } else { GROUP };
-    let ng = nb.div_ceil(bpg);
-    let blocks = |g: usize| g * bpg..((g + 1) * bpg).min(nb);
-    assert!(scratch.bt.len() >= nb);
-    if fresh && K != Q8_0 {
+    // Two sub-blocks (four half products) per group; nb is a multiple of 8.
+    let ng = nb / 2;
+    if fresh {
         // SAFETY: tile t exists (the caller's guarantee) and `scratch`
         // holds `nb` blocks.
-        unsafe { unpack_tile::<K>(w, t, &mut scratch.bt[..nb]) };
+        unsafe { unpack_tile::<Q6K>(w, t, &mut scratch.bt[..nb]) };
     }
     let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
     for it in 0..ng + 1 {
@@ -601,44 +534,42 @@ unsafe fn tile<const K: u8>(
             let g = it;
             let mut pa = [core::ptr::null::<i8>(); GROUP];
             let mut pb = [core::ptr::null::<u8>(); GROUP];
-            let mut n = 0;
-            for b in blocks(g) {
+            for k in 0..2 {
+                let b = 2 * g + k;
                 let a = xa.wrapping_add(b * QK);
                 let bp = scratch.bt[b].0.as_ptr();
-                if K == Q6K {
-                    pa[n] = a;
-                    pb[n] = bp;
-                    pa[n + 1] = a.wrapping_add(16);
-                    pb[n + 1] = bp.wrapping_add(256);
-                    n += 2;
-                } else {
-                    pa[n] = a;
-                    pb[n] = if K == Q8_0 { record(b).0 } else { bp };
-                    n += 1;
-                }
+                (pa[2 * k], pb[2 * k]) = (a, bp);
+                (pa[2 * k + 1], pb[2 * k + 1]) = (a.wrapping_add(16), bp.wrapping_add(256));
             }
-            // SAFETY: the tiles are configured for rr rows; product p's A
-            // is rr rows of 32 (Q6_K: 16) bytes of an activation block at
-            // the row stride, which exist; its B the 512 (Q6_K: 256)
-            // unpacked bytes in `scratch` or Q8_0's 512 record code bytes;
-            // its C rr rows of 64 bytes in group slot p of `ct`.
-            unsafe { products(&pa, &pb, scratch.ct[g % 2].0.as_mut_ptr(), n, sa) };
+            // SAFETY: the tiles are configured for rr rows and half blocks;
+            // product p's A is rr rows of 16 bytes of an activation block
+            // at the row stride, which exist; its B 256 unpacked bytes in
+            // `scratch`; its C rr rows of 64 bytes in group slot p.
+            unsafe { products(&pa, &pb, scratch.ct[g % 2].0.as_mut_ptr(), sa) };
         }
         if it >= 1 {
             let g = it - 1;
-            for (k, b) in blocks(g).enumerate() {
-                let (blk, j) = record(b);
-                let c = &scratch.ct[g % 2].0;
-                let (c0, c1) = if K == Q6K {
-                    (&c[2 * k], &c[2 * k + 1])
-                } else {
-                    (&c[k], &c[k])
+            let c = &scratch.ct[g % 2].0;
+            for k in 0..2 {
+                let b = 2 * g + k;
+                let blk = base.wrapping_add((b / SUBS) * rec);
+                // SAFETY: block b is sub-block b % 8 of record `blk`; the
+                // slot holds its two half products for rr rows; activation
+                // rows i0..i0 + rr exist.
+                unsafe {
+                    epilogue::<Q6K>(
+                        blk,
+                        b % SUBS,
+                        0,
+                        &c[2 * k],
+                        &c[2 * k + 1],
+                        x,
+                        i0 * nb + b,
+                        nb,
+                        rr,
+                        &mut acc,
+                    )
                 };
-                let xb0 = i0 * nb + b;
-                // SAFETY: block b lies in record `blk` (sub-block j); `c0`
-                // (and Q6_K's `c1`) hold its stored products for rr rows;
-                // activation rows i0..i0 + rr exist.
-                unsafe { epilogue::<K>(blk, j, cb, c0, c1, x, xb0, nb, rr, &mut acc) };
             }
         }
     }
@@ -825,8 +756,8 @@ unsafe fn unpack_block<const K: u8>(
 }
 
 /// Weight tiles one pass of `wide` serves together, sharing each A tile
-/// (C tiles tmm4-tmm7).
-const WIDE: usize = 4;
+/// (one C tile each: tmm4-tmm7).
+const WIDE: usize = GROUP;
 
 /// One block's products for `WIDE` weight tiles: the block's A tile
 /// (tmm0, or tmm1 when `odd`, so the next block's A load need not wait for

@@ -327,7 +327,6 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
     let split = R <= 2;
     let base = w.qs.as_ptr().wrapping_add(t * nsb * rec);
     let mask4 = _mm512_set1_epi8(0x0f);
-    let mhi = _mm512_set1_epi8(0x30);
     let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); R];
     for sb in 0..nsb {
@@ -397,14 +396,7 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
                     wo = with_fifth_bits(wo, plane5, 2 * u + 1);
                 }
                 if K == Q6K {
-                    let h = hr[u / 2];
-                    let (he, ho) = if u % 2 == 0 {
-                        (_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<2>(h))
-                    } else {
-                        (h, _mm512_srli_epi16::<2>(h))
-                    };
-                    we = _mm512_or_si512(we, _mm512_and_si512(he, mhi));
-                    wo = _mm512_or_si512(wo, _mm512_and_si512(ho, mhi));
+                    (we, wo) = with_q6_high_bits(we, wo, &hr, u);
                 }
                 for r in 0..R {
                     // SAFETY: blocks xb exist; steps 2u, 2u + 1 are below 8.
@@ -469,4 +461,29 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
         unsafe { _mm512_storeu_ps(o[r].as_mut_ptr(), acc[r]) };
     }
     o
+}
+
+/// Q6_K's unpacked low nibbles of steps 2u (`we`) and 2u + 1 (`wo`) with
+/// their top two bits merged in at bits 4-5, from the sub-block's two
+/// 64-byte high-bit planes `hr` (steps 4c..4c + 4 in plane c, step 4c + k
+/// at bits 2k..2k + 2; 16-bit shifts, then a 0x30 mask).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) fn with_q6_high_bits(
+    we: __m512i,
+    wo: __m512i,
+    hr: &[__m512i; 2],
+    u: usize,
+) -> (__m512i, __m512i) {
+    let mhi = _mm512_set1_epi8(0x30);
+    let h = hr[u / 2];
+    let (he, ho) = if u.is_multiple_of(2) {
+        (_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<2>(h))
+    } else {
+        (h, _mm512_srli_epi16::<2>(h))
+    };
+    (
+        _mm512_or_si512(we, _mm512_and_si512(he, mhi)),
+        _mm512_or_si512(wo, _mm512_and_si512(ho, mhi)),
+    )
 }
