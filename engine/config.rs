@@ -63,6 +63,17 @@ pub struct EngineSection {
     pub prefix_cache: bool,
     /// Most cached prefix blocks (0: a quarter of the KV budget).
     pub prefix_cache_blocks: usize,
+    /// `fair` (default): admission, running slots and prefill budget are
+    /// shared across requests by priority, so one request's many prompts
+    /// cannot hold every other request's first token; `fcfs`: first come,
+    /// first served by sequence.
+    pub scheduling: crate::speculative::fairness::Scheduling,
+    /// Most prompt tokens one step prefills (chunked prefill, within
+    /// `max_batch_tokens`): a step's time is every running sequence's
+    /// time per output token and a new request's wait before its prefill
+    /// starts. On the CPUs measured, chunks past 64-128 tokens gain no
+    /// prefill throughput (docs/performance.md).
+    pub max_prefill_tokens: usize,
 }
 
 impl Default for EngineSection {
@@ -78,6 +89,8 @@ impl Default for EngineSection {
             draft_pricing: DraftPricing::Measured,
             prefix_cache: true,
             prefix_cache_blocks: 0,
+            scheduling: Default::default(),
+            max_prefill_tokens: 64,
         }
     }
 }
@@ -176,6 +189,15 @@ pub struct ServerSection {
     pub port: u16,
     /// Bearer token; `SPECD_API_KEY` overrides; empty: no auth.
     pub api_key: String,
+    /// More accepted bearer tokens, one per client: per-client limits
+    /// count by key (without keys, by peer address).
+    pub api_keys: Vec<String>,
+    /// Most sequences (prompts x `n`) one client may have unfinished at
+    /// once; a request past it gets 429 with `Retry-After` (0: no limit).
+    pub max_client_sequences: usize,
+    /// Most prompt tokens one client may have in unfinished requests at
+    /// once (0: no limit).
+    pub max_client_prompt_tokens: usize,
     /// Waiting requests beyond which new ones get 429.
     pub max_queue: usize,
     /// Seconds in-flight requests get to finish on SIGTERM/SIGINT.
@@ -215,6 +237,9 @@ impl Default for ServerSection {
             host: "127.0.0.1".into(),
             port: 8000,
             api_key: String::new(),
+            api_keys: Vec::new(),
+            max_client_sequences: 0,
+            max_client_prompt_tokens: 0,
             max_queue: 256,
             shutdown_grace_secs: 10,
             allow_request_proposer: true,
@@ -560,6 +585,15 @@ impl Config {
                 "server.max_queue must be at least 1 (requests wait there to be admitted)".into(),
             );
         }
+        if self.engine.max_prefill_tokens == 0 {
+            return err(
+                "engine.max_prefill_tokens must be at least 1 (no prompt could ever be prefilled)"
+                    .into(),
+            );
+        }
+        if self.server.api_keys.iter().any(|k| k.trim().is_empty()) {
+            return err("server.api_keys: a key must not be empty".into());
+        }
         Ok(())
     }
 
@@ -771,6 +805,8 @@ impl Config {
         s.draft_cost = self.engine.draft_cost;
         s.measured_pricing = self.engine.draft_pricing == DraftPricing::Measured;
         s.default_proposer = Some(self.engine.default_proposer.clone()).filter(|p| p != "none");
+        s.scheduling = self.engine.scheduling;
+        s.max_prefill_tokens = self.engine.max_prefill_tokens;
     }
 
     /// Plan a reload from `new` (the config file read again): what a reload
@@ -943,6 +979,8 @@ mod tests {
             ("[engine]\ndraft_cost = nan\n", "engine.draft_cost must be a finite number >= 0"),
             ("[engine]\ndraft_cost = -0.5\n", "engine.draft_cost must be a finite number >= 0"),
             ("[server]\nmax_queue = 0\n", "server.max_queue must be at least 1"),
+            ("[server]\napi_keys = [\"a\", \"\"]\n", "server.api_keys: a key must not be empty"),
+            ("[engine]\nscheduling = \"lifo\"\n", "unknown variant `lifo`"),
             ("[ab]\nrepeats = 0\n", "ab.repeats and ab.bootstrap must be at least 1"),
             ("[ab]\nbootstrap = 0\n", "ab.repeats and ab.bootstrap must be at least 1"),
             (

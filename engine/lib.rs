@@ -4,6 +4,7 @@
 
 pub mod ab;
 pub mod bench;
+pub mod bench_load;
 pub mod config;
 pub mod distill;
 pub mod error;

@@ -7,6 +7,7 @@ mod cli;
 
 use cli::ab::AbArgs;
 use cli::bench::BenchArgs;
+use cli::bench_load::BenchLoadArgs;
 use cli::distill::DistillCmd;
 use cli::generate::GenerateArgs;
 use cli::quantize::QuantizeArgs;
@@ -29,6 +30,9 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Measure prefill, decode and k-token verify cost of a model.
     BenchModel(BenchArgs),
+    /// Interactive chats beside long-prompt batches: time to first token
+    /// under fair and FCFS scheduling.
+    BenchLoad(BenchLoadArgs),
     /// A/B-compare proposer strategies on Spec-Bench, HumanEval or a JSONL.
     Ab(AbArgs),
     /// Train models for speculation.
@@ -82,6 +86,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Ab(a) => cli::ab::run(a),
         Cmd::Distill { what } => cli::distill::run(what),
         Cmd::BenchModel(a) => cli::bench::run(a),
+        Cmd::BenchLoad(a) => cli::bench_load::run(a),
         Cmd::PluginHost { socket } => Ok(specd::plugins::host::serve(&socket)?),
     }
 }

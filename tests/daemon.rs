@@ -1327,3 +1327,182 @@ fn the_served_context_is_what_the_kv_budget_holds() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["usage"]["completion_tokens"], 200);
 }
+
+/// [fairness]: one request carrying 64 long prompts cannot hold other
+/// clients' first tokens. Small requests sent while it runs each finish
+/// (first token included) within a bound of a few steps: a fifth of the
+/// time the large request takes alone, about five steps of 256 tokens
+/// (first come, first served makes them wait for nearly all of it). The
+/// large request's outputs are the ones it gets alone, and `/metrics`
+/// has the queue-wait and time-to-first-token histograms by priority.
+#[test]
+fn a_large_batch_cannot_hold_other_requests_first_tokens() {
+    let d = Daemon::start(
+        "[engine]\nmax_running = 8\nmax_batch_tokens = 256\n[server]\nmax_queue = 256\n",
+        &[],
+    );
+    let prompts: Vec<Vec<u32>> = (0..64u32)
+        .map(|i| {
+            (0..120u32)
+                .map(|j| 300 + (i * 131 + j * 17) % 20000)
+                .collect()
+        })
+        .collect();
+    let big = json!({"prompt": prompts, "max_tokens": 3, "temperature": 0,
+                     "speculation": {"proposer": "none"}});
+    let t = Instant::now();
+    let alone = d.post("/v1/completions", &big);
+    let alone_s = t.elapsed().as_secs_f64();
+    assert_eq!(alone.status, 200, "{}", alone.body);
+    let texts = |r: &serde_json::Value| -> Vec<String> {
+        r["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let alone = texts(&alone.json());
+    let small = json!({"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 1,
+                       "temperature": 0});
+    let t = Instant::now();
+    assert_eq!(d.post("/v1/chat/completions", &small).status, 200);
+    let small_alone = t.elapsed().as_secs_f64();
+    let (addr, body) = (d.addr.clone(), big.to_string());
+    let h = std::thread::spawn(move || {
+        common::http(&addr, "POST", "/v1/completions", Some(&body), &[])
+    });
+    // The large request is in: its sequences fill the queue.
+    let t = Instant::now();
+    while d.metric("specd_queue_length") < 8.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the batch never queued"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let bound = (alone_s / 5.0).max(small_alone + 0.5);
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let r = d.post("/v1/chat/completions", &small);
+        assert_eq!(r.status, 200, "{}", r.body);
+        waits.push(t.elapsed().as_secs_f64());
+    }
+    let loaded = h.join().unwrap();
+    let total_s = t.elapsed().as_secs_f64();
+    eprintln!(
+        "large alone {alone_s:.2} s, small alone {small_alone:.3} s; small under load {waits:.3?} s (bound {bound:.2} s); large under load done {total_s:.2} s after the last small one started"
+    );
+    for w in &waits {
+        assert!(
+            *w <= bound,
+            "small request took {w:.2} s under load (bound {bound:.2} s)"
+        );
+    }
+    assert!(total_s > 0.0);
+    assert_eq!(loaded.status, 200, "{}", loaded.body);
+    assert_eq!(texts(&loaded.json()), alone, "the large request's outputs");
+    // Histograms by priority, every admitted sequence counted.
+    let m = d.request("GET", "/metrics", None, &[]).body;
+    assert!(
+        m.contains("specd_time_to_first_token_seconds_bucket{priority=\"0\",le=\"0.5\"}"),
+        "{m}"
+    );
+    assert!(d.metric_where("specd_queue_wait_seconds_count", "priority=\"0\"") >= 128.0 + 4.0);
+    wait_kv_zero(&d);
+}
+
+/// Per-client limits (`[server] max_client_sequences`,
+/// `max_client_prompt_tokens`), counted per API key: over a limit, 429
+/// with `Retry-After` naming it, while other clients pass; a request that
+/// could never fit gets 400; the share comes back when the request ends.
+/// `priority` must be an integer.
+#[test]
+fn per_client_limits_answer_429_and_priority_is_validated() {
+    let d = Daemon::start(
+        "[server]\napi_keys = [\"alice\", \"bob\"]\nmax_client_sequences = 4\nmax_client_prompt_tokens = 200\n",
+        &[],
+    );
+    let key = |k: &'static str| {
+        vec![(
+            "Authorization",
+            if k == "alice" {
+                "Bearer alice"
+            } else {
+                "Bearer bob"
+            },
+        )]
+    };
+    let post = |k: &'static str, body: serde_json::Value| {
+        d.request("POST", "/v1/completions", Some(&body.to_string()), &key(k))
+    };
+    let long = json!({"prompt": ["Tell me a story.", "Tell me a joke.", "Count to ten."],
+                      "max_tokens": 200, "temperature": 0, "ignore_eos": true});
+    let (addr, body) = (d.addr.clone(), long.to_string());
+    let h = std::thread::spawn(move || {
+        common::http(
+            &addr,
+            "POST",
+            "/v1/completions",
+            Some(&body),
+            &[("Authorization", "Bearer alice")],
+        )
+    });
+    let t = Instant::now();
+    while d.metric("specd_requests_accepted_total") < 3.0 {
+        assert!(t.elapsed() < Duration::from_secs(20));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let two = json!({"prompt": ["Hello", "World"], "max_tokens": 2});
+    let r = post("alice", two.clone());
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(
+        r.headers.to_ascii_lowercase().contains("retry-after: 1"),
+        "{}",
+        r.headers
+    );
+    assert_eq!(r.json()["error"]["code"], "client_limit");
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("max_client_sequences"), "{msg}");
+    // Another key is another client.
+    assert_eq!(post("bob", two.clone()).status, 200);
+    // Too many prompt tokens in flight for alice; too many on its own.
+    // (190 words: 191 tokens, under the limit alone.)
+    let one = json!({"prompt": "word ".repeat(190), "max_tokens": 1});
+    let r = post("alice", one);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.body.contains("max_client_prompt_tokens"), "{}", r.body);
+    let r = post(
+        "bob",
+        json!({"prompt": "word ".repeat(500), "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("max_client_prompt_tokens"), "{}", r.body);
+    let r = post("bob", json!({"prompt": "x", "n": 5, "max_tokens": 1}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(h.join().unwrap().status, 200);
+    // Alice's share is back.
+    assert_eq!(post("alice", two).status, 200);
+    // priority: an integer, lower first.
+    for (bad, got) in [
+        (json!("high"), "a string"),
+        (json!(1.5), "1.5"),
+        (json!(1u64 << 40), "1099511627776"),
+    ] {
+        let r = post(
+            "bob",
+            json!({"prompt": "x", "max_tokens": 1, "priority": bad}),
+        );
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], "priority");
+        assert!(r.body.contains(got), "{}", r.body);
+    }
+    let r = post(
+        "bob",
+        json!({"prompt": "x", "max_tokens": 1, "priority": -5}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(d.metric_where("specd_time_to_first_token_seconds_count", "priority=\"-5\"") >= 1.0);
+    wait_kv_zero(&d);
+}

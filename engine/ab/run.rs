@@ -155,6 +155,8 @@ pub(super) fn arm_request(
         logprobs: None,
         fork_of: None,
         prompt_logprobs: None,
+        priority: 0,
+        group: None,
     }
 }
 

@@ -8,15 +8,7 @@ use super::{ArmSummary, Mismatch, Record};
 use crate::sampler::Rng;
 use crate::speculative::SpecStats;
 
-fn percentile(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let idx = ((s.len() - 1) as f64 * q).round() as usize;
-    s[idx]
-}
+use crate::bench_load::percentile;
 
 /// Summaries of `records` per arm, speedup against `plain`.
 pub fn summarize(

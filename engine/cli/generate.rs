@@ -230,6 +230,8 @@ fn run_batch(
                 logprobs: None,
                 fork_of: None,
                 prompt_logprobs: None,
+                priority: 0,
+                group: None,
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }

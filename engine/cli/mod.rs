@@ -12,6 +12,7 @@ use specd::tokenizer::{ChatMessage, Tokenizer};
 
 pub mod ab;
 pub mod bench;
+pub mod bench_load;
 pub mod distill;
 pub mod fetch;
 pub mod generate;

@@ -98,7 +98,21 @@ pub fn run(a: ServeArgs) -> Result<()> {
         print!("{}", toml::to_string_pretty(&shown)?);
         return Ok(());
     }
+    // Latencies users set objectives on are real histograms (bucketed,
+    // aggregatable across servers); the rest stay summaries.
+    const LATENCY_BUCKETS: [f64; 14] = [
+        0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    ];
+    use metrics_exporter_prometheus::Matcher;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("specd_queue_wait_seconds".into()),
+            &LATENCY_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full("specd_time_to_first_token_seconds".into()),
+            &LATENCY_BUCKETS,
+        )?
         .install_recorder()
         .context("installing the metrics recorder")?;
     let (model_path, model) = cfg

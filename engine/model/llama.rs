@@ -60,6 +60,8 @@ impl Weights {
 pub enum Logits {
     None,
     Last,
+    /// The last n positions (a prefill's last chunk with drafts after it).
+    Tail(usize),
     All,
 }
 
@@ -426,6 +428,7 @@ impl Model {
                 Logits::None => {}
                 Logits::Last if m.n > 0 => rows.push(m.start + m.n - 1),
                 Logits::Last => {}
+                Logits::Tail(k) => rows.extend(m.start + m.n - k.min(m.n)..m.start + m.n),
                 Logits::All => rows.extend(m.start..m.start + m.n),
             }
         }
@@ -445,6 +448,7 @@ impl Model {
             let nrows = match s.logits {
                 Logits::None => 0,
                 Logits::Last => usize::from(m.n > 0),
+                Logits::Tail(k) => k.min(m.n),
                 Logits::All => m.n,
             };
             out.rows = nrows;

@@ -3,12 +3,16 @@
 //! Rooms: `requests` (serde request types and their validation into an
 //! engine `Request`), `errors` (`ApiError` and the mapping of engine errors
 //! to HTTP codes), `sse` (response shapes, server-sent events, the abort
-//! guard), `routes` (the handlers and the route table).
+//! guard), `limits` (per-client limits), `routes` (the handlers and the
+//! route table).
 //!
 //! Invariants:
 //! - Every request is validated before the engine sees it; a bad field
-//!   answers 400 with an OpenAI-style error naming it, a full queue 429 with
-//!   `Retry-After`, an unknown model 404; nothing accepted is lost.
+//!   answers 400 with an OpenAI-style error naming it, a full queue or a
+//!   client over its `[server]` limits 429 with `Retry-After`, an unknown
+//!   model 404; nothing accepted is lost.
+//! - The sequences of one request (its prompts and choices) share one
+//!   scheduling group, so fair scheduling shares slots between requests.
 //! - A request whose client goes away (stream dropped, connection closed) is
 //!   aborted, which frees its KV blocks at the next step.
 //! - Usage in every response (and the final SSE chunk) comes from the
@@ -28,6 +32,7 @@ use crate::tokenizer::Tokenizer;
 
 pub mod admin;
 pub mod errors;
+pub mod limits;
 pub mod requests;
 mod routes;
 mod sse;
@@ -48,7 +53,10 @@ pub struct AppState {
     /// The config file as last applied (a reload compares against it).
     file_config: RwLock<Arc<Config>>,
     pub max_seq_len: usize,
-    pub api_key: Option<String>,
+    /// Accepted bearer tokens (empty: no auth).
+    pub api_keys: Vec<String>,
+    /// What each client has in flight (`[server]` per-client limits).
+    pub clients: Arc<limits::ClientLoads>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub ready: AtomicBool,
     /// Draws traffic-split arms.
@@ -67,12 +75,19 @@ pub struct AppParts {
     pub config: Config,
     /// The config file as read.
     pub file_config: Config,
+    /// `SPECD_API_KEY` or `[server] api_key`, if any (`api_keys` join it).
     pub api_key: Option<String>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 impl AppState {
     pub fn new(p: AppParts) -> Self {
+        let api_keys = p
+            .api_key
+            .clone()
+            .into_iter()
+            .chain(p.config.server.api_keys.iter().cloned())
+            .collect();
         Self {
             engine: p.engine,
             // The context the engine serves (the KV budget may hold less
@@ -83,7 +98,8 @@ impl AppState {
             model_name: p.model_name,
             config: RwLock::new(Arc::new(p.config)),
             file_config: RwLock::new(Arc::new(p.file_config)),
-            api_key: p.api_key,
+            api_keys,
+            clients: Arc::default(),
             metrics: p.metrics,
             ready: AtomicBool::new(true),
             split_rng: std::sync::Mutex::new(crate::sampler::Rng::new(0x5eed)),

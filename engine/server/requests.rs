@@ -152,6 +152,8 @@ pub struct Common {
     pub stop: Option<Stop>,
     pub ignore_eos: Option<Flag>,
     pub speculation: Option<Speculation>,
+    /// Scheduling priority (vLLM's field): an integer, lower runs first.
+    pub priority: Option<Value>,
     // Fields this server does not implement: accepted only when they ask
     // for nothing (null, empty, or the default), else a 400 naming them.
     pub top_logprobs: Option<Value>,
@@ -622,6 +624,27 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         }
         Some(Stop::Many(v)) => v,
     };
+    let priority = match &c.priority {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_i64()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| {
+                ApiError::bad_field(
+                    "priority",
+                    format!(
+                        "`priority` must be an integer from {} to {} (lower runs first), got {}",
+                        i32::MIN,
+                        i32::MAX,
+                        if v.is_number() {
+                            v.to_string()
+                        } else {
+                            type_name(v).to_string()
+                        }
+                    ),
+                )
+            })?,
+    };
     let spec = c.speculation.unwrap_or_default();
     let config = st.config();
     let mut proposer = None;
@@ -666,6 +689,8 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             logprobs,
             fork_of: None,
             prompt_logprobs: None,
+            priority,
+            group: None,
         },
         stream,
         include_usage,

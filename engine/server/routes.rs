@@ -25,15 +25,15 @@ fn now() -> u64 {
 }
 
 pub(super) fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiError> {
-    let Some(key) = &st.api_key else {
+    if st.api_keys.is_empty() {
         return Ok(());
-    };
+    }
     let got = req
         .headers()
         .get("authorization")
         .and_then(|h| h.to_str().ok())
         .and_then(|h| h.strip_prefix("Bearer "));
-    if got == Some(key.as_str()) {
+    if got.is_some_and(|g| st.api_keys.iter().any(|k| k == g)) {
         Ok(())
     } else {
         Err(ApiError {
@@ -97,7 +97,7 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
             p.req.prompt_logprobs = p.req.logprobs;
         }
     }
-    run_choices(&st, parsed, Kind::Completion, echo).await
+    run_choices(&st, &req, parsed, Kind::Completion, echo).await
 }
 
 /// Seed of choice `j` of a request seeded `seed` (choice 0 keeps it, so
@@ -113,6 +113,7 @@ fn choice_seed(seed: u64, j: usize) -> u64 {
 /// submitted are aborted (their guards drop).
 async fn run_choices(
     st: &State,
+    http: &HttpRequest,
     parsed: Vec<Parsed>,
     kind: Kind,
     echo: Option<Echo>,
@@ -134,6 +135,20 @@ async fn run_choices(
             ),
         ));
     }
+    // The client's limits: the whole request or nothing. Its prompt
+    // tokens count once per prompt (choices share their prompt's KV).
+    let config = st.config();
+    let server = &config.server;
+    let lease = st.clients.acquire(
+        &super::limits::client_of(http, !st.api_keys.is_empty()),
+        parsed.len() * n,
+        parsed.iter().map(|p| p.req.prompt.len()).sum(),
+        super::limits::Limits {
+            max_sequences: server.max_client_sequences,
+            max_prompt_tokens: server.max_client_prompt_tokens,
+        },
+    )?;
+    let lease = std::sync::Arc::new(lease);
     let mut parts = Vec::with_capacity(parsed.len() * n);
     let mut first_id = None;
     for p in parsed {
@@ -142,6 +157,8 @@ async fn run_choices(
             let mut r = p.req.clone();
             r.params.seed = choice_seed(p.req.params.seed, j);
             r.fork_of = first_of_prompt;
+            // Every prompt and choice of this request: one group.
+            r.group = first_id;
             let (id, rx) = st.engine.submit(r).await.map_err(ApiError::from)?;
             first_id.get_or_insert(id);
             first_of_prompt.get_or_insert(id);
@@ -151,6 +168,7 @@ async fn run_choices(
                     engine: st.engine.clone(),
                     id,
                     armed: true,
+                    _lease: lease.clone(),
                 },
             ));
         }
@@ -213,7 +231,7 @@ async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, 
     let common: Common = requests::from_body(&body)?;
     let ids = requests::encode_chat(&st, &messages)?;
     let parsed = requests::validate(common, &st, ids)?;
-    run_choices(&st, vec![parsed], Kind::Chat, None).await
+    run_choices(&st, &req, vec![parsed], Kind::Chat, None).await
 }
 
 async fn models(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {

@@ -262,6 +262,9 @@ pub(super) struct AbortGuard {
     pub(super) engine: EngineHandle,
     pub(super) id: SeqId,
     pub(super) armed: bool,
+    /// The request's share of its client's limits, given back when the
+    /// last of its choices' guards goes.
+    pub(super) _lease: std::sync::Arc<super::limits::Lease>,
 }
 
 impl Drop for AbortGuard {

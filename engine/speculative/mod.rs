@@ -7,6 +7,8 @@
 //! - `accept`: pure acceptance rules (greedy and rejection sampling).
 //! - `kv_manager`: the block budget for every cache (plain struct).
 //! - `scheduler`: sequence states, admission, batching, preemption, stops.
+//! - `fairness`: which request is admitted, preempted and prefilled next
+//!   (fair across requests, by priority).
 //! - `engine`: one synchronous step (draft -> verify -> accept -> commit)
 //!   over the plain structs; tests drive it directly.
 //! - `actors`: actix shells that move the same structs onto their own
@@ -17,6 +19,7 @@ pub mod actors;
 pub mod compose;
 pub mod drafter;
 pub mod driver;
+pub mod fairness;
 pub mod kv_manager;
 pub mod pipeline;
 pub mod policy;
@@ -58,6 +61,14 @@ pub struct Request {
     /// Also report the prompt tokens' log-probabilities (from the second
     /// token on) with this many alternatives (`echo` with `logprobs`).
     pub prompt_logprobs: Option<usize>,
+    /// Scheduling priority: lower runs first (vLLM's convention); 0 is
+    /// the default. A better priority is admitted, given prefill budget
+    /// and kept in its slot before any worse one.
+    pub priority: i32,
+    /// The API request this sequence belongs to (its prompts and choices
+    /// share one): the unit fair scheduling shares slots and prefill
+    /// budget between. `None`: a group of its own.
+    pub group: Option<SeqId>,
 }
 
 /// Most alternatives a request may ask for per token.
@@ -109,6 +120,8 @@ impl Request {
             logprobs: None,
             fork_of: None,
             prompt_logprobs: None,
+            priority: 0,
+            group: None,
         }
     }
 }

@@ -282,9 +282,10 @@ impl Step {
                     fork_from: None,
                     prompt_logprobs: it.prompt_logprobs.clone(),
                 },
-                Work::Decode { last, .. } => {
+                Work::Decode { last, prefix, .. } => {
                     let draft = self.drafts.entry(it.seq).or_default();
-                    let mut tokens = Vec::with_capacity(1 + draft.tokens.len());
+                    let mut tokens = Vec::with_capacity(prefix.len() + 1 + draft.tokens.len());
+                    tokens.extend_from_slice(prefix);
                     tokens.push(*last);
                     tokens.extend_from_slice(&draft.tokens);
                     // The root (the last committed token) is new token 0;
@@ -296,11 +297,16 @@ impl Step {
                         .parents
                         .as_ref()
                         .is_none_or(|p| p.iter().enumerate().all(|(i, &x)| x == i as i32 - 1));
+                    // A prefill's last chunk: the prompt's rest is a chain
+                    // before the root.
+                    let p = prefix.len();
                     let tree = (!linear).then(|| TreeMask {
-                        parents: std::iter::once(None)
+                        parents: (0..p)
+                            .map(|i| i.checked_sub(1))
+                            .chain(std::iter::once(p.checked_sub(1)))
                             .chain(
                                 (0..draft.tokens.len())
-                                    .map(|i| Some(draft.parent(i).map_or(0, |p| p + 1))),
+                                    .map(|i| Some(draft.parent(i).map_or(p, |q| p + q + 1))),
                             )
                             .collect(),
                     });
@@ -308,7 +314,12 @@ impl Step {
                         seq: it.seq,
                         cache_len: it.cache_len,
                         tokens,
-                        logits: Logits::All,
+                        // Rows from the root on.
+                        logits: if prefix.is_empty() {
+                            Logits::All
+                        } else {
+                            Logits::Tail(1 + draft.tokens.len())
+                        },
                         hidden_layers: it.hidden_layers.clone(),
                         tree,
                         moves: it.moves.clone(),
@@ -337,7 +348,7 @@ impl Step {
         let decodes = self
             .items
             .iter()
-            .filter(|i| matches!(i.work, Work::Decode { .. }))
+            .filter(|i| matches!(&i.work, Work::Decode { prefix, .. } if prefix.is_empty()))
             .count();
         let decode_only = decodes > 0 && decodes == self.items.len() && resp.failed.is_empty();
         sched.record_verify(self.report.batch_tokens, decodes, resp.seconds, decode_only);
@@ -411,7 +422,7 @@ impl Step {
                         });
                     }
                 }
-                Work::Decode { .. } => {
+                Work::Decode { prefix, .. } => {
                     let (Some((a, path)), Some(out)) =
                         (accepted.remove(&it.seq), self.outs.remove(&it.seq))
                     else {
@@ -424,6 +435,7 @@ impl Step {
                         source: self.sources.remove(&it.seq),
                         accepted: a,
                         path,
+                        prefix: prefix.len(),
                         hidden: out.hidden,
                     });
                 }

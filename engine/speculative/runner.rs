@@ -11,8 +11,9 @@
 //! - With a prefix cache, a prefill chunk first takes the cached full
 //!   blocks that follow its sequence's prefix (exact token match) and the
 //!   forward computes only the rest; the chunk's full blocks are then
-//!   offered to the cache. Only chunks that want no logits and no hidden
-//!   states take part (a proposer fed hidden states must see every
+//!   offered to the cache. Only chunks that want no hidden states and at
+//!   most their last row's logits (a prefill's last chunk without drafts,
+//!   whose last token is always computed) take part (a proposer fed hidden states must see every
 //!   position computed), and a sequence stops taking part at its first
 //!   other step. The KV of a position is the same bits however it was
 //!   batched, so outputs do not depend on hits.
@@ -322,7 +323,7 @@ impl TargetRunner {
     /// sequence that has done nothing else.
     fn chain_for(&mut self, it: &VerifyItem) -> Option<&mut Chain> {
         self.prefix.as_ref()?;
-        let eligible = it.logits == Logits::None
+        let eligible = matches!(it.logits, Logits::None | Logits::Last)
             && it.hidden_layers.is_empty()
             && it.tree.is_none()
             && it.moves.is_empty();
@@ -358,7 +359,9 @@ impl TargetRunner {
             return 0;
         }
         let mut skip = 0;
-        while skip + bs <= it.tokens.len() {
+        // A chunk that wants its last row's logits computes that row.
+        let keep = usize::from(it.logits == Logits::Last);
+        while skip + bs + keep <= it.tokens.len() {
             let Some((id, block)) = prefix.lookup(parent, &it.tokens[skip..skip + bs]) else {
                 break;
             };

@@ -8,12 +8,34 @@
 //! - Prefill covers `tokens[..len - 1]` in chunks; the first generated token
 //!   comes from the first verify step, so fresh and preempted-then-resumed
 //!   sequences take the same path (and batch invariance makes their greedy
-//!   output identical).
+//!   output identical). When a step's budget holds a sequence's whole
+//!   remaining prefill plus its last token, that first verify step is the
+//!   prefill's last chunk: a `Decode` with a `prefix` (the rest of the
+//!   prompt) before the root and its drafts, logits from the root on (one
+//!   step sooner to the first token; the same rows, by batch invariance).
+//!   Fresh prompts only, and not for proposers fed hidden states: a
+//!   recompute after a preemption prefills without its last token and
+//!   then decodes as it would have, so its seeded stream continues. No first token
+//!   is drafted for, however its prompt got into the cache (this way,
+//!   forked, or prefilled without its last token), so a seeded sampled
+//!   request draws the same tokens however it was scheduled; a recompute
+//!   after a preemption prefills without its last token, then decodes as
+//!   it would have.
+//! - A step prefills at most `max_prefill_tokens` prompt tokens (chunked
+//!   prefill), so a long prompt's chunks do not stretch every running
+//!   sequence's time per output token, nor a new request's wait.
 //! - Tokens are committed one at a time: EOS, a stop string or max_tokens
 //!   ends the sequence and every later token of the accepted run is dropped,
 //!   never emitted.
 //! - Every step's batch costs at most `max_batch_tokens` tokens, and decode
 //!   steps of running sequences come before new prefill work.
+//! - With `Scheduling::Fair` (the default), `running` is ordered by
+//!   priority (then admission), and admission, slot preemption and the
+//!   prefill budget follow `fairness`; with `Fcfs`, by sequence id.
+//! - A preempted sequence (for KV, a better priority or a starved
+//!   request) goes back to waiting with its cache released and is
+//!   recomputed from its committed tokens: greedy output is unchanged and
+//!   its sampler state (kept) continues the same random stream.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -21,6 +43,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::accept::Accepted;
+use super::fairness::{self, Scheduling, Slot};
 use super::kv_manager::{Grant, Want};
 use super::policy::{choose_draft_len, VerifyCostModel};
 use super::proposer::Capabilities;
@@ -63,6 +86,12 @@ pub struct SchedulerConfig {
     /// never more than a quarter more (see `MAX_HIDDEN_ROWS`, the
     /// default).
     pub max_hidden_rows: usize,
+    /// Fair across requests by priority, or first come first served.
+    pub scheduling: Scheduling,
+    /// Most prompt tokens one step prefills (within `max_batch_tokens`):
+    /// the step's time is every running sequence's time per output token
+    /// and a new request's wait before its prefill starts.
+    pub max_prefill_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -79,6 +108,8 @@ impl Default for SchedulerConfig {
             draft_cost: 0.10,
             measured_pricing: false,
             max_hidden_rows: MAX_HIDDEN_ROWS,
+            scheduling: Scheduling::Fair,
+            max_prefill_tokens: 64,
         }
     }
 }
@@ -140,6 +171,14 @@ pub struct Sequence {
     finish: Option<FinishReason>,
     /// The request's tracing span (each step's span follows from it).
     pub span: tracing::Span,
+    /// The API request it belongs to (`Request::group`, else its own id).
+    pub group: u64,
+    /// When `add` queued it, for queue-wait and time-to-first-token.
+    arrived: std::time::Instant,
+    /// Whether its queue wait and first token were recorded (once each,
+    /// not again after a preemption).
+    admitted_once: bool,
+    first_token_seen: bool,
 }
 
 impl Sequence {
@@ -237,7 +276,13 @@ pub enum Work {
     /// Feed these prompt tokens; no logits.
     Prefill(Vec<u32>),
     /// Feed the last committed token plus up to `max_draft` drafts.
-    Decode { last: u32, max_draft: usize },
+    /// With a `prefix` (the rest of a prefill, fed before `last`): no
+    /// drafts, and only `last`'s row computes logits.
+    Decode {
+        last: u32,
+        max_draft: usize,
+        prefix: Vec<u32>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -285,8 +330,10 @@ pub struct DecodeResult {
     pub accepted: Accepted,
     /// The accepted drafts' node indices, root first.
     pub path: Vec<usize>,
-    /// Hidden states of every verified row (`(layer, rows x hidden)`, the
-    /// root's row first, then one per node).
+    /// Prompt positions fed before the root (a prefill's last chunk).
+    pub prefix: usize,
+    /// Hidden states of every fed row (`(layer, rows x hidden)`: the
+    /// prefix's rows, the root's, then one per node).
     pub hidden: Vec<(usize, Vec<f32>)>,
 }
 
@@ -465,6 +512,10 @@ impl Scheduler {
             fork_from: None,
             finish: None,
             span: tracing::info_span!("request", id),
+            group: req.group.unwrap_or(id),
+            arrived: std::time::Instant::now(),
+            admitted_once: false,
+            first_token_seen: false,
             req,
         };
         self.seqs.insert(id, seq);
@@ -676,6 +727,206 @@ impl Scheduler {
         k.min(self.config.max_seq_len.saturating_sub(s.cached + 1))
     }
 
+    /// Admission first come, first served by sequence.
+    fn admit_fcfs<'c>(&mut self, caps: &impl Fn(&str) -> Option<&'c Capabilities>) {
+        let mut deferred = Vec::new();
+        while self.running.len() < self.config.max_running {
+            let Some(id) = self.waiting.pop_front() else {
+                break;
+            };
+            match self.fork_source(id, caps) {
+                Fork::Wait => deferred.push(id),
+                fork => self.start(id, fork, caps),
+            }
+        }
+        for id in deferred.into_iter().rev() {
+            self.waiting.push_front(id);
+        }
+    }
+
+    /// Fair admission (see `fairness`): the best waiting sequence takes a
+    /// free slot, or one a worse priority or a request holding several
+    /// gives up (preempted by recompute).
+    fn admit_fair<'c>(&mut self, caps: &impl Fn(&str) -> Option<&'c Capabilities>) {
+        let mut deferred: Vec<SeqId> = Vec::new();
+        let mut admitted: Vec<SeqId> = Vec::new();
+        loop {
+            let cands: Vec<Slot> = self
+                .waiting
+                .iter()
+                .filter(|id| !deferred.contains(id))
+                .filter_map(|&id| self.slot(id, false))
+                .collect();
+            // Forks tie a parent to its choices: neither is preempted
+            // while a copy is pending.
+            let parents: Vec<SeqId> = self
+                .running
+                .iter()
+                .filter_map(|id| self.seqs.get(id)?.fork_from)
+                .collect();
+            let running: Vec<Slot> = self
+                .running
+                .iter()
+                .filter_map(|&id| {
+                    let pinned = admitted.contains(&id) || parents.contains(&id);
+                    self.slot(id, pinned)
+                })
+                .collect();
+            let counts = fairness::group_counts(&running);
+            let Some(i) = fairness::next_admission(&cands, &counts) else {
+                break;
+            };
+            let cand = cands[i];
+            let fork = self.fork_source(cand.id, caps);
+            if matches!(fork, Fork::Wait) {
+                deferred.push(cand.id);
+                continue;
+            }
+            if self.running.len() >= self.config.max_running {
+                let Some(v) = fairness::victim(&cand, &running, &counts) else {
+                    break;
+                };
+                let worse = self
+                    .seqs
+                    .get(&v)
+                    .is_some_and(|s| s.req.priority > cand.priority);
+                self.requeue(v, if worse { "priority" } else { "fairness" });
+            }
+            self.waiting.retain(|&w| w != cand.id);
+            self.start(cand.id, fork, caps);
+            admitted.push(cand.id);
+        }
+    }
+
+    /// What the fairness policy sees of sequence `id`.
+    fn slot(&self, id: SeqId, pinned: bool) -> Option<Slot> {
+        let s = self.seqs.get(&id)?;
+        Some(Slot {
+            id,
+            group: s.group,
+            priority: s.req.priority,
+            cached: s.cached,
+            pinned: pinned || s.fork_from.is_some(),
+        })
+    }
+
+    /// Move waiting sequence `id` (already out of `waiting`) into a
+    /// running slot: fair scheduling keeps `running` ordered by priority.
+    fn start<'c>(
+        &mut self,
+        id: SeqId,
+        fork: Fork,
+        caps: &impl Fn(&str) -> Option<&'c Capabilities>,
+    ) {
+        let fork = match fork {
+            Fork::From(p, cached) => Some((p, cached)),
+            _ => None,
+        };
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        s.status = SeqStatus::Prefill;
+        s.cached = 0;
+        s.fork_from = None;
+        s.prompt_logprobs.clear();
+        if let Some((p, cached)) = fork {
+            s.cached = cached;
+            s.fork_from = Some(p);
+            s.status = SeqStatus::Decoding;
+        }
+        s.hidden.clear();
+        s.hidden_start = 0;
+        s.pending_moves.clear();
+        if !s.admitted_once {
+            s.admitted_once = true;
+            metrics::histogram!("specd_queue_wait_seconds", "priority" => fairness::priority_label(s.req.priority))
+                .record(s.arrived.elapsed().as_secs_f64());
+        }
+        // Every sequence starts in the drafter (plain ones too: shadow
+        // proposers score all traffic), with the proposer it asked for
+        // (not a retired instance it drafted with before a preemption).
+        if s.proposer.is_some() {
+            s.proposer = Some(s.stats.proposer.clone());
+        }
+        let name = s.proposer.clone().unwrap_or_else(|| "none".into());
+        s.tree_policy = caps(&name)
+            .filter(|c| c.tree)
+            .map(|c| super::policy::TreePolicy::new(c.max_draft));
+        self.lifecycle.starts.push((id, name, s.tokens.clone()));
+        let at = match self.config.scheduling {
+            Scheduling::Fcfs => self.running.len(),
+            Scheduling::Fair => {
+                let p = s.req.priority;
+                let seqs = &self.seqs;
+                self.running
+                    .iter()
+                    .position(|r| seqs.get(r).is_some_and(|o| o.req.priority > p))
+                    .unwrap_or(self.running.len())
+            }
+        };
+        self.running.insert(at, id);
+    }
+
+    /// Preempt running sequence `id`: its cache and proposer state are
+    /// released, and it waits at the front of the queue to be recomputed
+    /// from its committed tokens (its sampler state stays).
+    fn requeue(&mut self, id: SeqId, reason: &'static str) {
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        s.status = SeqStatus::Waiting;
+        s.cached = 0;
+        s.fork_from = None;
+        s.hidden.clear();
+        s.hidden_start = 0;
+        s.pending_moves.clear();
+        s.preemptions += 1;
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        self.lifecycle.released.push(id);
+        metrics::counter!("specd_preemptions_total", "reason" => reason).increment(1);
+    }
+
+    /// Tokens `s` drafts this step, at most `room`: the cap (request,
+    /// proposer, max_tokens, context), then what recent acceptance pays
+    /// for at `price` a drafted token, with a probe now and then.
+    fn draft_len(
+        &self,
+        s: &Sequence,
+        pcaps: Option<&Capabilities>,
+        price: f64,
+        room: usize,
+    ) -> usize {
+        let mut k = self
+            .max_draft_for(s, pcaps.map(|c| c.max_draft))
+            .min(room)
+            .min(self.config.max_seq_len.saturating_sub(s.tokens.len()));
+        if self.config.adaptive_draft && k > 0 {
+            // A drafted token costs its share of the verify plus what
+            // the proposer spends drafting it.
+            let own = pcaps.map_or(0.0, |c| c.token_cost);
+            let cost = price + own;
+            k = match (&s.tree_policy, pcaps) {
+                // Trees: the node budget whose measured accepted length
+                // pays best for its verify cost.
+                (Some(tp), Some(c)) if c.tree => tp.choose(k, cost),
+                _ => choose_draft_len(s.acceptance_ema, k, cost),
+            };
+            // Keep learning while paused: probe with one draft now and
+            // then, less often as drafts get dearer (under load, or a
+            // costly proposer). A proposer with its own cost also
+            // backs off after each probe that missed (a lookup's probe
+            // costs only its verify, and its matches come and go).
+            let backoff = if own > 0.0 { s.probe_misses.min(4) } else { 0 };
+            let every = (8.0 * (cost / self.config.draft_cost.max(1e-3)).max(1.0)).min(128.0)
+                * f64::from(1u32 << backoff);
+            if k == 0 && s.steps_without_draft as f64 >= every {
+                k = 1;
+            }
+        }
+        k
+    }
+
     /// Step 1: admit waiting requests and list what each running sequence
     /// wants this step, in priority order (decodes in admission order, then
     /// prefills). `cap(name)` is a proposer's max draft.
@@ -683,51 +934,11 @@ impl Scheduler {
         &mut self,
         caps: impl Fn(&str) -> Option<&'c Capabilities>,
     ) -> (Vec<PlanItem>, Vec<Want>) {
-        // Admission (FCFS): new sequences start prefilling; a forked choice
-        // waits for its parent's prefill, then starts from its prompt KV.
-        let mut deferred = Vec::new();
-        while self.running.len() < self.config.max_running {
-            let Some(id) = self.waiting.pop_front() else {
-                break;
-            };
-            let fork = match self.fork_source(id, &caps) {
-                Fork::Wait => {
-                    deferred.push(id);
-                    continue;
-                }
-                Fork::From(p, cached) => Some((p, cached)),
-                Fork::No => None,
-            };
-            let Some(s) = self.seqs.get_mut(&id) else {
-                continue;
-            };
-            s.status = SeqStatus::Prefill;
-            s.cached = 0;
-            s.fork_from = None;
-            s.prompt_logprobs.clear();
-            if let Some((p, cached)) = fork {
-                s.cached = cached;
-                s.fork_from = Some(p);
-                s.status = SeqStatus::Decoding;
-            }
-            s.hidden.clear();
-            s.hidden_start = 0;
-            s.pending_moves.clear();
-            // Every sequence starts in the drafter (plain ones too: shadow
-            // proposers score all traffic), with the proposer it asked for
-            // (not a retired instance it drafted with before a preemption).
-            if s.proposer.is_some() {
-                s.proposer = Some(s.stats.proposer.clone());
-            }
-            let name = s.proposer.clone().unwrap_or_else(|| "none".into());
-            s.tree_policy = caps(&name)
-                .filter(|c| c.tree)
-                .map(|c| super::policy::TreePolicy::new(c.max_draft));
-            self.lifecycle.starts.push((id, name, s.tokens.clone()));
-            self.running.push(id);
-        }
-        for id in deferred.into_iter().rev() {
-            self.waiting.push_front(id);
+        // Admission: new sequences start prefilling; a forked choice waits
+        // for its parent's prefill, then starts from its prompt KV.
+        match self.config.scheduling {
+            Scheduling::Fcfs => self.admit_fcfs(&caps),
+            Scheduling::Fair => self.admit_fair(&caps),
         }
         metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
         let mut budget = self.config.max_batch_tokens;
@@ -771,37 +982,16 @@ impl Scheduler {
                 continue;
             };
             let pcaps = s.proposer.as_deref().and_then(&caps);
-            let mut k = self
-                .max_draft_for(s, pcaps.map(|c| c.max_draft))
-                .min(budget - 1);
-            if self.config.adaptive_draft && k > 0 {
-                // A drafted token costs its share of the verify plus what
-                // the proposer spends drafting it.
-                let own = pcaps.map_or(0.0, |c| c.token_cost);
-                let cost = price + own;
-                k = match (&s.tree_policy, pcaps) {
-                    // Trees: the node budget whose measured accepted length
-                    // pays best for its verify cost.
-                    (Some(tp), Some(c)) if c.tree => tp.choose(k, cost),
-                    _ => choose_draft_len(s.acceptance_ema, k, cost),
-                };
-                // Keep learning while paused: probe with one draft now and
-                // then, less often as drafts get dearer (under load, or a
-                // costly proposer). A proposer with its own cost also
-                // backs off after each probe that missed (a lookup's probe
-                // costs only its verify, and its matches come and go).
-                let backoff = if own > 0.0 { s.probe_misses.min(4) } else { 0 };
-                let every = (8.0 * (cost / self.config.draft_cost.max(1e-3)).max(1.0)).min(128.0)
-                    * f64::from(1u32 << backoff);
-                if k == 0 && s.steps_without_draft as f64 >= every {
-                    k = 1;
-                }
-            }
+            let k = self.draft_len(s, pcaps, price, budget - 1);
             budget -= 1 + k;
             items.push(PlanItem {
                 seq: id,
                 cache_len: s.cached,
-                work: Work::Decode { last, max_draft: k },
+                work: Work::Decode {
+                    last,
+                    max_draft: k,
+                    prefix: Vec::new(),
+                },
                 hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
                 moves: s.pending_moves.clone(),
                 siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
@@ -813,15 +1003,91 @@ impl Scheduler {
                 len: s.cached + 1 + k,
             });
         }
-        for &id in &self.running {
-            let Some(s) = self.seqs.get(&id) else {
+        // Prefill chunks from what the decodes left (at most
+        // `max_prefill_tokens`): in admission order (FCFS), or shared
+        // fairly across requests (`fairness`). A sequence that can also feed its last
+        // token this step asks for it: its first token then comes from
+        // this step (`Work::Decode` with a prefix).
+        let mut batch_left = budget;
+        budget = budget.min(self.config.max_prefill_tokens.max(1));
+        let prefilling: Vec<(Slot, usize, bool)> = self
+            .running
+            .iter()
+            .filter_map(|&id| {
+                let s = self.seqs.get(&id)?;
+                let need = s.prefill_target().saturating_sub(s.cached);
+                // Fresh prompts only (a recompute after a preemption ends
+                // with the decode step it would have had anyway), and not
+                // for a proposer that drafts from the prompt's hidden
+                // states (this forward computes the last of them).
+                let hidden = s
+                    .proposer
+                    .as_deref()
+                    .and_then(&caps)
+                    .is_some_and(|c| !c.hidden_layers.is_empty());
+                let last = s.req.prompt_logprobs.is_none()
+                    && s.fork_from.is_none()
+                    && s.generated().is_empty()
+                    && !hidden;
+                (s.status == SeqStatus::Prefill && need > 0).then_some((
+                    self.slot(id, false)?,
+                    need + usize::from(last),
+                    last,
+                ))
+            })
+            .collect();
+        let needs: Vec<(Slot, usize)> = prefilling.iter().map(|(s, n, _)| (*s, *n)).collect();
+        let shares = match self.config.scheduling {
+            Scheduling::Fair => fairness::prefill_shares(budget, &needs),
+            Scheduling::Fcfs => needs
+                .iter()
+                .map(|(_, need)| {
+                    let n = (*need).min(budget);
+                    budget -= n;
+                    n
+                })
+                .collect(),
+        };
+        batch_left = batch_left.saturating_sub(shares.iter().sum::<usize>());
+        for ((slot, need, last), n) in prefilling.into_iter().zip(shares) {
+            let Some(s) = self.seqs.get(&slot.id) else {
                 continue;
             };
-            if s.status != SeqStatus::Prefill || budget == 0 {
+            let id = slot.id;
+            if last && n == need {
+                // The whole rest of the prompt, its last token and drafts
+                // from what is left of the batch budget.
+                let Some((&tok, prefix)) = s.tokens[s.cached..].split_last() else {
+                    continue;
+                };
+                let pcaps = s.proposer.as_deref().and_then(&caps);
+                let k = self.draft_len(s, pcaps, price, batch_left);
+                batch_left -= k;
+                items.push(PlanItem {
+                    seq: id,
+                    cache_len: s.cached,
+                    work: Work::Decode {
+                        last: tok,
+                        max_draft: k,
+                        prefix: prefix.to_vec(),
+                    },
+                    hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
+                    moves: s.pending_moves.clone(),
+                    siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
+                    fork_from: None,
+                    prompt_logprobs: None,
+                });
+                wants.push(Want {
+                    seq: id,
+                    len: s.tokens.len() + k,
+                });
                 continue;
             }
-            let n = (s.prefill_target() - s.cached).min(budget);
-            budget -= n;
+            // Without the last token (it waits for the next step).
+            let n = n.min(need - usize::from(last));
+            if n == 0 {
+                continue;
+            }
             let pcaps = s.proposer.as_deref().and_then(&caps);
             items.push(PlanItem {
                 seq: id,
@@ -892,18 +1158,7 @@ impl Scheduler {
             }
         }
         for &id in grant.preempted.iter().rev() {
-            if let Some(s) = self.seqs.get_mut(&id) {
-                s.status = SeqStatus::Waiting;
-                s.cached = 0;
-                s.hidden.clear();
-                s.hidden_start = 0;
-                s.pending_moves.clear();
-                s.preemptions += 1;
-                self.running.retain(|&r| r != id);
-                self.waiting.push_front(id);
-                self.lifecycle.released.push(id);
-                metrics::counter!("specd_preemptions_total").increment(1);
-            }
+            self.requeue(id, "kv");
         }
         for &id in &grant.too_big {
             if let Some(s) = self.seqs.get(&id) {
@@ -1076,6 +1331,11 @@ impl Scheduler {
                     card.requests += 1;
                 }
             }
+            if !new_ids.is_empty() && !s.first_token_seen {
+                s.first_token_seen = true;
+                metrics::histogram!("specd_time_to_first_token_seconds", "priority" => fairness::priority_label(s.req.priority))
+                    .record(s.arrived.elapsed().as_secs_f64());
+            }
             if !new_ids.is_empty() || !new_text.is_empty() {
                 s.logprobs.extend_from_slice(&new_lps);
                 s.send(Event::Tokens {
@@ -1084,9 +1344,10 @@ impl Scheduler {
                     logprobs: new_lps,
                 });
             }
-            // Cache keeps [last, accepted drafts]; the newest token is fed
-            // next. A tree's accepted nodes move down to their depth.
-            let base = s.cached;
+            // Cache keeps [prefix, last, accepted drafts]; the newest
+            // token is fed next. A tree's accepted nodes move down to
+            // their depth.
+            let base = s.cached + r.prefix;
             s.pending_moves = r
                 .path
                 .iter()
@@ -1094,14 +1355,15 @@ impl Scheduler {
                 .map(|(i, &a)| (base + 1 + a, base + 1 + i))
                 .filter(|(from, to)| from != to)
                 .collect();
-            let rows: Vec<usize> = std::iter::once(0)
-                .chain(r.path.iter().map(|&a| a + 1))
+            let rows: Vec<usize> = (0..=r.prefix)
+                .chain(r.path.iter().map(|&a| r.prefix + a + 1))
                 .collect();
+            let fed = r.prefix + r.drafted + 1;
             let picked = r
                 .hidden
                 .into_iter()
                 .map(|(l, h)| {
-                    let width = h.len() / (r.drafted + 1).max(1);
+                    let width = h.len() / fed;
                     let mut v = Vec::with_capacity(width * rows.len());
                     for &row in &rows {
                         if let Some(x) = h.get(row * width..(row + 1) * width) {

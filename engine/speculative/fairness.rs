@@ -1,0 +1,302 @@
+//! Fair scheduling across requests: which waiting sequence is admitted
+//! next, which running one gives up its slot to a starved request, and how
+//! a step's prefill budget is shared. Pure functions over `Slot`s; the
+//! scheduler applies their answers (and tests drive them directly).
+//!
+//! A *group* is one API request: its prompts and its `n` choices. A
+//! *priority* is the request's (lower runs first, as vLLM's).
+//!
+//! Invariants:
+//! - A better priority always comes first: admission, slots and prefill
+//!   budget go to the best priority present before any worse one.
+//! - Within a priority, admission picks the group holding the fewest
+//!   running slots (ties: the oldest sequence), so a new request is
+//!   admitted at the next free slot however many sequences an older
+//!   request still has queued.
+//! - A slot is taken back (preemption by recompute) only from a strictly
+//!   worse priority, or for a group that has no slot at all from a group
+//!   that holds two or more at the same priority: each arrival preempts at
+//!   most once, and the victim's group never drops below the starved one,
+//!   so slots cannot ping-pong between requests.
+//! - Prefill budget is water-filled: each group at the best priority gets
+//!   an equal share, capped at what it still needs, and what a group
+//!   leaves goes to the others; within a group, sequences are served in
+//!   admission order (its first prompt finishes first).
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::SeqId;
+
+/// How the scheduler admits waiting sequences and shares prefill budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheduling {
+    /// Fair across requests, by priority (this module).
+    #[default]
+    Fair,
+    /// First come, first served by sequence, priorities ignored (the
+    /// baseline `specd bench-load` compares against).
+    Fcfs,
+}
+
+/// What the policy knows of one sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub id: SeqId,
+    /// The API request it belongs to.
+    pub group: u64,
+    pub priority: i32,
+    /// Positions in its target cache: what a preemption throws away.
+    pub cached: usize,
+    /// May not be preempted now (admitted this step, or tied to a fork).
+    pub pinned: bool,
+}
+
+/// Running slots per group.
+pub fn group_counts(running: &[Slot]) -> HashMap<u64, usize> {
+    let mut counts = HashMap::new();
+    for s in running {
+        *counts.entry(s.group).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Index in `waiting` of the sequence to admit next: best priority, then
+/// the group with the fewest running slots, then the oldest (lowest id).
+pub fn next_admission(waiting: &[Slot], counts: &HashMap<u64, usize>) -> Option<usize> {
+    waiting
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, s)| (s.priority, counts.get(&s.group).copied().unwrap_or(0), s.id))
+        .map(|(i, _)| i)
+}
+
+/// The running sequence that gives its slot to `cand` when every slot is
+/// taken, if any should: one of strictly worse priority (the worst, then
+/// the least cached work, then the newest), else, when `cand`'s group has
+/// no slot, one of the same priority from the group holding the most
+/// slots (two or more; the least cached work, then the newest).
+pub fn victim(cand: &Slot, running: &[Slot], counts: &HashMap<u64, usize>) -> Option<SeqId> {
+    let free = running.iter().filter(|s| !s.pinned);
+    let worse = free
+        .clone()
+        .filter(|s| s.priority > cand.priority)
+        .max_by_key(|s| (s.priority, std::cmp::Reverse(s.cached), s.id));
+    if let Some(v) = worse {
+        return Some(v.id);
+    }
+    if counts.get(&cand.group).copied().unwrap_or(0) > 0 {
+        return None;
+    }
+    free.filter(|s| s.priority == cand.priority && s.group != cand.group)
+        .filter(|s| counts.get(&s.group).copied().unwrap_or(0) >= 2)
+        .max_by_key(|s| {
+            (
+                counts.get(&s.group).copied().unwrap_or(0),
+                std::cmp::Reverse(s.cached),
+                s.id,
+            )
+        })
+        .map(|s| s.id)
+}
+
+/// Share `budget` prefill tokens among `needs` (`(slot, tokens it still
+/// needs)`, in admission order): tokens granted to each, in the same
+/// order. Better priorities are served first; within one, groups are
+/// water-filled (see the module's invariants).
+pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
+    let mut out = vec![0; needs.len()];
+    let mut left = budget;
+    let mut prios: Vec<i32> = needs.iter().map(|(s, _)| s.priority).collect();
+    prios.sort_unstable();
+    prios.dedup();
+    for p in prios {
+        if left == 0 {
+            break;
+        }
+        // Groups at this priority in order of first appearance, with
+        // what each needs in all.
+        let mut groups: Vec<(u64, usize)> = Vec::new();
+        for (s, n) in needs.iter().filter(|(s, _)| s.priority == p) {
+            match groups.iter_mut().find(|(g, _)| *g == s.group) {
+                Some((_, total)) => *total += n,
+                None => groups.push((s.group, *n)),
+            }
+        }
+        let mut given = vec![0usize; groups.len()];
+        loop {
+            let open: Vec<usize> = (0..groups.len())
+                .filter(|&i| given[i] < groups[i].1)
+                .collect();
+            if open.is_empty() || left == 0 {
+                break;
+            }
+            let share = left / open.len();
+            if share == 0 {
+                // Fewer tokens than groups: one each, oldest groups first.
+                for &i in open.iter().take(left) {
+                    given[i] += 1;
+                }
+                left = 0;
+                break;
+            }
+            for &i in &open {
+                let g = share.min(groups[i].1 - given[i]);
+                given[i] += g;
+                left -= g;
+            }
+        }
+        // Within a group, its sequences in admission order.
+        for (gi, (g, _)) in groups.iter().enumerate() {
+            let mut pool = given[gi];
+            for (k, (s, n)) in needs.iter().enumerate() {
+                if s.priority == p && s.group == *g && pool > 0 {
+                    out[k] = (*n).min(pool);
+                    pool -= out[k];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Label value for a priority in metrics: the number from -10 to 10,
+/// else `below_-10` / `above_10` (clients choose priorities; the label set
+/// stays bounded).
+pub fn priority_label(p: i32) -> String {
+    match p {
+        p if p < -10 => "below_-10".into(),
+        p if p > 10 => "above_10".into(),
+        p => p.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(id: SeqId, group: u64, priority: i32, cached: usize) -> Slot {
+        Slot {
+            id,
+            group,
+            priority,
+            cached,
+            pinned: false,
+        }
+    }
+
+    #[test]
+    fn admission_prefers_priority_then_the_group_with_fewest_slots_then_age() {
+        let running = [slot(1, 1, 0, 10), slot(2, 1, 0, 10), slot(3, 2, 0, 10)];
+        let counts = group_counts(&running);
+        // Group 1's next prompt is older, but group 2 holds fewer slots and
+        // group 3 none.
+        let waiting = [slot(4, 1, 0, 0), slot(7, 2, 0, 0), slot(9, 3, 0, 0)];
+        assert_eq!(next_admission(&waiting, &counts), Some(2));
+        assert_eq!(next_admission(&waiting[..2], &counts), Some(1));
+        // A better priority beats every fairness key.
+        let waiting = [slot(9, 3, 0, 0), slot(11, 1, -1, 0)];
+        assert_eq!(next_admission(&waiting, &counts), Some(1));
+        // Same group and priority: the oldest.
+        let waiting = [slot(12, 5, 0, 0), slot(10, 5, 0, 0)];
+        assert_eq!(next_admission(&waiting, &counts), Some(1));
+        assert_eq!(next_admission(&[], &counts), None);
+    }
+
+    #[test]
+    fn a_starved_request_takes_one_slot_from_the_largest_group_only() {
+        let running = [
+            slot(1, 1, 0, 500),
+            slot(2, 1, 0, 64),
+            slot(3, 1, 0, 900),
+            slot(4, 2, 0, 5),
+        ];
+        let counts = group_counts(&running);
+        // The least cached work of the group with the most slots (not
+        // group 2's, which has a single slot).
+        assert_eq!(victim(&slot(9, 3, 0, 0), &running, &counts), Some(2));
+        // A group that already runs waits for a free slot.
+        assert_eq!(victim(&slot(9, 2, 0, 0), &running, &counts), None);
+        // Nobody holds two slots: nothing to take.
+        let spread = [slot(1, 1, 0, 1), slot(2, 2, 0, 1)];
+        assert_eq!(
+            victim(&slot(9, 3, 0, 0), &spread, &group_counts(&spread)),
+            None
+        );
+        // A worse priority is never a victim's equal: a better-priority
+        // request does not preempt for fairness.
+        let low = [slot(1, 1, 0, 1), slot(2, 1, 0, 1)];
+        assert_eq!(victim(&slot(9, 3, 1, 0), &low, &group_counts(&low)), None);
+        // Pinned sequences are never chosen.
+        let pinned = [
+            Slot {
+                pinned: true,
+                ..slot(1, 1, 0, 1)
+            },
+            slot(2, 1, 0, 50),
+        ];
+        assert_eq!(
+            victim(&slot(9, 3, 0, 0), &pinned, &group_counts(&pinned)),
+            Some(2)
+        );
+    }
+
+    #[test]
+    fn a_better_priority_preempts_the_worst_running_one() {
+        let running = [slot(1, 1, 0, 10), slot(2, 2, 5, 300), slot(3, 3, 5, 20)];
+        let counts = group_counts(&running);
+        assert_eq!(victim(&slot(9, 1, -1, 0), &running, &counts), Some(3));
+        // Even a group that already runs, and from a group of one slot.
+        assert_eq!(victim(&slot(9, 2, 2, 0), &running, &counts), Some(3));
+        // Nothing worse than 5.
+        assert_eq!(victim(&slot(9, 4, 5, 0), &running, &counts), None);
+    }
+
+    #[test]
+    fn prefill_budget_is_water_filled_across_groups_by_priority() {
+        // One big request with three prompts, a small one, a medium one.
+        let needs = [
+            (slot(1, 1, 0, 0), 2000),
+            (slot(2, 1, 0, 0), 2000),
+            (slot(3, 1, 0, 0), 2000),
+            (slot(4, 2, 0, 0), 30),
+            (slot(5, 3, 0, 0), 400),
+        ];
+        // 512 / 3 = 170 each; group 2 needs 30, so 482 left for two: 241.
+        assert_eq!(prefill_shares(512, &needs), vec![241, 0, 0, 30, 241]);
+        // A better priority takes what it needs first.
+        let needs = [(slot(1, 1, 0, 0), 2000), (slot(2, 2, -1, 0), 100)];
+        assert_eq!(prefill_shares(512, &needs), vec![412, 100]);
+        // Enough for everyone: everyone's need.
+        let needs = [(slot(1, 1, 0, 0), 10), (slot(2, 1, 0, 0), 20)];
+        assert_eq!(prefill_shares(512, &needs), vec![10, 20]);
+        // Fewer tokens than groups: one each, oldest groups first.
+        let needs = [
+            (slot(1, 1, 0, 0), 10),
+            (slot(2, 2, 0, 0), 10),
+            (slot(3, 3, 0, 0), 10),
+        ];
+        assert_eq!(prefill_shares(2, &needs), vec![1, 1, 0]);
+        assert_eq!(prefill_shares(0, &needs), vec![0, 0, 0]);
+        // Never more than the budget, never more than a need.
+        let needs: Vec<_> = (0..7)
+            .map(|i| (slot(i, i % 3, (i % 2) as i32, 0), 37 * i as usize + 1))
+            .collect();
+        for budget in [0, 1, 5, 64, 100, 512, 4096] {
+            let got = prefill_shares(budget, &needs);
+            let want: usize = needs.iter().map(|(_, n)| n).sum();
+            assert_eq!(got.iter().sum::<usize>(), budget.min(want), "{budget}");
+            assert!(got.iter().zip(&needs).all(|(g, (_, n))| g <= n));
+        }
+    }
+
+    #[test]
+    fn priority_labels_stay_bounded() {
+        assert_eq!(priority_label(0), "0");
+        assert_eq!(priority_label(-10), "-10");
+        assert_eq!(priority_label(11), "above_10");
+        assert_eq!(priority_label(i32::MIN), "below_-10");
+    }
+}

@@ -1,0 +1,302 @@
+//! Fair scheduling on the engine's own driver: a request arriving behind a
+//! large batch reaches its first token within a few steps (first come,
+//! first served, the control, takes tens), a better priority goes first,
+//! and the preemptions fairness adds change no output (greedy with
+//! speculation, seeded sampling).
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use common::{OracleProposer, TempDir, TINY};
+use specd::generate::generate;
+use specd::model::{load_model, Model};
+use specd::sampler::SamplingParams;
+use specd::speculative::drafter::Drafter;
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::fairness::Scheduling;
+use specd::speculative::kv_manager::Pool;
+use specd::speculative::proposer::Proposer;
+use specd::speculative::{Completion, Event, Request, SeqId};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+fn tiny_model() -> (TempDir, Arc<Model>) {
+    let dir = TempDir::new("fairness");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &TINY, 11, GgmlDType::Q4_1, "llama");
+    let m = Arc::new(load_model(&path, 2).unwrap());
+    (dir, m)
+}
+
+/// Four slots, 64 tokens a step: a 200-token prompt takes four steps of
+/// the whole budget.
+fn engine(
+    model: &Arc<Model>,
+    scheduling: Scheduling,
+    proposers: Vec<Box<dyn Proposer>>,
+) -> SyncDriver {
+    let mut cfg = EngineConfig::for_model(model);
+    cfg.scheduler.max_running = 4;
+    cfg.scheduler.max_batch_tokens = 64;
+    cfg.scheduler.max_draft = 4;
+    cfg.scheduler.max_waiting = usize::MAX;
+    cfg.scheduler.adaptive_draft = false;
+    cfg.scheduler.scheduling = scheduling;
+    let mut d = Drafter::new();
+    for p in proposers {
+        d.add(p);
+    }
+    SyncDriver::new(model.clone(), None, cfg, d)
+}
+
+fn prompt(seed: u64, len: usize) -> Vec<u32> {
+    (0..len as u64)
+        .map(|i| 3 + ((i * 31 + seed * 17 + i * i * seed) % 90) as u32)
+        .collect()
+}
+
+/// A large request: 12 prompts of 200 tokens in one group.
+fn big_batch(e: &mut SyncDriver, proto: &Request) -> Vec<(SeqId, UnboundedReceiver<Event>)> {
+    let mut out = Vec::new();
+    let mut group = None;
+    for i in 0..12 {
+        let (tx, rx) = unbounded_channel();
+        let r = Request {
+            group,
+            ..Request {
+                prompt: prompt(i, 200),
+                ..proto.clone()
+            }
+        };
+        let id = e.add(r, Some(tx)).unwrap();
+        group.get_or_insert(id);
+        out.push((id, rx));
+    }
+    out
+}
+
+fn first_token(rx: &mut UnboundedReceiver<Event>) -> bool {
+    while let Ok(ev) = rx.try_recv() {
+        if matches!(ev, Event::Tokens { ref ids, .. } if !ids.is_empty()) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Steps until the small request (added after two steps of the big batch)
+/// has its first token, and every completion (by id).
+fn small_behind_big(
+    model: &Arc<Model>,
+    scheduling: Scheduling,
+    proto: &Request,
+    small_priority: i32,
+    proposers: Vec<Box<dyn Proposer>>,
+) -> (usize, Vec<Completion>, SeqId) {
+    let mut e = engine(model, scheduling, proposers);
+    let _big = big_batch(&mut e, proto);
+    let mut done = Vec::new();
+    for _ in 0..2 {
+        done.extend(e.step().unwrap().finished);
+    }
+    let (tx, mut rx) = unbounded_channel();
+    let small = Request {
+        prompt: prompt(99, 6),
+        priority: small_priority,
+        ..proto.clone()
+    };
+    let id = e.add(small, Some(tx)).unwrap();
+    let mut steps = 0;
+    loop {
+        done.extend(e.step().unwrap().finished);
+        steps += 1;
+        if first_token(&mut rx) || steps > 500 {
+            break;
+        }
+    }
+    done.extend(e.run_to_completion().unwrap());
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+    done.sort_by_key(|c| c.id);
+    (steps, done, id)
+}
+
+fn greedy(max_tokens: usize) -> Request {
+    Request {
+        ignore_eos: true,
+        ..Request::greedy(Vec::new(), max_tokens)
+    }
+}
+
+/// The case in small: one request with 12 long prompts holds every
+/// slot; a small request arriving after it gets a slot at the next step
+/// (one of the large request's sequences is preempted), and its whole
+/// prompt and first token in that step: one step. First come, first
+/// served makes it wait for all twelve prefills. Outputs are the same
+/// either way, and equal to plain decoding.
+#[test]
+fn a_small_request_behind_a_large_batch_gets_its_first_token_in_one_step() {
+    let (_d, model) = tiny_model();
+    let proto = greedy(8);
+    let (fair_steps, fair, small) = small_behind_big(&model, Scheduling::Fair, &proto, 0, vec![]);
+    let (fcfs_steps, fcfs, _) = small_behind_big(&model, Scheduling::Fcfs, &proto, 0, vec![]);
+    eprintln!("first token of the small request: fair {fair_steps} steps, fcfs {fcfs_steps}");
+    assert_eq!(fair_steps, 1, "fair: {fair_steps} steps");
+    // The control: 12 x 200 prompt tokens at 64 a step come first.
+    assert!(fcfs_steps >= 30, "fcfs: {fcfs_steps} steps");
+    let preempted: u32 = fair.iter().map(|c| c.preemptions).sum();
+    assert!(preempted >= 1, "the small request took a slot");
+    assert_eq!(fcfs.iter().map(|c| c.preemptions).sum::<u32>(), 0);
+    assert_eq!(fair.len(), 13);
+    for (a, b) in fair.iter().zip(&fcfs) {
+        assert_eq!(a.tokens, b.tokens, "sequence {}", a.id);
+        let p = if a.id == small {
+            prompt(99, 6)
+        } else {
+            prompt(a.id - 1, 200)
+        };
+        let plain = generate(
+            &model,
+            None,
+            &Request {
+                prompt: p,
+                ..greedy(8)
+            },
+            |_| {},
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(a.tokens, plain, "sequence {}", a.id);
+    }
+}
+
+/// Under speculation (an oracle proposer that drafts right 70% of the
+/// time), the preempted and recomputed sequences still give plain
+/// decoding's greedy tokens.
+#[test]
+fn fairness_preemption_keeps_greedy_speculation_exact() {
+    let (_d, model) = tiny_model();
+    let mut answers = Vec::new();
+    for p in (0..12).map(|i| prompt(i, 200)).chain([prompt(99, 6)]) {
+        let a = generate(
+            &model,
+            None,
+            &Request {
+                prompt: p.clone(),
+                ..greedy(24)
+            },
+            |_| {},
+        )
+        .unwrap()
+        .tokens;
+        answers.push((p, a));
+    }
+    let oracle = Box::new(OracleProposer::new(
+        answers.clone(),
+        0.3,
+        4,
+        TINY.vocab as u32,
+    ));
+    let proto = Request {
+        proposer: Some("oracle".into()),
+        ..greedy(24)
+    };
+    let (steps, done, small) = small_behind_big(&model, Scheduling::Fair, &proto, 0, vec![oracle]);
+    assert_eq!(steps, 1, "{steps} steps");
+    assert!(done.iter().map(|c| c.preemptions).sum::<u32>() >= 1);
+    assert!(done.iter().map(|c| c.stats.drafted).sum::<u64>() > 0);
+    for c in &done {
+        let i = if c.id == small {
+            12
+        } else {
+            (c.id - 1) as usize
+        };
+        assert_eq!(c.tokens, answers[i].1, "sequence {}", c.id);
+    }
+}
+
+/// Seeded sampling: each sequence's random stream survives its preemption
+/// (the sampler state stays; the cache is recomputed), so fair scheduling
+/// draws exactly the tokens first come, first served draws.
+#[test]
+fn fairness_preemption_keeps_seeded_sampling_identical() {
+    let (_d, model) = tiny_model();
+    let proto = Request {
+        params: SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 1234,
+            ..Default::default()
+        },
+        ignore_eos: true,
+        ..Request::greedy(Vec::new(), 16)
+    };
+    let (_, fair, _) = small_behind_big(&model, Scheduling::Fair, &proto, 0, vec![]);
+    let (_, fcfs, _) = small_behind_big(&model, Scheduling::Fcfs, &proto, 0, vec![]);
+    assert!(fair.iter().map(|c| c.preemptions).sum::<u32>() >= 1);
+    for (a, b) in fair.iter().zip(&fcfs) {
+        assert_eq!(a.tokens, b.tokens, "sequence {}", a.id);
+    }
+    // Not a constant stream: the sequences differ from each other.
+    assert!(fair.windows(2).any(|w| w[0].tokens != w[1].tokens));
+}
+
+/// A better priority (lower number) takes a slot from the worst running
+/// sequence and its prompt's prefill goes first, even from a request that
+/// already holds slots; a worse one waits its turn.
+#[test]
+fn a_better_priority_goes_first_and_a_worse_one_waits() {
+    let (_d, model) = tiny_model();
+    let proto = Request {
+        priority: 3,
+        ..greedy(8)
+    };
+    let (urgent, done, _) = small_behind_big(&model, Scheduling::Fair, &proto, -1, vec![]);
+    assert_eq!(urgent, 1, "priority -1 behind priority 3: {urgent} steps");
+    assert!(done.iter().map(|c| c.preemptions).sum::<u32>() >= 1);
+    // The same request at a worse priority than the batch waits for it.
+    let proto = Request {
+        priority: -1,
+        ..greedy(8)
+    };
+    let (patient, done, _) = small_behind_big(&model, Scheduling::Fair, &proto, 3, vec![]);
+    assert!(
+        patient >= 30,
+        "priority 3 behind priority -1: {patient} steps"
+    );
+    assert_eq!(done.iter().map(|c| c.preemptions).sum::<u32>(), 0);
+}
+
+/// Two large requests side by side share the slots and the prefill budget
+/// instead of the first taking everything: the second's first prompt
+/// finishes its prefill long before the first request's last one.
+#[test]
+fn two_large_requests_share_slots_and_prefill() {
+    let (_d, model) = tiny_model();
+    let mut e = engine(&model, Scheduling::Fair, vec![]);
+    let proto = greedy(4);
+    let a = big_batch(&mut e, &proto);
+    let b = big_batch(&mut e, &proto);
+    let (mut first_a, mut first_b) = (None, None);
+    let (mut rxa, mut rxb): (Vec<_>, Vec<_>) = (
+        a.into_iter().map(|x| x.1).collect(),
+        b.into_iter().map(|x| x.1).collect(),
+    );
+    let mut step = 0usize;
+    while !e.scheduler.is_idle() {
+        e.step().unwrap();
+        step += 1;
+        if first_a.is_none() && rxa.iter_mut().any(first_token) {
+            first_a = Some(step);
+        }
+        if first_b.is_none() && rxb.iter_mut().any(first_token) {
+            first_b = Some(step);
+        }
+    }
+    let (fa, fb) = (first_a.unwrap(), first_b.unwrap());
+    eprintln!("first tokens: request A at step {fa}, request B at step {fb}, all done at {step}");
+    // Both get two of the four slots and half the budget: their first
+    // prompts finish within a step of each other.
+    assert!(fa.abs_diff(fb) <= 1, "A {fa}, B {fb}");
+    assert!(fb < step / 3, "B {fb} of {step}");
+}
