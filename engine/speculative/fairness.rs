@@ -18,10 +18,15 @@
 //!   that holds two or more at the same priority: each arrival preempts at
 //!   most once, and the victim's group never drops below the starved one,
 //!   so slots cannot ping-pong between requests.
-//! - Prefill budget is water-filled: each group at the best priority gets
-//!   an equal share, capped at what it still needs, and what a group
-//!   leaves goes to the others; within a group, sequences are served in
-//!   admission order (its first prompt finishes first).
+//! - Prefill budget, within a priority: groups whose whole remaining
+//!   prefill fits go first, smallest first, within three quarters of the
+//!   step's budget (a chat's prompt is prefilled, and its first token
+//!   drawn, in the step after it arrives); the rest is water-filled, each
+//!   group an equal share capped at what it still needs, what one leaves
+//!   going to the others (so a long prompt gets at least a quarter of the
+//!   budget shared among the long ones every step: it cannot starve).
+//!   Within a group, sequences are served in admission order (its first
+//!   prompt finishes first).
 
 use std::collections::HashMap;
 
@@ -104,8 +109,9 @@ pub fn victim(cand: &Slot, running: &[Slot], counts: &HashMap<u64, usize>) -> Op
 
 /// Share `budget` prefill tokens among `needs` (`(slot, tokens it still
 /// needs)`, in admission order): tokens granted to each, in the same
-/// order. Better priorities are served first; within one, groups are
-/// water-filled (see the module's invariants).
+/// order. Better priorities are served first; within one, groups that
+/// fit whole go first, then the others are water-filled (see the
+/// module's invariants).
 pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
     let mut out = vec![0; needs.len()];
     let mut left = budget;
@@ -126,6 +132,18 @@ pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
             }
         }
         let mut given = vec![0usize; groups.len()];
+        // Groups that finish this step, smallest first, within three
+        // quarters of what is left.
+        let mut order: Vec<usize> = (0..groups.len()).collect();
+        order.sort_by_key(|&i| groups[i].1);
+        let mut pool = left - left / 4;
+        for i in order {
+            if groups[i].1 <= pool {
+                given[i] = groups[i].1;
+                pool -= groups[i].1;
+                left -= groups[i].1;
+            }
+        }
         loop {
             let open: Vec<usize> = (0..groups.len())
                 .filter(|&i| given[i] < groups[i].1)
@@ -264,8 +282,25 @@ mod tests {
             (slot(4, 2, 0, 0), 30),
             (slot(5, 3, 0, 0), 400),
         ];
-        // 512 / 3 = 170 each; group 2 needs 30, so 482 left for two: 241.
+        // Group 2 fits whole; 482 left for two: 241 each.
         assert_eq!(prefill_shares(512, &needs), vec![241, 0, 0, 30, 241]);
+        // A 40-token chat beside two long requests in a 64-token step: it
+        // fits whole (within 48) and goes first; the long ones share 24.
+        let needs = [
+            (slot(1, 1, 0, 0), 900),
+            (slot(2, 2, 0, 0), 900),
+            (slot(3, 3, 0, 0), 40),
+        ];
+        assert_eq!(prefill_shares(64, &needs), vec![12, 12, 40]);
+        // Never more than three quarters to groups that fit whole: the
+        // second chat does not fit in what is left of the 48 and shares
+        // the remaining 34 with the long one.
+        let needs = [
+            (slot(1, 1, 0, 0), 900),
+            (slot(2, 2, 0, 0), 30),
+            (slot(3, 3, 0, 0), 30),
+        ];
+        assert_eq!(prefill_shares(64, &needs), vec![17, 30, 17]);
         // A better priority takes what it needs first.
         let needs = [(slot(1, 1, 0, 0), 2000), (slot(2, 2, -1, 0), 100)];
         assert_eq!(prefill_shares(512, &needs), vec![412, 100]);
