@@ -252,7 +252,14 @@ fn tree_sampling_keeps_the_target_distribution_in_both_sibling_modes() {
             acc > 0.3,
             "{siblings:?}: the trees must be accepted often enough to matter: {acc}"
         );
-        let (bad, _) = tree_pairs(&model, &prompt, &params, siblings, shape, control, n);
+        // A stale sibling q shows only after a rejected sibling: more
+        // samples for that control.
+        let n_bad = if control == Acceptance::StaleSiblingQ {
+            20000
+        } else {
+            n
+        };
+        let (bad, _) = tree_pairs(&model, &prompt, &params, siblings, shape, control, n_bad);
         let (bstat, bdf) = common::chi_square(&bad, &exact);
         eprintln!("{siblings:?}, width {width}, with {control:?}: chi2 {bstat:.1} (df {bdf})");
         // Seeds are fixed: 1.5 times the 0.1% point is far in the tail
