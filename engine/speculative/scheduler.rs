@@ -219,6 +219,17 @@ impl Sequence {
         }
     }
 
+    /// Forget everything its target cache held (admission or
+    /// preemption), leaving it in `status`.
+    fn drop_cache(&mut self, status: SeqStatus) {
+        self.status = status;
+        self.cached = 0;
+        self.fork_from = None;
+        self.hidden.clear();
+        self.hidden_start = 0;
+        self.pending_moves.clear();
+    }
+
     fn send(&self, ev: Event) {
         if let Some(s) = &self.sink {
             let _ = s.send(ev);
@@ -825,18 +836,13 @@ impl Scheduler {
         let Some(s) = self.seqs.get_mut(&id) else {
             return;
         };
-        s.status = SeqStatus::Prefill;
-        s.cached = 0;
-        s.fork_from = None;
+        s.drop_cache(SeqStatus::Prefill);
         s.prompt_logprobs.clear();
         if let Some((p, cached)) = fork {
             s.cached = cached;
             s.fork_from = Some(p);
             s.status = SeqStatus::Decoding;
         }
-        s.hidden.clear();
-        s.hidden_start = 0;
-        s.pending_moves.clear();
         if !s.admitted_once {
             s.admitted_once = true;
             metrics::histogram!("specd_queue_wait_seconds", "priority" => fairness::priority_label(s.req.priority))
@@ -874,12 +880,7 @@ impl Scheduler {
         let Some(s) = self.seqs.get_mut(&id) else {
             return;
         };
-        s.status = SeqStatus::Waiting;
-        s.cached = 0;
-        s.fork_from = None;
-        s.hidden.clear();
-        s.hidden_start = 0;
-        s.pending_moves.clear();
+        s.drop_cache(SeqStatus::Waiting);
         s.preemptions += 1;
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
