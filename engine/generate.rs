@@ -57,13 +57,22 @@ pub fn generate(
     let mut text = String::new();
     let mut ttft = Duration::ZERO;
     let mut finish = FinishReason::Length;
+    let mut guide = req.constraint.as_ref().map(|c| c.start());
     let mut out = model.forward_one(&mut cache, &req.prompt, Logits::Last)?;
     while tokens.len() < req.max_tokens {
         let mut logits = out.logits;
+        // The constrained law: disallowed tokens at -inf, then the
+        // request's transforms.
+        if let Some(g) = guide.as_mut() {
+            g.mask_row(&mut logits)?;
+        }
         sampler::apply_penalties(&mut logits, &context, &tokens, &req.params);
         let next = sampler::distribution(&logits, &req.params).sample(&mut rng);
         if tokens.is_empty() {
             ttft = start.elapsed();
+        }
+        if let Some(g) = guide.as_mut() {
+            g.advance(next)?;
         }
         if !req.ignore_eos && model.config.eos_token_ids.contains(&next) {
             finish = FinishReason::Stop;
@@ -80,6 +89,10 @@ pub fn generate(
                 finish = FinishReason::Stop;
                 break;
             }
+        }
+        if guide.as_ref().is_some_and(|g| g.done()) {
+            finish = FinishReason::Stop;
+            break;
         }
         if tokens.len() == req.max_tokens {
             break;

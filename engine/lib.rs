@@ -16,6 +16,7 @@ pub mod prompts;
 pub mod sampler;
 pub mod server;
 pub mod speculative;
+pub mod structured;
 pub mod tokenizer;
 
 pub use error::{Result, SpecdError};

@@ -305,6 +305,11 @@ impl Tokenizer {
             .map_err(|e| SpecdError::Tokenizer(format!("{}: {e}", path.display())))
     }
 
+    /// The BOS id this model prepends, if it prepends one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.add_bos
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -394,6 +399,34 @@ impl Tokenizer {
                 .map(String::into_bytes)
                 .unwrap_or_else(|_| piece.into_bytes()),
         }
+    }
+
+    /// A token as a grammar engine sees it: its bytes, and whether it is a
+    /// special (control) token. Byte-level BPE pieces map back through
+    /// GPT-2's table; SentencePiece byte-fallback pieces (`<0x0A>`) are
+    /// their byte and `▁` is a space. `None` for an id the vocabulary lacks.
+    pub fn grammar_token(&self, id: u32) -> Option<(Vec<u8>, bool)> {
+        let piece = self.inner.id_to_token(id)?;
+        if self.is_special(id) {
+            return Some((piece.into_bytes(), true));
+        }
+        let table = byte_level_inverse();
+        if let Some(b) = piece
+            .chars()
+            .map(|c| table.get(&c).copied())
+            .collect::<Option<Vec<u8>>>()
+        {
+            return Some((b, false));
+        }
+        let hex = piece
+            .strip_prefix("<0x")
+            .and_then(|h| h.strip_suffix('>'))
+            .filter(|h| h.len() == 2)
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        Some(match hex {
+            Some(b) => (vec![b], false),
+            None => (piece.replace('\u{2581}', " ").into_bytes(), false),
+        })
     }
 
     fn is_special(&self, id: u32) -> bool {

@@ -157,6 +157,8 @@ pub(super) fn arm_request(
         prompt_logprobs: None,
         priority: 0,
         group: None,
+        constraint: None,
+        forced_drafts: true,
     }
 }
 

@@ -232,6 +232,8 @@ fn run_batch(
                 prompt_logprobs: None,
                 priority: 0,
                 group: None,
+                constraint: None,
+                forced_drafts: true,
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }

@@ -691,6 +691,8 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             prompt_logprobs: None,
             priority,
             group: None,
+            constraint: None,
+            forced_drafts: true,
         },
         stream,
         include_usage,

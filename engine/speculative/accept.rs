@@ -18,6 +18,7 @@ use super::proposer::{Draft, DraftQ, SiblingMode};
 use super::SeqId;
 use crate::error::{Result, SpecdError};
 use crate::sampler::{self, Distribution, Rng, SamplingParams};
+use crate::structured::{Constraint, Guide};
 
 /// How acceptance runs. Only `Exact` is lossless; the other variants are
 /// deliberate bugs that exist so the statistical tests can show they detect
@@ -38,10 +39,13 @@ pub enum Acceptance {
     /// Lossy: after a rejected sibling drawn without replacement, q is not
     /// renormalised without it.
     StaleSiblingQ,
+    /// Lossy: under a constraint, a draft is accepted against p with the
+    /// disallowed tokens removed but not renormalised.
+    UnnormalisedMask,
 }
 
 /// The result of verifying one sequence's draft.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Accepted {
     /// Number of draft tokens accepted.
     pub accepted: usize,
@@ -49,6 +53,12 @@ pub struct Accepted {
     pub tokens: Vec<u32>,
     /// One per token when the request asked for logprobs, else empty.
     pub logprobs: Vec<super::TokenLogprob>,
+    /// Constrained requests: the tokens the constraint forces next (the
+    /// next step's free drafts), when the request drafts them.
+    pub forced: Vec<u32>,
+    /// Constrained requests: the constraint has ended (end of sequence
+    /// consumed); the sequence finishes.
+    pub done: bool,
 }
 
 /// Acceptance mass below this is treated as zero (p and q agree); the
@@ -275,6 +285,7 @@ pub fn accept(
         params,
         rng,
         acceptance,
+        None,
     )?;
     Ok(a)
 }
@@ -309,6 +320,7 @@ pub fn accept_tree(
     params: &SamplingParams,
     rng: &mut Rng,
     acceptance: Acceptance,
+    guide: Option<&mut Guide>,
 ) -> Result<(Accepted, Vec<usize>)> {
     let n = draft.tokens.len();
     let parents_ok = draft.parents.as_ref().is_none_or(|p| {
@@ -351,35 +363,76 @@ pub fn accept_tree(
     let mut tokens = Vec::new();
     let mut path = Vec::new();
     let mut r = 0usize;
+    let mut guide = guide;
+    // A constrained row: disallowed tokens at -inf (reused buffer).
+    let mut masked: Vec<f32> = Vec::new();
     loop {
-        let row = &rows[r * vocab..(r + 1) * vocab];
+        let raw = &rows[r * vocab..(r + 1) * vocab];
         let kids = &children[r];
         let done = |tokens: Vec<u32>, path: Vec<usize>| {
             Ok((
                 Accepted {
                     accepted: path.len(),
                     tokens,
-                    logprobs: Vec::new(),
+                    ..Accepted::default()
                 },
                 path,
             ))
         };
         let chosen = if greedy {
-            let best = if penalised {
-                target(row, &ctx, &gen, &target_params).ids[0]
-            } else {
-                sampler::argmax(row)
+            let pick = |row: &[f32]| {
+                if penalised {
+                    target(row, &ctx, &gen, &target_params).ids[0]
+                } else {
+                    sampler::argmax(row)
+                }
             };
+            let mut best = pick(raw);
+            // Masking only lowers other logits: an allowed unmasked choice
+            // is the masked one (one lexer step instead of a mask).
+            if let Some(g) = guide.as_deref_mut() {
+                if !g.allows(best) {
+                    masked.clear();
+                    masked.extend_from_slice(raw);
+                    g.mask_row(&mut masked)?;
+                    best = pick(&masked);
+                }
+            }
             match kids.iter().find(|&&c| draft.tokens[c] == best) {
                 Some(&c) => c,
                 None => {
+                    if let Some(g) = guide.as_deref_mut() {
+                        g.advance(best)?;
+                    }
                     tokens.push(best);
                     return done(tokens, path);
                 }
             }
         } else {
+            let row = match guide.as_deref_mut() {
+                Some(g) => {
+                    masked.clear();
+                    masked.extend_from_slice(raw);
+                    g.mask_row(&mut masked)?;
+                    &masked[..]
+                }
+                None => raw,
+            };
             let p = target(row, &ctx, &gen, &target_params);
             let mut res = Residual::new(&p, vocab);
+            // The lossy control: the acceptance test reads the unmasked
+            // law, its disallowed mass dropped without renormalising.
+            let unnormalised = (acceptance == Acceptance::UnnormalisedMask).then(|| {
+                let full = target(raw, &ctx, &gen, &target_params);
+                let allowed: Vec<bool> = row.iter().map(|l| l.is_finite()).collect();
+                move |x: u32| {
+                    if allowed[x as usize] {
+                        f64::from(full.prob(x))
+                    } else {
+                        0.0
+                    }
+                }
+            });
             let mut next = None;
             // One-hot siblings are deterministic candidates: each carries q
             // = 1 on its own token. Trying them in turn against the residual
@@ -396,7 +449,11 @@ pub fn accept_tree(
                     if tried.contains(&x) {
                         continue;
                     }
-                    if rng.next_f64() < res.prob(x).min(1.0) {
+                    let px = match (&unnormalised, tried.is_empty()) {
+                        (Some(f), true) => f(x),
+                        _ => res.prob(x),
+                    };
+                    if rng.next_f64() < px.min(1.0) {
                         next = Some(c);
                         break;
                     }
@@ -422,7 +479,10 @@ pub fn accept_tree(
                     } else {
                         qb.prob(qt, x) as f64 * scale
                     };
-                    let px = res.prob(x);
+                    let px = match (&unnormalised, removed.is_empty()) {
+                        (Some(f), true) => f(x),
+                        _ => res.prob(x),
+                    };
                     if qx > 0.0 && rng.next_f64() < (px / qx).min(1.0) {
                         next = Some(c);
                         break;
@@ -441,12 +501,19 @@ pub fn accept_tree(
             match next {
                 Some(c) => c,
                 None => {
-                    tokens.push(res.sample(rng));
+                    let x = res.sample(rng);
+                    if let Some(g) = guide.as_deref_mut() {
+                        g.advance(x)?;
+                    }
+                    tokens.push(x);
                     return done(tokens, path);
                 }
             }
         };
         let x = draft.tokens[chosen];
+        if let Some(g) = guide.as_deref_mut() {
+            g.advance(x)?;
+        }
         tokens.push(x);
         path.push(chosen);
         if penalised && acceptance != Acceptance::StalePenalties {
@@ -472,6 +539,11 @@ pub struct AcceptItem {
     pub prompt_len: usize,
     /// Alternatives per token when the request asked for logprobs.
     pub logprobs: Option<usize>,
+    /// The request's constraint (its guide starts at the first accept and
+    /// lives until the sequence ends).
+    pub constraint: Option<Constraint>,
+    /// Report the constraint's forced tokens for the next step's draft.
+    pub forced_drafts: bool,
 }
 
 /// The sample stage's struct: turns logits into accepted tokens with the
@@ -480,6 +552,7 @@ pub struct AcceptItem {
 pub struct Acceptor {
     vocab: usize,
     rngs: HashMap<SeqId, Rng>,
+    guides: HashMap<SeqId, Guide>,
     pub acceptance: Acceptance,
 }
 
@@ -488,6 +561,7 @@ impl Acceptor {
         Self {
             vocab,
             rngs: HashMap::new(),
+            guides: HashMap::new(),
             acceptance: Acceptance::Exact,
         }
     }
@@ -495,6 +569,7 @@ impl Acceptor {
     pub fn end(&mut self, ids: &[SeqId]) {
         for id in ids {
             self.rngs.remove(id);
+            self.guides.remove(id);
         }
     }
 
@@ -505,6 +580,10 @@ impl Acceptor {
             .rngs
             .entry(it.seq)
             .or_insert_with(|| Rng::new(it.params.seed));
+        let mut guide = match &it.constraint {
+            Some(c) => Some(self.guides.entry(it.seq).or_insert_with(|| c.start())),
+            None => None,
+        };
         let (mut a, path) = accept_tree(
             &it.rows,
             self.vocab,
@@ -515,7 +594,14 @@ impl Acceptor {
             &it.params,
             rng,
             self.acceptance,
+            guide.as_deref_mut(),
         )?;
+        if let Some(g) = guide {
+            a.done = g.done();
+            if it.forced_drafts {
+                a.forced = g.forced();
+            }
+        }
         if let Some(k) = it.logprobs {
             // Token i comes from the row of the node before it on the path
             // (row 0: the root).
@@ -573,7 +659,7 @@ mod tests {
             Accepted {
                 accepted: 1,
                 tokens: vec![2, 1],
-                logprobs: Vec::new(),
+                ..Accepted::default()
             }
         );
         let draft = Draft {
@@ -598,7 +684,7 @@ mod tests {
             Accepted {
                 accepted: 2,
                 tokens: vec![2, 1, 3],
-                logprobs: Vec::new(),
+                ..Accepted::default()
             }
         );
     }
@@ -756,6 +842,7 @@ mod tests {
                 &params,
                 &mut rng,
                 Acceptance::Exact,
+                None,
             )
             .unwrap();
             counts[a.tokens[0] as usize] += 1;
@@ -821,6 +908,7 @@ mod tests {
                     &params,
                     &mut rng,
                     acceptance,
+                    None,
                 )
                 .unwrap();
                 counts[a.tokens[0] as usize] += 1;
@@ -876,6 +964,7 @@ mod tests {
                     &params,
                     &mut rng,
                     acceptance,
+                    None,
                 )
                 .unwrap();
                 counts[a.tokens[0] as usize] += 1;

@@ -20,6 +20,7 @@ pub mod compose;
 pub mod drafter;
 pub mod driver;
 pub mod fairness;
+pub mod forced;
 pub mod kv_manager;
 pub mod pipeline;
 pub mod policy;
@@ -69,6 +70,12 @@ pub struct Request {
     /// share one): the unit fair scheduling shares slots and prefill
     /// budget between. `None`: a group of its own.
     pub group: Option<SeqId>,
+    /// Structured output: every token comes from the constrained law (see
+    /// `structured`), drafted tokens included.
+    pub constraint: Option<crate::structured::Constraint>,
+    /// Draft the tokens the constraint forces (q = 1) before the
+    /// proposer's own draft; on by default for constrained requests.
+    pub forced_drafts: bool,
 }
 
 /// Most alternatives a request may ask for per token.
@@ -122,6 +129,8 @@ impl Request {
             prompt_logprobs: None,
             priority: 0,
             group: None,
+            constraint: None,
+            forced_drafts: true,
         }
     }
 }

@@ -143,6 +143,10 @@ pub struct Step {
     depths: HashMap<SeqId, usize>,
     /// Each decode item's drafting member (composed proposers).
     sources: HashMap<SeqId, String>,
+    /// Tokens each constrained decode item's constraint forces (drafted
+    /// first), then how many of its draft's nodes they took.
+    forced: HashMap<SeqId, Vec<u32>>,
+    forced_len: HashMap<SeqId, usize>,
     outs: HashMap<SeqId, VerifyOut>,
     report: StepReport,
 }
@@ -186,6 +190,8 @@ impl Step {
             drafts: HashMap::new(),
             depths: HashMap::new(),
             sources: HashMap::new(),
+            forced: HashMap::new(),
+            forced_len: HashMap::new(),
             outs: HashMap::new(),
             report: StepReport::default(),
         };
@@ -234,6 +240,9 @@ impl Step {
             let Some(v) = sched.seq_context(it.seq) else {
                 continue;
             };
+            if !v.forced.is_empty() && max_draft > 0 {
+                self.forced.insert(it.seq, v.forced.to_vec());
+            }
             inputs.push(DraftInput {
                 seq: it.seq,
                 tokens: v.tokens.to_vec(),
@@ -282,8 +291,18 @@ impl Step {
                     fork_from: None,
                     prompt_logprobs: it.prompt_logprobs.clone(),
                 },
-                Work::Decode { last, prefix, .. } => {
+                Work::Decode {
+                    last,
+                    prefix,
+                    max_draft,
+                } => {
                     let draft = self.drafts.entry(it.seq).or_default();
+                    if let Some(f) = self.forced.remove(&it.seq) {
+                        let (d, n) =
+                            super::forced::with_forced(&f, std::mem::take(draft), *max_draft);
+                        *draft = d;
+                        self.forced_len.insert(it.seq, n);
+                    }
                     let mut tokens = Vec::with_capacity(prefix.len() + 1 + draft.tokens.len());
                     tokens.extend_from_slice(prefix);
                     tokens.push(*last);
@@ -382,6 +401,8 @@ impl Step {
                 },
                 prompt_len: sched.prompt_len(it.seq),
                 logprobs: view.logprobs,
+                constraint: view.constraint.cloned(),
+                forced_drafts: view.forced_drafts,
             });
         }
         AcceptRequest {
@@ -436,6 +457,7 @@ impl Step {
                         accepted: a,
                         path,
                         prefix: prefix.len(),
+                        forced: self.forced_len.get(&it.seq).copied().unwrap_or(0),
                         hidden: out.hidden,
                     });
                 }

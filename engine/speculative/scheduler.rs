@@ -168,6 +168,9 @@ pub struct Sequence {
     /// The sequence whose prompt KV this one copies at its first step
     /// (a forked choice); cleared once that step commits.
     pub fork_from: Option<SeqId>,
+    /// Tokens the request's constraint forces next: the next step drafts
+    /// them with q = 1 (`Request::forced_drafts`).
+    pub forced: Vec<u32>,
     finish: Option<FinishReason>,
     /// The request's tracing span (each step's span follows from it).
     pub span: tracing::Span,
@@ -248,6 +251,13 @@ impl Sequence {
 /// positions.
 pub const MAX_HIDDEN_ROWS: usize = 4096;
 
+/// Most forced tokens one step drafts.
+pub const MAX_FORCED_DRAFT: usize = 32;
+
+/// The member label the constraint's forced drafts are scored under
+/// (`SpecStats::members`, the `member` label of the draft metrics).
+pub const FORCED_MEMBER: &str = "grammar";
+
 /// Keep only the newest `max` of the `held` rows of every layer in
 /// `hidden` (rows from position `*start`), moving `*start` past the
 /// dropped ones.
@@ -269,6 +279,10 @@ pub struct SeqContext<'a> {
     pub tokens: &'a [u32],
     pub params: &'a SamplingParams,
     pub logprobs: Option<usize>,
+    pub constraint: Option<&'a crate::structured::Constraint>,
+    pub forced_drafts: bool,
+    /// Tokens the constraint forces next.
+    pub forced: &'a [u32],
 }
 
 /// Whether a waiting forked choice can start from its parent's KV.
@@ -343,6 +357,9 @@ pub struct DecodeResult {
     pub path: Vec<usize>,
     /// Prompt positions fed before the root (a prefill's last chunk).
     pub prefix: usize,
+    /// Leading drafted tokens the constraint forced (a chain before the
+    /// proposer's own draft).
+    pub forced: usize,
     /// Hidden states of every fed row (`(layer, rows x hidden)`: the
     /// prefix's rows, the root's, then one per node).
     pub hidden: Vec<(usize, Vec<f32>)>,
@@ -521,6 +538,12 @@ impl Scheduler {
             pending_moves: Vec::new(),
             tree_policy: None,
             fork_from: None,
+            forced: req
+                .constraint
+                .as_ref()
+                .filter(|_| req.forced_drafts)
+                .map(|c| c.initial_forced().to_vec())
+                .unwrap_or_default(),
             finish: None,
             span: tracing::info_span!("request", id),
             group: req.group.unwrap_or(id),
@@ -925,6 +948,15 @@ impl Scheduler {
                 k = 1;
             }
         }
+        // The constraint's forced tokens are drafted whatever the policy
+        // says: they cost verification only and are accepted unless the
+        // target's masked choice tokenises the same bytes differently.
+        let forced = s.forced.len().min(MAX_FORCED_DRAFT);
+        if forced > k {
+            k = forced
+                .min(room)
+                .min(self.config.max_seq_len.saturating_sub(s.tokens.len()));
+        }
         k
     }
 
@@ -1229,6 +1261,9 @@ impl Scheduler {
             tokens: &s.tokens,
             params: &s.req.params,
             logprobs: s.req.logprobs,
+            constraint: s.req.constraint.as_ref(),
+            forced_drafts: s.req.forced_drafts,
+            forced: &s.forced,
         })
     }
 
@@ -1251,23 +1286,40 @@ impl Scheduler {
                 out.lens.push((r.seq, s.cached));
             }
         }
-        for r in decoded {
+        for mut r in decoded {
             let Some(s) = self.seqs.get_mut(&r.seq) else {
                 continue;
             };
             s.fork_from = None;
+            s.forced = std::mem::take(&mut r.accepted.forced);
             let st = &mut s.stats;
             st.record_tree(r.drafted, r.depth, r.accepted.accepted);
-            if let Some(src) = &r.source {
-                st.record_member(src, r.drafted, r.accepted.accepted);
+            // The constraint's forced chain is scored as its own member;
+            // the proposer's policy learns from its own part alone.
+            let forced_ok = r.accepted.accepted.min(r.forced);
+            if r.forced > 0 {
+                st.record_member(FORCED_MEMBER, r.forced, forced_ok);
+                record_step_metrics(&st.proposer, &st.arm, FORCED_MEMBER, r.forced, forced_ok);
             }
-            if r.drafted > 0 {
+            let (drafted, depth, accepted) = if forced_ok == r.forced {
+                (
+                    r.drafted - r.forced,
+                    r.depth.saturating_sub(r.forced),
+                    r.accepted.accepted - r.forced,
+                )
+            } else {
+                (0, 0, 0)
+            };
+            if let Some(src) = r.source.as_ref().filter(|_| r.forced == 0 || drafted > 0) {
+                st.record_member(src, drafted, accepted);
+            }
+            if drafted > 0 {
                 // Acceptance per drafted depth (a chain's depth is its length).
-                let rate = r.accepted.accepted as f64 / r.depth.max(1) as f64;
+                let rate = accepted as f64 / depth.max(1) as f64;
                 s.acceptance_ema = 0.7 * s.acceptance_ema + 0.3 * rate;
                 if s.steps_without_draft > 0 {
                     // A draft after a pause: a probe.
-                    s.probe_misses = if r.accepted.accepted == 0 {
+                    s.probe_misses = if accepted == 0 {
                         s.probe_misses.saturating_add(1)
                     } else {
                         0
@@ -1275,13 +1327,15 @@ impl Scheduler {
                 }
                 s.steps_without_draft = 0;
                 if let Some(tp) = &mut s.tree_policy {
-                    tp.record(r.drafted, r.accepted.accepted);
+                    tp.record(drafted, accepted);
                 }
-            } else {
+            } else if r.forced == 0 {
                 s.steps_without_draft += 1;
             }
             let member = r.source.as_deref().unwrap_or(&st.proposer);
-            record_step_metrics(&st.proposer, &st.arm, member, r.depth, r.accepted.accepted);
+            if r.forced == 0 || drafted > 0 {
+                record_step_metrics(&st.proposer, &st.arm, member, depth, accepted);
+            }
             let card = self.arms.entry(st.arm.clone()).or_default();
             card.record_tree(r.drafted, r.depth, r.accepted.accepted);
             let mut new_ids = Vec::new();
@@ -1310,6 +1364,11 @@ impl Scheduler {
                     s.finish = Some(FinishReason::Length);
                     break;
                 }
+            }
+            // A constraint that has ended (end of sequence consumed, kept
+            // by `ignore_eos`) ends the sequence.
+            if r.accepted.done && s.finish.is_none() {
+                s.finish = Some(FinishReason::Stop);
             }
             if s.finish.is_some() {
                 if let Some(tok) = &self.tokenizer {

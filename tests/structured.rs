@@ -1,0 +1,385 @@
+//! Structured outputs: constraints compiled by llguidance over specd's
+//! tokenizer, lossless under every proposer (greedy identity with plain
+//! constrained decoding, the sampled constrained law), forced tokens
+//! drafted for free, and schema-valid output.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::GgmlDType;
+use common::{TempDir, TinySpec, TINY};
+use specd::config::Config;
+use specd::generate::generate;
+use specd::model::{load_model, Model};
+use specd::sampler::{FinishReason, SamplingParams};
+use specd::speculative::accept::Acceptance;
+use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::{Completion, Request};
+use specd::structured::{ConstraintSpec, Grammars};
+use specd::tokenizer::{ChatMessage, Tokenizer};
+
+struct Smol {
+    model: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    grammars: Grammars,
+}
+
+fn smol() -> Smol {
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let grammars =
+        Grammars::new(&tok, model.config.vocab_size, &model.config.eos_token_ids).unwrap();
+    Smol {
+        model,
+        tok,
+        grammars,
+    }
+}
+
+fn chat(tok: &Tokenizer, q: &str) -> Vec<u32> {
+    let text = tok
+        .apply_chat_template(&[ChatMessage::user(q)], true)
+        .unwrap();
+    tok.encode(&text, false).unwrap()
+}
+
+fn run(s: &Smol, proposer_cfg: &Config, reqs: Vec<Request>) -> (SyncDriver, Vec<Completion>) {
+    let drafter = proposer_cfg
+        .build_drafter(&s.model, Some(s.tok.clone()))
+        .unwrap();
+    let mut ec = EngineConfig::for_model(&s.model);
+    ec.scheduler.max_running = 8;
+    ec.scheduler.max_draft = 8;
+    let mut e = SyncDriver::new(s.model.clone(), Some(s.tok.clone()), ec, drafter);
+    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
+    let mut done = e.run_to_completion().unwrap();
+    done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+    (e, done)
+}
+
+#[test]
+fn a_schema_constrains_plain_decoding_to_valid_json() {
+    let s = smol();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": false
+    });
+    let c = s
+        .grammars
+        .compile(
+            &ConstraintSpec::JsonSchema(schema.clone()),
+            "response_format",
+        )
+        .unwrap();
+    eprintln!(
+        "initial forced: {:?}",
+        s.tok.decode(c.initial_forced(), false)
+    );
+    let req = Request {
+        constraint: Some(c),
+        ..Request::greedy(chat(&s.tok, "Describe a person as JSON."), 96)
+    };
+    let out = generate(&s.model, Some(&s.tok), &req, |_| {}).unwrap();
+    eprintln!("{:?} {:?}", out.text, out.finish);
+    assert_eq!(out.finish, FinishReason::Stop);
+    let v: serde_json::Value = serde_json::from_str(&out.text).unwrap();
+    assert!(jsonschema::is_valid(&schema, &v), "{v}");
+}
+
+fn person_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "city": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "languages": {"type": "array", "items": {"enum": ["python", "rust", "c", "go"]}, "maxItems": 3}
+        },
+        "required": ["name", "city", "age", "languages"],
+        "additionalProperties": false
+    })
+}
+
+/// Every proposer (chains, trees, trained heads, composed) with constrained
+/// and unconstrained sequences in one batch, forced drafts on and off:
+/// greedy output equals plain constrained decoding token for token.
+#[test]
+fn greedy_constrained_output_is_identical_with_every_proposer_batched() {
+    let s = smol();
+    let schema = person_schema();
+    let json = s
+        .grammars
+        .compile(
+            &ConstraintSpec::JsonSchema(schema.clone()),
+            "response_format",
+        )
+        .unwrap();
+    let regex = s
+        .grammars
+        .compile(
+            &ConstraintSpec::Regex(r"(Yes|No), because [a-z ,]{10,60}\.".into()),
+            "regex",
+        )
+        .unwrap();
+    let prompts = [
+        chat(
+            &s.tok,
+            "Give the name, city, age and languages of a programmer as JSON.",
+        ),
+        chat(&s.tok, "Is the sky blue? Answer yes or no and explain."),
+        chat(&s.tok, "List three fruits."),
+        chat(
+            &s.tok,
+            "Give the name, city, age and languages of a teacher as JSON.",
+        ),
+    ];
+    let n = 72;
+    let reqs = |proposer: &str| -> Vec<Request> {
+        let mk = |i: usize, c: Option<&specd::structured::Constraint>, forced: bool| Request {
+            proposer: Some(proposer.into()),
+            constraint: c.cloned(),
+            forced_drafts: forced,
+            ..Request::greedy(prompts[i].clone(), n)
+        };
+        vec![
+            mk(0, Some(&json), true),
+            mk(1, Some(&regex), true),
+            mk(2, None, true),
+            mk(3, Some(&json), false),
+        ]
+    };
+    let want: Vec<Vec<u32>> = reqs("none")
+        .iter()
+        .map(|r| generate(&s.model, Some(&s.tok), r, |_| {}).unwrap().tokens)
+        .collect();
+    for w in [&want[0], &want[3]] {
+        let text = s.tok.decode(w, false).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(jsonschema::is_valid(&schema, &v), "{text}");
+    }
+    let all = Config::load(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/ab/all.toml"
+    )))
+    .unwrap();
+    let builtin = Config::builtin();
+    let cases: Vec<(&Config, &str)> = [
+        "none",
+        "ngram",
+        "suffix",
+        "draft",
+        "eagle",
+        "medusa",
+        "medusa-tree",
+        "mtp",
+        "compose",
+    ]
+    .iter()
+    .map(|p| (&all, *p))
+    .chain([(&builtin, "suffix-tree"), (&builtin, "ngram-tree")])
+    .collect();
+    for (cfg, proposer) in cases {
+        let (e, done) = run(&s, cfg, reqs(proposer));
+        for (i, (c, w)) in done.iter().zip(&want).enumerate() {
+            assert_eq!(
+                &c.tokens, w,
+                "{proposer}: request {i} differs from plain decoding"
+            );
+        }
+        assert!(
+            e.drafter.poisoned(proposer).is_none(),
+            "{proposer} poisoned"
+        );
+        // The forced-token drafter drafted the schema's skeleton (and was
+        // accepted) where it was on, and never where it was off.
+        let forced = |c: &Completion| c.stats.members.get("grammar").copied().unwrap_or_default();
+        let on = forced(&done[0]);
+        eprintln!(
+            "{proposer}: grammar drafts {on:?}, stats {:?}",
+            done[0].stats.accepted
+        );
+        assert!(on[1] > 0 && on[2] > 0, "{proposer}: {on:?}");
+        assert_eq!(forced(&done[3]), [0, 0, 0], "{proposer}");
+        assert_eq!(forced(&done[2]), [0, 0, 0], "{proposer}");
+    }
+}
+
+/// The tiny model's vocabulary: letters and pairs a regular expression can
+/// constrain (id 2 is the end of sequence).
+const TINY_TOKENS: [&str; 12] = [
+    "a", "b", "<eos>", "c", "ab", "ba", "x", "y", "aa", "bb", "yx", "z",
+];
+
+fn tiny_with_tokens(dir: &TempDir, name: &str, seed: u64) -> std::path::PathBuf {
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let p = dir.0.join(name);
+    let tokens = Value::Array(
+        TINY_TOKENS
+            .iter()
+            .map(|t| Value::String(t.to_string()))
+            .collect(),
+    );
+    common::write_tiny_gguf_with(
+        &p,
+        &spec,
+        seed,
+        GgmlDType::Q8_0,
+        "llama",
+        "t",
+        Vec::new(),
+        vec![("tokenizer.ggml.tokens".into(), tokens)],
+    );
+    p
+}
+
+/// The exact constrained law of the first two tokens: each position's
+/// logits masked by the constraint at that point, then the sampling law.
+fn exact_constrained_first_two(
+    model: &Model,
+    c: &specd::structured::Constraint,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> Vec<f64> {
+    let v = model.config.vocab_size;
+    let mut cache = model.new_cache();
+    let mut l1 = model
+        .forward_one(&mut cache, prompt, specd::model::Logits::Last)
+        .unwrap()
+        .logits;
+    let raw = specd::sampler::distribution(&l1, params).dense(v);
+    c.start().mask_row(&mut l1).unwrap();
+    let p1 = specd::sampler::distribution(&l1, params).dense(v);
+    eprintln!("first token: unconstrained {raw:?}, constrained {p1:?}");
+    let mut joint = vec![0f64; v * v];
+    for t1 in 0..v {
+        if p1[t1] == 0.0 {
+            continue;
+        }
+        let mut c2 = cache.clone();
+        let mut l2 = model
+            .forward_one(&mut c2, &[t1 as u32], specd::model::Logits::Last)
+            .unwrap()
+            .logits;
+        let mut g = c.start();
+        g.advance(t1 as u32).unwrap();
+        g.mask_row(&mut l2).unwrap();
+        let p2 = specd::sampler::distribution(&l2, params).dense(v);
+        for t2 in 0..v {
+            joint[t1 * v + t2] = f64::from(p1[t1]) * f64::from(p2[t2]);
+        }
+    }
+    joint
+}
+
+/// Under a constraint, sampling through ngram, suffix (chains and trees)
+/// and a draft model keeps the exact constrained law (chi-square on the
+/// first two tokens), and the same test rejects a lossy control that
+/// accepts drafts against the masked law without renormalising it.
+#[test]
+fn sampling_under_a_constraint_keeps_the_constrained_law() {
+    let dir = TempDir::new("structured-stat");
+    let target = tiny_with_tokens(&dir, "target.gguf", 8);
+    let draft = tiny_with_tokens(&dir, "draft.gguf", 31);
+    let model = Arc::new(load_model(&target, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&target).unwrap());
+    let grammars =
+        Grammars::new(&tok, model.config.vocab_size, &model.config.eos_token_ids).unwrap();
+    let c = grammars
+        .compile(&ConstraintSpec::Regex("a[ab]*[xy]+z".into()), "regex")
+        .unwrap();
+    // The prompt repeats, so the lookup proposers draft from the start,
+    // and what they draft is often (not always) allowed.
+    let prompt = [3u32, 7, 4, 9, 3, 7, 4, 9, 3, 7];
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = exact_constrained_first_two(&model, &c, &prompt, &params);
+    let v = model.config.vocab_size;
+    // No mass outside the constraint: the first token is one of a, ab,
+    // aa; the second cannot be the end or z.
+    for t1 in [1usize, 2, 3, 5, 6, 7, 9, 10, 11] {
+        assert!(exact[t1 * v..(t1 + 1) * v].iter().all(|&p| p == 0.0));
+    }
+    assert!((0..v).all(|t1| exact[t1 * v + 2] == 0.0 && exact[t1 * v + 11] == 0.0));
+    let cfg = Config::parse(
+        &format!(
+            "[[proposer]]\nname = \"ngram\"\nplugin = \"ngram\"\n\
+             [[proposer]]\nname = \"suffix-tree\"\nplugin = \"suffix\"\n[proposer.options]\ntree = true\n\
+             [[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = 3\n[proposer.options]\nmodel = \"{}\"\nthreads = 1\n",
+            draft.display()
+        ),
+        None,
+    )
+    .unwrap();
+    // The lookups draft allowed tokens the control misjudges; the draft
+    // model, unaware of the constraint, drafts mostly disallowed ones, so
+    // its control is the residual resampled from the masked p instead.
+    for (proposer, control, n) in [
+        ("ngram", Acceptance::UnnormalisedMask, 12_000u64),
+        ("suffix-tree", Acceptance::UnnormalisedMask, 12_000),
+        ("draft", Acceptance::ResidualFromP, 8_000),
+    ] {
+        let sample = |acceptance: Acceptance| {
+            let drafter = cfg.build_drafter(&model, Some(tok.clone())).unwrap();
+            let mut ec = EngineConfig::for_model(&model);
+            ec.scheduler.max_running = 64;
+            ec.scheduler.max_waiting = usize::MAX;
+            ec.scheduler.adaptive_draft = false;
+            let mut e = SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter);
+            e.sampler.acceptance = acceptance;
+            for i in 0..n {
+                e.add(
+                    Request {
+                        params: SamplingParams {
+                            seed: 91_000 + i,
+                            ..params.clone()
+                        },
+                        proposer: Some(proposer.into()),
+                        constraint: Some(c.clone()),
+                        // Drafts here come from the proposer alone.
+                        forced_drafts: false,
+                        ..Request::greedy(prompt.to_vec(), 3)
+                    },
+                    None,
+                )
+                .unwrap();
+            }
+            let done = e.run_to_completion().unwrap();
+            assert_eq!(done.len() as u64, n, "{proposer}: every request completes");
+            let mut counts = vec![0u64; v * v];
+            let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
+            let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+            assert!(
+                drafted > n / 2 && accepted > 0,
+                "{proposer} must draft: {drafted} {accepted}"
+            );
+            for c in &done {
+                counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+            }
+            counts
+        };
+        let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
+        let crit = common::chi2_crit_999(df);
+        eprintln!("{proposer}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
+        assert!(
+            stat < crit,
+            "{proposer}: constrained law differs: {stat} > {crit}"
+        );
+        let (bad, bdf) = common::chi_square(&sample(control), &exact);
+        eprintln!("{proposer}: {control:?}: chi2 {bad:.1} (df {bdf})");
+        assert!(
+            bad > 1.5 * common::chi2_crit_999(bdf),
+            "{proposer}: a lossy acceptance went unnoticed: {bad}"
+        );
+    }
+}
