@@ -787,7 +787,6 @@ fn unimplemented_fields_are_refused_by_name_never_ignored() {
         d.post("/v1/chat/completions", &b)
     };
     for (field, value) in [
-        ("response_format", json!({"type": "json_object"})),
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
@@ -1504,5 +1503,178 @@ fn per_client_limits_answer_429_and_priority_is_validated() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(d.metric_where("specd_time_to_first_token_seconds_count", "priority=\"-5\"") >= 1.0);
+    wait_kv_zero(&d);
+}
+
+/// `response_format` (json_object, json_schema) and vLLM's
+/// `structured_outputs` constrain the output on both endpoints, streamed
+/// or not, with and without speculation (greedy outputs identical);
+/// invalid schemas, regexes and shapes answer 400 naming the field.
+#[test]
+fn response_format_and_structured_outputs_constrain_the_output() {
+    let d = Daemon::start(CONFIG, &[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000}
+        },
+        "required": ["city", "country", "population"],
+        "additionalProperties": false
+    });
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": true}});
+    let mut outs = Vec::new();
+    for prop in ["none", "ngram", "suffix"] {
+        let body = json!({"messages": [{"role": "user", "content": "Describe Paris as JSON."}],
+            "max_tokens": 60, "temperature": 0, "response_format": rf, "speculation": {"proposer": prop}});
+        let r = d.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let j = r.json();
+        let text = j["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(jsonschema::is_valid(&schema, &v), "{text}");
+        assert_eq!(j["choices"][0]["finish_reason"], "stop", "{}", r.body);
+        // Streamed: the chunks concatenate to the same text.
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let r = d.post("/v1/chat/completions", &sb);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let streamed: String = r
+            .sse()
+            .iter()
+            .map(|c| {
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(streamed, text, "{prop}");
+        outs.push(text);
+    }
+    assert!(outs.iter().all(|o| *o == outs[0]), "{outs:?}");
+    // json_object on /v1/completions; a max_tokens too small ends with length.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "A JSON object describing a cat:", "max_tokens": 80,
+        "temperature": 0, "response_format": {"type": "json_object"}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    let text = j["choices"][0]["text"].as_str().unwrap();
+    if j["choices"][0]["finish_reason"] == "stop" {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(text)
+                .unwrap()
+                .is_object(),
+            "{text}"
+        );
+    }
+    let r = d.post("/v1/completions", &json!({"prompt": "JSON:", "max_tokens": 3,
+        "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["choices"][0]["finish_reason"],
+        "length",
+        "{}",
+        r.body
+    );
+    // vLLM's fields: a regex, a choice, a Lark grammar.
+    for (so, check) in [
+        (
+            json!({"regex": "[0-9]{3}-[0-9]{4}"}),
+            &(|t: &str| t.len() == 8 && t.as_bytes()[3] == b'-') as &dyn Fn(&str) -> bool,
+        ),
+        (json!({"choice": ["red", "green", "blue"]}), &|t: &str| {
+            ["red", "green", "blue"].contains(&t)
+        }),
+        (json!({"grammar": "start: \"yes\" | \"no\""}), &|t: &str| {
+            t == "yes" || t == "no"
+        }),
+    ] {
+        let r = d.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Pick one."}],
+            "max_tokens": 20, "temperature": 0.8, "seed": 3, "structured_outputs": so, "speculation": {"proposer": "ngram"}}));
+        assert_eq!(r.status, 200, "{}", r.body);
+        let t = r.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(check(&t), "{so}: {t:?}");
+    }
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "Colour:", "max_tokens": 5, "guided_choice": ["cyan", "magenta"]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(["cyan", "magenta"].contains(&r.json()["choices"][0]["text"].as_str().unwrap()));
+    // Bad input names the field, before anything runs.
+    for (extra, param, says) in [
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}),
+            "response_format.json_schema.schema",
+            "invalid",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}),
+            "response_format.json_schema.name",
+            "required",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}),
+            "response_format.json_schema.schema",
+            "schema",
+        ),
+        (
+            json!({"response_format": {"type": "xml"}}),
+            "response_format.type",
+            "not supported",
+        ),
+        (
+            json!({"response_format": "json"}),
+            "response_format",
+            "object",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "(unclosed"}}),
+            "structured_outputs.regex",
+            "invalid",
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "start: undefined_rule"}}),
+            "structured_outputs.grammar",
+            "invalid",
+        ),
+        (
+            json!({"structured_outputs": {"choice": []}}),
+            "structured_outputs.choice",
+            "non-empty",
+        ),
+        (
+            json!({"structured_outputs": {"xml": "x"}}),
+            "structured_outputs.xml",
+            "not supported",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}, "guided_regex": "a+"}),
+            "guided_regex",
+            "both",
+        ),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = d.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        let e = r.json();
+        assert_eq!(e["error"]["param"], param, "{}", r.body);
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{extra}: {msg}");
+    }
     wait_kv_zero(&d);
 }

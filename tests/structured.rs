@@ -383,3 +383,101 @@ fn sampling_under_a_constraint_keeps_the_constrained_law() {
         );
     }
 }
+
+/// The greedy fast path (`Guide::allows`, one lexer step) decides exactly
+/// as the mask: checked on the model's top candidates at every position of
+/// a constrained generation, forced-byte positions included.
+#[test]
+fn the_greedy_fast_check_agrees_with_the_mask_everywhere() {
+    let s = smol();
+    for spec in [
+        ConstraintSpec::JsonSchema(person_schema()),
+        ConstraintSpec::JsonSchema(serde_json::json!({"type": "object", "properties": {
+            "answer": {"type": "string", "maxLength": 40}, "confidence": {"enum": ["low", "medium", "high"]}},
+            "required": ["answer", "confidence"], "additionalProperties": false})),
+        ConstraintSpec::Regex(r"(Yes|No), because [a-z ,]{10,60}\.".into()),
+    ] {
+        let c = s.grammars.compile(&spec, "x").unwrap();
+        let req = Request {
+            constraint: Some(c.clone()),
+            ..Request::greedy(
+                chat(&s.tok, "What is the capital of France? Answer as asked."),
+                48,
+            )
+        };
+        let out = generate(&s.model, Some(&s.tok), &req, |_| {}).unwrap();
+        let mut g = c.start();
+        let mut cache = s.model.new_cache();
+        let mut logits = s
+            .model
+            .forward_one(&mut cache, &req.prompt, specd::model::Logits::Last)
+            .unwrap()
+            .logits;
+        let mut checked = 0;
+        for &t in &out.tokens {
+            let mask = c
+                .start_at(&out.tokens[..checked])
+                .unwrap()
+                .allowed()
+                .unwrap();
+            let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+            order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            for &cand in order.iter().take(64).chain(&s.model.config.eos_token_ids) {
+                assert_eq!(
+                    g.allows(cand),
+                    mask.is_allowed(cand),
+                    "{:?} after {:?}: token {cand} {:?}",
+                    spec.kind(),
+                    s.tok.decode(&out.tokens[..checked], false),
+                    s.tok.decode(&[cand], false)
+                );
+            }
+            g.advance(t).unwrap();
+            checked += 1;
+            logits = s
+                .model
+                .forward_one(&mut cache, &[t], specd::model::Logits::Last)
+                .unwrap()
+                .logits;
+        }
+        assert!(checked > 5);
+    }
+}
+
+/// The engine's output under a constraint equals plain constrained
+/// decoding where the grammar forces bytes a single token could cover
+/// (`"}` after an enum value): both take the mask's canonical token.
+#[test]
+fn forced_bytes_take_the_same_token_in_plain_and_speculative_decoding() {
+    let s = smol();
+    let schema = serde_json::json!({"type": "object", "properties": {
+        "answer": {"type": "string", "maxLength": 40}, "confidence": {"enum": ["low", "medium", "high"]}},
+        "required": ["answer", "confidence"], "additionalProperties": false});
+    let c = s
+        .grammars
+        .compile(&ConstraintSpec::JsonSchema(schema), "x")
+        .unwrap();
+    let base = Request {
+        constraint: Some(c),
+        ..Request::greedy(chat(&s.tok, "What is the capital of France?"), 40)
+    };
+    let plain = generate(&s.model, Some(&s.tok), &base, |_| {}).unwrap();
+    for (proposer, forced) in [
+        ("none", true),
+        ("none", false),
+        ("suffix", true),
+        ("ngram", false),
+    ] {
+        let req = Request {
+            proposer: Some(proposer.into()),
+            forced_drafts: forced,
+            ..base.clone()
+        };
+        let (_, done) = run(&s, &Config::builtin(), vec![req]);
+        assert_eq!(
+            done[0].tokens, plain.tokens,
+            "{proposer}, forced drafts {forced}"
+        );
+        assert_eq!(done[0].finish, plain.finish);
+    }
+}

@@ -15,6 +15,7 @@ use specd::sampler::SamplingParams;
 use specd::speculative::actors::{EngineHandle, EngineParts};
 use specd::speculative::drafter::Drafter;
 use specd::speculative::{Completion, Event, Request};
+use specd::structured::{Constraint, ConstraintSpec, Grammars};
 use specd::tokenizer::Tokenizer;
 
 use super::{encode_prompt, load_config, ModelArgs};
@@ -72,6 +73,19 @@ pub struct GenerateArgs {
     pub stop: Vec<String>,
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Constrain the output to this JSON schema (a file).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["grammar", "regex"])]
+    pub json_schema: Option<PathBuf>,
+    /// Constrain the output to this Lark grammar (a file, llguidance's
+    /// dialect).
+    #[arg(long, value_name = "FILE", conflicts_with = "regex")]
+    pub grammar: Option<PathBuf>,
+    /// Constrain the output to this regular expression.
+    #[arg(long)]
+    pub regex: Option<String>,
+    /// Do not draft the tokens a constraint forces.
+    #[arg(long)]
+    pub no_forced_drafts: bool,
 }
 
 fn sampling(a: &GenerateArgs) -> SamplingParams {
@@ -86,6 +100,34 @@ fn sampling(a: &GenerateArgs) -> SamplingParams {
         seed: a.seed,
         logit_bias: Vec::new(),
     }
+}
+
+/// The constraint the flags ask for, compiled for this model.
+fn constraint(a: &GenerateArgs, model: &Model, tok: &Tokenizer) -> Result<Option<Constraint>> {
+    let spec = if let Some(f) = &a.json_schema {
+        let text =
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not JSON", f.display()))?;
+        ConstraintSpec::JsonSchema(v)
+    } else if let Some(f) = &a.grammar {
+        ConstraintSpec::Lark(
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
+        )
+    } else if let Some(r) = &a.regex {
+        ConstraintSpec::Regex(r.clone())
+    } else {
+        return Ok(None);
+    };
+    let field = if a.json_schema.is_some() {
+        "--json-schema"
+    } else if a.grammar.is_some() {
+        "--grammar"
+    } else {
+        "--regex"
+    };
+    let g = Grammars::new(tok, model.config.vocab_size, &model.config.eos_token_ids)?;
+    Ok(Some(g.compile(&spec, field)?))
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -142,6 +184,7 @@ fn generate_plain(a: &GenerateArgs, model: &Model, tok: &Tokenizer) -> Result<()
         params: sampling(a),
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        constraint: constraint(a, model, tok)?,
         ..Request::greedy(prompt, a.max_tokens)
     };
     let stdout = std::io::stdout();
@@ -208,6 +251,7 @@ fn run_batch(
         cfg.build_drafter(&model, Some(tok.clone()))?
     };
     let params = sampling(a);
+    let constraint = constraint(a, &model, &tok)?;
     let t_all = Instant::now();
     let outcomes: Vec<Outcome> = actix_rt::System::new().block_on(async {
         let h = EngineHandle::start(EngineParts {
@@ -232,8 +276,8 @@ fn run_batch(
                 prompt_logprobs: None,
                 priority: 0,
                 group: None,
-                constraint: None,
-                forced_drafts: true,
+                constraint: constraint.clone(),
+                forced_drafts: !a.no_forced_drafts,
             };
             rxs.push((Instant::now(), h.submit(req).await?.1));
         }

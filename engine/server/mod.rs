@@ -31,6 +31,7 @@ use crate::speculative::actors::EngineHandle;
 use crate::tokenizer::Tokenizer;
 
 pub mod admin;
+pub mod constraints;
 pub mod errors;
 pub mod limits;
 pub mod requests;
@@ -63,6 +64,9 @@ pub struct AppState {
     pub split_rng: std::sync::Mutex<crate::sampler::Rng>,
     /// One reload at a time.
     reload_lock: tokio::sync::Mutex<()>,
+    /// The grammar engine over this model's vocabulary, built at the
+    /// first constrained request.
+    grammars: std::sync::OnceLock<Result<Arc<crate::structured::Grammars>, String>>,
 }
 
 /// What `AppState::new` needs.
@@ -104,7 +108,23 @@ impl AppState {
             ready: AtomicBool::new(true),
             split_rng: std::sync::Mutex::new(crate::sampler::Rng::new(0x5eed)),
             reload_lock: tokio::sync::Mutex::new(()),
+            grammars: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The grammar engine (built once, on first use).
+    pub fn grammars(&self) -> Result<Arc<crate::structured::Grammars>, String> {
+        self.grammars
+            .get_or_init(|| {
+                crate::structured::Grammars::new(
+                    &self.tokenizer,
+                    self.model.config.vocab_size,
+                    &self.model.config.eos_token_ids,
+                )
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+            })
+            .clone()
     }
 
     /// Token ids a request may use: the tokenizer's and the model's

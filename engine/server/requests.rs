@@ -154,11 +154,19 @@ pub struct Common {
     pub speculation: Option<Speculation>,
     /// Scheduling priority (vLLM's field): an integer, lower runs first.
     pub priority: Option<Value>,
+    /// Constraints on the output (`constraints.rs`): OpenAI's
+    /// `response_format`, vLLM's `structured_outputs` and its older
+    /// `guided_*` fields.
+    pub response_format: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub guided_choice: Option<Value>,
     // Fields this server does not implement: accepted only when they ask
     // for nothing (null, empty, or the default), else a 400 naming them.
     pub top_logprobs: Option<Value>,
     pub logit_bias: Option<Value>,
-    pub response_format: Option<Value>,
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
@@ -253,10 +261,7 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
         _ => false,
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
-    let checks: [(&str, &Option<Value>, Allowed); 6] = [
-        ("response_format", &c.response_format, &|v| {
-            empty(v) || v.get("type").and_then(Value::as_str) == Some("text")
-        }),
+    let checks: [(&str, &Option<Value>, Allowed); 5] = [
         ("tools", &c.tools, &empty),
         ("tool_choice", &c.tool_choice, &|v| {
             empty(v) || v.as_str() == Some("none")
@@ -548,6 +553,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         }
     }
     unimplemented_fields(&c)?;
+    let constraint = super::constraints::constraint(&c, st)?;
     let n = match c.n {
         None => 1,
         Some(UInt(k)) if (1..=MAX_N as u64).contains(&k) => k as usize,
@@ -691,7 +697,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
             prompt_logprobs: None,
             priority,
             group: None,
-            constraint: None,
+            constraint,
             forced_drafts: true,
         },
         stream,

@@ -213,6 +213,15 @@ impl Constraint {
             done: false,
         }
     }
+
+    /// A guide that has consumed `tokens` (a resumed or replayed output).
+    pub fn start_at(&self, tokens: &[u32]) -> Result<Guide> {
+        let mut g = self.start();
+        for &t in tokens {
+            g.advance(t)?;
+        }
+        Ok(g)
+    }
 }
 
 /// One sequence's position in its constraint.
@@ -244,14 +253,24 @@ impl Guide {
         Ok(mask)
     }
 
-    /// Whether `token` may come next: the cheap check (one lexer step, no
-    /// mask), for a greedy argmax that is usually allowed.
+    /// Whether `token` may come next, exactly as [`Guide::allowed`]
+    /// decides, without computing the mask (one lexer step), for a greedy
+    /// argmax that is usually allowed. Where the grammar forces bytes the
+    /// mask admits only their canonical first token (llguidance's rule,
+    /// so every path tokenises forced text alike), and so does this.
     pub fn allows(&mut self, token: u32) -> bool {
         if self.done {
             return self.eos.contains(&token);
         }
         if token as usize >= self.vocab {
             return false;
+        }
+        // Cached by llguidance: the next mask reuses it.
+        if let Some(&f) = self.m.compute_ff_tokens().first() {
+            return token == f;
+        }
+        if self.eos.contains(&token) {
+            return self.m.is_accepting().unwrap_or(false);
         }
         matches!(self.m.validate_tokens(&[token]), Ok(1))
     }
