@@ -481,3 +481,280 @@ fn forced_bytes_take_the_same_token_in_plain_and_speculative_decoding() {
         assert_eq!(done[0].finish, plain.finish);
     }
 }
+
+/// Field kinds the generated schemas combine: nested objects, bounded
+/// arrays, enums, anyOf/oneOf, nullable fields, patterns, formats and
+/// numeric bounds.
+fn field_kinds() -> Vec<(&'static str, serde_json::Value)> {
+    use serde_json::json;
+    vec![
+        (
+            "name",
+            json!({"type": "string", "minLength": 1, "maxLength": 24}),
+        ),
+        (
+            "age",
+            json!({"type": "integer", "minimum": 0, "maximum": 120}),
+        ),
+        (
+            "score",
+            json!({"type": "number", "minimum": 0, "maximum": 1}),
+        ),
+        (
+            "email",
+            json!({"type": "string", "format": "email", "maxLength": 40}),
+        ),
+        ("birthday", json!({"type": "string", "format": "date"})),
+        ("status", json!({"enum": ["active", "inactive", "pending"]})),
+        (
+            "tags",
+            json!({"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3}),
+        ),
+        (
+            "address",
+            json!({"type": "object", "properties": {
+            "street": {"type": "string", "maxLength": 30},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["street", "zip"], "additionalProperties": false}),
+        ),
+        (
+            "nickname",
+            json!({"type": ["string", "null"], "maxLength": 16}),
+        ),
+        (
+            "contact",
+            json!({"oneOf": [
+            {"type": "object", "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}},
+             "required": ["phone"], "additionalProperties": false},
+            {"type": "object", "properties": {"fax": {"type": "integer", "minimum": 1000, "maximum": 9999}},
+             "required": ["fax"], "additionalProperties": false}]}),
+        ),
+        (
+            "id",
+            json!({"anyOf": [
+            {"type": "integer", "minimum": 1, "maximum": 9999},
+            {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}]}),
+        ),
+        ("active", json!({"type": "boolean"})),
+        (
+            "ratings",
+            json!({"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 5}, "maxItems": 4}),
+        ),
+        (
+            "items",
+            json!({"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
+            "required": ["sku", "qty"], "additionalProperties": false}}),
+        ),
+        ("uuid", json!({"type": "string", "format": "uuid"})),
+        (
+            "price",
+            json!({"type": "number", "minimum": 0, "maximum": 10000}),
+        ),
+        ("level", json!({"type": "integer", "enum": [1, 2, 3]})),
+        ("note", json!({"type": ["string", "null"], "maxLength": 30})),
+    ]
+}
+
+/// `count` schemas: each an object of 3-5 field kinds (the first two
+/// required, the rest optional), a few nested one level deeper.
+fn generated_schemas(count: usize) -> Vec<serde_json::Value> {
+    let kinds = field_kinds();
+    (0..count)
+        .map(|i| {
+            let n = 3 + i % 3;
+            let mut props = serde_json::Map::new();
+            let mut required = Vec::new();
+            for j in 0..n {
+                let (name, schema) = &kinds[(i * 7 + j * 5) % kinds.len()];
+                if props.contains_key(*name) {
+                    continue;
+                }
+                if j < 2 {
+                    required.push(serde_json::json!(name));
+                }
+                props.insert(name.to_string(), schema.clone());
+            }
+            let obj = serde_json::json!({"type": "object", "properties": props,
+                "required": required, "additionalProperties": false});
+            if i % 5 == 4 {
+                serde_json::json!({"type": "object", "properties": {"record": obj, "valid": {"type": "boolean"}},
+                    "required": ["record", "valid"], "additionalProperties": false})
+            } else {
+                obj
+            }
+        })
+        .collect()
+}
+
+/// 50 schemas, generated greedily (with suffix speculation) and sampled
+/// (temperature 0.8, with ngram): every output that ends by `stop` parses
+/// and validates (formats included); every output that ends by `length`
+/// is a prefix the constraint still accepts.
+#[test]
+fn fifty_schemas_generate_valid_json_greedy_and_sampled() {
+    let s = smol();
+    let schemas = generated_schemas(50);
+    let compiled: Vec<_> = schemas
+        .iter()
+        .enumerate()
+        .map(|(i, sc)| {
+            s.grammars
+                .compile(&ConstraintSpec::JsonSchema(sc.clone()), "schema")
+                .unwrap_or_else(|e| panic!("schema {i}: {e}\n{sc}"))
+        })
+        .collect();
+    for (proposer, temperature) in [("suffix", 0.0f32), ("ngram", 0.8)] {
+        let reqs = schemas
+            .iter()
+            .zip(&compiled)
+            .enumerate()
+            .map(|(i, (sc, c))| Request {
+                params: SamplingParams {
+                    temperature,
+                    seed: 40 + i as u64,
+                    ..Default::default()
+                },
+                proposer: Some(proposer.into()),
+                constraint: Some(c.clone()),
+                ..Request::greedy(
+                    chat(
+                        &s.tok,
+                        &format!("Fill in a realistic example of this JSON schema: {sc}"),
+                    ),
+                    200,
+                )
+            })
+            .collect();
+        let (_, done) = run(&s, &Config::builtin(), reqs);
+        assert_eq!(done.len(), 50);
+        let mut stopped = 0;
+        for (i, (c, sc)) in done.iter().zip(&schemas).enumerate() {
+            let text = s.tok.decode(&c.tokens, false).unwrap();
+            if c.finish == FinishReason::Stop {
+                stopped += 1;
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("{proposer} schema {i}: {e}: {text}"));
+                let validator = jsonschema::options()
+                    .should_validate_formats(true)
+                    .build(sc)
+                    .unwrap();
+                let errors: Vec<String> =
+                    validator.iter_errors(&v).map(|e| e.to_string()).collect();
+                assert!(
+                    errors.is_empty(),
+                    "{proposer} schema {i}: {errors:?}\n{text}\n{sc}"
+                );
+            } else {
+                compiled[i].start_at(&c.tokens).unwrap();
+            }
+        }
+        eprintln!("{proposer} T={temperature}: {stopped} of 50 complete within 200 tokens");
+        assert!(stopped >= 45, "{proposer}: only {stopped} of 50 completed");
+    }
+}
+
+/// Constrained sequences under a KV budget that preempts them mid-output
+/// (recomputed, the guide kept) and with the prefix cache serving repeated
+/// prompts: greedy output equals plain constrained decoding, sampled
+/// output equals the same seeded run without preemption.
+#[test]
+fn preemption_and_prefix_caching_keep_constrained_outputs() {
+    let s = smol();
+    let schema = person_schema();
+    let c = s
+        .grammars
+        .compile(&ConstraintSpec::JsonSchema(schema), "response_format")
+        .unwrap();
+    let prompts: Vec<Vec<u32>> = ["a pilot", "a chef", "a painter", "a nurse"]
+        .iter()
+        .map(|who| {
+            chat(
+                &s.tok,
+                &format!(
+                    "{}\nGive the name, city, age and languages of {who} as JSON.",
+                    "We keep records of the people in our town: their names, the city they \
+                     live in, their age and the programming languages they know, if any. \
+                     Records are short and factual. Names are given as first and last name, \
+                     cities without the country, ages as whole years, languages in lower case. "
+                        .repeat(3)
+                ),
+            )
+        })
+        .collect();
+    // Sampled runs draft only the forced tokens (a function of the
+    // output so far), so their random draws, and so their tokens, do not
+    // depend on preemption; greedy runs speculate with suffix too.
+    let reqs = |temperature: f32| -> Vec<Request> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Request {
+                params: SamplingParams {
+                    temperature,
+                    seed: 9 + i as u64,
+                    ..Default::default()
+                },
+                proposer: Some(if temperature > 0.0 { "none" } else { "suffix" }.into()),
+                constraint: Some(c.clone()),
+                ..Request::greedy(p.clone(), 96)
+            })
+            .collect()
+    };
+    let want: Vec<Vec<u32>> = reqs(0.0)
+        .iter()
+        .map(|r| generate(&s.model, Some(&s.tok), r, |_| {}).unwrap().tokens)
+        .collect();
+    let engine = |kv: Option<usize>, prefix: usize| {
+        let drafter = Config::builtin()
+            .build_drafter(&s.model, Some(s.tok.clone()))
+            .unwrap();
+        let mut ec = EngineConfig::for_model(&s.model);
+        ec.scheduler.max_running = 4;
+        ec.scheduler.max_waiting = usize::MAX;
+        ec.scheduler.measured_pricing = false;
+        ec.prefix_cache_blocks = prefix;
+        if let Some(b) = kv {
+            ec.kv_blocks = b;
+        }
+        SyncDriver::new(s.model.clone(), Some(s.tok.clone()), ec, drafter)
+    };
+    let run_all = |e: &mut SyncDriver, reqs: Vec<Request>| {
+        let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r, None).unwrap()).collect();
+        let mut done = e.run_to_completion().unwrap();
+        done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+        done
+    };
+    let roomy_sampled = run_all(&mut engine(None, 0), reqs(0.9));
+    // Each sequence needs two 64-slot blocks at its end: five blocks for
+    // four sequences preempt.
+    let blocks = (prompts[0].len() + 96).div_ceil(64);
+    let mut small = engine(Some(blocks * 2 + 1), 1);
+    let mut preempted = 0;
+    for round in 0..2 {
+        let got = run_all(&mut small, reqs(0.0));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(&g.tokens, w, "round {round}, request {i}");
+        }
+        let sampled = run_all(&mut small, reqs(0.9));
+        for (i, (g, w)) in sampled.iter().zip(&roomy_sampled).enumerate() {
+            assert_eq!(g.tokens, w.tokens, "sampled, round {round}, request {i}");
+        }
+        preempted += got
+            .iter()
+            .chain(&sampled)
+            .map(|c| c.preemptions)
+            .sum::<u32>();
+    }
+    assert!(preempted > 0, "the budget must preempt");
+    // The prefix cache serves the shared instructions (one request at a
+    // time, so each prefill chunk covers whole blocks).
+    let mut warm = engine(None, 64);
+    for (i, r) in reqs(0.0).into_iter().enumerate() {
+        let got = run_all(&mut warm, vec![r]);
+        assert_eq!(&got[0].tokens, &want[i], "prefix cache, request {i}");
+    }
+    let (query, hit) = warm.verifier.prefix_stats();
+    assert!(hit > 0, "{hit} of {query}");
+}
