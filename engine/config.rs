@@ -287,13 +287,19 @@ pub struct ArmConfig {
     /// policies in one run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_pricing: Option<DraftPricing>,
+    /// Draft the tokens a prompt's constraint forces (default: on; the
+    /// plain arm never does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forced_drafts: Option<bool>,
 }
 
 /// The `[ab]` section of a config.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AbSection {
-    /// `spec_bench`, `humaneval`, or `jsonl` (with `path`).
+    /// `spec_bench`, `humaneval`, `structured` (prompts with a JSON
+    /// schema each), or `jsonl` (with `path`; a line's optional `schema`
+    /// constrains its output).
     #[serde(default = "default_dataset")]
     pub dataset: String,
     pub path: Option<PathBuf>,

@@ -787,11 +787,6 @@ fn unimplemented_fields_are_refused_by_name_never_ignored() {
         d.post("/v1/chat/completions", &b)
     };
     for (field, value) in [
-        (
-            "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
-        ),
-        ("tool_choice", json!("required")),
         ("functions", json!([{"name": "f"}])),
         ("function_call", json!({"name": "f"})),
     ] {
@@ -1676,5 +1671,190 @@ fn response_format_and_structured_outputs_constrain_the_output() {
         let msg = e["error"]["message"].as_str().unwrap();
         assert!(msg.contains(says), "{extra}: {msg}");
     }
+    wait_kv_zero(&d);
+}
+
+/// Tool calls: `required` and a named function constrain the output to
+/// calls whose arguments match the schema, returned as `tool_calls` with
+/// finish `tool_calls`, streamed as tool-call deltas; a conversation
+/// carries the call and a `tool` result to a final text answer; `auto`
+/// may answer in text; bad tool definitions answer 400 naming the entry.
+#[test]
+fn tool_calls_round_trip_streamed_and_not() {
+    let d = Daemon::start(CONFIG, &[]);
+    let weather = json!({"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": false}}});
+    let time = json!({"type": "function", "function": {"name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"], "additionalProperties": false}}});
+    let ask = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    for (choice, want) in [
+        (json!("required"), None),
+        (
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            Some("get_weather"),
+        ),
+    ] {
+        for prop in ["none", "suffix"] {
+            let body = json!({"messages": ask, "tools": [weather, time], "tool_choice": choice,
+                "parallel_tool_calls": false, "max_tokens": 60, "temperature": 0,
+                "speculation": {"proposer": prop}});
+            let r = d.post("/v1/chat/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let j = r.json();
+            let c = &j["choices"][0];
+            assert_eq!(c["finish_reason"], "tool_calls", "{}", r.body);
+            assert!(c["message"]["content"].is_null());
+            let calls = c["message"]["tool_calls"].as_array().unwrap();
+            assert_eq!(calls.len(), 1, "{}", r.body);
+            let f = &calls[0]["function"];
+            if let Some(w) = want {
+                assert_eq!(f["name"], w);
+            }
+            assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+            assert_eq!(calls[0]["type"], "function");
+            let args: serde_json::Value =
+                serde_json::from_str(f["arguments"].as_str().unwrap()).unwrap();
+            let schema = if f["name"] == "get_weather" {
+                &weather
+            } else {
+                &time
+            };
+            assert!(
+                jsonschema::is_valid(&schema["function"]["parameters"], &args),
+                "{args}"
+            );
+            // Streamed: the same call, as a tool-call delta.
+            let mut sb = body.clone();
+            sb["stream"] = json!(true);
+            let r = d.post("/v1/chat/completions", &sb);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let events = r.sse();
+            let deltas: Vec<&serde_json::Value> = events
+                .iter()
+                .filter_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array())
+                .flatten()
+                .collect();
+            assert_eq!(deltas.len(), 1, "{}", r.body);
+            assert_eq!(deltas[0]["function"], *f, "{prop}");
+            let last = events
+                .iter()
+                .rev()
+                .find(|e| !e["choices"][0]["finish_reason"].is_null())
+                .unwrap();
+            assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+            // The round trip: the call and its result go back, the
+            // model answers in text (tool_choice none constrains nothing).
+            if prop == "none" {
+                let call = calls[0].clone();
+                let messages = json!([
+                    {"role": "user", "content": "What is the weather in Paris?"},
+                    {"role": "assistant", "content": null, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": "{\"temperature\": 18, \"sky\": \"clear\"}"}
+                ]);
+                let r = d.post(
+                    "/v1/chat/completions",
+                    &json!({"messages": messages, "tools": [weather, time],
+                    "tool_choice": "none", "max_tokens": 30, "temperature": 0}),
+                );
+                assert_eq!(r.status, 200, "{}", r.body);
+                let j = r.json();
+                assert!(
+                    j["choices"][0]["message"]["content"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty()),
+                    "{}",
+                    r.body
+                );
+                assert!(j["choices"][0]["message"]["tool_calls"].is_null());
+            }
+        }
+    }
+    // Parallel calls: one or more blocks, each a valid call.
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Weather and time in Paris and Rome?"}],
+        "tools": [weather, time], "tool_choice": "required", "max_tokens": 120, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    if j["choices"][0]["finish_reason"] == "tool_calls" {
+        assert!(!j["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap()
+            .is_empty());
+    }
+    // auto: text or calls, either way well formed.
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Say hello."}],
+        "tools": [weather], "max_tokens": 20, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let c = &r.json()["choices"][0];
+    assert!(
+        c["message"]["content"].is_string() || c["finish_reason"] == "tool_calls",
+        "{}",
+        r.body
+    );
+    // Bad definitions and choices name the entry.
+    for (extra, param) in [
+        (
+            json!({"tools": [{"type": "function", "function": {"description": "x"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}),
+            "tools[0].function.name",
+        ),
+        (json!({"tools": [{"type": "retrieval"}]}), "tools[0].type"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"tools": [weather, weather]}),
+            "tools[1].function.name",
+        ),
+        (
+            json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"tools": [weather], "tool_choice": "sometimes"}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [weather], "parallel_tool_calls": "yes"}),
+            "parallel_tool_calls",
+        ),
+        (
+            json!({"tools": [weather], "response_format": {"type": "json_object"}}),
+            "tools",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}]}),
+            "tools",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = d.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "tools": [weather]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "tools");
     wait_kv_zero(&d);
 }

@@ -2,6 +2,7 @@
 
 Usage: python3 tests/openai_client.py http://127.0.0.1:PORT/v1
 """
+import json
 import sys
 
 import openai
@@ -188,17 +189,12 @@ assert len(three) == 3 and three == animals(3) and three[0] == animals(1)[0], th
 print("n=3:", three)
 
 # What specd does not implement is refused by name, never ignored.
-for field, kwargs in [
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-]:
-    try:
-        client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kwargs
-        )
-        raise SystemExit(f"expected a 400 for {field}")
-    except openai.BadRequestError as e:
-        assert e.body["param"] == field, e.body
-        print("refused:", field)
+try:
+    client.completions.create(model=model, prompt="def f(", suffix="return 1", max_tokens=2)
+    raise SystemExit("expected a 400 for suffix")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "suffix", e.body
+    print("refused: suffix")
 
 # Control tokens in content are text: no forged system turn.
 spoof = client.chat.completions.create(
@@ -268,5 +264,54 @@ for proposer in ["none", "suffix"]:
     city = parsed.choices[0].message.parsed
     assert isinstance(city, City), parsed
     print("parse():", proposer, city)
+
+# Tool calls: a call, its result, then a text answer; streamed and not.
+tools = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}]
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+r = client.chat.completions.create(
+    model=model, messages=ask, tools=tools, tool_choice="required", max_tokens=40, temperature=0,
+    parallel_tool_calls=False,
+)
+call = r.choices[0].message.tool_calls[0]
+assert r.choices[0].finish_reason == "tool_calls", r
+assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments), call
+stream = client.chat.completions.create(
+    model=model, messages=ask, tools=tools, tool_choice="required", max_tokens=40, temperature=0,
+    parallel_tool_calls=False, stream=True,
+)
+streamed_calls, finish = [], None
+for chunk in stream:
+    d = chunk.choices[0].delta if chunk.choices else None
+    if d is not None and d.tool_calls:
+        streamed_calls.extend(d.tool_calls)
+    if chunk.choices and chunk.choices[0].finish_reason:
+        finish = chunk.choices[0].finish_reason
+assert finish == "tool_calls" and streamed_calls[0].function.arguments == call.function.arguments, streamed_calls
+answer = client.chat.completions.create(
+    model=model,
+    messages=ask
+    + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})},
+    ],
+    tools=tools,
+    max_tokens=30,
+    temperature=0,
+    tool_choice="none",
+)
+assert answer.choices[0].message.content, answer
+print("tools:", call.function.arguments, "->", repr(answer.choices[0].message.content))
 
 print("ALL OK")

@@ -13,6 +13,8 @@ use crate::error::{Result, SpecdError};
 /// Where the embedded evaluation sets live in the repository.
 pub const SPEC_BENCH_PATH: &str = "benches/data/spec_bench/question.jsonl";
 pub const HUMANEVAL_PATH: &str = "benches/data/humaneval/prompts.jsonl";
+pub const STRUCTURED_PATH: &str = "benches/data/structured/prompts.jsonl";
+const STRUCTURED_JSONL: &str = include_str!("../../benches/data/structured/prompts.jsonl");
 const SPEC_BENCH_JSONL: &str = include_str!("../../benches/data/spec_bench/question.jsonl");
 const HUMANEVAL_JSONL: &str = include_str!("../../benches/data/humaneval/prompts.jsonl");
 
@@ -22,6 +24,9 @@ pub struct Prompt {
     pub id: String,
     pub category: String,
     pub text: String,
+    /// A JSON schema the output must follow (structured datasets).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schema: Option<serde_json::Value>,
 }
 
 fn data_err(path: &Path, msg: impl std::fmt::Display) -> SpecdError {
@@ -61,6 +66,7 @@ pub fn load_spec_bench(path: Option<&Path>) -> Result<Vec<Prompt>> {
             id: j["question_id"].to_string(),
             category: j["category"].as_str()?.to_string(),
             text: j["turns"].get(0)?.as_str()?.to_string(),
+            schema: None,
         })
     })
 }
@@ -90,6 +96,7 @@ pub fn load_humaneval(path: Option<&Path>) -> Result<Vec<Prompt>> {
             id: j["task_id"].as_str()?.to_string(),
             category: "humaneval".into(),
             text: j["prompt"].as_str()?.to_string(),
+            schema: None,
         })
     })
 }
@@ -111,10 +118,22 @@ pub fn evaluation_texts() -> Vec<String> {
     v
 }
 
-/// Any JSONL with a `prompt` (and optional `id`, `category`).
+/// The structured-output benchmark: Spec-Bench prompts (qa, rag,
+/// summarization, math_reasoning, extraction), each with the JSON schema
+/// its answer follows (`benches/data/structured/`).
+pub fn load_structured() -> Result<Vec<Prompt>> {
+    jsonl_prompts(Path::new(STRUCTURED_PATH), STRUCTURED_JSONL)
+}
+
+/// Any JSONL with a `prompt` (and optional `id`, `category`, and a JSON
+/// `schema` that constrains its output).
 pub fn load_jsonl(path: &Path) -> Result<Vec<Prompt>> {
     let text = std::fs::read_to_string(path).map_err(|e| data_err(path, e))?;
-    parse_jsonl(path, &text, |i, j| {
+    jsonl_prompts(path, &text)
+}
+
+fn jsonl_prompts(path: &Path, text: &str) -> Result<Vec<Prompt>> {
+    parse_jsonl(path, text, |i, j| {
         Some(Prompt {
             id: match &j["id"] {
                 serde_json::Value::Null => i.to_string(),
@@ -123,6 +142,10 @@ pub fn load_jsonl(path: &Path) -> Result<Vec<Prompt>> {
             },
             category: j["category"].as_str().unwrap_or("all").to_string(),
             text: j["prompt"].as_str()?.to_string(),
+            schema: match &j["schema"] {
+                serde_json::Value::Null => None,
+                s => Some(s.clone()),
+            },
         })
     })
 }
@@ -153,6 +176,7 @@ mod tests {
             id: id.into(),
             category: c.into(),
             text: "x".into(),
+            schema: None,
         };
         let v = limit_per_category(vec![p("1", "a"), p("2", "b"), p("3", "a"), p("4", "a")], 2);
         assert_eq!(

@@ -31,8 +31,8 @@ mod stats;
 mod sweep;
 
 pub use datasets::{
-    evaluation_texts, limit_per_category, load_humaneval, load_jsonl, load_spec_bench, Prompt,
-    HUMANEVAL_PATH, SPEC_BENCH_PATH,
+    evaluation_texts, limit_per_category, load_humaneval, load_jsonl, load_spec_bench,
+    load_structured, Prompt, HUMANEVAL_PATH, SPEC_BENCH_PATH, STRUCTURED_PATH,
 };
 pub use report::{html, markdown, write_outputs};
 pub use run::run;
@@ -68,9 +68,17 @@ pub struct Record {
     /// verify seconds, draft seconds).
     #[serde(default)]
     pub steps_by_tokens: Vec<(usize, u64, f64, f64)>,
-    /// Composed proposers: (member, steps, drafted, accepted).
+    /// Composed proposers: (member, steps, drafted, accepted); the
+    /// constraint's forced drafts are the member `grammar`.
     #[serde(default)]
     pub members: Vec<(String, u64, u64, u64)>,
+    /// Ended by end of sequence, a stop string or the constraint.
+    #[serde(default)]
+    pub finish_stop: bool,
+    /// Prompts with a schema: the output is complete (ended by the
+    /// constraint) and parses as JSON.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub complete: Option<bool>,
 }
 
 impl Record {

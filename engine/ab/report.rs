@@ -89,6 +89,22 @@ pub fn markdown(r: &AbReport) -> String {
             s += &format!("- {}: {}\n", a.arm, m.join("; "));
         }
     }
+    // Constrained prompts: how many outputs the constraint ended and that
+    // parse, per arm (truncated by max_tokens otherwise).
+    let constrained: Vec<&super::Record> =
+        r.records.iter().filter(|x| x.complete.is_some()).collect();
+    if !constrained.is_empty() {
+        s += "\n## Constrained outputs\n\n";
+        for a in &r.overall {
+            let mine: Vec<_> = constrained.iter().filter(|x| x.arm == a.arm).collect();
+            let ok = mine.iter().filter(|x| x.complete == Some(true)).count();
+            s += &format!(
+                "- {}: {ok} of {} complete and valid JSON (the rest hit max_tokens)\n",
+                a.arm,
+                mine.len()
+            );
+        }
+    }
     s += "\n## Losslessness\n\n";
     if r.sampling.is_greedy() {
         if r.mismatches.is_empty() {

@@ -13,6 +13,7 @@ use crate::model::Model;
 use crate::sampler::SamplingParams;
 use crate::speculative::driver::SyncDriver;
 use crate::speculative::{Event, Request};
+use crate::structured::{Constraint, ConstraintSpec, Grammars};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 /// Run one request alone on `engine`, timing its tokens.
@@ -85,6 +86,8 @@ fn run_one(
                 .iter()
                 .map(|(m, v)| (m.clone(), v[0], v[1], v[2]))
                 .collect(),
+            finish_stop: c.finish == crate::sampler::FinishReason::Stop,
+            complete: None,
         },
         c.tokens,
     ))
@@ -95,8 +98,13 @@ fn run_one(
 /// and the plain arm's name.
 pub(super) fn arms_with_plain(ab: &AbSection) -> (Vec<ArmConfig>, String) {
     let mut arms = ab.arm.clone();
-    let plain = match arms.iter().find(|a| a.proposer == "none") {
-        Some(a) => a.name.clone(),
+    let plain = match arms.iter_mut().find(|a| a.proposer == "none") {
+        Some(a) => {
+            // The baseline is plain (constrained) decoding: no forced
+            // drafts unless the arm asks.
+            a.forced_drafts.get_or_insert(false);
+            a.name.clone()
+        }
         None => {
             arms.insert(
                 0,
@@ -105,6 +113,7 @@ pub(super) fn arms_with_plain(ab: &AbSection) -> (Vec<ArmConfig>, String) {
                     proposer: "none".into(),
                     max_draft: None,
                     draft_pricing: None,
+                    forced_drafts: Some(false),
                 },
             );
             "plain".into()
@@ -138,6 +147,7 @@ pub(super) fn arm_request(
     arm: &ArmConfig,
     seed_offset: u64,
     model: &Model,
+    constraint: Option<&Constraint>,
 ) -> Request {
     let room = model.config.max_seq_len.saturating_sub(ids.len());
     Request {
@@ -157,9 +167,35 @@ pub(super) fn arm_request(
         prompt_logprobs: None,
         priority: 0,
         group: None,
-        constraint: None,
-        forced_drafts: true,
+        constraint: constraint.cloned(),
+        forced_drafts: arm.forced_drafts.unwrap_or(true),
     }
+}
+
+/// Each prompt's schema compiled for the model (`None` where it has none).
+pub(super) fn compile_schemas(
+    model: &Model,
+    tok: &Tokenizer,
+    prompts: &[Prompt],
+) -> Result<Vec<Option<Constraint>>> {
+    if prompts.iter().all(|p| p.schema.is_none()) {
+        return Ok(vec![None; prompts.len()]);
+    }
+    let g = Grammars::new(tok, model.config.vocab_size, &model.config.eos_token_ids)?;
+    prompts
+        .iter()
+        .map(|p| {
+            p.schema
+                .as_ref()
+                .map(|s| {
+                    g.compile(
+                        &ConstraintSpec::JsonSchema(s.clone()),
+                        &format!("prompt `{}` schema", p.id),
+                    )
+                })
+                .transpose()
+        })
+        .collect()
 }
 
 /// Token ids of every prompt (through the chat template with `chat`).
@@ -245,6 +281,7 @@ pub fn run(
     let max_batch_tokens = engine.scheduler.config.max_batch_tokens;
     let measured = engine.scheduler.config.measured_pricing;
     let encoded = encode_prompts(&tok, prompts, chat)?;
+    let constraints = compile_schemas(&model, &tok, prompts)?;
     let total = (prompts.len() * ab.repeats * arms.len()) as u64;
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
@@ -274,7 +311,7 @@ pub fn run(
     // of its buffers alone.
     let warm_up = |engine: &mut SyncDriver| -> Result<()> {
         if let (Some(ids), Some(p)) = (encoded.first(), arms.iter().find(|a| a.name == plain)) {
-            let mut req = arm_request(ab, ids, p, u64::MAX, &model);
+            let mut req = arm_request(ab, ids, p, u64::MAX, &model, constraints[0].as_ref());
             req.max_tokens = req.max_tokens.min(8);
             run_one(engine, req, max_batch_tokens)?;
         }
@@ -292,7 +329,14 @@ pub fn run(
                 // Rotate the arm order prompt by prompt (and repeat by repeat).
                 let a = (i + rep + k) % n;
                 let arm = &arms[a];
-                let mut req = arm_request(ab, ids, arm, i as u64 * 7919 + rep as u64, &model);
+                let mut req = arm_request(
+                    ab,
+                    ids,
+                    arm,
+                    i as u64 * 7919 + rep as u64,
+                    &model,
+                    constraints[i].as_ref(),
+                );
                 if let Some(alias) = &aliases[a] {
                     req.proposer = Some(alias.clone());
                 }
@@ -304,6 +348,13 @@ pub fn run(
                 r.category = p.category.clone();
                 r.arm = arm.name.clone();
                 r.repeat = rep;
+                if constraints[i].is_some() {
+                    // Complete (ended by the constraint) and parses.
+                    let text = tok.decode(&toks, false).unwrap_or_default();
+                    r.complete = Some(
+                        r.finish_stop && serde_json::from_str::<serde_json::Value>(&text).is_ok(),
+                    );
+                }
                 r.token_ids = toks;
                 bar.set_message(format!("{} {}", arm.name, p.id));
                 bar.inc(1);

@@ -223,6 +223,8 @@ mod tests {
             verify_s: 0.0,
             steps_by_tokens: Vec::new(),
             members: Vec::new(),
+            finish_stop: true,
+            complete: None,
         }
     }
 

@@ -101,6 +101,7 @@ pub fn sweep(
     }
     let (arms, plain) = arms_with_plain(ab);
     let encoded = encode_prompts(&tok, prompts, chat)?;
+    let constraints = super::run::compile_schemas(&model, &tok, prompts)?;
     let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
     let fresh = |c: usize, pricing: Option<DraftPricing>| -> Result<SyncDriver> {
         let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
@@ -144,7 +145,8 @@ pub fn sweep(
                     rep + 1
                 ));
                 let mut engine = fresh(c, arm.draft_pricing)?;
-                let (row, toks) = run_point(&mut engine, ab, &encoded, arm, c, &model)?;
+                let (row, toks) =
+                    run_point(&mut engine, ab, &encoded, &constraints, arm, c, &model)?;
                 match point_rows.iter_mut().find(|r| r.arm == row.arm) {
                     Some(r) => r.add(&row),
                     None => point_rows.push(row),
@@ -211,6 +213,7 @@ fn run_point(
     engine: &mut SyncDriver,
     ab: &AbSection,
     encoded: &[Vec<u32>],
+    constraints: &[Option<crate::structured::Constraint>],
     arm: &crate::config::ArmConfig,
     c: usize,
     model: &Model,
@@ -222,7 +225,14 @@ fn run_point(
     let t0 = Instant::now();
     while next < encoded.len() || !in_flight.is_empty() {
         while in_flight.len() < c && next < encoded.len() {
-            let req = arm_request(ab, &encoded[next], arm, next as u64 * 7919, model);
+            let req = arm_request(
+                ab,
+                &encoded[next],
+                arm,
+                next as u64 * 7919,
+                model,
+                constraints[next].as_ref(),
+            );
             let id = engine.add(req, None)?;
             in_flight.insert(id, next);
             next += 1;

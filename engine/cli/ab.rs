@@ -14,7 +14,7 @@ pub struct AbArgs {
     /// TOML config with an [ab] section (see configs/ab/).
     #[arg(long)]
     pub config: PathBuf,
-    /// Override [ab] dataset: spec_bench, humaneval or jsonl.
+    /// Override [ab] dataset: spec_bench, humaneval, structured or jsonl.
     #[arg(long)]
     pub dataset: Option<String>,
     /// Dataset file (Spec-Bench question.jsonl, HumanEval .jsonl(.gz), or a JSONL of prompts).
@@ -79,8 +79,11 @@ pub fn run(a: AbArgs) -> Result<()> {
     let prompts = match s.dataset.as_str() {
         "spec_bench" => ab::load_spec_bench(s.path.as_deref())?,
         "humaneval" => ab::load_humaneval(s.path.as_deref())?,
+        "structured" => ab::load_structured()?,
         "jsonl" => ab::load_jsonl(s.path.as_deref().context("dataset `jsonl` needs a path")?)?,
-        other => anyhow::bail!("unknown dataset `{other}` (spec_bench, humaneval, jsonl)"),
+        other => {
+            anyhow::bail!("unknown dataset `{other}` (spec_bench, humaneval, structured, jsonl)")
+        }
     };
     let prompts = ab::limit_per_category(prompts, s.limit_per_category);
     anyhow::ensure!(!prompts.is_empty(), "the dataset has no prompts");

@@ -37,6 +37,7 @@ pub mod limits;
 pub mod requests;
 mod routes;
 mod sse;
+pub mod tools;
 
 pub use errors::ApiError;
 pub use routes::{default_service, routes};

@@ -167,7 +167,9 @@ pub struct Common {
     // for nothing (null, empty, or the default), else a 400 naming them.
     pub top_logprobs: Option<Value>,
     pub logit_bias: Option<Value>,
+    /// Chat only (`tools.rs`).
     pub tools: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -261,11 +263,7 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
         _ => false,
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
-    let checks: [(&str, &Option<Value>, Allowed); 5] = [
-        ("tools", &c.tools, &empty),
-        ("tool_choice", &c.tool_choice, &|v| {
-            empty(v) || v.as_str() == Some("none")
-        }),
+    let checks: [(&str, &Option<Value>, Allowed); 3] = [
         ("functions", &c.functions, &empty),
         ("function_call", &c.function_call, &|v| {
             empty(v) || v.as_str() == Some("none")
@@ -309,7 +307,18 @@ pub struct ChatBody {
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
     pub role: String,
-    pub content: Content,
+    /// Optional only for an assistant turn that made tool calls.
+    #[serde(default)]
+    pub content: Option<Content>,
+    /// An assistant turn's calls (OpenAI's shape: `id`, `type`,
+    /// `function.name`, `function.arguments` as a JSON string).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` turn's call id (accepted; results are matched by order).
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// Message content: a string, or text parts (`{"type": "text", "text": ...}`).
@@ -493,19 +502,55 @@ pub fn chat_messages(b: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
         .enumerate()
         .map(|(i, m)| {
             let field = format!("messages[{i}].role");
-            let role = match m.role.as_str() {
-                "system" | "user" | "assistant" => m.role,
-                "developer" => "system".into(),
+            let content = match m.content {
+                Some(Content::Text(s)) => Some(s),
+                Some(Content::Parts(p)) => Some(p.into_iter().map(|p| p.text).collect()),
+                None => None,
+            };
+            let need_content = || {
+                let f = format!("messages[{i}].content");
+                ApiError::bad_field(&f, format!("`{f}` is required"))
+            };
+            let (role, content) = match m.role.as_str() {
+                "system" | "user" => (m.role, content.ok_or_else(need_content)?),
+                "developer" => ("system".into(), content.ok_or_else(need_content)?),
+                "assistant" => {
+                    let calls = m.tool_calls.unwrap_or_default();
+                    if content.is_none() && calls.is_empty() {
+                        return Err(need_content());
+                    }
+                    // Earlier calls, in the format the model writes them.
+                    let mut text = content.unwrap_or_default();
+                    for (k, c) in calls.iter().enumerate() {
+                        let f = format!("messages[{i}].tool_calls[{k}].function");
+                        let name = c["function"]["name"].as_str();
+                        let args = c["function"]["arguments"]
+                            .as_str()
+                            .and_then(|a| serde_json::from_str::<Value>(a).ok());
+                        let (Some(name), Some(args)) = (name, args) else {
+                            return Err(ApiError::bad_field(
+                                &f,
+                                format!("`{f}` needs a `name` and `arguments` (a JSON object as a string)"),
+                            ));
+                        };
+                        if !text.is_empty() {
+                            text.push('\n');
+                        }
+                        text.push_str(&crate::structured::tools::render_call(name, &args));
+                    }
+                    (m.role, text)
+                }
+                // A tool's result: a user turn, as the format documents.
+                "tool" => (
+                    "user".into(),
+                    crate::structured::tools::render_result(&content.ok_or_else(need_content)?),
+                ),
                 other => {
                     return Err(ApiError::bad_field(
                         &field,
-                        format!("`{field}` = `{other}` is not supported (system, user, assistant, developer)"),
+                        format!("`{field}` = `{other}` is not supported (system, user, assistant, developer, tool)"),
                     ))
                 }
-            };
-            let content = match m.content {
-                Content::Text(s) => s,
-                Content::Parts(p) => p.into_iter().map(|p| p.text).collect(),
             };
             Ok(ChatMessage { role, content })
         })
@@ -520,6 +565,8 @@ pub struct Parsed {
     pub include_usage: bool,
     /// Choices to generate for the prompt (`n`).
     pub n: usize,
+    /// The model is offered tools: its output may be calls.
+    pub tools: bool,
 }
 
 /// Most choices per prompt (`n`).
@@ -553,7 +600,24 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         }
     }
     unimplemented_fields(&c)?;
-    let constraint = super::constraints::constraint(&c, st)?;
+    let tools = super::tools::parse(
+        c.tools.as_ref(),
+        c.tool_choice.as_ref(),
+        c.parallel_tool_calls.as_ref(),
+    )?;
+    let mut constraint = super::constraints::constraint(&c, st)?;
+    let tools = tools.filter(|t| t.active());
+    if let Some(t) = &tools {
+        if constraint.is_some() {
+            return Err(ApiError::bad_field(
+                "tools",
+                "`tools` and a `response_format` or `structured_outputs` constraint cannot both shape the output; send one",
+            ));
+        }
+        if let Some(spec) = crate::structured::tools::grammar(&t.tools, &t.choice, t.parallel) {
+            constraint = Some(super::constraints::compile(st, "tools", &spec)?);
+        }
+    }
     let n = match c.n {
         None => 1,
         Some(UInt(k)) if (1..=MAX_N as u64).contains(&k) => k as usize,
@@ -703,6 +767,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         stream,
         include_usage,
         n,
+        tools: tools.is_some(),
     })
 }
 

@@ -14,6 +14,7 @@ use super::sse::{AbortGuard, Echo, Kind, Shape, SseStream};
 use super::AppState;
 use crate::error::SpecdError;
 use crate::speculative::Event;
+use crate::tokenizer::ChatMessage;
 
 type State = web::Data<AppState>;
 
@@ -53,6 +54,12 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
     let prompts =
         requests::completion_prompts(requests::from_body::<CompletionBody>(&body)?, st.vocab())?;
     let mut common: Common = requests::from_body(&body)?;
+    if common.tools.as_ref().is_some_and(|t| !t.is_null()) {
+        return Err(ApiError::bad_field(
+            "tools",
+            "`tools` is offered on /v1/chat/completions only",
+        ));
+    }
     // echo: each prompt comes back before its choice (with its logprobs
     // when logprobs are asked); with max_tokens 0, the prompt alone.
     let echo = common.echo.take().is_some_and(|e| e.0);
@@ -121,6 +128,7 @@ async fn run_choices(
     let stream = parsed[0].stream;
     let include_usage = parsed[0].include_usage;
     let logprobs = parsed[0].req.logprobs.is_some();
+    let tools = parsed[0].tools;
     let n = parsed[0].n.max(1);
     // More sequences than the queue holds can never be admitted together:
     // refuse that outright (a 429 would invite retries of the same).
@@ -189,6 +197,7 @@ async fn run_choices(
         tokenizer: st.tokenizer.clone(),
         logprobs,
         echo,
+        tools,
     };
     if stream {
         return Ok(HttpResponse::Ok()
@@ -227,8 +236,27 @@ async fn run_choices(
 async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
     let body = requests::body_object(&body)?;
-    let messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?)?;
+    let mut messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?)?;
     let common: Common = requests::from_body(&body)?;
+    // Offered tools are documented to the model in the system turn.
+    let tools = super::tools::parse(
+        common.tools.as_ref(),
+        common.tool_choice.as_ref(),
+        common.parallel_tool_calls.as_ref(),
+    )?;
+    if let Some(t) = tools.filter(|t| t.active()) {
+        let doc = crate::structured::tools::system_prompt(&t.tools);
+        match messages.first_mut().filter(|m| m.role == "system") {
+            Some(m) => m.content = format!("{}\n\n{doc}", m.content),
+            None => messages.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: doc,
+                },
+            ),
+        }
+    }
     let ids = requests::encode_chat(&st, &messages)?;
     let parsed = requests::validate(common, &st, ids)?;
     run_choices(&st, &req, vec![parsed], Kind::Chat, None).await

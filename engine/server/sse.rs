@@ -61,6 +61,18 @@ pub(super) struct Shape {
     pub(super) logprobs: bool,
     /// Completions with `echo`: each prompt comes back before its choices.
     pub(super) echo: Option<Echo>,
+    /// Chat with tools offered: output that is calls comes back as
+    /// `tool_calls` (finish `tool_calls`).
+    pub(super) tools: bool,
+}
+
+/// A streamed chat choice with tools: undecided until its first
+/// non-blank character (`<` starts calls, anything else is text).
+#[derive(Clone, Copy, PartialEq)]
+enum ToolMode {
+    Undecided,
+    Text,
+    Calls,
 }
 
 /// What `echo` puts before each choice: the prompt's text and first token
@@ -73,6 +85,49 @@ pub(super) struct Echo {
 }
 
 impl Shape {
+    /// OpenAI's `tool_calls` entries for `calls`, numbered from `start`
+    /// within choice `choice`.
+    fn tool_calls_json(
+        &self,
+        choice: usize,
+        calls: &[crate::structured::tools::ToolCall],
+        start: usize,
+    ) -> Vec<Value> {
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                json!({
+                    "index": start + k,
+                    "id": format!("call_{}_{choice}_{}", self.id, start + k),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                })
+            })
+            .collect()
+    }
+
+    /// A streamed chat chunk whose delta is given.
+    fn delta_chunk(
+        &self,
+        index: usize,
+        delta: Value,
+        finish: Option<&str>,
+        usage: Option<Value>,
+    ) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v
+    }
+
     /// `logprobs` in OpenAI's shape for the kind: chat's `content` list
     /// (token, logprob, bytes, top_logprobs) or completions' parallel lists
     /// (tokens, token_logprobs, top_logprobs, text_offset, counted in
@@ -216,12 +271,32 @@ impl Shape {
                         json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
                     }
                     (Kind::Completion, None) => json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish_str(c.finish)}),
-                    (Kind::Chat, _) => json!({
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs,
-                        "finish_reason": finish_str(c.finish),
-                    }),
+                    // Tools: the complete calls the output starts with
+                    // (an unfinished one cut by max_tokens is dropped, and
+                    // the finish is then `length`).
+                    (Kind::Chat, _) => match self
+                        .tools
+                        .then(|| {
+                            let mut rest = c.text.clone();
+                            let calls = crate::structured::tools::take_complete_calls(&mut rest);
+                            (calls, rest.trim().is_empty())
+                        })
+                        .filter(|(calls, _)| !calls.is_empty())
+                    {
+                        Some((calls, complete)) => json!({
+                            "index": i,
+                            "message": {"role": "assistant", "content": null,
+                                        "tool_calls": self.tool_calls_json(i, &calls, 0)},
+                            "logprobs": logprobs,
+                            "finish_reason": if complete { "tool_calls" } else { finish_str(c.finish) },
+                        }),
+                        None => json!({
+                            "index": i,
+                            "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs,
+                            "finish_reason": finish_str(c.finish),
+                        }),
+                    },
                 }
             })
             .collect();
@@ -286,6 +361,11 @@ pub(super) struct Part {
     completion: Option<Completion>,
     /// Characters of this choice's tokens so far (completions' text_offset).
     offset: usize,
+    /// Tools offered: what the output is, text held back until that is
+    /// known (or until a call block completes), calls sent so far.
+    tool_mode: ToolMode,
+    tool_buf: String,
+    calls_sent: usize,
 }
 
 /// Server-sent events for one request, or for several prompts of one
@@ -324,6 +404,13 @@ impl SseStream {
                     done: false,
                     completion: None,
                     offset: 0,
+                    tool_mode: if shape.tools {
+                        ToolMode::Undecided
+                    } else {
+                        ToolMode::Text
+                    },
+                    tool_buf: String::new(),
+                    calls_sent: 0,
                 })
                 .collect(),
             shape,
@@ -379,6 +466,45 @@ impl futures_core::Stream for SseStream {
                 }
                 match part.rx.poll_recv(cx) {
                     Poll::Pending => break,
+                    Poll::Ready(Some(Event::Tokens { text, .. }))
+                        if part.tool_mode != ToolMode::Text =>
+                    {
+                        // Tools offered: hold text until the output shows
+                        // whether it is calls; send each call whole.
+                        part.tool_buf.push_str(&text);
+                        if part.tool_mode == ToolMode::Undecided {
+                            match part.tool_buf.trim_start().chars().next() {
+                                None => continue,
+                                Some('<') => part.tool_mode = ToolMode::Calls,
+                                Some(_) => {
+                                    part.tool_mode = ToolMode::Text;
+                                    let held = std::mem::take(&mut part.tool_buf);
+                                    let first = std::mem::replace(&mut part.first, false);
+                                    self.next = (i + 1) % n;
+                                    let v =
+                                        self.shape.chunk(i, &held, None, None, first, &[], &mut 0);
+                                    return self.frame(v);
+                                }
+                            }
+                        }
+                        let calls =
+                            crate::structured::tools::take_complete_calls(&mut part.tool_buf);
+                        if calls.is_empty() {
+                            continue;
+                        }
+                        let start = part.calls_sent;
+                        part.calls_sent += calls.len();
+                        let first = std::mem::replace(&mut part.first, false);
+                        self.next = (i + 1) % n;
+                        let mut delta =
+                            json!({"tool_calls": self.shape.tool_calls_json(i, &calls, start)});
+                        if first {
+                            delta["role"] = json!("assistant");
+                            delta["content"] = Value::Null;
+                        }
+                        let v = self.shape.delta_chunk(i, delta, None, None);
+                        return self.frame(v);
+                    }
                     Poll::Ready(Some(Event::Tokens { text, logprobs, .. })) => {
                         if text.is_empty() && logprobs.is_empty() && !part.first {
                             continue;
@@ -396,11 +522,26 @@ impl futures_core::Stream for SseStream {
                         part.done = true;
                         part.guard.armed = false;
                         let first = part.first;
+                        // Tools: calls end with `tool_calls`; text held
+                        // back (an unfinished block, cut by max_tokens)
+                        // goes out as content.
+                        let finish = if part.calls_sent > 0 && part.tool_buf.trim().is_empty() {
+                            "tool_calls"
+                        } else {
+                            finish_str(c.finish)
+                        };
+                        // An unfinished call after complete ones is dropped;
+                        // with none complete, what came is sent as text.
+                        let held = if part.tool_mode == ToolMode::Text || part.calls_sent > 0 {
+                            String::new()
+                        } else {
+                            std::mem::take(&mut part.tool_buf)
+                        };
                         self.next = (i + 1) % n;
                         let v = self.shape.chunk(
                             i,
-                            "",
-                            Some(finish_str(c.finish)),
+                            &held,
+                            Some(finish),
                             Some(usage(&c)),
                             first,
                             &[],

@@ -147,6 +147,8 @@ pub struct Step {
     /// first), then how many of its draft's nodes they took.
     forced: HashMap<SeqId, Vec<u32>>,
     forced_len: HashMap<SeqId, usize>,
+    /// Lookup proposers asked to draft after the forced tokens.
+    forced_ahead: std::collections::HashSet<SeqId>,
     outs: HashMap<SeqId, VerifyOut>,
     report: StepReport,
 }
@@ -192,6 +194,7 @@ impl Step {
             sources: HashMap::new(),
             forced: HashMap::new(),
             forced_len: HashMap::new(),
+            forced_ahead: Default::default(),
             outs: HashMap::new(),
             report: StepReport::default(),
         };
@@ -240,13 +243,22 @@ impl Step {
             let Some(v) = sched.seq_context(it.seq) else {
                 continue;
             };
+            let mut tokens = v.tokens.to_vec();
+            let mut room = max_draft;
             if !v.forced.is_empty() && max_draft > 0 {
                 self.forced.insert(it.seq, v.forced.to_vec());
+                // A lookup proposer drafts on from the forced tokens; any
+                // other drafts from what is committed (`forced::with_forced`).
+                if it.lookup {
+                    tokens.extend_from_slice(v.forced);
+                    room = max_draft.saturating_sub(v.forced.len());
+                    self.forced_ahead.insert(it.seq);
+                }
             }
             inputs.push(DraftInput {
                 seq: it.seq,
-                tokens: v.tokens.to_vec(),
-                max_draft,
+                tokens,
+                max_draft: room,
                 params: v.params.clone(),
                 hidden,
                 hidden_start,
@@ -298,8 +310,12 @@ impl Step {
                 } => {
                     let draft = self.drafts.entry(it.seq).or_default();
                     if let Some(f) = self.forced.remove(&it.seq) {
-                        let (d, n) =
-                            super::forced::with_forced(&f, std::mem::take(draft), *max_draft);
+                        let merge = if self.forced_ahead.contains(&it.seq) {
+                            super::forced::prepend_forced
+                        } else {
+                            super::forced::with_forced
+                        };
+                        let (d, n) = merge(&f, std::mem::take(draft), *max_draft);
                         *draft = d;
                         self.forced_len.insert(it.seq, n);
                     }

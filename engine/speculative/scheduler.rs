@@ -251,6 +251,11 @@ impl Sequence {
 /// positions.
 pub const MAX_HIDDEN_ROWS: usize = 4096;
 
+/// A proposer that drafts from the tokens it is given alone.
+fn is_lookup(c: &Capabilities) -> bool {
+    c.hidden_layers.is_empty() && c.q_kind == super::proposer::QKind::OneHot
+}
+
 /// Most forced tokens one step drafts.
 pub const MAX_FORCED_DRAFT: usize = 32;
 
@@ -322,6 +327,9 @@ pub struct PlanItem {
     pub moves: Vec<(usize, usize)>,
     /// How the proposer draws siblings (tree drafts).
     pub siblings: super::proposer::SiblingMode,
+    /// Its proposer drafts from the tokens it is given alone (one-hot q,
+    /// no hidden states): forced tokens can extend its context.
+    pub lookup: bool,
     /// Start this sequence's cache as a copy-on-write copy of that
     /// sequence's (a forked choice's first step).
     pub fork_from: Option<SeqId>,
@@ -1028,6 +1036,7 @@ impl Scheduler {
                 hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
                 moves: s.pending_moves.clone(),
                 siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
+                lookup: pcaps.is_some_and(is_lookup),
                 fork_from: s.fork_from,
                 prompt_logprobs: None,
             });
@@ -1107,6 +1116,7 @@ impl Scheduler {
                     hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
                     moves: s.pending_moves.clone(),
                     siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
+                    lookup: pcaps.is_some_and(is_lookup),
                     fork_from: None,
                     prompt_logprobs: None,
                 });
@@ -1129,6 +1139,7 @@ impl Scheduler {
                 hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
                 moves: Vec::new(),
                 siblings: Default::default(),
+                lookup: false,
                 fork_from: None,
                 // Positions before the prompt's last predict prompt
                 // tokens; a recompute after a preemption also feeds the

@@ -24,6 +24,7 @@
 //!   allowed set) fails that sequence alone.
 
 pub mod env;
+pub mod tools;
 
 use std::sync::{Arc, Mutex};
 
