@@ -407,6 +407,9 @@ fn the_greedy_fast_check_agrees_with_the_mask_everywhere() {
         };
         let out = generate(&s.model, Some(&s.tok), &req, |_| {}).unwrap();
         let mut g = c.start();
+        // A guide whose masks are computed ahead (the accept actor's
+        // prefetch): the same sets.
+        let mut ahead = c.start();
         let mut cache = s.model.new_cache();
         let mut logits = s
             .model
@@ -432,7 +435,11 @@ fn the_greedy_fast_check_agrees_with_the_mask_everywhere() {
                     s.tok.decode(&[cand], false)
                 );
             }
+            ahead.prefetch();
+            assert_eq!(ahead.allowed().unwrap().as_slice(), mask.as_slice());
+            ahead.prefetch();
             g.advance(t).unwrap();
+            ahead.advance(t).unwrap();
             checked += 1;
             logits = s
                 .model

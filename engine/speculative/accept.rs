@@ -566,6 +566,23 @@ impl Acceptor {
         }
     }
 
+    /// Whether a sampled constrained sequence waits for its next mask.
+    pub fn wants_prefetch(&self) -> bool {
+        self.guides.values().any(|g| g.sampled && !g.done())
+    }
+
+    /// Compute each sampled constrained sequence's next mask now (the
+    /// actor runs this while the next step's forward runs), so its next
+    /// acceptance finds the root row's mask ready. Greedy sequences check
+    /// their argmax instead and need none.
+    pub fn prefetch(&mut self) {
+        for g in self.guides.values_mut() {
+            if g.sampled && !g.done() {
+                g.prefetch();
+            }
+        }
+    }
+
     pub fn end(&mut self, ids: &[SeqId]) {
         for id in ids {
             self.rngs.remove(id);
@@ -601,6 +618,7 @@ impl Acceptor {
             if it.forced_drafts {
                 a.forced = g.forced();
             }
+            g.sampled = !it.params.is_greedy();
         }
         if let Some(k) = it.logprobs {
             // Token i comes from the row of the node before it on the path

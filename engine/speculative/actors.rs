@@ -179,9 +179,28 @@ impl Actor for SamplerActor {
 
 impl Handler<Staged<AcceptRequest>> for SamplerActor {
     type Result = MessageResult<Staged<AcceptRequest>>;
-    fn handle(&mut self, msg: Staged<AcceptRequest>, _: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: Staged<AcceptRequest>, ctx: &mut Self::Context) -> Self::Result {
         let _e = msg.span.enter();
-        MessageResult(self.core.handle(msg.req))
+        let resp = self.core.handle(msg.req);
+        // Queued before the reply goes out, so it runs while the next
+        // step drafts and verifies, ahead of that step's acceptance.
+        if self.core.wants_prefetch() {
+            ctx.address().do_send(Prefetch);
+        }
+        MessageResult(resp)
+    }
+}
+
+/// Compute the next masks of sampled constrained sequences off the
+/// critical path (`Acceptor::prefetch`).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Prefetch;
+
+impl Handler<Prefetch> for SamplerActor {
+    type Result = ();
+    fn handle(&mut self, _: Prefetch, _: &mut Self::Context) {
+        self.core.prefetch();
     }
 }
 

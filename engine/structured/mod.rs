@@ -120,7 +120,11 @@ impl Grammars {
     /// `vocab`: the model's logits width; `eos`: its end-of-sequence ids.
     pub fn new(tokenizer: &Tokenizer, vocab: usize, eos: &[u32]) -> Result<Self> {
         let env: TokEnv = Arc::new(env::SpecdTokEnv::new(tokenizer.clone(), vocab, eos));
-        let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &[])
+        // The slices (JSON string bodies, whitespace) let a mask inside a
+        // string copy precomputed token sets instead of walking the
+        // whole vocabulary: several times faster where most tokens fit.
+        let slices = llguidance::earley::SlicedBiasComputer::general_slices();
+        let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &slices)
             .map_err(|e| SpecdError::Tokenizer(format!("grammar engine: {e}")))?;
         factory.quiet();
         *factory.limits_mut() = limits();
@@ -212,6 +216,8 @@ impl Constraint {
             vocab: self.vocab,
             eos: self.eos.clone(),
             done: false,
+            next_mask: None,
+            sampled: false,
         }
     }
 
@@ -231,6 +237,12 @@ pub struct Guide {
     vocab: usize,
     eos: Arc<[u32]>,
     done: bool,
+    /// The allowed set at the current position, computed ahead
+    /// (`prefetch`); any advance drops it.
+    next_mask: Option<SimpleVob>,
+    /// Set by the accept stage: the sequence samples, so its masks are
+    /// worth computing ahead.
+    pub sampled: bool,
 }
 
 impl std::fmt::Debug for Guide {
@@ -247,6 +259,9 @@ impl Guide {
     /// The tokens allowed next (end of sequence only once the output is
     /// complete).
     pub fn allowed(&mut self) -> Result<SimpleVob> {
+        if let Some(m) = self.next_mask.take() {
+            return Ok(m);
+        }
         let mask = self.m.compute_mask_or_eos().map_err(guide_err)?;
         if mask.is_zero() {
             return Err(guide_err("no token can continue the output"));
@@ -276,6 +291,14 @@ impl Guide {
         matches!(self.m.validate_tokens(&[token]), Ok(1))
     }
 
+    /// Compute the current position's mask ahead of its use (kept until
+    /// the next advance; an error is left for `allowed` to report).
+    pub fn prefetch(&mut self) {
+        if self.next_mask.is_none() {
+            self.next_mask = self.allowed().ok();
+        }
+    }
+
     /// Set every disallowed logit of `row` to -inf.
     pub fn mask_row(&mut self, row: &mut [f32]) -> Result<()> {
         let mask = self.allowed()?;
@@ -292,6 +315,7 @@ impl Guide {
             }
             return Err(guide_err("output continued past the constraint's end"));
         }
+        self.next_mask = None;
         self.m.consume_token(token).map_err(guide_err)?;
         if self.m.is_stopped() {
             self.done = true;
