@@ -241,45 +241,6 @@ fn tiny_with_tokens(dir: &TempDir, name: &str, seed: u64) -> std::path::PathBuf 
     p
 }
 
-/// The exact constrained law of the first two tokens: each position's
-/// logits masked by the constraint at that point, then the sampling law.
-fn exact_constrained_first_two(
-    model: &Model,
-    c: &specd::structured::Constraint,
-    prompt: &[u32],
-    params: &SamplingParams,
-) -> Vec<f64> {
-    let v = model.config.vocab_size;
-    let mut cache = model.new_cache();
-    let mut l1 = model
-        .forward_one(&mut cache, prompt, specd::model::Logits::Last)
-        .unwrap()
-        .logits;
-    let raw = specd::sampler::distribution(&l1, params).dense(v);
-    c.start().mask_row(&mut l1).unwrap();
-    let p1 = specd::sampler::distribution(&l1, params).dense(v);
-    eprintln!("first token: unconstrained {raw:?}, constrained {p1:?}");
-    let mut joint = vec![0f64; v * v];
-    for t1 in 0..v {
-        if p1[t1] == 0.0 {
-            continue;
-        }
-        let mut c2 = cache.clone();
-        let mut l2 = model
-            .forward_one(&mut c2, &[t1 as u32], specd::model::Logits::Last)
-            .unwrap()
-            .logits;
-        let mut g = c.start();
-        g.advance(t1 as u32).unwrap();
-        g.mask_row(&mut l2).unwrap();
-        let p2 = specd::sampler::distribution(&l2, params).dense(v);
-        for t2 in 0..v {
-            joint[t1 * v + t2] = f64::from(p1[t1]) * f64::from(p2[t2]);
-        }
-    }
-    joint
-}
-
 /// Under a constraint, sampling through ngram, suffix (chains and trees)
 /// and a draft model keeps the exact constrained law (chi-square on the
 /// first two tokens), and the same test rejects a lossy control that
@@ -303,7 +264,11 @@ fn sampling_under_a_constraint_keeps_the_constrained_law() {
         temperature: 1.0,
         ..Default::default()
     };
-    let exact = exact_constrained_first_two(&model, &c, &prompt, &params);
+    // The exact constrained law: each position's logits masked by the
+    // constraint at that point, then the sampling law.
+    let exact = common::exact_first_two_shaped(&model, &prompt, &params, |out, l| {
+        c.start_at(out).unwrap().mask_row(l).unwrap()
+    });
     let v = model.config.vocab_size;
     // No mass outside the constraint: the first token is one of a, ab,
     // aa; the second cannot be the end or z.

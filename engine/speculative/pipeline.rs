@@ -147,8 +147,6 @@ pub struct Step {
     /// first), then how many of its draft's nodes they took.
     forced: HashMap<SeqId, Vec<u32>>,
     forced_len: HashMap<SeqId, usize>,
-    /// Lookup proposers asked to draft after the forced tokens.
-    forced_ahead: std::collections::HashSet<SeqId>,
     outs: HashMap<SeqId, VerifyOut>,
     report: StepReport,
 }
@@ -194,7 +192,6 @@ impl Step {
             sources: HashMap::new(),
             forced: HashMap::new(),
             forced_len: HashMap::new(),
-            forced_ahead: Default::default(),
             outs: HashMap::new(),
             report: StepReport::default(),
         };
@@ -252,7 +249,6 @@ impl Step {
                 if it.lookup {
                     tokens.extend_from_slice(v.forced);
                     room = max_draft.saturating_sub(v.forced.len());
-                    self.forced_ahead.insert(it.seq);
                 }
             }
             inputs.push(DraftInput {
@@ -310,7 +306,8 @@ impl Step {
                 } => {
                     let draft = self.drafts.entry(it.seq).or_default();
                     if let Some(f) = self.forced.remove(&it.seq) {
-                        let merge = if self.forced_ahead.contains(&it.seq) {
+                        // A lookup proposer drafted after the forced tokens.
+                        let merge = if it.lookup {
                             super::forced::prepend_forced
                         } else {
                             super::forced::with_forced

@@ -135,10 +135,6 @@ impl Grammars {
         })
     }
 
-    pub fn vocab(&self) -> usize {
-        self.vocab
-    }
-
     /// Compile `spec`; `field` names the request field in the error.
     pub fn compile(&self, spec: &ConstraintSpec, field: &str) -> Result<Constraint> {
         let parser = self
@@ -196,10 +192,6 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
-    pub fn kind(&self) -> &'static str {
-        self.kind
-    }
-
     /// The tokens forced at the start of the output.
     pub fn initial_forced(&self) -> &[u32] {
         &self.initial_forced
@@ -217,6 +209,7 @@ impl Constraint {
             eos: self.eos.clone(),
             done: false,
             next_mask: None,
+            ff: None,
             sampled: false,
         }
     }
@@ -240,6 +233,8 @@ pub struct Guide {
     /// The allowed set at the current position, computed ahead
     /// (`prefetch`); any advance drops it.
     next_mask: Option<SimpleVob>,
+    /// The forced tokens at the current position, once computed.
+    ff: Option<Vec<u32>>,
     /// Set by the accept stage: the sequence samples, so its masks are
     /// worth computing ahead.
     pub sampled: bool,
@@ -281,8 +276,7 @@ impl Guide {
         if token as usize >= self.vocab {
             return false;
         }
-        // Cached by llguidance: the next mask reuses it.
-        if let Some(&f) = self.m.compute_ff_tokens().first() {
+        if let Some(&f) = self.ff().first() {
             return token == f;
         }
         if self.eos.contains(&token) {
@@ -316,6 +310,7 @@ impl Guide {
             return Err(guide_err("output continued past the constraint's end"));
         }
         self.next_mask = None;
+        self.ff = None;
         self.m.consume_token(token).map_err(guide_err)?;
         if self.m.is_stopped() {
             self.done = true;
@@ -329,19 +324,21 @@ impl Guide {
         if self.done {
             return Vec::new();
         }
-        self.m.compute_ff_tokens()
+        self.ff().to_vec()
+    }
+
+    /// The forced tokens at the current position, computed once per
+    /// position (the forced-draft report after a step and the next step's
+    /// greedy check both read them; llguidance's next mask reuses them).
+    fn ff(&mut self) -> &[u32] {
+        let m = &mut self.m;
+        self.ff.get_or_insert_with(|| m.compute_ff_tokens())
     }
 
     /// Whether the output is complete and nothing but end of sequence can
     /// follow (the sequence ends here).
     pub fn done(&self) -> bool {
         self.done
-    }
-
-    /// Whether the output so far is a complete match (end of sequence is
-    /// allowed now).
-    pub fn accepting(&mut self) -> bool {
-        self.done || self.m.is_accepting().unwrap_or(false)
     }
 }
 

@@ -892,12 +892,25 @@ pub fn exact_first_two(
     prompt: &[u32],
     params: &specd::sampler::SamplingParams,
 ) -> Vec<f64> {
+    exact_first_two_shaped(model, prompt, params, |_, _| {})
+}
+
+/// `exact_first_two` with `shape(output so far, logits)` applied to each
+/// position's logits before the request's transforms (a constraint's
+/// mask).
+pub fn exact_first_two_shaped(
+    model: &specd::model::Model,
+    prompt: &[u32],
+    params: &specd::sampler::SamplingParams,
+    shape: impl Fn(&[u32], &mut [f32]),
+) -> Vec<f64> {
     let v = model.config.vocab_size;
     let mut c = model.new_cache();
     let mut l1 = model
         .forward_one(&mut c, prompt, specd::model::Logits::Last)
         .unwrap()
         .logits;
+    shape(&[], &mut l1);
     // Penalties (a no-op without them): the first token sees the prompt,
     // the second the prompt and the first.
     specd::sampler::apply_penalties(&mut l1, prompt, &[], params);
@@ -912,6 +925,7 @@ pub fn exact_first_two(
             .forward_one(&mut c2, &[t1 as u32], specd::model::Logits::Last)
             .unwrap()
             .logits;
+        shape(&[t1 as u32], &mut l2);
         let ctx: Vec<u32> = prompt.iter().copied().chain([t1 as u32]).collect();
         specd::sampler::apply_penalties(&mut l2, &ctx, &[t1 as u32], params);
         let p2 = specd::sampler::distribution(&l2, params).dense(v);
