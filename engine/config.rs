@@ -747,6 +747,9 @@ impl Config {
                 let path = self.resolve(p);
                 if path.exists() {
                     Ok(path)
+                } else if let Some(c) = p.to_str().and_then(crate::fetch::by_name) {
+                    // A catalogued name (`path = "gemma3-270m"`).
+                    c.ensure()
                 } else {
                     Err(SpecdError::ModelNotFound(path))
                 }

@@ -9,8 +9,8 @@ pub enum SpecdError {
     ModelNotFound(PathBuf),
     #[error("cannot read model {path}: {reason}")]
     BadModel { path: PathBuf, reason: String },
-    #[error("unsupported model architecture '{0}' (supported: llama, mistral, qwen2)")]
-    UnsupportedArchitecture(String),
+    #[error("{path}: unsupported model architecture '{arch}' (supported: {})", crate::model::SUPPORTED_ARCHITECTURES.join(", "))]
+    UnsupportedArchitecture { path: PathBuf, arch: String },
     #[error("prompt plus generation needs {needed} positions but the context holds {limit}")]
     ContextOverflow { needed: usize, limit: usize },
     #[error("KV cache holds {have} positions; cannot roll back to {want}")]

@@ -52,12 +52,16 @@ enum Cmd {
         #[arg(long)]
         socket: std::path::PathBuf,
     },
-    /// Fetch the default model into $SPECD_HOME (default ~/.cache/specd);
+    /// Fetch a catalogued model (the default unless --model) into
+    /// $SPECD_HOME (default ~/.cache/specd);
     /// a cached copy whose SHA-256 matches is kept.
     FetchModel {
         /// Download again even if a verified copy is cached.
         #[arg(long)]
         force: bool,
+        /// A catalogued model: smollm2-135m (the default) or gemma3-270m.
+        #[arg(long, default_value = "smollm2-135m")]
+        model: String,
     },
 }
 
@@ -79,7 +83,7 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::FetchModel { force } => cli::fetch::run(force),
+        Cmd::FetchModel { force, model } => cli::fetch::run(&model, force),
         Cmd::Generate(a) => cli::generate::run(a),
         Cmd::Serve(a) => cli::serve::run(a),
         Cmd::Quantize(a) => cli::quantize::run(a),

@@ -208,15 +208,26 @@ impl Tokenizer {
                     .build()
                     .map_err(tk_err)?;
                 let mut t = tokenizers::Tokenizer::new(bpe);
-                let prepend: NormalizerWrapper = Prepend::new("▁".into()).into();
+                // SentencePiece's dummy prefix: on unless the GGUF says
+                // otherwise (Gemma's is off).
+                let space_prefix = !matches!(
+                    md.get("tokenizer.ggml.add_space_prefix"),
+                    Some(Value::Bool(false))
+                );
                 let replace: NormalizerWrapper = Replace::new(" ", "▁").map_err(tk_err)?.into();
-                t.with_normalizer(Some(NormalizerSequence::new(vec![prepend, replace])));
-                let dec: Vec<DecoderWrapper> = vec![
+                let mut norm = vec![replace];
+                if space_prefix {
+                    norm.insert(0, Prepend::new("▁".into()).into());
+                }
+                t.with_normalizer(Some(NormalizerSequence::new(norm)));
+                let mut dec: Vec<DecoderWrapper> = vec![
                     Replace::new("▁", " ").map_err(tk_err)?.into(),
                     ByteFallback::new().into(),
                     Fuse::new().into(),
-                    Strip::new(' ', 1, 0).into(),
                 ];
+                if space_prefix {
+                    dec.push(Strip::new(' ', 1, 0).into());
+                }
                 t.with_decoder(Some(DecoderSequence::new(dec)));
                 t
             }
@@ -453,6 +464,13 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    /// The same tokenizer with `template` as its chat template (a base
+    /// model's file carries none; a deployment may bring its own).
+    pub fn with_chat_template(mut self, template: impl Into<String>) -> Self {
+        self.chat_template = Some(template.into());
+        self
+    }
+
     /// Render messages with the model's chat template (ChatML if none).
     pub fn apply_chat_template(
         &self,
@@ -462,6 +480,10 @@ impl Tokenizer {
         let chatml = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
         let src = self.chat_template.as_deref().unwrap_or(chatml);
         let mut env = minijinja::Environment::new();
+        // Python's string and dict methods (`startswith`, `split`,
+        // `strip`, `items`...), which Hugging Face templates (Qwen3's among
+        // them) call as Jinja2 under Python allows.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
             |msg: String| -> std::result::Result<String, minijinja::Error> {

@@ -45,7 +45,7 @@ fn unsupported_architecture() {
     common::write_tiny_gguf(&p, &TINY, 1, GgmlDType::F32, "gpt2");
     let err = load_model(&p, 1).unwrap_err();
     assert!(
-        matches!(err, SpecdError::UnsupportedArchitecture(ref a) if a == "gpt2"),
+        matches!(err, SpecdError::UnsupportedArchitecture { ref arch, .. } if arch == "gpt2"),
         "{err}"
     );
     assert!(err.to_string().contains("'gpt2'"));

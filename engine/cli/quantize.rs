@@ -23,7 +23,7 @@ pub struct QuantizeArgs {
 
 pub fn run(a: QuantizeArgs) -> Result<()> {
     let src = match a.model {
-        Some(p) => p,
+        Some(p) => specd::fetch::resolve_model(&p)?,
         None => specd::fetch::ensure_default_model()?,
     };
     let s = requant::requantize(&src, &a.out, a.scheme)

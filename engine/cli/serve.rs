@@ -74,11 +74,20 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 path.display()
             );
         }
-        // Only the embedded default may be "not fetched yet": a path the
-        // user named must exist.
-        let model_path = match &cfg.model.path {
-            Some(_) => cfg.model_path().context("[model] path")?,
-            None => specd::fetch::default_model_path(),
+        // Only catalogued models (the embedded default, or one named in
+        // `[model] path`) may be "not fetched yet": a path the user named
+        // must exist. Checking a config never downloads.
+        let catalogued = cfg
+            .model
+            .path
+            .as_ref()
+            .filter(|p| !cfg.resolve(p).exists())
+            .and_then(|p| p.to_str())
+            .and_then(specd::fetch::by_name);
+        let model_path = match (&cfg.model.path, catalogued) {
+            (_, Some(c)) => c.path(),
+            (Some(_), None) => cfg.model_path().context("[model] path")?,
+            (None, None) => specd::fetch::default_model_path(),
         };
         println!(
             "# model: {}{}",

@@ -120,11 +120,23 @@ pub(super) struct Dims {
 pub(super) struct AttentionPlan {
     /// (sequence, kv head, tokens t0..t1, cache blocks c0..c1).
     tasks: Vec<(usize, usize, usize, usize, usize, usize)>,
+    /// Sliding window (positions a token sees, itself included), if any.
+    window: Option<usize>,
+}
+
+/// The first cache slot a token at `pos` sees under `window`.
+#[inline]
+fn window_start(window: Option<usize>, pos: usize) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }
 
 impl AttentionPlan {
-    /// Tasks for `metas`, whose caches already hold room for their tokens.
-    pub fn new(metas: &[SeqRows], caches: &[&KvCache], nkv: usize) -> Self {
+    /// Tasks for `metas`, whose caches already hold room for their tokens,
+    /// attending within `window` positions where set. Slot ranges wholly
+    /// before every task token's window are left out: their partial sums
+    /// would merge as exact no-ops, so leaving them out changes no bit.
+    pub fn new(metas: &[SeqRows], caches: &[&KvCache], nkv: usize, window: Option<usize>) -> Self {
+        let range_slots = |c: &KvCache| ATTN_BLOCKS_PER_RANGE * c.layout().block_size;
         // Attention tasks: (sequence, kv head, tokens t0..t1, cache blocks
         // c0..c1). Long contexts are split into fixed slot ranges (by
         // absolute position, so the split never depends on the batch) whose
@@ -143,6 +155,8 @@ impl AttentionPlan {
                     let mut t0 = 0;
                     while t0 < m.n {
                         let t1 = (t0 + per).min(m.n);
+                        // `attend_tree` skips the context ranges before
+                        // the shallowest token's window itself.
                         tasks.push((si, g, t0, t1, 0, nblocks.max(1)));
                         t0 = t1;
                     }
@@ -170,7 +184,11 @@ impl AttentionPlan {
                 let mut t0 = 0;
                 while t0 < m.n {
                     let t1 = (t0 + per).min(m.n);
-                    let mut c0 = 0;
+                    // The first range any of these tokens sees (the first
+                    // token's window starts lowest).
+                    let rs = range_slots(caches[si]);
+                    let lo = window_start(window, m.base + t0) / rs * rs;
+                    let mut c0 = lo / caches[si].layout().block_size;
                     while c0 < nblocks {
                         let c1 = (c0 + range).min(nblocks);
                         tasks.push((si, g, t0, t1, c0, c1));
@@ -181,7 +199,7 @@ impl AttentionPlan {
             }
         }
 
-        Self { tasks }
+        Self { tasks, window }
     }
 
     /// Attention of layer `li` for every query row of `q` into `attn`
@@ -222,6 +240,8 @@ impl AttentionPlan {
                         row0: m.start,
                         base: m.base,
                         tree: m.allowed.as_deref(),
+                        ancestors: m.ancestors.as_deref(),
+                        window: self.window,
                     };
                     let mut out = Vec::new();
                     if let Some(anc) = &m.ancestors {
@@ -344,9 +364,28 @@ struct AttnQuery<'a> {
     base: usize,
     /// Tree mask (new-token ancestors), or `None` for a chain.
     tree: Option<&'a [Vec<bool>]>,
+    /// Tree tokens' ancestors (their depth is the length less one).
+    ancestors: Option<&'a [Vec<usize>]>,
+    /// Sliding window of this layer.
+    window: Option<usize>,
 }
 
 impl AttnQuery<'_> {
+    /// The position of new token `t` (a tree token's is its depth's).
+    #[inline]
+    fn pos(&self, t: usize) -> usize {
+        match self.ancestors {
+            Some(a) => self.base + a[t].len() - 1,
+            None => self.base + t,
+        }
+    }
+
+    /// The first slot (of plain decoding's layout) token `t` sees.
+    #[inline]
+    fn lo(&self, t: usize) -> usize {
+        window_start(self.window, self.pos(t))
+    }
+
     /// Whether new token `t` may see cache slot `slot` (`slot <= base + t`).
     #[inline]
     fn visible(&self, t: usize, slot: usize) -> bool {
@@ -551,14 +590,15 @@ fn attend(
         let first = b0 * bs;
         let n = end.saturating_sub(first);
         let sc = &mut scores[qi * span..qi * span + n];
-        if aq.tree.is_none() {
+        let lo = aq.lo(t);
+        if aq.tree.is_none() && lo <= first {
             // A chain token sees every slot up to its own.
             for v in sc.iter_mut() {
                 *v *= scale;
             }
         } else {
             for (j, v) in sc.iter_mut().enumerate() {
-                *v = if aq.visible(t, first + j) {
+                *v = if first + j >= lo && aq.visible(t, first + j) {
                     *v * scale
                 } else {
                     f32::NEG_INFINITY
@@ -704,8 +744,10 @@ fn attend_tree(
     let range = ATTN_BLOCKS_PER_RANGE * bs;
     let base = aq.base;
     let tail = base / range * range;
-    // Ranges wholly below `tail` are context for every token.
-    let parts: Vec<Vec<f32>> = (0..tail / bs)
+    // Ranges wholly below `tail` are context for every token; those
+    // before every token's window are left out (exact no-ops).
+    let lo_min = ts.clone().map(|t| aq.lo(t)).min().unwrap_or(0);
+    let parts: Vec<Vec<f32>> = (lo_min / range * range / bs..tail / bs)
         .step_by(ATTN_BLOCKS_PER_RANGE)
         .map(|b| {
             let mut p = Vec::new();
@@ -763,8 +805,13 @@ fn attend_tree(
         while r0 < vend {
             let r1 = (r0 + range).min(vend);
             let sc = &mut virt[r0 - tail..r1 - tail];
-            for v in sc.iter_mut() {
-                *v *= scale;
+            let lo = aq.lo(t);
+            for (j, v) in sc.iter_mut().enumerate() {
+                *v = if r0 + j >= lo {
+                    *v * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
             }
             let (mx, sum) = kernels::exp_shifted(sc);
             let mut part = vec![0f32; hd + 2];

@@ -1,5 +1,9 @@
-//! The Llama-family forward (Llama, SmolLM2, Mistral, Qwen2): GQA, RoPE,
-//! RMSNorm, SwiGLU, optional Q/K/V biases, tied or separate output head.
+//! The decoder forward of every supported architecture (Llama, SmolLM2,
+//! Mistral, Qwen2, Qwen3, Gemma 3, Phi-3): GQA, RoPE (scaled, partial, a
+//! base per layer), RMSNorm, SwiGLU or GeGLU, optional Q/K/V biases, q/k
+//! norms and post-norms, sliding-window layers, tied or separate output
+//! head. What differs between architectures is data in `ModelConfig` and
+//! `LayerWeights`, never a second forward.
 //!
 //! One forward takes several sequences with ragged lengths, each at its own
 //! position (its cache length), and returns per-sequence logits for the last
@@ -11,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::attention::{AttentionPlan, Dims, SeqRows};
 use super::kernels::{self, Activations, QMatrix};
 use super::kv::{KvCache, KvDtype};
-use super::{ModelConfig, RopeStyle};
+use super::{ModelConfig, RopeScaling, RopeStyle};
 use crate::error::{Result, SpecdError};
 
 #[derive(Debug, Clone)]
@@ -28,6 +32,44 @@ pub struct LayerWeights {
     pub w_gate: QMatrix,
     pub w_up: QMatrix,
     pub w_down: QMatrix,
+    /// Per-head RMSNorm weights of q and k (`head_dim` each).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm of the attention output and of the feed-forward output,
+    /// before each residual add.
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+impl LayerWeights {
+    /// A layer with only the Llama parts (the options empty).
+    #[allow(clippy::too_many_arguments)]
+    pub fn llama(
+        attn_norm: Vec<f32>,
+        [wq, wk, wv, wo]: [QMatrix; 4],
+        [bq, bk, bv]: [Option<Vec<f32>>; 3],
+        ffn_norm: Vec<f32>,
+        [w_gate, w_up, w_down]: [QMatrix; 3],
+    ) -> Self {
+        Self {
+            attn_norm,
+            wq,
+            wk,
+            wv,
+            bq,
+            bk,
+            bv,
+            wo,
+            ffn_norm,
+            w_gate,
+            w_up,
+            w_down,
+            q_norm: None,
+            k_norm: None,
+            post_attn_norm: None,
+            post_ffn_norm: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -49,7 +91,20 @@ impl Weights {
         for l in &self.layers {
             mats.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
             vecs.extend([&l.attn_norm[..], &l.ffn_norm[..]]);
-            vecs.extend([&l.bq, &l.bk, &l.bv].into_iter().flatten().map(|b| &b[..]));
+            vecs.extend(
+                [
+                    &l.bq,
+                    &l.bk,
+                    &l.bv,
+                    &l.q_norm,
+                    &l.k_norm,
+                    &l.post_attn_norm,
+                    &l.post_ffn_norm,
+                ]
+                .into_iter()
+                .flatten()
+                .map(|b| &b[..]),
+            );
         }
         (mats, vecs)
     }
@@ -96,9 +151,10 @@ impl ForwardOutput {
 pub struct Model {
     pub config: ModelConfig,
     pub weights: Weights,
-    /// cos/sin per position, `head_dim / 2` each.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    /// Rotary tables (one per distinct base and scaling), and which
+    /// table each layer uses.
+    ropes: Vec<RopeTable>,
+    layer_rope: Vec<usize>,
     pool: rayon::ThreadPool,
     kernel_path: kernels::KernelPath,
     kv_dtype: KvDtype,
@@ -113,23 +169,20 @@ pub fn default_threads() -> usize {
 
 impl Model {
     pub fn new(config: ModelConfig, weights: Weights, threads: usize) -> Result<Self> {
-        let half = config.head_dim / 2;
-        let theta: Vec<f32> = (0..half)
-            .map(|i| {
-                1f32 / config
-                    .rope_theta
-                    .powf((2 * i) as f32 / config.head_dim as f32)
-            })
-            .collect();
-        let n = config.max_seq_len;
-        let mut rope_cos = Vec::with_capacity(n * half);
-        let mut rope_sin = Vec::with_capacity(n * half);
-        for p in 0..n {
-            for &t in &theta {
-                let a = p as f32 * t;
-                rope_cos.push(a.cos());
-                rope_sin.push(a.sin());
-            }
+        let mut ropes: Vec<RopeTable> = Vec::new();
+        let mut keys: Vec<(f32, RopeScaling)> = Vec::new();
+        let mut layer_rope = Vec::with_capacity(config.layers);
+        for li in 0..config.layers {
+            let (theta, scaling) = config.layer_rope(li);
+            let i = match keys.iter().position(|(t, s)| *t == theta && s == scaling) {
+                Some(i) => i,
+                None => {
+                    ropes.push(RopeTable::new(&config, theta, scaling)?);
+                    keys.push((theta, scaling.clone()));
+                    ropes.len() - 1
+                }
+            };
+            layer_rope.push(i);
         }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
@@ -139,8 +192,8 @@ impl Model {
         Ok(Self {
             config,
             weights,
-            rope_cos,
-            rope_sin,
+            ropes,
+            layer_rope,
             pool,
             kernel_path: kernels::KernelPath::best(),
             kv_dtype: KvDtype::default(),
@@ -332,6 +385,7 @@ impl Model {
         if total == 0 {
             return Ok(outputs);
         }
+        let qd = c.q_dim();
 
         // Residual stream, total x dim.
         let mut x = vec![0f32; total * dim];
@@ -345,19 +399,33 @@ impl Model {
                     i += 1;
                 }
             }
+            if let Some(e) = c.embed_scale {
+                for v in x.iter_mut() {
+                    *v *= e;
+                }
+            }
         }
         let mut h = vec![0f32; total * dim];
         let mut act = Activations::new(self.kernel_path);
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        let mut attn = vec![0f32; total * dim];
+        let mut attn = vec![0f32; total * qd];
         let mut o = Vec::new();
         let (mut g, mut d) = (Vec::new(), Vec::new());
+        let mut normed = Vec::new();
         let mut hidden: Vec<(usize, Vec<f32>)> = Vec::new();
-        let scale = 1.0 / (hd as f32).sqrt();
         let group = nh / nkv;
-        let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
-        let attention = AttentionPlan::new(&metas, &caches, nkv);
-        drop(caches);
+        // One attention plan per distinct window (global and sliding).
+        let plans: Vec<(Option<usize>, AttentionPlan)> = {
+            let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
+            let mut windows: Vec<Option<usize>> =
+                (0..c.layers).map(|l| c.layer_window(l)).collect();
+            windows.sort();
+            windows.dedup();
+            windows
+                .into_iter()
+                .map(|w| (w, AttentionPlan::new(&metas, &caches, nkv, w)))
+                .collect()
+        };
 
         for (li, lw) in self.weights.layers.iter().enumerate() {
             kernels::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
@@ -370,9 +438,16 @@ impl Model {
             add_bias(&mut q, lw.bq.as_deref());
             add_bias(&mut k, lw.bk.as_deref());
             add_bias(&mut v, lw.bv.as_deref());
+            if let Some(w) = &lw.q_norm {
+                norm_in_place(&mut q, w, c.rms_eps, &mut normed);
+            }
+            if let Some(w) = &lw.k_norm {
+                norm_in_place(&mut k, w, c.rms_eps, &mut normed);
+            }
+            let rope = &self.ropes[self.layer_rope[li]];
             for (t, &p) in positions.iter().enumerate() {
-                self.rope(&mut q[t * dim..(t + 1) * dim], p);
-                self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], p);
+                rope.apply(&mut q[t * qd..(t + 1) * qd], p, hd, c.rope_style);
+                rope.apply(&mut k[t * kv_dim..(t + 1) * kv_dim], p, hd, c.rope_style);
             }
             for (s, m) in seqs.iter_mut().zip(&metas) {
                 for t in 0..m.n {
@@ -388,23 +463,35 @@ impl Model {
             {
                 let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
                 let dims = Dims {
-                    dim,
+                    dim: qd,
                     head_dim: hd,
                     group,
-                    scale,
+                    scale: c.attn_scale,
                 };
-                attention.run(&caches, &metas, li, &q, dims, &mut attn);
+                let window = c.layer_window(li);
+                let plan = plans
+                    .iter()
+                    .find(|(w, _)| *w == window)
+                    .map(|(_, p)| p)
+                    .expect("a plan per window");
+                plan.run(&caches, &metas, li, &q, dims, &mut attn);
             }
-            act.prepare(&attn, total, dim, kernels::wants_q8(&lw.wo));
+            act.prepare(&attn, total, qd, kernels::wants_q8(&lw.wo));
             kernels::matmul_many(&act, &[&lw.wo], &mut [&mut o]);
+            if let Some(w) = &lw.post_attn_norm {
+                norm_in_place(&mut o, w, c.rms_eps, &mut normed);
+            }
             for (xv, ov) in x.iter_mut().zip(&o) {
                 *xv += ov;
             }
             kernels::rms_norm(&x, &lw.ffn_norm, c.rms_eps, &mut h);
             act.prepare(&h, total, dim, kernels::wants_q8(&lw.w_gate));
-            kernels::matmul_swiglu(&act, &lw.w_gate, &lw.w_up, &mut g);
+            kernels::matmul_glu(&act, &lw.w_gate, &lw.w_up, c.activation, &mut g);
             act.prepare(&g, total, c.intermediate, kernels::wants_q8(&lw.w_down));
             kernels::matmul_many(&act, &[&lw.w_down], &mut [&mut d]);
+            if let Some(w) = &lw.post_ffn_norm {
+                norm_in_place(&mut d, w, c.rms_eps, &mut normed);
+            }
             for (xv, dv) in x.iter_mut().zip(&d) {
                 *xv += dv;
             }
@@ -441,6 +528,7 @@ impl Model {
         if !rows.is_empty() {
             act.prepare(&sel, rows.len(), dim, kernels::wants_q8(head));
             kernels::matmul_many(&act, &[head], &mut [&mut logits]);
+            softcap(&mut logits, c.final_logit_softcap);
         }
         let vocab = c.vocab_size;
         let mut cursor = 0;
@@ -470,16 +558,89 @@ impl Model {
         let mut logits = Vec::new();
         self.pool
             .install(|| kernels::matmul_many(&act, &[head], &mut [&mut logits]));
+        softcap(&mut logits, self.config.final_logit_softcap);
         logits
     }
+}
 
-    fn rope(&self, x: &mut [f32], pos: usize) {
-        let hd = self.config.head_dim;
-        let half = hd / 2;
-        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
-        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+/// cos/sin of every position for one RoPE base and scaling, over the
+/// rotary dimensions (`rotary_dim / 2` frequencies).
+#[derive(Debug)]
+struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    fn new(c: &ModelConfig, theta: f32, scaling: &RopeScaling) -> Result<Self> {
+        let rot = c.rotary_dim;
+        let half = rot / 2;
+        let mut freqs: Vec<f32> = (0..half)
+            .map(|i| 1f32 / theta.powf((2 * i) as f32 / rot as f32))
+            .collect();
+        match scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => {
+                for f in &mut freqs {
+                    *f /= factor;
+                }
+            }
+            RopeScaling::Factors(div) => {
+                if div.len() != half {
+                    return Err(SpecdError::InvalidRequest(format!(
+                        "rope frequency factors: {} values for {half} frequencies",
+                        div.len()
+                    )));
+                }
+                for (f, d) in freqs.iter_mut().zip(div) {
+                    *f /= d;
+                }
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                let old = *original_max_position as f32;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                for f in &mut freqs {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen < high_wavelen {
+                        // High frequencies kept.
+                    } else if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+        let n = c.max_seq_len;
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for &t in &freqs {
+                let a = p as f32 * t;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Self { half, cos, sin })
+    }
+
+    /// Rotate the leading rotary dimensions of every `hd`-wide head of `x`
+    /// to position `pos`.
+    fn apply(&self, x: &mut [f32], pos: usize, hd: usize, style: RopeStyle) {
+        let half = self.half;
+        let cos = &self.cos[pos * half..(pos + 1) * half];
+        let sin = &self.sin[pos * half..(pos + 1) * half];
         for head in x.chunks_exact_mut(hd) {
-            match self.config.rope_style {
+            match style {
                 RopeStyle::Interleaved => {
                     for i in 0..half {
                         let (a, b) = (head[2 * i], head[2 * i + 1]);
@@ -495,6 +656,23 @@ impl Model {
                     }
                 }
             }
+        }
+    }
+}
+
+/// RMSNorm of each `w.len()`-wide row of `x` in place (per-head q/k norms,
+/// post-norms), through `scratch`.
+fn norm_in_place(x: &mut [f32], w: &[f32], eps: f32, scratch: &mut Vec<f32>) {
+    scratch.resize(x.len(), 0.0);
+    kernels::rms_norm(x, w, eps, scratch);
+    x.copy_from_slice(scratch);
+}
+
+/// `v = cap * tanh(v / cap)` for every logit, where a cap is set.
+fn softcap(logits: &mut [f32], cap: Option<f32>) {
+    if let Some(cap) = cap {
+        for v in logits.iter_mut() {
+            *v = cap * (*v / cap).tanh();
         }
     }
 }

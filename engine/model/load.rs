@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::kernels::{QMatrix, WeightFormat, QK_K};
 use super::llama::{LayerWeights, Model, Weights};
-use super::{ModelConfig, RopeStyle};
+use super::{Activation, ModelConfig, RopeScaling, RopeStyle};
 use crate::error::{Result, SpecdError};
 
 /// Load a model from a GGUF file or a safetensors directory.
@@ -57,6 +57,13 @@ fn md_f32(md: &HashMap<String, Value>, key: &str) -> Option<f32> {
     })
 }
 
+fn md_str<'a>(md: &'a HashMap<String, Value>, key: &str) -> Option<&'a str> {
+    match md.get(key) {
+        Some(Value::String(s)) => Some(s.as_str()),
+        _ => None,
+    }
+}
+
 fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
     let md = &ct.metadata;
     let arch = match md.get("general.architecture") {
@@ -68,20 +75,41 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
             ))
         }
     };
-    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2") {
-        return Err(SpecdError::UnsupportedArchitecture(arch));
+    if !super::SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+        return Err(SpecdError::UnsupportedArchitecture {
+            path: path.to_path_buf(),
+            arch,
+        });
     }
-    let need = |key: &str| -> Result<u32> {
-        md_u32(md, &format!("{arch}.{key}"))
-            .ok_or_else(|| SpecdError::bad_model(path, format!("GGUF metadata lacks {arch}.{key}")))
+    let key = |k: &str| format!("{arch}.{k}");
+    let need = |k: &str| -> Result<u32> {
+        md_u32(md, &key(k))
+            .ok_or_else(|| SpecdError::bad_model(path, format!("GGUF metadata lacks {}", key(k))))
     };
+    let refuse = |k: &str, why: &str| Err(SpecdError::bad_model(path, format!("{k}: {why}")));
+    for moe in ["expert_count", "expert_used_count"] {
+        if md_u32(md, &key(moe)).is_some_and(|n| n > 0) {
+            return refuse(&key(moe), "mixture-of-experts layers are not supported");
+        }
+    }
     let hidden = need("embedding_length")? as usize;
     let heads = need("attention.head_count")? as usize;
-    let kv_heads =
-        md_u32(md, &format!("{arch}.attention.head_count_kv")).unwrap_or(heads as u32) as usize;
-    let head_dim = md_u32(md, &format!("{arch}.rope.dimension_count"))
+    let kv_heads = md_u32(md, &key("attention.head_count_kv")).unwrap_or(heads as u32) as usize;
+    let rope_dims = md_u32(md, &key("rope.dimension_count")).map(|x| x as usize);
+    // Head width: the key length where stated (Gemma 3, Qwen3), else the
+    // rotary width (Llama's converter), else hidden / heads.
+    let head_dim = md_u32(md, &key("attention.key_length"))
         .map(|x| x as usize)
+        .or(if arch == "phi3" { None } else { rope_dims })
         .unwrap_or(hidden / heads);
+    if let Some(vl) = md_u32(md, &key("attention.value_length")) {
+        if vl as usize != head_dim {
+            return refuse(
+                &key("attention.value_length"),
+                &format!("value heads of {vl} differ from key heads of {head_dim}"),
+            );
+        }
+    }
     let embed = ct
         .tensor_infos
         .get("token_embd.weight")
@@ -89,37 +117,117 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
     let vocab_size = embed.shape.dims()[0];
     let eos = md_u32(md, "tokenizer.ggml.eos_token_id");
     let mut eos_token_ids: Vec<u32> = eos.into_iter().collect();
-    for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
-        if let Some(id) = md_u32(md, key) {
+    for k in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        if let Some(id) = md_u32(md, k) {
             if !eos_token_ids.contains(&id) {
                 eos_token_ids.push(id);
             }
         }
     }
-    Ok(ModelConfig {
+    // llama.cpp counts multi-token-prediction layers (`model::mtp`) in the
+    // block count; the main model stops before them.
+    let layers = need("block_count")?
+        .saturating_sub(md_u32(md, &key("nextn_predict_layers")).unwrap_or(0))
+        as usize;
+    let mut c = ModelConfig::llama_like(
+        &arch,
         vocab_size,
         hidden,
-        intermediate: need("feed_forward_length")? as usize,
-        // llama.cpp counts multi-token-prediction layers (`model::mtp`) in
-        // the block count; the main model stops before them.
-        layers: need("block_count")?
-            .saturating_sub(md_u32(md, &format!("{arch}.nextn_predict_layers")).unwrap_or(0))
-            as usize,
+        need("feed_forward_length")? as usize,
+        layers,
         heads,
         kv_heads,
         head_dim,
-        rope_theta: md_f32(md, &format!("{arch}.rope.freq_base")).unwrap_or(10_000.0),
-        rope_style: if arch == "qwen2" {
-            RopeStyle::Neox
-        } else {
-            RopeStyle::Interleaved
-        },
-        rms_eps: md_f32(md, &format!("{arch}.attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
-        max_seq_len: need("context_length")? as usize,
-        bos_token_id: md_u32(md, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids,
-        arch,
-    })
+    );
+    c.rope_theta = md_f32(md, &key("rope.freq_base")).unwrap_or(10_000.0);
+    c.rms_eps = md_f32(md, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5);
+    c.max_seq_len = need("context_length")? as usize;
+    c.bos_token_id = md_u32(md, "tokenizer.ggml.bos_token_id");
+    c.eos_token_ids = eos_token_ids;
+    // llama.cpp's converter permutes Llama/Mistral q and k into adjacent
+    // pairs; every other architecture here rotates half-split pairs.
+    c.rope_style = if matches!(arch.as_str(), "llama" | "mistral") {
+        RopeStyle::Interleaved
+    } else {
+        RopeStyle::Neox
+    };
+    // Rope scaling: `rope_freqs.weight` (Llama 3.1's factors, precomputed
+    // by the converter) or the scaling keys.
+    let scaling_type = md_str(md, &key("rope.scaling.type"));
+    let factor = md_f32(md, &key("rope.scaling.factor"));
+    c.rope_scaling = if ct.tensor_infos.contains_key("rope_freqs.weight") {
+        RopeScaling::Factors(Vec::new()) // read with the tensors
+    } else {
+        match scaling_type {
+            None | Some("none") => RopeScaling::None,
+            Some("linear") => match factor {
+                Some(f) if f > 0.0 => RopeScaling::Linear { factor: f },
+                _ => return refuse(&key("rope.scaling.factor"), "linear scaling needs a factor"),
+            },
+            Some(other) => {
+                return refuse(
+                    &key("rope.scaling.type"),
+                    &format!("rope scaling '{other}' is not supported (supported: none, linear, llama3 factors)"),
+                )
+            }
+        }
+    };
+    match arch.as_str() {
+        "qwen3" => c.qk_norm = true,
+        "gemma3" => {
+            c.qk_norm = true;
+            c.post_norms = true;
+            c.activation = Activation::GeluTanh;
+            c.embed_scale = Some((hidden as f32).sqrt());
+            c.sliding_window = md_u32(md, &key("attention.sliding_window")).map(|w| w as usize);
+            c.sliding_pattern = Some(
+                md_u32(md, &key("attention.sliding_window_pattern"))
+                    .or(md_u32(md, &key("attention.sliding_window_type")))
+                    .unwrap_or(6) as usize,
+            );
+            c.local_rope_theta = Some(md_f32(md, &key("rope.local_freq_base")).unwrap_or(10_000.0));
+            // GGUF does not carry `query_pre_attn_scalar`; llama.cpp takes
+            // hidden / heads for the 27B (62 layers) and head_dim otherwise.
+            let qpas = if layers == 62 {
+                hidden / heads
+            } else {
+                head_dim
+            };
+            c.attn_scale = 1.0 / (qpas as f32).sqrt();
+            c.final_logit_softcap = md_f32(md, &key("final_logit_softcapping"));
+            if md_f32(md, &key("attn_logit_softcapping")).is_some() {
+                return refuse(
+                    &key("attn_logit_softcapping"),
+                    "attention softcapping is not supported",
+                );
+            }
+        }
+        "phi3" => {
+            if ct.tensor_infos.contains_key("rope_factors_long.weight")
+                || ct.tensor_infos.contains_key("rope_factors_short.weight")
+            {
+                return refuse(
+                    "rope_factors_long.weight",
+                    "LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported; Phi-3 4k variants load",
+                );
+            }
+            c.rotary_dim = rope_dims.unwrap_or(head_dim);
+            c.sliding_window = md_u32(md, &key("attention.sliding_window"))
+                .map(|w| w as usize)
+                .filter(|&w| w < c.max_seq_len);
+        }
+        _ => {}
+    }
+    if c.rotary_dim > head_dim || !c.rotary_dim.is_multiple_of(2) {
+        return refuse(
+            &key("rope.dimension_count"),
+            &format!(
+                "rotary width {} does not fit heads of {head_dim}",
+                c.rotary_dim
+            ),
+        );
+    }
+    Ok(c)
 }
 
 struct GgufReader<'a> {
@@ -169,6 +277,12 @@ impl GgufReader<'_> {
     }
 
     fn matrix(&mut self, name: &str) -> Result<QMatrix> {
+        Ok(self.matrix_split(name, &[])?.remove(0))
+    }
+
+    /// A matrix cut into consecutive row blocks of `rows` (the rest is the
+    /// last block; `&[]`: one block), e.g. Phi-3's fused `attn_qkv`.
+    fn matrix_split(&mut self, name: &str, rows_each: &[usize]) -> Result<Vec<QMatrix>> {
         let (dt, dims, raw) = self.raw(name)?;
         if dims.len() != 2 {
             return Err(SpecdError::bad_model(
@@ -177,6 +291,18 @@ impl GgufReader<'_> {
             ));
         }
         let (rows, cols) = (dims[0], dims[1]);
+        let mut blocks: Vec<usize> = rows_each.to_vec();
+        let taken: usize = blocks.iter().sum();
+        if taken > rows || (!blocks.is_empty() && taken == rows) {
+            return Err(SpecdError::bad_model(
+                self.path,
+                format!(
+                    "tensor {name}: {rows} rows, expected more than {taken} ({rows_each:?} and the rest)"
+                ),
+            ));
+        }
+        blocks.push(rows - taken);
+        let row_bytes = cols / dt.block_size() * dt.type_size();
         let direct = match dt {
             GgmlDType::F32 => Some(WeightFormat::F32),
             GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
@@ -190,14 +316,21 @@ impl GgufReader<'_> {
             GgmlDType::Q6K if cols.is_multiple_of(QK_K) => Some(WeightFormat::Q6K),
             _ => None,
         };
-        match direct {
-            Some(f) => QMatrix::from_ggml_blocks(f, rows, cols, &raw)
-                .map_err(|e| SpecdError::bad_model(self.path, format!("tensor {name}: {e}"))),
-            None => {
-                let v = dequantize(self.path, name, dt, &dims, &raw)?;
-                Ok(QMatrix::from_f32(rows, cols, v))
-            }
+        let mut out = Vec::with_capacity(blocks.len());
+        let mut r0 = 0;
+        for n in blocks {
+            let part = &raw[r0 * row_bytes..(r0 + n) * row_bytes];
+            out.push(match direct {
+                Some(f) => QMatrix::from_ggml_blocks(f, n, cols, part)
+                    .map_err(|e| SpecdError::bad_model(self.path, format!("tensor {name}: {e}")))?,
+                None => {
+                    let v = dequantize(self.path, name, dt, &[n, cols], part)?;
+                    QMatrix::from_f32(n, cols, v)
+                }
+            });
+            r0 += n;
         }
+        Ok(out)
     }
 }
 
@@ -220,39 +353,82 @@ fn dequantize(
 
 fn load_gguf(path: &Path) -> Result<(ModelConfig, Weights)> {
     let ct = read_gguf_header(path)?;
-    let config = gguf_config(path, &ct)?;
+    let mut config = gguf_config(path, &ct)?;
     let file = std::fs::File::open(path)?;
     let mut r = GgufReader {
         path,
         ct: &ct,
         file,
     };
+    if let RopeScaling::Factors(f) = &mut config.rope_scaling {
+        *f = r.vector("rope_freqs.weight")?;
+        if f.len() != config.rotary_dim / 2 {
+            return Err(SpecdError::bad_model(
+                path,
+                format!(
+                    "tensor rope_freqs.weight: {} values, expected {} (rotary width / 2)",
+                    f.len(),
+                    config.rotary_dim / 2
+                ),
+            ));
+        }
+    }
     let embed = r.matrix("token_embd.weight")?;
-    let mut layers = Vec::with_capacity(config.layers);
-    for i in 0..config.layers {
+    let c = &config;
+    let (qd, kvd) = (c.q_dim(), c.kv_heads * c.head_dim);
+    let mut layers = Vec::with_capacity(c.layers);
+    for i in 0..c.layers {
         let p = format!("blk.{i}");
-        let opt_bias = |r: &mut GgufReader, n: &str| -> Result<Option<Vec<f32>>> {
-            let name = format!("{p}.{n}.bias");
+        let opt = |r: &mut GgufReader, n: &str| -> Result<Option<Vec<f32>>> {
+            let name = format!("{p}.{n}");
             if r.has(&name) {
                 r.vector(&name).map(Some)
             } else {
                 Ok(None)
             }
         };
-        layers.push(LayerWeights {
-            attn_norm: r.vector(&format!("{p}.attn_norm.weight"))?,
-            wq: r.matrix(&format!("{p}.attn_q.weight"))?,
-            wk: r.matrix(&format!("{p}.attn_k.weight"))?,
-            wv: r.matrix(&format!("{p}.attn_v.weight"))?,
-            bq: opt_bias(&mut r, "attn_q")?,
-            bk: opt_bias(&mut r, "attn_k")?,
-            bv: opt_bias(&mut r, "attn_v")?,
-            wo: r.matrix(&format!("{p}.attn_output.weight"))?,
-            ffn_norm: r.vector(&format!("{p}.ffn_norm.weight"))?,
-            w_gate: r.matrix(&format!("{p}.ffn_gate.weight"))?,
-            w_up: r.matrix(&format!("{p}.ffn_up.weight"))?,
-            w_down: r.matrix(&format!("{p}.ffn_down.weight"))?,
-        });
+        let (wq, wk, wv) = if c.arch == "phi3" {
+            let mut m = r.matrix_split(&format!("{p}.attn_qkv.weight"), &[qd, kvd])?;
+            let wv = m.pop().expect("three blocks");
+            let wk = m.pop().expect("three blocks");
+            (m.pop().expect("three blocks"), wk, wv)
+        } else {
+            (
+                r.matrix(&format!("{p}.attn_q.weight"))?,
+                r.matrix(&format!("{p}.attn_k.weight"))?,
+                r.matrix(&format!("{p}.attn_v.weight"))?,
+            )
+        };
+        let (w_gate, w_up) = if c.arch == "phi3" {
+            let mut m = r.matrix_split(&format!("{p}.ffn_up.weight"), &[c.intermediate])?;
+            let up = m.pop().expect("two blocks");
+            (m.pop().expect("two blocks"), up)
+        } else {
+            (
+                r.matrix(&format!("{p}.ffn_gate.weight"))?,
+                r.matrix(&format!("{p}.ffn_up.weight"))?,
+            )
+        };
+        let mut l = LayerWeights::llama(
+            r.vector(&format!("{p}.attn_norm.weight"))?,
+            [wq, wk, wv, r.matrix(&format!("{p}.attn_output.weight"))?],
+            [
+                opt(&mut r, "attn_q.bias")?,
+                opt(&mut r, "attn_k.bias")?,
+                opt(&mut r, "attn_v.bias")?,
+            ],
+            r.vector(&format!("{p}.ffn_norm.weight"))?,
+            [w_gate, w_up, r.matrix(&format!("{p}.ffn_down.weight"))?],
+        );
+        if c.qk_norm {
+            l.q_norm = Some(r.vector(&format!("{p}.attn_q_norm.weight"))?);
+            l.k_norm = Some(r.vector(&format!("{p}.attn_k_norm.weight"))?);
+        }
+        if c.post_norms {
+            l.post_attn_norm = Some(r.vector(&format!("{p}.post_attention_norm.weight"))?);
+            l.post_ffn_norm = Some(r.vector(&format!("{p}.post_ffw_norm.weight"))?);
+        }
+        layers.push(l);
     }
     let norm = r.vector("output_norm.weight")?;
     let output = if r.has("output.weight") {
@@ -260,7 +436,8 @@ fn load_gguf(path: &Path) -> Result<(ModelConfig, Weights)> {
     } else {
         None
     };
-    check_shapes(path, &config, &embed, &layers, output.as_ref())?;
+    let names = TensorNames::gguf();
+    check_shapes(path, &config, &embed, &layers, output.as_ref(), &names)?;
     Ok((
         config,
         Weights {
@@ -272,12 +449,68 @@ fn load_gguf(path: &Path) -> Result<(ModelConfig, Weights)> {
     ))
 }
 
+/// How a checkpoint format names a layer's tensors, for shape errors.
+struct TensorNames {
+    layer: fn(usize, &str) -> String,
+}
+
+impl TensorNames {
+    fn gguf() -> Self {
+        Self {
+            layer: |i, part| {
+                let n = match part {
+                    "q" => "attn_q",
+                    "k" => "attn_k",
+                    "v" => "attn_v",
+                    "o" => "attn_output",
+                    "gate" => "ffn_gate",
+                    "up" => "ffn_up",
+                    "down" => "ffn_down",
+                    "attn_norm" => "attn_norm",
+                    "ffn_norm" => "ffn_norm",
+                    "q_norm" => "attn_q_norm",
+                    "k_norm" => "attn_k_norm",
+                    "post_attn_norm" => "post_attention_norm",
+                    "post_ffn_norm" => "post_ffw_norm",
+                    other => other,
+                };
+                format!("blk.{i}.{n}.weight")
+            },
+        }
+    }
+
+    fn hf() -> Self {
+        Self {
+            layer: |i, part| {
+                let n = match part {
+                    "q" => "self_attn.q_proj",
+                    "k" => "self_attn.k_proj",
+                    "v" => "self_attn.v_proj",
+                    "o" => "self_attn.o_proj",
+                    "gate" => "mlp.gate_proj",
+                    "up" => "mlp.up_proj",
+                    "down" => "mlp.down_proj",
+                    "attn_norm" => "input_layernorm",
+                    "ffn_norm" => "post_attention_layernorm",
+                    "q_norm" => "self_attn.q_norm",
+                    "k_norm" => "self_attn.k_norm",
+                    "post_attn_norm" => "post_attention_layernorm",
+                    "post_ffn_norm" => "post_feedforward_layernorm",
+                    other => other,
+                };
+                format!("model.layers.{i}.{n}.weight")
+            },
+        }
+    }
+}
+
 fn check_shapes(
     path: &Path,
     c: &ModelConfig,
     embed: &QMatrix,
     layers: &[LayerWeights],
     output: Option<&QMatrix>,
+    names: &TensorNames,
 ) -> Result<()> {
     let bad = |what: String| Err(SpecdError::bad_model(path, what));
     if c.heads == 0
@@ -296,26 +529,56 @@ fn check_shapes(
             embed.cols, c.hidden
         ));
     }
+    let (qd, kvd) = (c.q_dim(), c.kv_heads * c.head_dim);
     for (i, l) in layers.iter().enumerate() {
         let want = [
-            ("attn_q", &l.wq, c.heads * c.head_dim, c.hidden),
-            ("attn_k", &l.wk, c.kv_heads * c.head_dim, c.hidden),
-            ("attn_v", &l.wv, c.kv_heads * c.head_dim, c.hidden),
-            ("attn_output", &l.wo, c.hidden, c.heads * c.head_dim),
-            ("ffn_gate", &l.w_gate, c.intermediate, c.hidden),
-            ("ffn_up", &l.w_up, c.intermediate, c.hidden),
-            ("ffn_down", &l.w_down, c.hidden, c.intermediate),
+            ("q", &l.wq, qd, c.hidden),
+            ("k", &l.wk, kvd, c.hidden),
+            ("v", &l.wv, kvd, c.hidden),
+            ("o", &l.wo, c.hidden, qd),
+            ("gate", &l.w_gate, c.intermediate, c.hidden),
+            ("up", &l.w_up, c.intermediate, c.hidden),
+            ("down", &l.w_down, c.hidden, c.intermediate),
         ];
-        for (name, m, r, k) in want {
+        for (part, m, r, k) in want {
             if (m.rows, m.cols) != (r, k) {
                 return bad(format!(
-                    "layer {i} {name}: shape {}x{}, expected {r}x{k}",
-                    m.rows, m.cols
+                    "tensor {}: shape {}x{}, expected {r}x{k}",
+                    (names.layer)(i, part),
+                    m.rows,
+                    m.cols
                 ));
             }
         }
-        if l.attn_norm.len() != c.hidden || l.ffn_norm.len() != c.hidden {
-            return bad(format!("layer {i}: norm width mismatch"));
+        let vecs = [
+            ("attn_norm", Some(&l.attn_norm), c.hidden),
+            ("ffn_norm", Some(&l.ffn_norm), c.hidden),
+            ("q_norm", l.q_norm.as_ref(), c.head_dim),
+            ("k_norm", l.k_norm.as_ref(), c.head_dim),
+            ("post_attn_norm", l.post_attn_norm.as_ref(), c.hidden),
+            ("post_ffn_norm", l.post_ffn_norm.as_ref(), c.hidden),
+        ];
+        for (part, v, n) in vecs {
+            if let Some(v) = v {
+                if v.len() != n {
+                    return bad(format!(
+                        "tensor {}: {} values, expected {n}",
+                        (names.layer)(i, part),
+                        v.len()
+                    ));
+                }
+            }
+        }
+        for (b, n, part) in [(&l.bq, qd, "q"), (&l.bk, kvd, "k"), (&l.bv, kvd, "v")] {
+            if let Some(b) = b {
+                if b.len() != n {
+                    return bad(format!(
+                        "bias of {}: {} values, expected {n}",
+                        (names.layer)(i, part),
+                        b.len()
+                    ));
+                }
+            }
         }
     }
     if let Some(o) = output {
@@ -325,13 +588,6 @@ fn check_shapes(
                 o.rows, o.cols, c.vocab_size, c.hidden
             ));
         }
-    }
-    if c.heads * c.head_dim != c.hidden {
-        return bad(format!(
-            "heads x head_dim {} != hidden {}",
-            c.heads * c.head_dim,
-            c.hidden
-        ));
     }
     Ok(())
 }
@@ -358,6 +614,21 @@ struct HfConfig {
     attention_bias: Option<bool>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    rope_scaling: Option<serde_json::Value>,
+    partial_rotary_factor: Option<f32>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    sliding_window_pattern: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    rope_local_base_freq: Option<f32>,
+    query_pre_attn_scalar: Option<f32>,
+    final_logit_softcapping: Option<f32>,
+    attn_logit_softcapping: Option<f32>,
+    hidden_activation: Option<String>,
+    hidden_act: Option<String>,
+    num_local_experts: Option<usize>,
+    num_experts: Option<usize>,
 }
 
 fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
@@ -380,7 +651,7 @@ fn load_safetensors(dir: &Path) -> Result<(ModelConfig, Weights)> {
         std::fs::read_to_string(&cfg_path).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
     let hf: HfConfig =
         serde_json::from_str(&text).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
-    let arch = hf_arch(&hf)?;
+    let arch = hf_arch(&cfg_path, &hf)?;
     let mut files: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
@@ -412,24 +683,151 @@ pub fn model_from_tensors(
 ) -> Result<Model> {
     let hf: HfConfig =
         serde_json::from_str(config_json).map_err(|e| SpecdError::bad_model(origin, e))?;
-    let arch = hf_arch(&hf)?;
+    let arch = hf_arch(origin, &hf)?;
     let (config, weights) = safetensors_weights(origin, hf, arch, tensors)?;
     Model::new(config, weights, threads)
 }
 
-fn hf_arch(hf: &HfConfig) -> Result<String> {
+fn hf_arch(path: &Path, hf: &HfConfig) -> Result<String> {
     let arch = hf
         .model_type
         .clone()
         .or_else(|| hf.architectures.first().map(|a| a.to_lowercase()))
         .unwrap_or_default();
     Ok(match arch.as_str() {
-        "llama" | "mistral" | "qwen2" => arch,
+        "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" => arch,
+        "gemma3_text" => "gemma3".into(),
         a if a.starts_with("llama") => "llama".into(),
         a if a.starts_with("mistral") => "mistral".into(),
-        a if a.starts_with("qwen2") => "qwen2".into(),
-        _ => return Err(SpecdError::UnsupportedArchitecture(arch)),
+        a if a.starts_with("qwen2") && !a.contains("moe") => "qwen2".into(),
+        _ => {
+            return Err(SpecdError::UnsupportedArchitecture {
+                path: path.to_path_buf(),
+                arch,
+            })
+        }
     })
+}
+
+/// The model options of a Hugging Face config beyond the shapes.
+fn hf_options(path: &Path, hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+    let refuse = |k: &str, why: String| Err(SpecdError::bad_model(path, format!("{k}: {why}")));
+    for (k, v) in [
+        ("num_local_experts", hf.num_local_experts),
+        ("num_experts", hf.num_experts),
+    ] {
+        if v.is_some_and(|n| n > 0) {
+            return refuse(k, "mixture-of-experts layers are not supported".into());
+        }
+    }
+    if let Some(f) = hf.partial_rotary_factor {
+        c.rotary_dim = ((c.head_dim as f32 * f) as usize) & !1;
+    }
+    if let Some(rs) = hf.rope_scaling.as_ref().filter(|v| !v.is_null()) {
+        let kind = rs
+            .get("rope_type")
+            .or_else(|| rs.get("type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let num = |k: &str| rs.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+        let need = |k: &str| {
+            num(k).ok_or_else(|| {
+                SpecdError::bad_model(path, format!("rope_scaling.{k}: missing for '{kind}'"))
+            })
+        };
+        c.rope_scaling = match kind {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: need("factor")?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_position: need("original_max_position_embeddings")? as usize,
+            },
+            other => {
+                return refuse(
+                    "rope_scaling.rope_type",
+                    format!("'{other}' is not supported (supported: default, linear, llama3)"),
+                )
+            }
+        };
+    }
+    let act = hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref());
+    let window = hf.sliding_window.filter(|&w| w > 0 && w < c.max_seq_len);
+    match c.arch.as_str() {
+        "qwen2" | "qwen3" if hf.use_sliding_window == Some(true) => {
+            return refuse(
+                "use_sliding_window",
+                "Qwen's mixed sliding-window layers are not supported".into(),
+            );
+        }
+        "qwen3" => c.qk_norm = true,
+        "mistral" => c.sliding_window = window,
+        "phi3" => c.sliding_window = window,
+        "gemma3" => {
+            c.qk_norm = true;
+            c.post_norms = true;
+            c.embed_scale = Some((c.hidden as f32).sqrt());
+            c.sliding_window = hf.sliding_window;
+            let pattern = hf.sliding_window_pattern.unwrap_or(6);
+            if let Some(types) = &hf.layer_types {
+                let want: Vec<&str> = (0..c.layers)
+                    .map(|i| {
+                        if (i + 1) % pattern == 0 {
+                            "full_attention"
+                        } else {
+                            "sliding_attention"
+                        }
+                    })
+                    .collect();
+                if types.iter().map(String::as_str).ne(want.iter().copied()) {
+                    return refuse(
+                        "layer_types",
+                        format!("only every {pattern}th layer global is supported"),
+                    );
+                }
+            }
+            c.sliding_pattern = Some(pattern);
+            c.local_rope_theta = Some(hf.rope_local_base_freq.unwrap_or(10_000.0));
+            c.attn_scale = 1.0 / hf.query_pre_attn_scalar.unwrap_or(c.head_dim as f32).sqrt();
+            c.final_logit_softcap = hf.final_logit_softcapping;
+            if hf.attn_logit_softcapping.is_some() {
+                return refuse(
+                    "attn_logit_softcapping",
+                    "attention softcapping is not supported".into(),
+                );
+            }
+        }
+        _ => {}
+    }
+    c.activation = match act {
+        None | Some("silu") => {
+            if c.arch == "gemma3" {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            }
+        }
+        Some("gelu_pytorch_tanh") | Some("gelu_tanh") => Activation::GeluTanh,
+        Some(other) => {
+            return refuse(
+                "hidden_activation",
+                format!("'{other}' is not supported (supported: silu, gelu_pytorch_tanh)"),
+            )
+        }
+    };
+    if c.rotary_dim == 0 || c.rotary_dim > c.head_dim {
+        return refuse(
+            "partial_rotary_factor",
+            format!(
+                "rotary width {} does not fit heads of {}",
+                c.rotary_dim, c.head_dim
+            ),
+        );
+    }
+    Ok(())
 }
 
 fn safetensors_weights(
@@ -439,22 +837,26 @@ fn safetensors_weights(
     mut tensors: HashMap<String, Tensor>,
 ) -> Result<(ModelConfig, Weights)> {
     let heads = hf.num_attention_heads;
-    let config = ModelConfig {
-        vocab_size: hf.vocab_size,
-        hidden: hf.hidden_size,
-        intermediate: hf.intermediate_size,
-        layers: hf.num_hidden_layers,
+    let mut config = ModelConfig::llama_like(
+        &arch,
+        hf.vocab_size,
+        hf.hidden_size,
+        hf.intermediate_size,
+        hf.num_hidden_layers,
         heads,
-        kv_heads: hf.num_key_value_heads.unwrap_or(heads),
-        head_dim: hf.head_dim.unwrap_or(hf.hidden_size / heads),
-        rope_theta: hf.rope_theta.unwrap_or(10_000.0),
-        rope_style: RopeStyle::Neox,
-        rms_eps: hf.rms_norm_eps.unwrap_or(1e-5),
-        max_seq_len: hf.max_position_embeddings.unwrap_or(4096),
-        bos_token_id: ids(&hf.bos_token_id).first().copied(),
-        eos_token_ids: ids(&hf.eos_token_id),
-        arch: arch.clone(),
-    };
+        hf.num_key_value_heads.unwrap_or(heads),
+        hf.head_dim.unwrap_or(hf.hidden_size / heads),
+    );
+    config.rope_theta = hf.rope_theta.unwrap_or(10_000.0);
+    config.rms_eps = hf.rms_norm_eps.unwrap_or(1e-5);
+    config.max_seq_len = hf.max_position_embeddings.unwrap_or(4096);
+    config.bos_token_id = ids(&hf.bos_token_id).first().copied();
+    config.eos_token_ids = ids(&hf.eos_token_id);
+    hf_options(dir, &hf, &mut config)?;
+    let c = &config;
+    // Gemma's RMSNorm multiplies by (1 + w); folded here, as llama.cpp's
+    // converter folds it into GGUF files.
+    let norm_offset = if arch == "gemma3" { 1.0 } else { 0.0 };
     let mut take = |name: &str| -> Result<Tensor> {
         tensors
             .remove(name)
@@ -476,37 +878,93 @@ fn safetensors_weights(
         }
         Ok(QMatrix::from_f32(dims[0], dims[1], f32v(t, name)?))
     };
+    // Rows r0..r0 + n of a fused matrix.
+    let rows = |t: &Tensor, r0: usize, n: usize, name: &str| -> Result<QMatrix> {
+        let part = t.narrow(0, r0, n).map_err(|e| {
+            SpecdError::bad_model(
+                dir,
+                format!(
+                    "tensor {name}: rows {r0}..{} of {:?}: {e}",
+                    r0 + n,
+                    t.dims()
+                ),
+            )
+        })?;
+        mat(part, name)
+    };
     let embed = mat(
         take("model.embed_tokens.weight")?,
         "model.embed_tokens.weight",
     )?;
     let bias = hf.attention_bias.unwrap_or(arch == "qwen2");
-    let mut layers = Vec::with_capacity(config.layers);
-    for i in 0..config.layers {
+    let (qd, kvd) = (c.q_dim(), c.kv_heads * c.head_dim);
+    let mut layers = Vec::with_capacity(c.layers);
+    for i in 0..c.layers {
         let p = format!("model.layers.{i}");
+        let fused = if arch == "phi3" {
+            let name = format!("{p}.self_attn.qkv_proj.weight");
+            let qkv = take(&name)?;
+            let (wq, wk, wv) = (
+                rows(&qkv, 0, qd, &name)?,
+                rows(&qkv, qd, kvd, &name)?,
+                rows(&qkv, qd + kvd, kvd, &name)?,
+            );
+            let name = format!("{p}.mlp.gate_up_proj.weight");
+            let gu = take(&name)?;
+            let ff = c.intermediate;
+            Some((
+                wq,
+                wk,
+                wv,
+                rows(&gu, 0, ff, &name)?,
+                rows(&gu, ff, ff, &name)?,
+            ))
+        } else {
+            None
+        };
         let mut m = |n: &str| -> Result<QMatrix> {
             let name = format!("{p}.{n}");
             let t = take(&name)?;
             mat(t, &name)
         };
-        let (wq, wk, wv, wo) = (
-            m("self_attn.q_proj.weight")?,
-            m("self_attn.k_proj.weight")?,
-            m("self_attn.v_proj.weight")?,
-            m("self_attn.o_proj.weight")?,
-        );
-        let (w_gate, w_up, w_down) = (
-            m("mlp.gate_proj.weight")?,
-            m("mlp.up_proj.weight")?,
-            m("mlp.down_proj.weight")?,
-        );
+        let (wq, wk, wv, w_gate, w_up) = match fused {
+            Some(f) => f,
+            None => (
+                m("self_attn.q_proj.weight")?,
+                m("self_attn.k_proj.weight")?,
+                m("self_attn.v_proj.weight")?,
+                m("mlp.gate_proj.weight")?,
+                m("mlp.up_proj.weight")?,
+            ),
+        };
+        let wo = m("self_attn.o_proj.weight")?;
+        let w_down = m("mlp.down_proj.weight")?;
         let mut v = |n: &str| -> Result<Vec<f32>> {
             let name = format!("{p}.{n}");
             let t = take(&name)?;
             f32v(t, &name)
         };
-        let attn_norm = v("input_layernorm.weight")?;
-        let ffn_norm = v("post_attention_layernorm.weight")?;
+        let mut norm = |n: &str| -> Result<Vec<f32>> {
+            Ok(v(n)?.into_iter().map(|w| w + norm_offset).collect())
+        };
+        let attn_norm = norm("input_layernorm.weight")?;
+        let (ffn_norm, post_attn_norm, post_ffn_norm) = if c.post_norms {
+            (
+                norm("pre_feedforward_layernorm.weight")?,
+                Some(norm("post_attention_layernorm.weight")?),
+                Some(norm("post_feedforward_layernorm.weight")?),
+            )
+        } else {
+            (norm("post_attention_layernorm.weight")?, None, None)
+        };
+        let (q_norm, k_norm) = if c.qk_norm {
+            (
+                Some(norm("self_attn.q_norm.weight")?),
+                Some(norm("self_attn.k_norm.weight")?),
+            )
+        } else {
+            (None, None)
+        };
         let (bq, bk, bv) = if bias {
             (
                 Some(v("self_attn.q_proj.bias")?),
@@ -516,31 +974,37 @@ fn safetensors_weights(
         } else {
             (None, None, None)
         };
-        layers.push(LayerWeights {
+        let mut l = LayerWeights::llama(
             attn_norm,
-            wq,
-            wk,
-            wv,
-            bq,
-            bk,
-            bv,
-            wo,
+            [wq, wk, wv, wo],
+            [bq, bk, bv],
             ffn_norm,
-            w_gate,
-            w_up,
-            w_down,
-        });
+            [w_gate, w_up, w_down],
+        );
+        (l.q_norm, l.k_norm) = (q_norm, k_norm);
+        (l.post_attn_norm, l.post_ffn_norm) = (post_attn_norm, post_ffn_norm);
+        layers.push(l);
     }
-    let norm = f32v(take("model.norm.weight")?, "model.norm.weight")?;
+    let norm: Vec<f32> = f32v(take("model.norm.weight")?, "model.norm.weight")?
+        .into_iter()
+        .map(|w| w + norm_offset)
+        .collect();
     let output = match (
         take("lm_head.weight"),
-        hf.tie_word_embeddings.unwrap_or(false),
+        hf.tie_word_embeddings.unwrap_or(arch == "gemma3"),
     ) {
         (Ok(t), _) => Some(mat(t, "lm_head.weight")?),
         (Err(_), true) => None,
         (Err(e), false) => return Err(e),
     };
-    check_shapes(dir, &config, &embed, &layers, output.as_ref())?;
+    check_shapes(
+        dir,
+        &config,
+        &embed,
+        &layers,
+        output.as_ref(),
+        &TensorNames::hf(),
+    )?;
     Ok((
         config,
         Weights {

@@ -75,6 +75,19 @@ pub fn exp_f32(x: f32) -> f32 {
     }
 }
 
+/// `g = gelu(g) * u` with GELU's tanh approximation,
+/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (Gemma's GeGLU);
+/// tanh as `1 - 2 / (e^(2z) + 1)` on `exp_f32`, so the loop vectorizes.
+pub fn gelu_tanh_mul(g: &mut [f32], u: &[f32]) {
+    const K: f32 = 0.797_884_6; // sqrt(2 / pi)
+    for (gv, &uv) in g.iter_mut().zip(u) {
+        let x = *gv;
+        let z = K * x.mul_add(0.044_715 * x * x, x);
+        let t = 1.0 - 2.0 / (exp_f32(2.0 * z) + 1.0);
+        *gv = 0.5 * x * (1.0 + t) * uv;
+    }
+}
+
 pub fn silu_mul(g: &mut [f32], u: &[f32]) {
     for (gv, &uv) in g.iter_mut().zip(u) {
         *gv = *gv / (1.0 + exp_f32(-*gv)) * uv;

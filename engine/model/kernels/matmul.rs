@@ -12,7 +12,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::activations::Activations;
-use super::elementwise::silu_mul;
+use super::elementwise::{gelu_tanh_mul, silu_mul};
 use super::layout::{
     drive_tiles, tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightData,
     WeightFormat, Q5_HIGH, QK, TILE,
@@ -262,6 +262,19 @@ pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>])
 /// there is no separate pass (or buffer) for the up projection. Each
 /// element is the same arithmetic as `matmul_many` followed by `silu_mul`.
 pub fn matmul_swiglu(a: &Activations, gate: &QMatrix, up: &QMatrix, out: &mut Vec<f32>) {
+    matmul_glu(a, gate, up, crate::model::Activation::Silu, out)
+}
+
+/// Gated feed-forward input with either gate nonlinearity:
+/// `out = act(a @ gate^T) * (a @ up^T)` (SwiGLU or GeGLU), fused as
+/// `matmul_swiglu` describes.
+pub fn matmul_glu(
+    a: &Activations,
+    gate: &QMatrix,
+    up: &QMatrix,
+    activation: crate::model::Activation,
+    out: &mut Vec<f32>,
+) {
     assert_eq!(gate.cols, a.cols, "matmul inner dimension mismatch");
     assert_eq!(
         (gate.rows, gate.cols),
@@ -283,7 +296,10 @@ pub fn matmul_swiglu(a: &Activations, gate: &QMatrix, up: &QMatrix, out: &mut Ve
             with_scratch(nr * n, |g, u| {
                 matmul_rows(a, gate, r0, r1, g);
                 matmul_rows(a, up, r0, r1, u);
-                silu_mul(g, u);
+                match activation {
+                    crate::model::Activation::Silu => silu_mul(g, u),
+                    crate::model::Activation::GeluTanh => gelu_tanh_mul(g, u),
+                }
                 for (i, seg) in segs.iter_mut().enumerate() {
                     seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);
                 }

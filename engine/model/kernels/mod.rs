@@ -36,10 +36,10 @@ mod simd_k;
 mod tests;
 
 pub use activations::{quantize_q8, Activations};
-pub use elementwise::{exp_f32, exp_shifted, fold16, rms_norm, silu_mul};
+pub use elementwise::{exp_f32, exp_shifted, fold16, gelu_tanh_mul, rms_norm, silu_mul};
 pub use kquant::QK_K;
 pub use layout::{
     tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightFormat, QK, TILE,
 };
-pub use matmul::{matmul_many, matmul_swiglu, wants_q8};
+pub use matmul::{matmul_glu, matmul_many, matmul_swiglu, wants_q8};
 pub use path::{evict_from_caches, KernelPath};

@@ -1,0 +1,1105 @@
+//! The architectures users bring, each against an independent reference:
+//! tiny random checkpoints written by the tests (safetensors in Hugging
+//! Face layout and GGUF in llama.cpp's, holding the same weights) for
+//! Llama 3 (llama3 rope scaling), Qwen3, Gemma 3 (sliding windows,
+//! post-norms, GeGLU, softcapping) and Phi-3 (fused matrices, partial
+//! rotary), compared position by position with candle-transformers'
+//! implementations; the sliding window's exactness under batching,
+//! rollback and trees; and the loader's errors.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use common::{lcg_vec, max_abs_diff, TempDir};
+use specd::model::{load_model, ForwardInput, KvDtype, Logits, Model, TreeMask};
+
+/// A tiny checkpoint of one architecture.
+#[derive(Clone, Copy)]
+struct Arch {
+    name: &'static str,
+    vocab: usize,
+    hidden: usize,
+    intermediate: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    max_seq: usize,
+    /// Rotating dimensions of a head (Phi-3's partial rotary).
+    rotary: usize,
+    /// Sliding window of the local layers (Gemma 3).
+    window: Option<usize>,
+}
+
+impl Arch {
+    fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+const LLAMA3: Arch = Arch {
+    name: "llama",
+    vocab: 96,
+    hidden: 64,
+    intermediate: 128,
+    layers: 2,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    max_seq: 256,
+    rotary: 16,
+    window: None,
+};
+
+/// head_dim 32 with 4 heads: q rows (128) wider than the hidden size (64).
+const QWEN3: Arch = Arch {
+    name: "qwen3",
+    head_dim: 32,
+    ..LLAMA3
+};
+
+/// Layers 0, 1 and 3 slide over 6 positions; layer 2 is global.
+const GEMMA3: Arch = Arch {
+    name: "gemma3",
+    layers: 4,
+    head_dim: 32,
+    rotary: 32,
+    window: Some(6),
+    kv_heads: 1,
+    ..LLAMA3
+};
+
+/// Half of each head rotates.
+const PHI3: Arch = Arch {
+    name: "phi3",
+    rotary: 8,
+    kv_heads: 4,
+    ..LLAMA3
+};
+
+const SLIDING_PATTERN: usize = 3;
+const SOFTCAP: f32 = 20.0;
+
+/// Llama 3.1-style scaling over a 32-position original context, so that
+/// the tiny model's frequencies fall in all three bands.
+const ROPE_FACTOR: f32 = 8.0;
+const LOW_FREQ: f32 = 1.0;
+const HIGH_FREQ: f32 = 4.0;
+const ORIGINAL_MAX: usize = 32;
+
+type Named = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// Random weights in Hugging Face names and layout (`[out, in]`).
+fn hf_weights(a: &Arch, seed: u64) -> Named {
+    let mut seed = seed;
+    let mut w: Named = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+        let n = shape.iter().product();
+        let mut v = lcg_vec(&mut seed, n, scale);
+        v.iter_mut().for_each(|x| *x += offset);
+        w.push((name, shape, v));
+    };
+    // Gemma stores norm weights as offsets from 1.
+    let one = if a.name == "gemma3" { 0.0 } else { 1.0 };
+    let (h, qd, kvd, ff) = (a.hidden, a.q_dim(), a.kv_dim(), a.intermediate);
+    push(
+        "model.embed_tokens.weight".into(),
+        vec![a.vocab, h],
+        1.0,
+        0.0,
+    );
+    for l in 0..a.layers {
+        let p = format!("model.layers.{l}");
+        if a.name == "phi3" {
+            push(
+                format!("{p}.self_attn.qkv_proj.weight"),
+                vec![qd + 2 * kvd, h],
+                0.2,
+                0.0,
+            );
+            push(
+                format!("{p}.mlp.gate_up_proj.weight"),
+                vec![2 * ff, h],
+                0.2,
+                0.0,
+            );
+        } else {
+            push(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![qd, h],
+                0.2,
+                0.0,
+            );
+            push(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![kvd, h],
+                0.2,
+                0.0,
+            );
+            push(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![kvd, h],
+                0.2,
+                0.0,
+            );
+            push(format!("{p}.mlp.gate_proj.weight"), vec![ff, h], 0.2, 0.0);
+            push(format!("{p}.mlp.up_proj.weight"), vec![ff, h], 0.2, 0.0);
+        }
+        push(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, qd],
+            0.2,
+            0.0,
+        );
+        push(format!("{p}.mlp.down_proj.weight"), vec![h, ff], 0.2, 0.0);
+        push(format!("{p}.input_layernorm.weight"), vec![h], 0.1, one);
+        push(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            0.1,
+            one,
+        );
+        if a.name == "gemma3" {
+            push(
+                format!("{p}.pre_feedforward_layernorm.weight"),
+                vec![h],
+                0.1,
+                one,
+            );
+            push(
+                format!("{p}.post_feedforward_layernorm.weight"),
+                vec![h],
+                0.1,
+                one,
+            );
+        }
+        if matches!(a.name, "qwen3" | "gemma3") {
+            push(
+                format!("{p}.self_attn.q_norm.weight"),
+                vec![a.head_dim],
+                0.1,
+                one,
+            );
+            push(
+                format!("{p}.self_attn.k_norm.weight"),
+                vec![a.head_dim],
+                0.1,
+                one,
+            );
+        }
+    }
+    push("model.norm.weight".into(), vec![h], 0.1, one);
+    if a.name != "gemma3" {
+        push("lm_head.weight".into(), vec![a.vocab, h], 0.5, 0.0);
+    }
+    w
+}
+
+fn tensor(shape: &[usize], data: &[f32]) -> Tensor {
+    Tensor::from_slice(data, shape, &Device::Cpu).unwrap()
+}
+
+/// The Hugging Face config.json of `a` (what our loader reads).
+fn hf_config(a: &Arch) -> serde_json::Value {
+    let mut c = serde_json::json!({
+        "model_type": a.name,
+        "vocab_size": a.vocab,
+        "hidden_size": a.hidden,
+        "intermediate_size": a.intermediate,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "head_dim": a.head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": a.max_seq,
+        "tie_word_embeddings": a.name == "gemma3",
+        "attention_bias": false,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+    });
+    let m = c.as_object_mut().unwrap();
+    match a.name {
+        "llama" => {
+            m.insert(
+                "rope_scaling".into(),
+                serde_json::json!({
+                    "factor": ROPE_FACTOR,
+                    "low_freq_factor": LOW_FREQ,
+                    "high_freq_factor": HIGH_FREQ,
+                    "original_max_position_embeddings": ORIGINAL_MAX,
+                    "rope_type": "llama3"
+                }),
+            );
+        }
+        "qwen3" => {
+            m.insert("rope_theta".into(), serde_json::json!(1_000_000.0));
+            m.insert("sliding_window".into(), serde_json::Value::Null);
+            m.insert("max_window_layers".into(), serde_json::json!(a.layers));
+            m.insert("use_sliding_window".into(), serde_json::json!(false));
+        }
+        "gemma3" => {
+            m.insert("model_type".into(), serde_json::json!("gemma3_text"));
+            m.insert("rope_theta".into(), serde_json::json!(1_000_000.0));
+            m.insert("rope_local_base_freq".into(), serde_json::json!(10_000.0));
+            m.insert(
+                "hidden_activation".into(),
+                serde_json::json!("gelu_pytorch_tanh"),
+            );
+            m.insert(
+                "query_pre_attn_scalar".into(),
+                serde_json::json!(a.head_dim),
+            );
+            m.insert("sliding_window".into(), serde_json::json!(a.window));
+            m.insert(
+                "sliding_window_pattern".into(),
+                serde_json::json!(SLIDING_PATTERN),
+            );
+            m.insert("final_logit_softcapping".into(), serde_json::json!(SOFTCAP));
+            m.insert("attn_logit_softcapping".into(), serde_json::Value::Null);
+        }
+        "phi3" => {
+            m.insert(
+                "partial_rotary_factor".into(),
+                serde_json::json!(a.rotary as f64 / a.head_dim as f64),
+            );
+            m.insert("rope_scaling".into(), serde_json::Value::Null);
+        }
+        _ => {}
+    }
+    c
+}
+
+fn write_safetensors(dir: &Path, a: &Arch, w: &Named, config: &serde_json::Value) {
+    std::fs::create_dir_all(dir).unwrap();
+    let map: HashMap<String, Tensor> = w
+        .iter()
+        .map(|(n, sh, d)| (n.clone(), tensor(sh, d)))
+        .collect();
+    candle_core::safetensors::save(&map, dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let _ = a;
+}
+
+/// llama.cpp's converter permutation of Llama q/k rows (half-split pairs
+/// to adjacent pairs), per head.
+fn permute_rows(v: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let rows = v.len() / cols;
+    let hd = rows / heads;
+    let mut out = vec![0f32; v.len()];
+    for h in 0..heads {
+        for j in 0..2 {
+            for i in 0..hd / 2 {
+                let src = h * hd + j * hd / 2 + i;
+                let dst = h * hd + 2 * i + j;
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&v[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// Llama 3.1's frequency divisors as llama.cpp's converter writes them
+/// (`rope_freqs.weight`).
+fn llama3_factors(a: &Arch) -> Vec<f32> {
+    let old = ORIGINAL_MAX as f32;
+    (0..a.rotary / 2)
+        .map(|i| {
+            let freq = 1.0 / 10000f32.powf((2 * i) as f32 / a.rotary as f32);
+            let wavelen = 2.0 * std::f32::consts::PI / freq;
+            if wavelen < old / HIGH_FREQ {
+                1.0
+            } else if wavelen > old / LOW_FREQ {
+                ROPE_FACTOR
+            } else {
+                let smooth = (old / wavelen - LOW_FREQ) / (HIGH_FREQ - LOW_FREQ);
+                1.0 / ((1.0 - smooth) / ROPE_FACTOR + smooth)
+            }
+        })
+        .collect()
+}
+
+/// The same weights as a GGUF file in llama.cpp's names and conventions.
+fn write_gguf(path: &Path, a: &Arch, w: &Named, dtype: GgmlDType, extra_md: Vec<(String, Value)>) {
+    let gemma = a.name == "gemma3";
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (n, sh, d) in w {
+        let mut d = d.clone();
+        if gemma && n.ends_with("norm.weight") {
+            // llama.cpp's converter folds Gemma's (1 + w).
+            d.iter_mut().for_each(|x| *x += 1.0);
+        }
+        if a.name == "llama" && n.ends_with("q_proj.weight") {
+            d = permute_rows(&d, a.heads, sh[1]);
+        }
+        if a.name == "llama" && n.ends_with("k_proj.weight") {
+            d = permute_rows(&d, a.kv_heads, sh[1]);
+        }
+        let ffn_norm = if gemma {
+            "pre_feedforward_layernorm"
+        } else {
+            "post_attention_layernorm"
+        };
+        let mut g = n
+            .replace("model.embed_tokens.weight", "token_embd.weight")
+            .replace("model.norm.weight", "output_norm.weight")
+            .replace("lm_head.weight", "output.weight")
+            .replace("model.layers.", "blk.")
+            .replace("self_attn.qkv_proj", "attn_qkv")
+            .replace("self_attn.q_proj", "attn_q")
+            .replace("self_attn.k_proj", "attn_k")
+            .replace("self_attn.v_proj", "attn_v")
+            .replace("self_attn.o_proj", "attn_output")
+            .replace("self_attn.q_norm", "attn_q_norm")
+            .replace("self_attn.k_norm", "attn_k_norm")
+            .replace("mlp.gate_up_proj", "ffn_up")
+            .replace("mlp.gate_proj", "ffn_gate")
+            .replace("mlp.up_proj", "ffn_up")
+            .replace("mlp.down_proj", "ffn_down")
+            .replace("input_layernorm", "attn_norm")
+            .replace(ffn_norm, "ffn_norm");
+        if gemma {
+            g = g
+                .replace("post_attention_layernorm", "post_attention_norm")
+                .replace("post_feedforward_layernorm", "post_ffw_norm");
+        }
+        tensors.push((g, sh.clone(), d));
+    }
+    if a.name == "llama" {
+        let f = llama3_factors(a);
+        tensors.push(("rope_freqs.weight".into(), vec![f.len()], f));
+    }
+    let qt: Vec<(String, QTensor)> = tensors
+        .iter()
+        .map(|(n, sh, d)| {
+            let dt = if sh.len() == 2 { dtype } else { GgmlDType::F32 };
+            (n.clone(), QTensor::quantize(&tensor(sh, d), dt).unwrap())
+        })
+        .collect();
+    let arch = a.name;
+    let u = |k: &str, v: usize| (format!("{arch}.{k}"), Value::U32(v as u32));
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        u("block_count", a.layers),
+        u("context_length", a.max_seq),
+        u("embedding_length", a.hidden),
+        u("feed_forward_length", a.intermediate),
+        u("attention.head_count", a.heads),
+        u("attention.head_count_kv", a.kv_heads),
+        u("rope.dimension_count", a.rotary),
+        (
+            format!("{arch}.rope.freq_base"),
+            Value::F32(if matches!(arch, "qwen3" | "gemma3") {
+                1_000_000.0
+            } else {
+                10_000.0
+            }),
+        ),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-6),
+        ),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(2)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(
+                (0..a.vocab)
+                    .map(|i| Value::String(format!("t{i}")))
+                    .collect(),
+            ),
+        ),
+        ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+    ];
+    if matches!(arch, "qwen3" | "gemma3") {
+        md.push(u("attention.key_length", a.head_dim));
+        md.push(u("attention.value_length", a.head_dim));
+    }
+    if gemma {
+        md.push(u("attention.sliding_window", a.window.unwrap()));
+        md.push(u("attention.sliding_window_pattern", SLIDING_PATTERN));
+        md.push((
+            format!("{arch}.final_logit_softcapping"),
+            Value::F32(SOFTCAP),
+        ));
+    }
+    for (k, v) in extra_md {
+        md.retain(|(key, _)| *key != k);
+        md.push((k, v));
+    }
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = qt.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+}
+
+/// The test's token sequence (longer than Gemma's window).
+fn tokens(a: &Arch, n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 37 + 11) % a.vocab) as u32).collect()
+}
+
+/// Our logits at every position of one forward (f32 KV, as the
+/// references keep theirs).
+fn ours_all(model: &mut Model, toks: &[u32]) -> Vec<Vec<f32>> {
+    model.set_kv_dtype(KvDtype::F32);
+    let mut cache = model.new_cache();
+    let out = model.forward_one(&mut cache, toks, Logits::All).unwrap();
+    (0..out.rows).map(|r| out.row(r).to_vec()).collect()
+}
+
+/// A reference's logits at every position: a fresh prefill of each prefix
+/// (the references mask only multi-token forwards).
+fn reference_all(toks: &[u32], mut last: impl FnMut(&[u32]) -> Vec<f32>) -> Vec<Vec<f32>> {
+    (1..=toks.len()).map(|n| last(&toks[..n])).collect()
+}
+
+fn input(toks: &[u32]) -> Tensor {
+    Tensor::new(toks, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+}
+
+/// Last-position logits out of whatever shape a reference returns.
+fn last_row(t: Tensor) -> Vec<f32> {
+    let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let vocab = *t.dims().last().unwrap();
+    v[v.len() - vocab..].to_vec()
+}
+
+/// Top-1 agreement at every position and the largest logit difference
+/// under `tol`.
+fn assert_agree(what: &str, got: &[Vec<f32>], want: &[Vec<f32>], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: positions");
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i)
+            .unwrap()
+    };
+    let mut worst = 0f32;
+    for (p, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: vocabulary at position {p}");
+        assert_eq!(
+            argmax(g),
+            argmax(w),
+            "{what}: top-1 differs at position {p}"
+        );
+        worst = worst.max(max_abs_diff(g, w));
+    }
+    assert!(worst < tol, "{what}: max |dlogit| {worst} (bound {tol})");
+}
+
+fn varbuilder(dir: &Path) -> candle_nn::VarBuilder<'static> {
+    let files = vec![dir.join("model.safetensors")];
+    // SAFETY: test-only reference loader over a file this test just wrote
+    // and does not change while mapped.
+    unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }
+        .unwrap()
+}
+
+/// Writes `a` both ways; returns (dir, safetensors dir, gguf path).
+fn write_both(a: &Arch, tag: &str) -> (TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let dir = TempDir::new(tag);
+    let w = hf_weights(a, 7);
+    let st = dir.0.join("st");
+    write_safetensors(&st, a, &w, &hf_config(a));
+    let gguf = dir.0.join("model.gguf");
+    write_gguf(&gguf, a, &w, GgmlDType::F32, Vec::new());
+    (dir, st, gguf)
+}
+
+/// Ours from safetensors and from GGUF against `reference`, and the two
+/// loads against each other.
+fn check_arch(
+    a: &Arch,
+    tag: &str,
+    n: usize,
+    reference: impl Fn(&Path, &Path, &[u32]) -> Vec<Vec<f32>>,
+) {
+    let (_dir, st, gguf) = write_both(a, tag);
+    let toks = tokens(a, n);
+    let from_st = ours_all(&mut load_model(&st, 2).unwrap(), &toks);
+    let from_gguf = ours_all(&mut load_model(&gguf, 2).unwrap(), &toks);
+    let want = reference(&st, &gguf, &toks);
+    assert_agree(
+        &format!("{tag} safetensors vs candle"),
+        &from_st,
+        &want,
+        2e-3,
+    );
+    assert_agree(&format!("{tag} GGUF vs candle"), &from_gguf, &want, 2e-3);
+    assert_agree(
+        &format!("{tag} GGUF vs safetensors"),
+        &from_gguf,
+        &from_st,
+        2e-3,
+    );
+}
+
+#[test]
+fn llama3_rope_scaling_matches_candle_llama() {
+    // 40 positions: past the 32-position original context.
+    check_arch(&LLAMA3, "llama3", 40, |st, _, toks| {
+        let cfg: candle_transformers::models::llama::LlamaConfig =
+            serde_json::from_str(&std::fs::read_to_string(st.join("config.json")).unwrap())
+                .unwrap();
+        let cfg = cfg.into_config(false);
+        let model = candle_transformers::models::llama::Llama::load(varbuilder(st), &cfg).unwrap();
+        reference_all(toks, |p| {
+            let mut cache = candle_transformers::models::llama::Cache::new(
+                true,
+                DType::F32,
+                &cfg,
+                &Device::Cpu,
+            )
+            .unwrap();
+            last_row(model.forward(&input(p), 0, &mut cache).unwrap())
+        })
+    });
+}
+
+/// Without its scaling the same checkpoint gives other logits: the test
+/// above can fail.
+#[test]
+fn llama3_rope_scaling_changes_the_logits() {
+    let a = LLAMA3;
+    let dir = TempDir::new("llama3-off");
+    let w = hf_weights(&a, 7);
+    let mut cfg = hf_config(&a);
+    write_safetensors(&dir.0.join("on"), &a, &w, &cfg);
+    cfg.as_object_mut().unwrap().remove("rope_scaling");
+    write_safetensors(&dir.0.join("off"), &a, &w, &cfg);
+    let toks = tokens(&a, 40);
+    let on = ours_all(&mut load_model(&dir.0.join("on"), 1).unwrap(), &toks);
+    let off = ours_all(&mut load_model(&dir.0.join("off"), 1).unwrap(), &toks);
+    let d = on
+        .iter()
+        .zip(&off)
+        .map(|(x, y)| max_abs_diff(x, y))
+        .fold(0f32, f32::max);
+    assert!(d > 0.05, "scaling changed the logits by only {d}");
+}
+
+#[test]
+fn linear_rope_scaling_gguf_and_safetensors_agree() {
+    let a = Arch {
+        name: "qwen3",
+        ..QWEN3
+    };
+    let dir = TempDir::new("linear");
+    let w = hf_weights(&a, 3);
+    let mut cfg = hf_config(&a);
+    cfg.as_object_mut().unwrap().insert(
+        "rope_scaling".into(),
+        serde_json::json!({"rope_type": "linear", "factor": 4.0}),
+    );
+    write_safetensors(&dir.0.join("st"), &a, &w, &cfg);
+    let gguf = dir.0.join("m.gguf");
+    write_gguf(
+        &gguf,
+        &a,
+        &w,
+        GgmlDType::F32,
+        vec![
+            (
+                "qwen3.rope.scaling.type".into(),
+                Value::String("linear".into()),
+            ),
+            ("qwen3.rope.scaling.factor".into(), Value::F32(4.0)),
+        ],
+    );
+    let toks = tokens(&a, 24);
+    let st = ours_all(&mut load_model(&dir.0.join("st"), 1).unwrap(), &toks);
+    let gg = ours_all(&mut load_model(&gguf, 1).unwrap(), &toks);
+    assert_agree("linear scaling GGUF vs safetensors", &gg, &st, 2e-3);
+    // And the scaling is applied: unscaled logits differ.
+    let plain = dir.0.join("plain.gguf");
+    write_gguf(&plain, &a, &w, GgmlDType::F32, Vec::new());
+    let pl = ours_all(&mut load_model(&plain, 1).unwrap(), &toks);
+    let d = pl
+        .iter()
+        .zip(&gg)
+        .map(|(x, y)| max_abs_diff(x, y))
+        .fold(0f32, f32::max);
+    assert!(d > 0.05, "linear scaling changed the logits by only {d}");
+}
+
+#[test]
+fn qwen3_matches_candle_qwen3_and_quantized_qwen3() {
+    check_arch(&QWEN3, "qwen3", 24, |st, gguf, toks| {
+        let cfg: candle_transformers::models::qwen3::Config =
+            serde_json::from_str(&std::fs::read_to_string(st.join("config.json")).unwrap())
+                .unwrap();
+        let mut m = candle_transformers::models::qwen3::ModelForCausalLM::new(&cfg, varbuilder(st))
+            .unwrap();
+        let want = reference_all(toks, |p| {
+            m.clear_kv_cache();
+            last_row(m.forward(&input(p), 0).unwrap())
+        });
+        // candle's GGUF Qwen3 on our GGUF file agrees with its safetensors one.
+        let mut f = std::fs::File::open(gguf).unwrap();
+        let ct = gguf_file::Content::read(&mut f).unwrap();
+        let mut q = candle_transformers::models::quantized_qwen3::ModelWeights::from_gguf(
+            ct,
+            &mut f,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let from_q = reference_all(toks, |p| {
+            q.clear_kv_cache();
+            last_row(q.forward(&input(p), 0).unwrap())
+        });
+        assert_agree("candle quantized_qwen3 vs qwen3", &from_q, &want, 1e-2);
+        want
+    });
+}
+
+#[test]
+fn gemma3_matches_candle_gemma3() {
+    // 20 positions over a 6-position window: the local layers forget.
+    check_arch(&GEMMA3, "gemma3", 20, |st, _, toks| {
+        let mut cfg = hf_config(&GEMMA3);
+        // candle's mask lets a token see `sliding_window` earlier positions
+        // (window + 1 in all); Hugging Face's and llama.cpp's, which specd
+        // follows, `sliding_window - 1`.
+        cfg["sliding_window"] = serde_json::json!(GEMMA3.window.unwrap() - 1);
+        let cfg: candle_transformers::models::gemma3::Config = serde_json::from_value(cfg).unwrap();
+        let mut m =
+            candle_transformers::models::gemma3::Model::new(false, &cfg, varbuilder(st)).unwrap();
+        reference_all(toks, |p| {
+            m.clear_kv_cache();
+            last_row(m.forward(&input(p), 0).unwrap())
+        })
+    });
+}
+
+/// The window matters: the same checkpoint with global attention in every
+/// layer gives other logits past the window.
+#[test]
+fn gemma3_window_changes_logits_only_past_the_window() {
+    let a = GEMMA3;
+    let dir = TempDir::new("gemma3-global");
+    let w = hf_weights(&a, 7);
+    let cfg = hf_config(&a);
+    write_safetensors(&dir.0.join("win"), &a, &w, &cfg);
+    let mut global = cfg.clone();
+    global["sliding_window"] = serde_json::json!(a.max_seq * 4);
+    write_safetensors(&dir.0.join("global"), &a, &w, &global);
+    let toks = tokens(&a, 16);
+    let win = ours_all(&mut load_model(&dir.0.join("win"), 1).unwrap(), &toks);
+    let glob = ours_all(&mut load_model(&dir.0.join("global"), 1).unwrap(), &toks);
+    let window = a.window.unwrap();
+    for p in 0..toks.len() {
+        let d = max_abs_diff(&win[p], &glob[p]);
+        if p < window {
+            assert_eq!(d, 0.0, "position {p} is inside the window");
+        } else {
+            assert!(
+                d > 1e-3,
+                "position {p} is past the window but unchanged ({d})"
+            );
+        }
+    }
+}
+
+fn candle_phi3(st: &Path, toks: &[u32]) -> Vec<Vec<f32>> {
+    let cfg: candle_transformers::models::phi3::Config =
+        serde_json::from_str(&std::fs::read_to_string(st.join("config.json")).unwrap()).unwrap();
+    let mut m = candle_transformers::models::phi3::Model::new(&cfg, varbuilder(st)).unwrap();
+    reference_all(toks, |p| {
+        m.clear_kv_cache();
+        last_row(m.forward(&input(p), 0).unwrap())
+    })
+}
+
+/// Partial rotary (half of each head): candle's Phi-3 decoder.
+#[test]
+fn phi3_partial_rotary_matches_candle_phi3() {
+    check_arch(&PHI3, "phi3", 24, |st, _, toks| candle_phi3(st, toks));
+}
+
+/// Full rotary: candle's Phi-3 decoder, and its GGUF Phi-3 (which has no
+/// partial rotary) on our GGUF file.
+#[test]
+fn phi3_matches_candle_phi3_and_quantized_phi3() {
+    let full = Arch {
+        rotary: PHI3.head_dim,
+        ..PHI3
+    };
+    check_arch(&full, "phi3-full", 24, |st, gguf, toks| {
+        let want = candle_phi3(st, toks);
+        let from_q = reference_all(toks, |p| {
+            let mut f = std::fs::File::open(gguf).unwrap();
+            let ct = gguf_file::Content::read(&mut f).unwrap();
+            let mut q = candle_transformers::models::quantized_phi3::ModelWeights::from_gguf(
+                false,
+                ct,
+                &mut f,
+                &Device::Cpu,
+            )
+            .unwrap();
+            last_row(q.forward(&input(p), 0).unwrap())
+        });
+        assert_agree("candle quantized_phi3 vs phi3", &from_q, &want, 1e-2);
+        want
+    });
+}
+
+/// Quantized GGUF files of the new architectures run on the integer
+/// kernels and stay near their F32 twins.
+#[test]
+fn quantized_files_of_every_architecture_stay_near_f32() {
+    for a in [LLAMA3, QWEN3, GEMMA3, PHI3] {
+        let dir = TempDir::new(&format!("q-{}", a.name));
+        let w = hf_weights(&a, 11);
+        let toks = tokens(&a, 20);
+        let f32p = dir.0.join("f32.gguf");
+        write_gguf(&f32p, &a, &w, GgmlDType::F32, Vec::new());
+        let want = ours_all(&mut load_model(&f32p, 1).unwrap(), &toks);
+        let q8 = dir.0.join("q8.gguf");
+        write_gguf(&q8, &a, &w, GgmlDType::Q8_0, Vec::new());
+        let got = ours_all(&mut load_model(&q8, 1).unwrap(), &toks);
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(x, y)| max_abs_diff(x, y))
+            .fold(0f32, f32::max);
+        assert!(d < 0.3, "{}: Q8_0 vs F32 max |dlogit| {d}", a.name);
+    }
+}
+
+// ---------------------------------------------------------------- exactness
+
+/// A Gemma-style model whose windows span several attention ranges
+/// (128 slots each): 300 positions, a 40-position window.
+const GEMMA3_LONG: Arch = Arch {
+    window: Some(40),
+    max_seq: 512,
+    ..GEMMA3
+};
+
+fn long_gemma(tag: &str) -> (TempDir, Model) {
+    let dir = TempDir::new(tag);
+    let w = hf_weights(&GEMMA3_LONG, 5);
+    let p = dir.0.join("m.gguf");
+    write_gguf(&p, &GEMMA3_LONG, &w, GgmlDType::Q8_0, Vec::new());
+    let m = load_model(&p, 2).unwrap();
+    (dir, m)
+}
+
+/// Decoding token by token, prefilling in chunks, and batching with
+/// another sequence give a windowed model's logits bit for bit.
+#[test]
+fn sliding_window_logits_do_not_depend_on_batch_or_chunking() {
+    let (_d, m) = long_gemma("win-batch");
+    let toks = tokens(&GEMMA3_LONG, 300);
+    let mut c = m.new_cache();
+    let all = m.forward_one(&mut c, &toks, Logits::All).unwrap();
+    // Chunks of 7, with another sequence in the same forward.
+    let mut c1 = m.new_cache();
+    let mut c2 = m.new_cache();
+    let other = tokens(&GEMMA3_LONG, 301);
+    let mut got: Vec<Vec<f32>> = Vec::new();
+    for (i, chunk) in toks.chunks(7).enumerate() {
+        let o = &other[i * 3..i * 3 + 3];
+        let out = m
+            .forward(
+                &mut [
+                    ForwardInput {
+                        cache: &mut c2,
+                        tokens: o,
+                        logits: Logits::Last,
+                        tree: None,
+                    },
+                    ForwardInput {
+                        cache: &mut c1,
+                        tokens: chunk,
+                        logits: Logits::All,
+                        tree: None,
+                    },
+                ],
+                &[],
+            )
+            .unwrap();
+        got.extend((0..out[1].rows).map(|r| out[1].row(r).to_vec()));
+    }
+    for (p, g) in got.iter().enumerate() {
+        assert_eq!(g.as_slice(), all.row(p), "position {p}");
+    }
+    // One at a time from position 250.
+    let mut c3 = m.new_cache();
+    m.forward_one(&mut c3, &toks[..250], Logits::None).unwrap();
+    for (p, &t) in toks.iter().enumerate().skip(250) {
+        let o = m.forward_one(&mut c3, &[t], Logits::Last).unwrap();
+        assert_eq!(o.row(0), all.row(p), "decode at {p}");
+    }
+}
+
+/// Rolling back past a window's edge and decoding again gives what a
+/// fresh cache gives; a tree's branches equal their chains.
+#[test]
+fn sliding_window_rollback_and_trees_are_exact() {
+    let (_d, m) = long_gemma("win-tree");
+    let toks = tokens(&GEMMA3_LONG, 260);
+    let mut c = m.new_cache();
+    m.forward_one(&mut c, &toks[..250], Logits::None).unwrap();
+    m.forward_one(&mut c, &[1, 2, 3, 4, 5], Logits::All)
+        .unwrap();
+    c.truncate(250).unwrap();
+    let after = m.forward_one(&mut c, &toks[250..], Logits::All).unwrap();
+    let mut fresh = m.new_cache();
+    let want = m.forward_one(&mut fresh, &toks, Logits::All).unwrap();
+    for r in 0..after.rows {
+        assert_eq!(after.row(r), want.row(250 + r), "row {r} after rollback");
+    }
+    // A tree of two branches, [a, b] and [c, d], after 250 tokens.
+    let tree = TreeMask {
+        parents: vec![None, Some(0), None, Some(2)],
+    };
+    let nodes = [7u32, 8, 9, 10];
+    let mut ct = m.new_cache();
+    m.forward_one(&mut ct, &toks[..250], Logits::None).unwrap();
+    let out = m
+        .forward(
+            &mut [ForwardInput {
+                cache: &mut ct,
+                tokens: &nodes,
+                logits: Logits::All,
+                tree: Some(&tree),
+            }],
+            &[],
+        )
+        .unwrap()
+        .remove(0);
+    for (branch, rows) in [([7u32, 8], [0usize, 1]), ([9, 10], [2, 3])] {
+        let mut cc = m.new_cache();
+        m.forward_one(&mut cc, &toks[..250], Logits::None).unwrap();
+        let chain = m.forward_one(&mut cc, &branch, Logits::All).unwrap();
+        for (i, &r) in rows.iter().enumerate() {
+            assert_eq!(out.row(r), chain.row(i), "tree node {r} vs its chain");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- errors
+
+#[test]
+fn loader_errors_name_the_file_the_tensor_and_the_shape() {
+    let dir = TempDir::new("models-errors");
+    let w = hf_weights(&QWEN3, 1);
+    // A missing q-norm tensor.
+    let p = dir.0.join("no-qnorm.gguf");
+    let without: Named = w
+        .iter()
+        .filter(|(n, _, _)| n != "model.layers.1.self_attn.q_norm.weight")
+        .cloned()
+        .collect();
+    write_gguf(&p, &QWEN3, &without, GgmlDType::F32, Vec::new());
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("no-qnorm.gguf") && err.contains("blk.1.attn_q_norm.weight"),
+        "{err}"
+    );
+    // A wrong shape: k_norm of the wrong width.
+    let p = dir.0.join("bad-shape.gguf");
+    let mut bad = w.clone();
+    for (n, sh, d) in bad.iter_mut() {
+        if n == "model.layers.0.self_attn.k_norm.weight" {
+            *sh = vec![8];
+            d.truncate(8);
+        }
+    }
+    write_gguf(&p, &QWEN3, &bad, GgmlDType::F32, Vec::new());
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("bad-shape.gguf")
+            && err.contains("blk.0.attn_k_norm.weight")
+            && err.contains("expected 32"),
+        "{err}"
+    );
+    // Safetensors: a q_proj of the wrong shape names the HF tensor.
+    let st = dir.0.join("st");
+    let mut bad = w.clone();
+    for (n, sh, d) in bad.iter_mut() {
+        if n == "model.layers.1.self_attn.q_proj.weight" {
+            *sh = vec![64, 64];
+            d.truncate(64 * 64);
+        }
+    }
+    write_safetensors(&st, &QWEN3, &bad, &hf_config(&QWEN3));
+    let err = load_model(&st, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("model.layers.1.self_attn.q_proj.weight") && err.contains("expected 128x64"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unsupported_architectures_and_options_are_refused_by_name() {
+    let dir = TempDir::new("models-refuse");
+    let w = hf_weights(&LLAMA3, 1);
+    // An architecture specd does not run: named, with the list.
+    let p = dir.0.join("falcon.gguf");
+    let a = Arch {
+        name: "falcon",
+        ..LLAMA3
+    };
+    write_gguf(&p, &a, &w, GgmlDType::F32, Vec::new());
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    for want in [
+        "falcon.gguf",
+        "'falcon'",
+        "llama",
+        "qwen3",
+        "gemma3",
+        "phi3",
+    ] {
+        assert!(err.contains(want), "{err} lacks {want}");
+    }
+    // Mixture of experts under a supported name.
+    let p = dir.0.join("moe.gguf");
+    write_gguf(
+        &p,
+        &LLAMA3,
+        &w,
+        GgmlDType::F32,
+        vec![("llama.expert_count".into(), Value::U32(8))],
+    );
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(err.contains("llama.expert_count"), "{err}");
+    // An unknown rope scaling type, in either format.
+    let p = dir.0.join("yarn.gguf");
+    let nofreqs: Named = w.clone();
+    write_gguf(
+        &p,
+        &Arch {
+            name: "qwen3",
+            ..QWEN3
+        },
+        &hf_weights(&QWEN3, 1),
+        GgmlDType::F32,
+        vec![(
+            "qwen3.rope.scaling.type".into(),
+            Value::String("yarn".into()),
+        )],
+    );
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("qwen3.rope.scaling.type") && err.contains("yarn"),
+        "{err}"
+    );
+    let st = dir.0.join("st");
+    let mut cfg = hf_config(&LLAMA3);
+    cfg["rope_scaling"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0});
+    write_safetensors(&st, &LLAMA3, &nofreqs, &cfg);
+    let err = load_model(&st, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("rope_scaling") && err.contains("dynamic"),
+        "{err}"
+    );
+    // An unknown Hugging Face model type.
+    let mut cfg = hf_config(&LLAMA3);
+    cfg["model_type"] = serde_json::json!("mamba");
+    write_safetensors(&st, &LLAMA3, &nofreqs, &cfg);
+    let err = load_model(&st, 1).unwrap_err().to_string();
+    assert!(err.contains("'mamba'") && err.contains("gemma3"), "{err}");
+}
+
+// ---------------------------------------------------------------- templates
+
+/// A template in the style of Qwen3's: a namespace updated in a reversed
+/// loop, Python string methods (`startswith`, `endswith`, `split`,
+/// `lstrip`, `rstrip`, `strip`), `tojson`, `is string`, `is defined`.
+const QWEN3_STYLE: &str = r#"{%- set ns = namespace(last_user=messages|length - 1) %}
+{%- for m in messages[::-1] %}{%- set i = (messages|length - 1) - loop.index0 %}
+{%- if m.role == "user" and m.content is string and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>')) and ns.last_user == messages|length - 1 %}{%- set ns.last_user = i %}{%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == "assistant" and '</think>' in m.content %}
+{%- set reasoning = m.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + m.content.split('</think>')[-1].lstrip('\n') + '<|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}
+{%- endfor %}
+{%- if tools is defined and tools %}{{- tools[0] | tojson }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"#;
+
+/// A template in the style of Gemma 3's: `bos_token`, a system turn
+/// folded into the first user turn, roles that must alternate
+/// (`raise_exception`), `assistant` renamed `model`, `trim`.
+const GEMMA3_STYLE: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}{%- set first = messages[0]['content'] + '\n\n' -%}{%- set rest = messages[1:] -%}
+{%- else -%}{%- set first = "" -%}{%- set rest = messages -%}{%- endif -%}
+{%- for message in rest -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}{%- endif -%}
+{%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+{{ '<start_of_turn>' + role + '\n' + (first if loop.first else "") }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"#;
+
+#[test]
+fn chat_templates_in_the_styles_of_qwen3_and_gemma3_render() {
+    use specd::tokenizer::{ChatMessage, Tokenizer};
+    let dir = TempDir::new("templates");
+    let p = dir.0.join("t.gguf");
+    write_gguf(
+        &p,
+        &QWEN3,
+        &hf_weights(&QWEN3, 1),
+        GgmlDType::F32,
+        Vec::new(),
+    );
+    let base = Tokenizer::for_model(&p).unwrap();
+    let msg = |role: &str, content: &str| ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    };
+    let qwen = base.clone().with_chat_template(QWEN3_STYLE);
+    let out = qwen
+        .apply_chat_template(
+            &[
+                msg("user", "Hi"),
+                msg("assistant", "<think>\nhmm\n</think>\n\nHello!"),
+                msg("user", "Bye"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm\n</think>\n\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let gemma = base.with_chat_template(GEMMA3_STYLE);
+    let out = gemma
+        .apply_chat_template(
+            &[
+                msg("system", "Be brief."),
+                msg("user", " Hi "),
+                msg("assistant", "Hello"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        out,
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>model\n"
+    );
+    // Roles that do not alternate: the template's own error, as the
+    // request's fault.
+    let err = gemma
+        .apply_chat_template(&[msg("user", "a"), msg("user", "b")], true)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("roles must alternate"), "{err}");
+}
