@@ -376,3 +376,36 @@ fn gemma3_270m_sampled_ngram_keeps_the_distribution() {
         "the lossy control passed: {bad}"
     );
 }
+
+/// The shipped trained proposers (trained on SmolLM2) refuse Gemma 3 at
+/// load, naming the mismatch; ngram and suffix load.
+#[test]
+fn gemma3_270m_refuses_heads_trained_for_another_target() {
+    let (model, tok) = gemma();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (config, want) in [
+        (
+            "configs/eagle.toml",
+            "hidden_size 576 does not match the target's 640",
+        ),
+        (
+            "configs/medusa.toml",
+            "hidden_size 576 does not match the target's 640",
+        ),
+        (
+            "configs/mtp.toml",
+            "vocab_size 49152 does not match the target's 262144",
+        ),
+        ("configs/draft.toml", "vocabulary mismatch"),
+    ] {
+        let cfg = Config::load(&root.join(config)).unwrap();
+        let err = match cfg.build_drafter(&model, Some(tok.clone())) {
+            Ok(_) => panic!("{config}: a SmolLM2 head loaded on Gemma 3"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(want), "{config}: {err}");
+    }
+    assert!(Config::builtin()
+        .build_drafter(&model, Some(tok.clone()))
+        .is_ok());
+}

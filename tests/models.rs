@@ -979,7 +979,7 @@ fn unsupported_architectures_and_options_are_refused_by_name() {
     let err = load_model(&p, 1).unwrap_err().to_string();
     assert!(err.contains("llama.expert_count"), "{err}");
     // An unknown rope scaling type, in either format.
-    let p = dir.0.join("yarn.gguf");
+    let p = dir.0.join("longrope.gguf");
     let nofreqs: Named = w.clone();
     write_gguf(
         &p,
@@ -991,12 +991,12 @@ fn unsupported_architectures_and_options_are_refused_by_name() {
         GgmlDType::F32,
         vec![(
             "qwen3.rope.scaling.type".into(),
-            Value::String("yarn".into()),
+            Value::String("longrope".into()),
         )],
     );
     let err = load_model(&p, 1).unwrap_err().to_string();
     assert!(
-        err.contains("qwen3.rope.scaling.type") && err.contains("yarn"),
+        err.contains("qwen3.rope.scaling.type") && err.contains("longrope"),
         "{err}"
     );
     let st = dir.0.join("st");
@@ -1102,4 +1102,102 @@ fn chat_templates_in_the_styles_of_qwen3_and_gemma3_render() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("roles must alternate"), "{err}");
+}
+
+// ---------------------------------------------------------------- yarn
+
+/// Hugging Face's `_compute_yarn_parameters`, transcribed in f64: the
+/// inverse frequencies and the attention factor.
+fn hf_yarn(dim: usize, base: f64, factor: f64, orig: f64) -> (Vec<f64>, f64) {
+    let corr = |rot: f64| {
+        dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+    };
+    let low = corr(32.0).floor().max(0.0);
+    let mut high = corr(1.0).ceil().min(dim as f64 - 1.0);
+    if high == low {
+        high += 0.001;
+    }
+    let inv: Vec<f64> = (0..dim / 2)
+        .map(|i| {
+            let pos_freq = base.powf((2 * i) as f64 / dim as f64);
+            let (extra, inter) = (1.0 / pos_freq, 1.0 / (factor * pos_freq));
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let extrapolation = 1.0 - ramp;
+            inter * (1.0 - extrapolation) + extra * extrapolation
+        })
+        .collect();
+    (inv, 0.1 * factor.ln() + 1.0)
+}
+
+/// YaRN from either format: the rotary tables are Hugging Face's, the two
+/// formats agree, and the scaling changes the logits.
+#[test]
+fn yarn_rope_scaling_follows_hugging_face_in_both_formats() {
+    let a = Arch {
+        head_dim: 64,
+        rotary: 64,
+        max_seq: 512,
+        ..QWEN3
+    };
+    let dir = TempDir::new("yarn");
+    let w = hf_weights(&a, 4);
+    let mut cfg = hf_config(&a);
+    cfg["rope_scaling"] = serde_json::json!({
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128
+    });
+    write_safetensors(&dir.0.join("st"), &a, &w, &cfg);
+    let gguf = dir.0.join("m.gguf");
+    write_gguf(
+        &gguf,
+        &a,
+        &w,
+        GgmlDType::F32,
+        vec![
+            (
+                "qwen3.rope.scaling.type".into(),
+                Value::String("yarn".into()),
+            ),
+            ("qwen3.rope.scaling.factor".into(), Value::F32(4.0)),
+            (
+                "qwen3.rope.scaling.original_context_length".into(),
+                Value::U32(128),
+            ),
+        ],
+    );
+    let mut st = load_model(&dir.0.join("st"), 1).unwrap();
+    let mut gg = load_model(&gguf, 1).unwrap();
+    let (inv, attn) = hf_yarn(a.rotary, 1_000_000.0, 4.0, 128.0);
+    for m in [&st, &gg] {
+        for pos in [0usize, 1, 37, 300, 511] {
+            let (cos, sin) = m.rope_at(0, pos);
+            for (i, f) in inv.iter().enumerate() {
+                let ang = pos as f64 * f;
+                assert!(
+                    (cos[i] as f64 - ang.cos() * attn).abs() < 1e-3,
+                    "cos at {pos}, {i}"
+                );
+                assert!(
+                    (sin[i] as f64 - ang.sin() * attn).abs() < 1e-3,
+                    "sin at {pos}, {i}"
+                );
+            }
+        }
+    }
+    // The ramp (pairs 0 to 7 here) reaches both ends: the fastest
+    // frequency kept, the slowest divided by the factor.
+    assert!((inv[0] - 1.0).abs() < 1e-12);
+    assert!((inv[31] * 4.0 - 1.0 / 1_000_000f64.powf(62.0 / 64.0)).abs() < 1e-12);
+    let toks = tokens(&a, 24);
+    let s = ours_all(&mut st, &toks);
+    let g = ours_all(&mut gg, &toks);
+    assert_agree("yarn GGUF vs safetensors", &g, &s, 2e-3);
+    let none = dir.0.join("none.gguf");
+    write_gguf(&none, &a, &w, GgmlDType::F32, Vec::new());
+    let n = ours_all(&mut load_model(&none, 1).unwrap(), &toks);
+    let d = n
+        .iter()
+        .zip(&g)
+        .map(|(x, y)| max_abs_diff(x, y))
+        .fold(0f32, f32::max);
+    assert!(d > 0.05, "yarn changed the logits by only {d}");
 }

@@ -550,6 +550,17 @@ impl Model {
         Ok(outputs)
     }
 
+    /// The rotary cos and sin layer `layer` applies at position `pos`
+    /// (`rotary_dim / 2` each, YaRN's attention factor included).
+    pub fn rope_at(&self, layer: usize, pos: usize) -> (&[f32], &[f32]) {
+        let t = &self.ropes[self.layer_rope[layer]];
+        let h = t.half;
+        (
+            &t.cos[pos * h..(pos + 1) * h],
+            &t.sin[pos * h..(pos + 1) * h],
+        )
+    }
+
     /// The output head over `rows` final-normed hidden rows (`rows x vocab`).
     pub fn lm_head(&self, hidden: &[f32], rows: usize) -> Vec<f32> {
         let head = self.weights.output.as_ref().unwrap_or(&self.weights.embed);
@@ -580,7 +591,7 @@ impl RopeTable {
             .map(|i| 1f32 / theta.powf((2 * i) as f32 / rot as f32))
             .collect();
         match scaling {
-            RopeScaling::None => {}
+            RopeScaling::None | RopeScaling::Yarn { .. } => {}
             RopeScaling::Linear { factor } => {
                 for f in &mut freqs {
                     *f /= factor;
@@ -620,14 +631,45 @@ impl RopeTable {
                 }
             }
         }
+        let mut mscale = 1f32;
+        if let RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+        } = scaling
+        {
+            // The dimension pair that turns `rotations` times over the
+            // original context, then a linear ramp between those of
+            // `beta_fast` and `beta_slow` (floored and ceiled, clamped).
+            let orig = *original_max_position as f32;
+            let corr = |rotations: f32| {
+                rot as f32 * (orig / (rotations * 2.0 * std::f32::consts::PI)).ln()
+                    / (2.0 * theta.ln())
+            };
+            let low = corr(*beta_fast).floor().max(0.0);
+            let high = corr(*beta_slow).ceil().min(rot as f32 - 1.0);
+            let high = if high == low { high + 0.001 } else { high };
+            for (i, f) in freqs.iter_mut().enumerate() {
+                let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                let extrapolate = 1.0 - ramp;
+                *f = *f / factor * (1.0 - extrapolate) + *f * extrapolate;
+            }
+            mscale = attention_factor.unwrap_or(if *factor > 1.0 {
+                0.1 * factor.ln() + 1.0
+            } else {
+                1.0
+            });
+        }
         let n = c.max_seq_len;
         let mut cos = Vec::with_capacity(n * half);
         let mut sin = Vec::with_capacity(n * half);
         for p in 0..n {
             for &t in &freqs {
                 let a = p as f32 * t;
-                cos.push(a.cos());
-                sin.push(a.sin());
+                cos.push(a.cos() * mscale);
+                sin.push(a.sin() * mscale);
             }
         }
         Ok(Self { half, cos, sin })

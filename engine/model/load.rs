@@ -164,10 +164,34 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
                 Some(f) if f > 0.0 => RopeScaling::Linear { factor: f },
                 _ => return refuse(&key("rope.scaling.factor"), "linear scaling needs a factor"),
             },
+            Some("yarn") => {
+                if md_f32(md, &key("rope.scaling.yarn_log_multiplier")).is_some_and(|m| m != 0.0) {
+                    return refuse(
+                        &key("rope.scaling.yarn_log_multiplier"),
+                        "DeepSeek's YaRN attention scaling is not supported",
+                    );
+                }
+                RopeScaling::Yarn {
+                    factor: match factor {
+                        Some(f) if f > 0.0 => f,
+                        _ => return refuse(&key("rope.scaling.factor"), "yarn scaling needs a factor"),
+                    },
+                    original_max_position: md_u32(md, &key("rope.scaling.original_context_length"))
+                        .ok_or_else(|| {
+                            SpecdError::bad_model(
+                                path,
+                                format!("GGUF metadata lacks {} (yarn scaling)", key("rope.scaling.original_context_length")),
+                            )
+                        })? as usize,
+                    beta_fast: md_f32(md, &key("rope.scaling.yarn_beta_fast")).unwrap_or(32.0),
+                    beta_slow: md_f32(md, &key("rope.scaling.yarn_beta_slow")).unwrap_or(1.0),
+                    attention_factor: md_f32(md, &key("rope.scaling.attn_factor")),
+                }
+            }
             Some(other) => {
                 return refuse(
                     &key("rope.scaling.type"),
-                    &format!("rope scaling '{other}' is not supported (supported: none, linear, llama3 factors)"),
+                    &format!("rope scaling '{other}' is not supported (supported: none, linear, yarn, llama3 factors)"),
                 )
             }
         }
@@ -740,6 +764,24 @@ fn hf_options(path: &Path, hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
             "linear" => RopeScaling::Linear {
                 factor: need("factor")?,
             },
+            "yarn" => {
+                let factor = need("factor")?;
+                // DeepSeek's form: a ratio of two mscales.
+                let mscale = |m: f32| 0.1 * m * factor.ln() + 1.0;
+                let attention_factor =
+                    num("attention_factor").or(match (num("mscale"), num("mscale_all_dim")) {
+                        (Some(a), Some(b)) if a != 0.0 && b != 0.0 => Some(mscale(a) / mscale(b)),
+                        _ => None,
+                    });
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position: num("original_max_position_embeddings")
+                        .map_or(c.max_seq_len, |v| v as usize),
+                    beta_fast: num("beta_fast").unwrap_or(32.0),
+                    beta_slow: num("beta_slow").unwrap_or(1.0),
+                    attention_factor,
+                }
+            }
             "llama3" => RopeScaling::Llama3 {
                 factor: need("factor")?,
                 low_freq_factor: need("low_freq_factor")?,
@@ -749,7 +791,9 @@ fn hf_options(path: &Path, hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
             other => {
                 return refuse(
                     "rope_scaling.rope_type",
-                    format!("'{other}' is not supported (supported: default, linear, llama3)"),
+                    format!(
+                        "'{other}' is not supported (supported: default, linear, llama3, yarn)"
+                    ),
                 )
             }
         };

@@ -59,6 +59,18 @@ pub enum RopeScaling {
     /// Per-frequency divisors as stored (GGUF `rope_freqs.weight`, which
     /// llama.cpp's converter writes for Llama 3.1 scaling).
     Factors(Vec<f32>),
+    /// YaRN (Qwen's long contexts): frequencies blended between
+    /// extrapolation (short wavelengths) and interpolation by `factor`
+    /// (long ones) over a ramp set by `beta_fast` / `beta_slow` rotations in
+    /// the original context, and cos/sin scaled by `attention_factor`
+    /// (default `0.1 ln(factor) + 1`), as Hugging Face and llama.cpp do.
+    Yarn {
+        factor: f32,
+        original_max_position: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        attention_factor: Option<f32>,
+    },
 }
 
 /// The feed-forward gate's nonlinearity.
