@@ -102,6 +102,17 @@ pub fn by_name(name: &str) -> Option<&'static Catalogued> {
     CATALOGUE.iter().copied().find(|c| c.name == name)
 }
 
+/// A `--model` argument put into a config's `[model] path`: an existing
+/// (or any non-catalogued) path made absolute against the working
+/// directory, a catalogued name kept as the name (resolved, and fetched,
+/// when the model is loaded).
+pub fn cli_model_path(arg: &Path) -> Result<PathBuf> {
+    if !arg.exists() && arg.to_str().and_then(by_name).is_some() {
+        return Ok(arg.to_path_buf());
+    }
+    Ok(std::path::absolute(arg)?)
+}
+
 /// A `--model` argument: an existing path as given, else a catalogued
 /// name (fetched on first use), else the path (whose absence the loader
 /// reports).

@@ -409,3 +409,41 @@ fn gemma3_270m_refuses_heads_trained_for_another_target() {
         .build_drafter(&model, Some(tok.clone()))
         .is_ok());
 }
+
+/// `serve` with `[model] path = "gemma3-270m"` (a catalogued name) serves
+/// Gemma under its name, streamed and not, speculating losslessly.
+#[test]
+fn gemma3_270m_serves_completions_by_its_catalogued_name() {
+    gemma_path();
+    let d = common::Daemon::start(
+        "[model]\npath = \"gemma3-270m\"\n[engine]\ndefault_proposer = \"suffix\"\n\
+         [[proposer]]\nname = \"suffix\"\nplugin = \"suffix\"\n",
+        &[],
+    );
+    let body = serde_json::json!({
+        "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+        "max_tokens": 24,
+        "temperature": 0,
+    });
+    let spec = d.post("/v1/completions", &body).json();
+    assert_eq!(spec["model"], "gemma3-270m", "{spec}");
+    let mut plain_body = body.clone();
+    plain_body["speculation"] = serde_json::json!({"proposer": "none"});
+    let plain = d.post("/v1/completions", &plain_body).json();
+    assert_eq!(spec["choices"][0]["text"], plain["choices"][0]["text"]);
+    assert!(
+        spec["usage"]["speculation"]["accepted_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{spec}"
+    );
+    let mut stream_body = body.clone();
+    stream_body["stream"] = serde_json::json!(true);
+    let events = d.post("/v1/completions", &stream_body).sse();
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(serde_json::json!(text), plain["choices"][0]["text"]);
+}

@@ -91,7 +91,7 @@ pub fn run(a: AbArgs) -> Result<()> {
     if let Some(m) = a.model {
         // A path given on the command line is relative to the working
         // directory, not to the config file.
-        cfg.model.path = Some(std::path::absolute(m)?);
+        cfg.model.path = Some(specd::fetch::cli_model_path(&m)?);
     }
     if let Some(t) = a.threads {
         cfg.model.threads = Some(t);

@@ -25,7 +25,8 @@ pub struct ServeArgs {
     pub host: Option<String>,
     #[arg(long)]
     pub port: Option<u16>,
-    /// Override [model] path.
+    /// Override [model] path (a file, a directory or a catalogued name such
+    /// as gemma3-270m); the served model name follows it.
     #[arg(long)]
     pub model: Option<PathBuf>,
     #[arg(long)]
@@ -42,7 +43,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         cfg.server.port = p;
     }
     if let Some(m) = a.model {
-        cfg.model.path = Some(std::path::absolute(m)?);
+        // The served name follows the model given here, not the config's.
+        cfg.model.name = None;
+        cfg.model.path = Some(specd::fetch::cli_model_path(&m)?);
     }
     if let Some(t) = a.threads {
         cfg.model.threads = Some(t);
@@ -131,7 +134,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let tok = Arc::new(Tokenizer::for_model(&model_path)?);
     let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
     let ec = cfg.engine_config(&model);
-    let model_name = cfg.model.name.clone().unwrap_or_else(|| {
+    // Default name: the catalogued name the config gives, else the stem.
+    let catalogued = cfg
+        .model
+        .path
+        .as_ref()
+        .and_then(|p| p.to_str())
+        .and_then(specd::fetch::by_name)
+        .map(|c| c.name.to_string());
+    let model_name = cfg.model.name.clone().or(catalogued).unwrap_or_else(|| {
         model_path
             .file_stem()
             .and_then(|s| s.to_str())
