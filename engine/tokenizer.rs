@@ -168,7 +168,15 @@ impl Tokenizer {
                         ByteLevel::new(false, true, false).into(),
                     ])
                     .into(),
-                    _ => byte_level.into(),
+                    "default" | "gpt2" | "gpt-2" => byte_level.into(),
+                    // Another pre-tokenizer splits text differently: ids
+                    // would silently differ from the model's.
+                    other => {
+                        return Err(SpecdError::Tokenizer(format!(
+                            "{}: tokenizer.ggml.pre '{other}' is not supported (supported: default, gpt2, smollm, starcoder, refact, falcon, llama-bpe, llama3, smaug-bpe, qwen2, deepseek-llm)",
+                            path.display()
+                        )))
+                    }
                 };
                 t.with_pre_tokenizer(Some(pre_tok));
                 t.with_decoder(Some(ByteLevelDecoder::default()));

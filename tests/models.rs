@@ -1008,6 +1008,22 @@ fn unsupported_architectures_and_options_are_refused_by_name() {
         err.contains("rope_scaling") && err.contains("dynamic"),
         "{err}"
     );
+    // A pre-tokenizer specd does not implement (its splits would differ).
+    let p = dir.0.join("tekken.gguf");
+    write_gguf(
+        &p,
+        &LLAMA3,
+        &w,
+        GgmlDType::F32,
+        vec![("tokenizer.ggml.pre".into(), Value::String("tekken".into()))],
+    );
+    let err = specd::tokenizer::Tokenizer::for_model(&p)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tokenizer.ggml.pre") && err.contains("tekken"),
+        "{err}"
+    );
     // An unknown Hugging Face model type.
     let mut cfg = hf_config(&LLAMA3);
     cfg["model_type"] = serde_json::json!("mamba");
@@ -1200,4 +1216,65 @@ fn yarn_rope_scaling_follows_hugging_face_in_both_formats() {
         .map(|(x, y)| max_abs_diff(x, y))
         .fold(0f32, f32::max);
     assert!(d > 0.05, "yarn changed the logits by only {d}");
+}
+
+/// LongRoPE (Phi-3.5 / Phi-4-mini) from either format: the short factors
+/// and Hugging Face's attention factor in every table, the context capped
+/// at the original length, and the two formats agree.
+#[test]
+fn longrope_follows_hugging_face_up_to_the_original_context() {
+    let a = PHI3; // 8 of 16 dimensions rotate: 4 frequencies
+    let short = [1.0f32, 1.3, 2.1, 3.7];
+    let long = [1.0f32, 2.0, 4.0, 8.0];
+    let orig = 64usize;
+    let dir = TempDir::new("longrope");
+    let mut w = hf_weights(&a, 6);
+    let mut cfg = hf_config(&a);
+    cfg["original_max_position_embeddings"] = serde_json::json!(orig);
+    cfg["rope_scaling"] = serde_json::json!({
+        "type": "longrope", "short_factor": short, "long_factor": long
+    });
+    write_safetensors(&dir.0.join("st"), &a, &w, &cfg);
+    w.push(("rope_factors_short.weight".into(), vec![4], short.to_vec()));
+    w.push(("rope_factors_long.weight".into(), vec![4], long.to_vec()));
+    let gguf = dir.0.join("m.gguf");
+    write_gguf(
+        &gguf,
+        &a,
+        &w,
+        GgmlDType::F32,
+        vec![(
+            "phi3.rope.scaling.original_context_length".into(),
+            Value::U32(orig as u32),
+        )],
+    );
+    let mut st = load_model(&dir.0.join("st"), 1).unwrap();
+    let mut gg = load_model(&gguf, 1).unwrap();
+    let scale = (a.max_seq as f64 / orig as f64).ln() / (orig as f64).ln();
+    let attn = (1.0 + scale).sqrt();
+    for m in [&st, &gg] {
+        assert_eq!(
+            m.config.max_seq_len, orig,
+            "the context stops at the original length"
+        );
+        for pos in [0usize, 5, 63] {
+            let (cos, sin) = m.rope_at(1, pos);
+            for (i, f) in short.iter().enumerate() {
+                let inv = 1.0 / (*f as f64 * 10_000f64.powf((2 * i) as f64 / 8.0));
+                let ang = pos as f64 * inv;
+                assert!(
+                    (cos[i] as f64 - ang.cos() * attn).abs() < 1e-4,
+                    "cos {pos} {i}"
+                );
+                assert!(
+                    (sin[i] as f64 - ang.sin() * attn).abs() < 1e-4,
+                    "sin {pos} {i}"
+                );
+            }
+        }
+    }
+    let toks = tokens(&a, 24);
+    let s = ours_all(&mut st, &toks);
+    let g = ours_all(&mut gg, &toks);
+    assert_agree("longrope GGUF vs safetensors", &g, &s, 2e-3);
 }

@@ -597,7 +597,11 @@ impl RopeTable {
                     *f /= factor;
                 }
             }
-            RopeScaling::Factors(div) => {
+            RopeScaling::Factors(div)
+            | RopeScaling::LongRope {
+                factors: div,
+                attention_factor: _,
+            } => {
                 if div.len() != half {
                     return Err(SpecdError::InvalidRequest(format!(
                         "rope frequency factors: {} values for {half} frequencies",
@@ -631,7 +635,12 @@ impl RopeTable {
                 }
             }
         }
-        let mut mscale = 1f32;
+        let mut mscale = match scaling {
+            RopeScaling::LongRope {
+                attention_factor, ..
+            } => *attention_factor,
+            _ => 1f32,
+        };
         if let RopeScaling::Yarn {
             factor,
             original_max_position,

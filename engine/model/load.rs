@@ -57,6 +57,17 @@ fn md_f32(md: &HashMap<String, Value>, key: &str) -> Option<f32> {
     })
 }
 
+/// LongRoPE's default attention factor for a context of `max` positions
+/// over an original one of `orig` (Hugging Face's).
+fn longrope_attention(max: usize, orig: usize) -> f32 {
+    let factor = max as f32 / orig as f32;
+    if factor <= 1.0 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / (orig as f32).ln()).sqrt()
+    }
+}
+
 fn md_str<'a>(md: &'a HashMap<String, Value>, key: &str) -> Option<&'a str> {
     match md.get(key) {
         Some(Value::String(s)) => Some(s.as_str()),
@@ -227,13 +238,17 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
             }
         }
         "phi3" => {
-            if ct.tensor_infos.contains_key("rope_factors_long.weight")
-                || ct.tensor_infos.contains_key("rope_factors_short.weight")
-            {
-                return refuse(
-                    "rope_factors_long.weight",
-                    "LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported; Phi-3 4k variants load",
-                );
+            if ct.tensor_infos.contains_key("rope_factors_short.weight") {
+                // LongRoPE: the short factors (read with the tensors) up
+                // to the original context, which caps the context.
+                let orig = need("rope.scaling.original_context_length")? as usize;
+                let attention_factor = md_f32(md, &key("rope.scaling.attn_factor"))
+                    .unwrap_or_else(|| longrope_attention(c.max_seq_len, orig));
+                c.max_seq_len = c.max_seq_len.min(orig);
+                c.rope_scaling = RopeScaling::LongRope {
+                    factors: Vec::new(),
+                    attention_factor,
+                };
             }
             c.rotary_dim = rope_dims.unwrap_or(head_dim);
             c.sliding_window = md_u32(md, &key("attention.sliding_window"))
@@ -384,13 +399,18 @@ fn load_gguf(path: &Path) -> Result<(ModelConfig, Weights)> {
         ct: &ct,
         file,
     };
-    if let RopeScaling::Factors(f) = &mut config.rope_scaling {
-        *f = r.vector("rope_freqs.weight")?;
+    let factors = match &mut config.rope_scaling {
+        RopeScaling::Factors(f) => Some((f, "rope_freqs.weight")),
+        RopeScaling::LongRope { factors, .. } => Some((factors, "rope_factors_short.weight")),
+        _ => None,
+    };
+    if let Some((f, name)) = factors {
+        *f = r.vector(name)?;
         if f.len() != config.rotary_dim / 2 {
             return Err(SpecdError::bad_model(
                 path,
                 format!(
-                    "tensor rope_freqs.weight: {} values, expected {} (rotary width / 2)",
+                    "tensor {name}: {} values, expected {} (rotary width / 2)",
                     f.len(),
                     config.rotary_dim / 2
                 ),
@@ -651,6 +671,7 @@ struct HfConfig {
     attn_logit_softcapping: Option<f32>,
     hidden_activation: Option<String>,
     hidden_act: Option<String>,
+    original_max_position_embeddings: Option<usize>,
     num_local_experts: Option<usize>,
     num_experts: Option<usize>,
 }
@@ -779,6 +800,44 @@ fn hf_options(path: &Path, hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
                         .map_or(c.max_seq_len, |v| v as usize),
                     beta_fast: num("beta_fast").unwrap_or(32.0),
                     beta_slow: num("beta_slow").unwrap_or(1.0),
+                    attention_factor,
+                }
+            }
+            "longrope" => {
+                let orig = hf
+                    .original_max_position_embeddings
+                    .or(num("original_max_position_embeddings").map(|v| v as usize))
+                    .unwrap_or(c.max_seq_len);
+                let short: Vec<f32> = rs
+                    .get("short_factor")
+                    .and_then(|v| v.as_array())
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|x| x.as_f64())
+                            .map(|x| x as f32)
+                            .collect()
+                    })
+                    .ok_or_else(|| {
+                        SpecdError::bad_model(
+                            path,
+                            "rope_scaling.short_factor: missing for 'longrope'",
+                        )
+                    })?;
+                if short.len() != c.rotary_dim / 2 {
+                    return refuse(
+                        "rope_scaling.short_factor",
+                        format!(
+                            "{} values, expected {} (rotary width / 2)",
+                            short.len(),
+                            c.rotary_dim / 2
+                        ),
+                    );
+                }
+                let attention_factor = num("attention_factor")
+                    .unwrap_or_else(|| longrope_attention(c.max_seq_len, orig));
+                c.max_seq_len = c.max_seq_len.min(orig);
+                RopeScaling::LongRope {
+                    factors: short,
                     attention_factor,
                 }
             }

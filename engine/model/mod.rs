@@ -59,6 +59,14 @@ pub enum RopeScaling {
     /// Per-frequency divisors as stored (GGUF `rope_freqs.weight`, which
     /// llama.cpp's converter writes for Llama 3.1 scaling).
     Factors(Vec<f32>),
+    /// LongRoPE (Phi-3.5, Phi-4-mini): frequencies divided by per-frequency
+    /// factors (the short ones: specd caps the context at the original
+    /// length, where Hugging Face uses them too) and cos/sin scaled by
+    /// `attention_factor`.
+    LongRope {
+        factors: Vec<f32>,
+        attention_factor: f32,
+    },
     /// YaRN (Qwen's long contexts): frequencies blended between
     /// extrapolation (short wavelengths) and interpolation by `factor`
     /// (long ones) over a ramp set by `beta_fast` / `beta_slow` rotations in
