@@ -1278,3 +1278,57 @@ fn longrope_follows_hugging_face_up_to_the_original_context() {
     let g = ours_all(&mut gg, &toks);
     assert_agree("longrope GGUF vs safetensors", &g, &s, 2e-3);
 }
+
+/// A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`:
+/// the text config nested, the language model under `language_model.` or
+/// `model.language_model.`, a vision tower beside it) loads its language
+/// model, equal to the text-only checkpoint.
+#[test]
+fn multimodal_gemma3_checkpoints_load_their_language_model() {
+    let a = GEMMA3;
+    let dir = TempDir::new("gemma3-mm");
+    let w = hf_weights(&a, 7);
+    let text = hf_config(&a);
+    write_safetensors(&dir.0.join("text"), &a, &w, &text);
+    let toks = tokens(&a, 12);
+    let want = ours_all(&mut load_model(&dir.0.join("text"), 1).unwrap(), &toks);
+    for (tag, prefix) in [
+        ("old", "language_model.model."),
+        ("new", "model.language_model."),
+    ] {
+        let mut mm: Named = w
+            .iter()
+            .map(|(n, sh, d)| (n.replacen("model.", prefix, 1), sh.clone(), d.clone()))
+            .collect();
+        mm.push((
+            "vision_tower.patch_embed.weight".into(),
+            vec![4, 4],
+            vec![0.5; 16],
+        ));
+        mm.push((
+            "multi_modal_projector.w.weight".into(),
+            vec![2, 2],
+            vec![0.1; 4],
+        ));
+        let mut text_cfg = text.clone();
+        // Keys the released configs leave to Gemma3TextConfig's defaults.
+        for k in ["rope_local_base_freq", "hidden_activation"] {
+            text_cfg.as_object_mut().unwrap().remove(k);
+        }
+        let cfg = serde_json::json!({
+            "model_type": "gemma3",
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "text_config": text_cfg,
+            "vision_config": {"model_type": "siglip_vision_model"},
+            "eos_token_id": [1, 106],
+        });
+        let d = dir.0.join(tag);
+        write_safetensors(&d, &a, &mm, &cfg);
+        let m = load_model(&d, 1).unwrap();
+        assert_eq!(m.config.arch, "gemma3");
+        let got = ours_all(&mut load_model(&d, 1).unwrap(), &toks);
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g, w, "{tag}: the language model differs");
+        }
+    }
+}

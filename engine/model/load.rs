@@ -694,8 +694,11 @@ fn load_safetensors(dir: &Path) -> Result<(ModelConfig, Weights)> {
     let cfg_path = dir.join("config.json");
     let text =
         std::fs::read_to_string(&cfg_path).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
-    let hf: HfConfig =
+    let raw: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
+    let (raw, multimodal) = text_config(raw);
+    let hf: HfConfig =
+        serde_json::from_value(raw).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
     let arch = hf_arch(&cfg_path, &hf)?;
     let mut files: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -712,9 +715,64 @@ fn load_safetensors(dir: &Path) -> Result<(ModelConfig, Weights)> {
     for f in &files {
         let t = candle_core::safetensors::load(f, &Device::Cpu)
             .map_err(|e| SpecdError::bad_model(f, e))?;
-        tensors.extend(t);
+        if multimodal {
+            // The language model's tensors under their text-only names;
+            // the vision tower and projector are not loaded.
+            tensors.extend(t.into_iter().filter_map(|(name, t)| {
+                let text = name
+                    .strip_prefix("language_model.")
+                    .map(str::to_string)
+                    .or_else(|| {
+                        name.strip_prefix("model.language_model.")
+                            .map(|r| format!("model.{r}"))
+                    })
+                    .or_else(|| (name == "lm_head.weight").then(|| name.clone()))?;
+                Some((text, t))
+            }));
+        } else {
+            tensors.extend(t);
+        }
     }
     safetensors_weights(dir, hf, arch, tensors)
+}
+
+/// The text model's config: a multimodal Gemma 3 checkpoint
+/// (`Gemma3ForConditionalGeneration`, `model_type: "gemma3"`) nests it in
+/// `text_config`, with Hugging Face's `Gemma3TextConfig` defaults for the
+/// keys it leaves out. Returns the config and whether it was nested.
+fn text_config(raw: serde_json::Value) -> (serde_json::Value, bool) {
+    let nested = raw["model_type"] == "gemma3" && raw["text_config"].is_object();
+    let mut cfg = if nested {
+        let mut t = raw["text_config"].clone();
+        // Token ids and the tied head may sit at the top level.
+        for k in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
+            if t.get(k).is_none() && !raw[k].is_null() {
+                t[k] = raw[k].clone();
+            }
+        }
+        t["model_type"] = serde_json::json!("gemma3_text");
+        t
+    } else {
+        raw
+    };
+    if cfg["model_type"] == "gemma3_text" {
+        let defaults = serde_json::json!({
+            "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+            "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+            "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "sliding_window_pattern": 6, "tie_word_embeddings": true,
+            "bos_token_id": 2, "eos_token_id": 1
+        });
+        for (k, v) in defaults.as_object().into_iter().flatten() {
+            if cfg.get(k).is_none_or(|x| x.is_null()) {
+                cfg[k] = v.clone();
+            }
+        }
+    }
+    (cfg, nested)
 }
 
 /// A Llama-family model from a Hugging Face `config.json` text and its
