@@ -21,6 +21,25 @@ use crate::speculative::driver::EngineConfig;
 use crate::speculative::proposer::Proposer;
 use crate::tokenizer::Tokenizer;
 
+/// A chat template given as `value`: the file at `path` when one exists
+/// (`.jinja` or anything else), else the text itself when it looks like a
+/// template; a missing file named by a bare path is an error naming it.
+pub fn read_template(path: &Path, value: &str) -> Result<String> {
+    if path.is_file() {
+        return std::fs::read_to_string(path).map_err(|e| SpecdError::Config {
+            file: path.display().to_string(),
+            msg: format!("chat template: {e}"),
+        });
+    }
+    if value.contains("{{") || value.contains("{%") {
+        return Ok(value.to_string());
+    }
+    Err(SpecdError::Config {
+        file: path.display().to_string(),
+        msg: "chat_template: no such file, and not template text".into(),
+    })
+}
+
 /// The built-in default configuration (`configs/default.toml`).
 pub const DEFAULT_TOML: &str = include_str!("../configs/default.toml");
 
@@ -34,6 +53,9 @@ pub struct ModelSection {
     pub name: Option<String>,
     /// KV cache element type: "f16" (default, half the memory) or "f32".
     pub kv_dtype: Option<crate::model::KvDtype>,
+    /// Chat template replacing the model's (a base model's file has none):
+    /// a file (relative to the config) or the template text itself.
+    pub chat_template: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -756,6 +778,15 @@ impl Config {
             }
             None => crate::fetch::ensure_default_model(),
         }
+    }
+
+    /// The target's tokenizer, with `[model] chat_template` applied.
+    pub fn tokenizer(&self, model_path: &Path) -> Result<Tokenizer> {
+        let tok = Tokenizer::for_model(model_path)?;
+        Ok(match &self.model.chat_template {
+            Some(t) => tok.with_chat_template(read_template(&self.resolve(Path::new(t)), t)?),
+            None => tok,
+        })
     }
 
     /// Load the target model with `[model] threads` (default: available

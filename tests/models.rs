@@ -1332,3 +1332,45 @@ fn multimodal_gemma3_checkpoints_load_their_language_model() {
         }
     }
 }
+
+/// `[model] chat_template` replaces the file's template (a base model has
+/// none): a file beside the config, or the text inline; a path that names
+/// nothing is an error naming it.
+#[test]
+fn a_configured_chat_template_replaces_the_models() {
+    use specd::tokenizer::ChatMessage;
+    let dir = TempDir::new("cfg-template");
+    let p = dir.0.join("t.gguf");
+    write_gguf(
+        &p,
+        &QWEN3,
+        &hf_weights(&QWEN3, 1),
+        GgmlDType::F32,
+        Vec::new(),
+    );
+    std::fs::write(dir.0.join("turns.jinja"), GEMMA3_STYLE).unwrap();
+    let msgs = [ChatMessage::user("Hi")];
+    let want = "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n";
+    for value in [
+        "turns.jinja".to_string(),
+        GEMMA3_STYLE.replace('"', "\\\"").replace('\n', "\\n"),
+    ] {
+        let cfg_path = dir.0.join("specd.toml");
+        std::fs::write(&cfg_path, format!("[model]\nchat_template = \"{value}\"\n")).unwrap();
+        let cfg = specd::config::Config::load(&cfg_path).unwrap();
+        let tok = cfg.tokenizer(&p).unwrap();
+        assert_eq!(
+            tok.apply_chat_template(&msgs, true).unwrap(),
+            want,
+            "{value}"
+        );
+    }
+    let cfg_path = dir.0.join("specd.toml");
+    std::fs::write(&cfg_path, "[model]\nchat_template = \"missing.jinja\"\n").unwrap();
+    let cfg = specd::config::Config::load(&cfg_path).unwrap();
+    let err = cfg.tokenizer(&p).unwrap_err().to_string();
+    assert!(
+        err.contains("missing.jinja") && err.contains("chat_template"),
+        "{err}"
+    );
+}

@@ -7,7 +7,6 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use specd::config::Config;
-use specd::tokenizer::Tokenizer;
 
 #[derive(Args)]
 pub struct AbArgs {
@@ -98,7 +97,7 @@ pub fn run(a: AbArgs) -> Result<()> {
     }
     let (model_path, model) = cfg.load_target()?;
     let model = Arc::new(model);
-    let tok = Arc::new(Tokenizer::for_model(&model_path)?);
+    let tok = Arc::new(cfg.tokenizer(&model_path)?);
     eprintln!(
         "specd ab: {} prompts from {}, {} arm(s) + plain, {} repeat(s), max_tokens {}",
         prompts.len(),

@@ -31,6 +31,10 @@ pub struct GenerateArgs {
     /// carried into the output. Runs every request through the scheduler.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
+    /// Chat template file for --chat (instead of the model's; a base
+    /// model's file has none).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
     /// Requests running at once in batch mode.
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
@@ -135,7 +139,13 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     let (path, model) = a.model.load()?;
-    let tok = Tokenizer::for_model(&path)?;
+    let tok = match &a.chat_template {
+        Some(t) => Tokenizer::for_model(&path)?.with_chat_template(
+            std::fs::read_to_string(t)
+                .with_context(|| format!("--chat-template {}", t.display()))?,
+        ),
+        None => Tokenizer::for_model(&path)?,
+    };
     let result = match &a.prompts {
         None if a.proposer == "none" => generate_plain(&a, &model, &tok),
         None => {

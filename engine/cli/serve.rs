@@ -7,7 +7,6 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use specd::speculative::actors::{EngineHandle, EngineParts};
-use specd::tokenizer::Tokenizer;
 
 use super::load_config;
 
@@ -131,7 +130,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .load_target()
         .with_context(|| format!("loading the model of {}", describe(&cfg)))?;
     let model = Arc::new(model);
-    let tok = Arc::new(Tokenizer::for_model(&model_path)?);
+    let tok = Arc::new(cfg.tokenizer(&model_path)?);
     let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
     let ec = cfg.engine_config(&model);
     // Default name: the catalogued name the config gives, else the stem.
