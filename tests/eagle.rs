@@ -170,8 +170,24 @@ fn checkpoint_layouts_load_and_name_their_errors() {
     let h = Head::load(&d3, S.hidden, S.vocab, 8).unwrap();
     assert_eq!(h.cfg.variant, Variant::Eagle3);
     assert_eq!(h.cfg.draft_vocab, S.draft_vocab);
-    // The public ids name the layer whose input is read: ours is one less.
-    assert_eq!(h.cfg.feature_layers, vec![1, 3, 6]);
+    // SpecForge/SGLang's ids (in `eagle_config`) name the layer whose
+    // output is read: our hidden index itself.
+    assert_eq!(h.cfg.feature_layers, vec![2, 4, 7]);
+    // vLLM speculators' (top level) name the layer whose input is read:
+    // ours is one less.
+    let dv = tmp.0.join("speculators");
+    write_eagle3(&dv, 1, |_| {});
+    let mut cj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dv.join("config.json")).unwrap()).unwrap();
+    cj.as_object_mut().unwrap().remove("eagle_config");
+    cj["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([2, 4, 7]);
+    std::fs::write(dv.join("config.json"), cj.to_string()).unwrap();
+    let hv = Head::load(&dv, S.hidden, S.vocab, 8).unwrap();
+    assert_eq!(hv.cfg.feature_layers, vec![1, 3, 6]);
+    cj["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([0, 4, 7]);
+    std::fs::write(dv.join("config.json"), cj.to_string()).unwrap();
+    let e = load_err(&dv, S.hidden, S.vocab, 8);
+    assert!(e.contains("layer ids >= 1"), "{e}");
     assert_eq!(h.d2t[0], 3);
     assert_eq!(h.d2t[S.draft_vocab - 1], 3 + 2 * (S.draft_vocab as u32 - 1));
     assert_eq!(h.cfg.kv_heads, S.kv_heads);
@@ -453,6 +469,58 @@ fn the_plugin_head_computes_what_training_optimised() {
         diff0 < 2e-3 * scale.max(1.0) && diff1 < 2e-3 * scale.max(1.0),
         "{diff0} {diff1}"
     );
+}
+
+/// `distill diagnose`: the training graph over the validation split
+/// agrees with the trainer's own validation, and greedy chains through the
+/// plugin's inference path (f32, no window) accept exactly where the
+/// training graph's steps are right given the earlier ones.
+#[test]
+fn diagnose_agrees_with_training_and_with_the_inference_path() {
+    use specd::distill::diagnose::{diagnose, DiagnoseConfig};
+    let (target, out) = trained();
+    let cfg = DiagnoseConfig {
+        ttt: 3,
+        train_samples: 20,
+        chain_samples: 1000,
+        train: tiny_cfg(prompts(DEEP.vocab as u32, 60, 3), 64),
+        ..Default::default()
+    };
+    let r = diagnose(target, out, &out.join("train"), &cfg, 2).unwrap();
+    eprintln!("{}", r.markdown());
+    let st = state(out);
+    let (_, val0, val_last) = *st.val.last().unwrap();
+    // The exported head is F16; the trainer validated its f32 weights.
+    assert!(
+        (r.val[0].acc - val0).abs() < 0.03,
+        "{} vs {val0}",
+        r.val[0].acc
+    );
+    assert!(
+        (r.val[2].acc - val_last).abs() < 0.03,
+        "{} vs {val_last}",
+        r.val[2].acc
+    );
+    for (split, graph) in [("train", &r.train), ("val", &r.val)] {
+        let chain = r
+            .chains
+            .iter()
+            .find(|c| c.split == split && !c.quantized && c.window == 0)
+            .unwrap();
+        assert_eq!(chain.roots, graph[0].rows);
+        for d in 0..3 {
+            let (a, b) = (chain.cond_acc[d], graph[d].cond_acc);
+            assert!(
+                (a - b).abs() < 0.03,
+                "{split} depth {d}: chain {a} vs graph {b}"
+            );
+        }
+    }
+    assert!(r.train[2].cond_rows > 20, "{:?}", r.train);
+    for s in r.val.iter().chain(&r.train) {
+        assert!(s.own_attention > 0.0 && s.own_attention <= 1.0);
+        assert!(s.rel_update > 0.0 && s.rel_update.is_finite());
+    }
 }
 
 // ------------------------------------------------------------ the plugin

@@ -22,6 +22,39 @@ pub enum DistillCmd {
     /// Train Medusa-1 heads for a frozen target by self-distillation
     /// (public Medusa tensor names; read out through the target's head).
     Medusa(MedusaArgs),
+    /// Measure why a trained EAGLE-3 head or MTP module is (not) accepted:
+    /// per TTT step of the training graph and through the plugin's
+    /// inference path, on the training and validation texts a trainer
+    /// cached (prints markdown tables).
+    Diagnose(DiagnoseArgs),
+}
+
+#[derive(Args)]
+pub struct DiagnoseArgs {
+    /// Target model (default: the embedded SmolLM2).
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// The head's directory (config.json, model.safetensors).
+    #[arg(long)]
+    pub head: PathBuf,
+    /// A `distill eagle`/`mtp` run's train/ directory (samples.json,
+    /// features.safetensors) made with default data settings.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Training-graph steps to unroll.
+    #[arg(long, default_value_t = 4)]
+    pub ttt_steps: usize,
+    /// Training samples measured (the validation split is measured whole).
+    #[arg(long, default_value_t = 240)]
+    pub train_samples: usize,
+    /// Samples per split run through the plugin's inference path (0: skip).
+    #[arg(long, default_value_t = 80)]
+    pub chain_samples: usize,
+    /// Also write the report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 /// The training data's prompts (every distill command).
@@ -118,6 +151,21 @@ pub struct EagleArgs {
     /// layer (the logit-lens start the shipped head was trained from).
     #[arg(long)]
     pub fc_random: bool,
+    /// Scale fc's start so the fused state has unit RMS on the training
+    /// features.
+    #[arg(long)]
+    pub fc_unit: bool,
+    /// Standard deviation of the start of o_proj and down_proj.
+    #[arg(long, default_value_t = 0.002)]
+    pub out_std: f32,
+    /// Leave positions whose target is outside the draft vocabulary out of
+    /// the loss.
+    #[arg(long)]
+    pub drop_oov: bool,
+    /// Start the attention focused on each row's own key with this gain
+    /// (0: off; EAGLE-3 heads only).
+    #[arg(long, default_value_t = 0.0)]
+    pub self_attn_init: f32,
     /// Hidden indices of the layers the head reads, comma-separated
     /// (default: EAGLE-3's, the residual stream entering layers 2, L/2 and
     /// L-3; L names the final-normed state).
@@ -235,6 +283,25 @@ pub fn run(what: DistillCmd) -> Result<()> {
             println!("{}", out.display());
             Ok(())
         }
+        DistillCmd::Diagnose(a) => {
+            let target = match a.target {
+                Some(t) => specd::fetch::resolve_model(&t)?,
+                None => specd::fetch::ensure_default_model()?,
+            };
+            let cfg = specd::distill::diagnose::DiagnoseConfig {
+                ttt: a.ttt_steps,
+                train_samples: a.train_samples,
+                chain_samples: a.chain_samples,
+                ..Default::default()
+            };
+            let threads = a.threads.unwrap_or_else(model::llama::default_threads);
+            let r = specd::distill::diagnose::diagnose(&target, &a.head, &a.data, &cfg, threads)?;
+            if let Some(j) = &a.json {
+                std::fs::write(j, serde_json::to_string_pretty(&r)?)?;
+            }
+            println!("{}", r.markdown());
+            Ok(())
+        }
         DistillCmd::Eagle(a) => run_eagle(a, false),
         DistillCmd::Mtp(a) => run_eagle(a, true),
         DistillCmd::Medusa(a) => {
@@ -294,6 +361,10 @@ fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
         warmup: a.warmup,
         stop_after: a.stop_after,
         fc_identity: !a.fc_random,
+        fc_unit: a.fc_unit,
+        out_std: a.out_std,
+        drop_oov: a.drop_oov,
+        self_attn_init: a.self_attn_init,
         feature_layers: a.feature_layers,
         seed: a.seed,
         prompts: a.data.prompts,

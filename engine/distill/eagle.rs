@@ -81,6 +81,26 @@ pub struct EagleConfig {
     /// then starts as a logit lens) instead of small random weights.
     #[serde(default = "default_true")]
     pub fc_identity: bool,
+    /// Scale `fc`'s start so the fused state has unit RMS on the training
+    /// features (the raw residual stream is far larger, which leaves the
+    /// layer's own updates negligible beside it).
+    #[serde(default)]
+    pub fc_unit: bool,
+    /// Standard deviation of the start of the layer's output projections
+    /// (`o_proj`, `down_proj`).
+    #[serde(default = "default_out_std")]
+    pub out_std: f32,
+    /// Leave out of the loss the positions whose target token is outside
+    /// the draft vocabulary (EAGLE-3's reference does).
+    #[serde(default)]
+    pub drop_oov: bool,
+    /// Start the attention focused on each row's own key (0: off): q and
+    /// k read the token-embedding half through one shared random
+    /// projection times this gain, so a row's score for its own key (the
+    /// token it is fed) stands out; in EAGLE-3 that token reaches the
+    /// output only through attention.
+    #[serde(default)]
+    pub self_attn_init: f32,
     /// Our hidden indices of the layers the head reads (empty: EAGLE-3's
     /// `feature_layers`; the target's layer count names its final-normed
     /// state).
@@ -102,6 +122,10 @@ pub struct EagleConfig {
 
 fn default_true() -> bool {
     true
+}
+
+fn default_out_std() -> f32 {
+    0.002
 }
 
 impl Default for EagleConfig {
@@ -126,6 +150,10 @@ impl Default for EagleConfig {
             seed: 0,
             stop_after: 0,
             fc_identity: true,
+            fc_unit: false,
+            out_std: default_out_std(),
+            drop_oov: false,
+            self_attn_init: 0.0,
             feature_layers: Vec::new(),
             mtp: false,
             prompt_ids: Vec::new(),
@@ -437,7 +465,7 @@ fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// The trainable head plus the frozen target pieces it needs.
-struct Net {
+pub(super) struct Net {
     p: HashMap<&'static str, Var>,
     /// Target embedding, `vocab x h` (frozen).
     embed: Tensor,
@@ -453,23 +481,31 @@ struct Net {
     mtp: bool,
 }
 
+/// Diagnostics of one TTT step, per row (row = b * t + p).
+pub(super) struct ProbeStep {
+    /// `||y - g|| / ||g||`: how far the layer moves the state it was given.
+    pub(super) rel: Vec<f32>,
+    /// Attention weight the row gives its own key (mean over heads).
+    pub(super) own_att: Vec<f32>,
+}
+
 /// One batch, as host arrays (row = b * t + p).
-struct Batch {
-    b: usize,
-    t: usize,
+pub(super) struct Batch {
+    pub(super) b: usize,
+    pub(super) t: usize,
     /// `b*t x 3h`.
     feats: Vec<f32>,
     /// Per TTT step: token ids of the embedding input, the final-normed
     /// target rows whose distribution is learned, the loss mask, and the
     /// target's argmax as a draft id (-1: outside the draft vocabulary).
-    steps: Vec<StepData>,
+    pub(super) steps: Vec<StepData>,
 }
 
-struct StepData {
-    ids: Vec<u32>,
+pub(super) struct StepData {
+    pub(super) ids: Vec<u32>,
     fin: Vec<f32>,
-    mask: Vec<f32>,
-    argmax: Vec<i64>,
+    pub(super) mask: Vec<f32>,
+    pub(super) argmax: Vec<i64>,
 }
 
 impl Net {
@@ -502,8 +538,12 @@ impl Net {
     }
 
     /// The head unrolled over the batch's TTT steps: logits per step,
-    /// `(b*t, dv)`.
-    fn unroll(&self, batch: &Batch) -> candle_core::Result<Vec<Tensor>> {
+    /// `(b*t, dv)`. With `probe`, each step's diagnostics are recorded too.
+    fn unroll(
+        &self,
+        batch: &Batch,
+        mut probe: Option<&mut Vec<ProbeStep>>,
+    ) -> candle_core::Result<Vec<Tensor>> {
         let dev = Device::Cpu;
         let (b, t, h) = (batch.b, batch.t, self.h);
         let nl = batch.feats.len() / (b * t * h);
@@ -561,6 +601,21 @@ impl Net {
                 parts.push(((&q * kj)?.sum_keepdim(D::Minus1)? * scale)?);
             }
             let att = candle_nn::ops::softmax_last_dim(&Tensor::cat(&parts, D::Minus1)?)?;
+            let own_att = if probe.is_some() {
+                // The weight each row gives its own key (step 0: the
+                // diagonal; step k: its own step-k key), mean over heads.
+                let own = if k == 0 {
+                    let eye = Tensor::eye(t, DType::F32, &dev)?;
+                    att.narrow(D::Minus1, 0, t)?
+                        .broadcast_mul(&eye)?
+                        .sum(D::Minus1)?
+                } else {
+                    att.narrow(D::Minus1, t + k - 1, 1)?.squeeze(D::Minus1)?
+                };
+                Some(own.mean(1)?.flatten_all()?.to_vec1::<f32>()?)
+            } else {
+                None
+            };
             let mut o = att.narrow(D::Minus1, 0, t)?.matmul(v0)?;
             for (j, (_, vj)) in keys.iter().enumerate().skip(1) {
                 o = (o + att.narrow(D::Minus1, t + j - 1, 1)?.broadcast_mul(vj)?)?;
@@ -583,6 +638,20 @@ impl Net {
                     .reshape((b * t, h))?
                     .matmul(&self.w(head).t()?)?,
             );
+            if let (Some(pr), Some(own_att)) = (probe.as_deref_mut(), own_att) {
+                let norm = |x: &Tensor| -> candle_core::Result<Vec<f32>> {
+                    x.sqr()?
+                        .sum(D::Minus1)?
+                        .sqrt()?
+                        .flatten_all()?
+                        .to_vec1::<f32>()
+                };
+                let (d, g0) = (norm(&(&y - &g)?)?, norm(&g)?);
+                pr.push(ProbeStep {
+                    rel: d.iter().zip(&g0).map(|(a, b)| a / b.max(1e-12)).collect(),
+                    own_att,
+                });
+            }
             g = y;
         }
         Ok(out)
@@ -594,7 +663,12 @@ impl Net {
         let (b, t, h) = (batch.b, batch.t, self.h);
         let mut total: Option<Tensor> = None;
         let mut stats = Vec::new();
-        for (k, (sd, logits)) in batch.steps.iter().zip(self.unroll(batch)?).enumerate() {
+        for (k, (sd, logits)) in batch
+            .steps
+            .iter()
+            .zip(self.unroll(batch, None)?)
+            .enumerate()
+        {
             let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
             let fin = Tensor::from_slice(&sd.fin, (b * t, h), &dev)?;
             let p =
@@ -634,44 +708,7 @@ pub fn reference_logits(
     feats: &[f32],
     ttt: usize,
 ) -> Result<Vec<Vec<f32>>> {
-    let tc = &target.config;
-    let f = TensorFile::read(&head_dir.join("model.safetensors")).map_err(serr)?;
-    let dev = Device::Cpu;
-    let (h, vocab) = (tc.hidden, tc.vocab_size);
-    // An MTP module (`distill mtp`) stores its tensors as the target's
-    // layer `num_hidden_layers`.
-    let mtp = f.names().any(|n| n.ends_with(".eh_proj.weight"));
-    let (names, prefix): (&[&'static str], String) = if mtp {
-        (&MTP_PARAM_NAMES, format!("model.layers.{}.", tc.layers))
-    } else {
-        (&PARAM_NAMES, String::new())
-    };
-    let mut p = HashMap::new();
-    for &name in names {
-        let full = format!("{prefix}{name}");
-        let shape = f
-            .shape(&full)
-            .ok_or_else(|| serr(format!("missing tensor `{full}`")))?
-            .to_vec();
-        let v = f.f32(&full).map_err(serr)?;
-        let t = Tensor::from_vec(v, shape, &dev).map_err(cerr)?;
-        p.insert(name, Var::from_tensor(&t).map_err(cerr)?);
-    }
-    let emb = embedding_table(target);
-    let hd = tc.head_dim;
-    let (cos, sin) = rope_tables(tokens.len() + ttt + 1, hd, tc.rope_theta)?;
-    let net = Net {
-        p,
-        embed: Tensor::from_vec(emb, (vocab, h), &dev).map_err(cerr)?,
-        target_head: Tensor::zeros((1, h), DType::F32, &dev).map_err(cerr)?,
-        cos,
-        sin,
-        h,
-        nh: tc.heads,
-        nkv: tc.kv_heads,
-        hd,
-        mtp,
-    };
+    let net = Net::from_head(head_dir, target, tokens.len() + ttt + 1)?;
     let t = tokens.len();
     let steps = (0..ttt)
         .map(|k| StepData {
@@ -689,13 +726,94 @@ pub fn reference_logits(
         feats: feats.to_vec(),
         steps,
     };
-    net.unroll(&batch)
+    net.unroll(&batch, None)
         .and_then(|ls| {
             ls.iter()
                 .map(|l| l.flatten_all()?.to_vec1::<f32>())
                 .collect()
         })
         .map_err(cerr)
+}
+
+impl Net {
+    /// The training graph of an exported head (EAGLE-3 or an MTP module),
+    /// positions up to `max_pos`.
+    pub(super) fn from_head(head_dir: &Path, target: &Model, max_pos: usize) -> Result<Net> {
+        let tc = &target.config;
+        let f = TensorFile::read(&head_dir.join("model.safetensors")).map_err(serr)?;
+        let dev = Device::Cpu;
+        let (h, vocab) = (tc.hidden, tc.vocab_size);
+        // An MTP module (`distill mtp`) stores its tensors as the target's
+        // layer `num_hidden_layers`.
+        let mtp = f.names().any(|n| n.ends_with(".eh_proj.weight"));
+        let (names, prefix): (&[&'static str], String) = if mtp {
+            (&MTP_PARAM_NAMES, format!("model.layers.{}.", tc.layers))
+        } else {
+            (&PARAM_NAMES, String::new())
+        };
+        let mut p = HashMap::new();
+        for &name in names {
+            let full = format!("{prefix}{name}");
+            let shape = f
+                .shape(&full)
+                .ok_or_else(|| serr(format!("missing tensor `{full}`")))?
+                .to_vec();
+            let v = f.f32(&full).map_err(serr)?;
+            let t = Tensor::from_vec(v, shape, &dev).map_err(cerr)?;
+            p.insert(name, Var::from_tensor(&t).map_err(cerr)?);
+        }
+        let emb = embedding_table(target);
+        let hd = tc.head_dim;
+        let (cos, sin) = rope_tables(max_pos, hd, tc.rope_theta)?;
+        Ok(Net {
+            p,
+            embed: Tensor::from_vec(emb, (vocab, h), &dev).map_err(cerr)?,
+            target_head: Tensor::zeros((1, h), DType::F32, &dev).map_err(cerr)?,
+            cos,
+            sin,
+            h,
+            nh: tc.heads,
+            nkv: tc.kv_heads,
+            hd,
+            mtp,
+        })
+    }
+
+    pub(super) fn is_mtp(&self) -> bool {
+        self.mtp
+    }
+
+    /// Per TTT step: the head's argmax (draft ids) per row, and the
+    /// step's diagnostics.
+    pub(super) fn probe(&self, batch: &Batch) -> Result<(Vec<Vec<u32>>, Vec<ProbeStep>)> {
+        let mut pr = Vec::new();
+        let logits = self.unroll(batch, Some(&mut pr)).map_err(cerr)?;
+        let am = logits
+            .iter()
+            .map(|l| l.argmax(D::Minus1).and_then(|a| a.to_vec1::<u32>()))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(cerr)?;
+        Ok((am, pr))
+    }
+}
+
+/// RMS of the recorded states of `layers` over (a spread of) the rows of
+/// samples `idx`.
+fn feature_rms(f: &Features, layers: &[usize], idx: &[usize], samples: &[Sample]) -> f32 {
+    let (mut sq, mut n) = (0f64, 0usize);
+    let stride = (idx.len() / 200).max(1);
+    for &i in idx.iter().step_by(stride) {
+        let (o, len) = (f.offsets[i], samples[i].tokens.len());
+        for &l in layers {
+            let src = f.layer(l);
+            let h = src.len() / f.argmax.len().max(1);
+            for &x in &src[o * h..(o + len) * h] {
+                sq += f64::from(x) * f64::from(x);
+                n += 1;
+            }
+        }
+    }
+    ((sq / n.max(1) as f64).sqrt() as f32).max(1e-6)
 }
 
 /// The target's token embeddings, `vocab x hidden` f32 (frozen).
@@ -725,20 +843,23 @@ fn rope_tables(max_pos: usize, hd: usize, theta: f32) -> Result<(Tensor, Tensor)
 }
 
 /// Everything the batches are cut from.
-struct Corpus<'a> {
-    samples: &'a [Sample],
-    f: &'a Features,
+pub(super) struct Corpus<'a> {
+    pub(super) samples: &'a [Sample],
+    pub(super) f: &'a Features,
     /// The head's feature layers, and the final-normed state's index.
-    feature_layers: Vec<usize>,
-    fin: usize,
+    pub(super) feature_layers: Vec<usize>,
+    pub(super) fin: usize,
     /// Target id -> draft id (-1: not in the draft vocabulary).
-    t2d: Vec<i64>,
-    h: usize,
-    nl: usize,
+    pub(super) t2d: Vec<i64>,
+    pub(super) h: usize,
+    pub(super) nl: usize,
+    /// Positions whose target token is outside the draft vocabulary are
+    /// left out of the loss.
+    pub(super) drop_oov: bool,
 }
 
 impl Corpus<'_> {
-    fn batch(&self, idx: &[usize], ttt: usize, max_len: usize) -> Batch {
+    pub(super) fn batch(&self, idx: &[usize], ttt: usize, max_len: usize) -> Batch {
         let (h, nl) = (self.h, self.nl);
         let t = idx
             .iter()
@@ -779,9 +900,10 @@ impl Corpus<'_> {
                     sd.ids[r0 + p] = s.tokens[q];
                     sd.fin[(r0 + p) * h..(r0 + p + 1) * h]
                         .copy_from_slice(&fin[(o + q) * h..(o + q + 1) * h]);
-                    if q + 1 >= s.prompt_len {
+                    let am = self.t2d[self.f.argmax[o + q] as usize];
+                    if q + 1 >= s.prompt_len && (am >= 0 || !self.drop_oov) {
                         sd.mask[r0 + p] = 1.0;
-                        sd.argmax[r0 + p] = self.t2d[self.f.argmax[o + q] as usize];
+                        sd.argmax[r0 + p] = am;
                     }
                 }
             }
@@ -994,8 +1116,9 @@ fn export(
         "draft_vocab_size": vocab_ids.len(),
         "max_position_embeddings": tc.max_seq_len,
         "torch_dtype": "float16",
-        // The public convention: the residual stream entering these layers.
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers.iter().map(|l| l + 1).collect::<Vec<_>>()},
+        // SGLang's convention (as SpecForge writes it): the layers whose
+        // output is read, our hidden indices.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers},
         })
     };
     std::fs::write(
@@ -1096,15 +1219,7 @@ pub fn distill_eagle(
     );
 
     // Split: every sample whose seeded hash falls under val_fraction is held out.
-    let (mut train_idx, mut val_idx) = (Vec::new(), Vec::new());
-    for i in 0..samples.len() {
-        let mut r = Rng::new(cfg.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        if r.next_f64() < cfg.val_fraction {
-            val_idx.push(i);
-        } else {
-            train_idx.push(i);
-        }
-    }
+    let (train_idx, val_idx) = super::split(samples.len(), cfg.seed, cfg.val_fraction);
     if train_idx.is_empty() {
         return Err(serr("no training samples".into()));
     }
@@ -1153,6 +1268,20 @@ pub fn distill_eagle(
             })
             .collect()
     };
+    if cfg.fc_unit && !cfg.mtp {
+        eprintln!(
+            "specd distill: feature RMS {:.3} (highest layer {:.3}); fc starts scaled to unit RMS",
+            feature_rms(&features, &layers, &train_idx, &samples),
+            feature_rms(&features, &layers[nl - 1..], &train_idx, &samples)
+        );
+    }
+    // The shared projection of the self-focused attention start (kv rows
+    // x h, entries of variance 1/h, times the gain).
+    let self_proj: Vec<f32> = if cfg.self_attn_init > 0.0 && !cfg.mtp {
+        gauss(nkv * hd * h, cfg.self_attn_init / (h as f32).sqrt())
+    } else {
+        Vec::new()
+    };
     let mut p = HashMap::new();
     let mut opt = AdamW::new();
     for (name, shape) in &shapes {
@@ -1186,21 +1315,48 @@ pub fn distill_eagle(
                 }
                 "eh_proj.weight" => gauss(n, (1.0 / (2 * h) as f64).sqrt() as f32),
                 "shared_head.head.weight" => th.clone(),
-                "self_attn.o_proj.weight" | "mlp.down_proj.weight" => gauss(n, 0.002),
+                "self_attn.o_proj.weight" | "mlp.down_proj.weight" => gauss(n, cfg.out_std),
                 "fc.weight" if cfg.fc_identity => {
-                    let mut w = gauss(n, 0.0005);
+                    let s = if cfg.fc_unit {
+                        1.0 / feature_rms(&features, &layers[nl - 1..], &train_idx, &samples)
+                    } else {
+                        1.0
+                    };
+                    let mut w = gauss(n, 0.0005 * s);
                     // Identity on the last (highest) feature layer.
                     for r in 0..h {
-                        w[r * nl * h + (nl - 1) * h + r] += 1.0;
+                        w[r * nl * h + (nl - 1) * h + r] += s;
                     }
                     w
                 }
-                "fc.weight" => gauss(n, (1.0 / (nl * h) as f64).sqrt() as f32),
+                "fc.weight" => {
+                    let s = if cfg.fc_unit {
+                        1.0 / feature_rms(&features, &layers, &train_idx, &samples)
+                    } else {
+                        1.0
+                    };
+                    gauss(n, (1.0 / (nl * h) as f64).sqrt() as f32 * s)
+                }
                 "lm_head.weight" => th.clone(),
                 "norm.weight" => target.weights.norm.clone(),
                 n2 if n2.ends_with("norm.weight") => vec![1.0; n],
                 "midlayer.self_attn.o_proj.weight" | "midlayer.mlp.down_proj.weight" => {
-                    gauss(n, 0.002)
+                    gauss(n, cfg.out_std)
+                }
+                // Rows of q head i read the projection of its kv head
+                // (i / group); columns 0..h are the token embedding's.
+                "midlayer.self_attn.q_proj.weight" | "midlayer.self_attn.k_proj.weight"
+                    if !self_proj.is_empty() =>
+                {
+                    let mut w = gauss(n, 0.02);
+                    let rows = shape[0];
+                    let group = if rows == nkv * hd { 1 } else { nh / nkv.max(1) };
+                    for r in 0..rows {
+                        let (head, i) = (r / hd, r % hd);
+                        let src = ((head / group) * hd + i) * h;
+                        w[r * 2 * h..r * 2 * h + h].copy_from_slice(&self_proj[src..src + h]);
+                    }
+                    w
                 }
                 _ => gauss(n, 0.02),
             }
@@ -1225,9 +1381,21 @@ pub fn distill_eagle(
         f: &features,
         feature_layers: layers.clone(),
         fin: tc.layers,
+        t2d: t2d.clone(),
+        h,
+        nl,
+        drop_oov: cfg.drop_oov,
+    };
+    // Validation counts every response position, whatever the recipe.
+    let val_corpus = Corpus {
+        samples: &samples,
+        f: &features,
+        feature_layers: layers.clone(),
+        fin: tc.layers,
         t2d,
         h,
         nl,
+        drop_oov: false,
     };
     let per_epoch = plan_batches(&samples, &train_idx, cfg.batch_tokens, cfg.max_len, 0).len();
     let steps = ((per_epoch as f64 * cfg.epochs).ceil() as usize).max(1);
@@ -1259,7 +1427,7 @@ pub fn distill_eagle(
         let (mut first, mut last) = ((0.0, 0.0), (0.0, 0.0));
         for b in plan_batches(&samples, &val_idx, cfg.batch_tokens, cfg.max_len, 1) {
             let (_, st) = net
-                .forward(&corpus.batch(&b, cfg.ttt_steps, cfg.max_len))
+                .forward(&val_corpus.batch(&b, cfg.ttt_steps, cfg.max_len))
                 .map_err(cerr)?;
             first.0 += st[0].0;
             first.1 += st[0].1;

@@ -29,7 +29,6 @@ use super::{training_data, DataConfig, Sample};
 use crate::error::{Result, SpecdError};
 use crate::model::tensor_file::{self, TensorData, TensorFile};
 use crate::model::Model;
-use crate::sampler::Rng;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -409,15 +408,7 @@ pub fn distill_medusa(
         "specd distill: draft vocabulary of {dv} tokens covers {:.1}% of {all} response tokens",
         coverage * 100.0
     );
-    let (mut train_idx, mut val_idx) = (Vec::new(), Vec::new());
-    for i in 0..samples.len() {
-        let mut r = Rng::new(cfg.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        if r.next_f64() < cfg.val_fraction {
-            val_idx.push(i);
-        } else {
-            train_idx.push(i);
-        }
-    }
+    let (train_idx, val_idx) = super::split(samples.len(), cfg.seed, cfg.val_fraction);
     if train_idx.is_empty() {
         return Err(serr("no training samples".into()));
     }

@@ -23,6 +23,7 @@
 //! finish and again when a cache is reused (a sample whose response
 //! overlaps is dropped and does not count toward the token budget).
 
+pub mod diagnose;
 pub mod draft;
 pub mod eagle;
 pub mod medusa;
@@ -40,6 +41,22 @@ use crate::speculative::drafter::Drafter;
 use crate::speculative::driver::{EngineConfig, SyncDriver};
 use crate::speculative::Request;
 use crate::tokenizer::{ChatMessage, Tokenizer};
+
+/// Indices of `n` samples split into (training, validation): every sample
+/// whose seeded hash falls under `val_fraction` is held out. Every trainer
+/// and `diagnose` split this way, so "validation" is the same texts.
+pub(crate) fn split(n: usize, seed: u64, val_fraction: f64) -> (Vec<usize>, Vec<usize>) {
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let mut r = crate::sampler::Rng::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        if r.next_f64() < val_fraction {
+            val.push(i);
+        } else {
+            train.push(i);
+        }
+    }
+    (train, val)
+}
 
 fn json_err(path: &Path, e: impl std::fmt::Display) -> SpecdError {
     SpecdError::InvalidRequest(format!("{}: {e}", path.display()))
@@ -347,6 +364,13 @@ impl Generator<'_> {
             for c in self.engine.step()?.finished {
                 // (Requests an earlier call aborted finish here too.)
                 if let Some((k, ids)) = prompt_of.remove(&c.id) {
+                    // An empty response teaches nothing, and a reloaded
+                    // cache drops it: keep the samples (and so the
+                    // validation split) of a fresh run and a resumed one
+                    // the same.
+                    if c.tokens.is_empty() {
+                        continue;
+                    }
                     // A response that overlaps an evaluation text is not
                     // trained on, and does not count toward the budget.
                     if self

@@ -353,33 +353,38 @@ impl Head {
         fn names(v: &[String; 2]) -> Vec<&str> {
             v.iter().map(String::as_str).collect()
         }
-        // The public convention names the layers whose *input* residual
-        // stream is read; our hidden index is the layer before (id L+1, our
-        // L, is the final-normed state: a specd extension).
-        let cfg_feature_layers: Option<Vec<usize>> = match cj
-            .get("eagle_aux_hidden_state_layer_ids")
-            .or_else(|| {
-                cj.get("eagle_config")
-                    .and_then(|e| e.get("eagle_aux_hidden_state_layer_ids"))
-            }) {
-            None => None,
-            Some(v) => {
-                let ids: Option<Vec<u64>> = v
-                    .as_array()
-                    .map(|a| a.iter().map(|x| x.as_u64()).collect())
-                    .unwrap_or(None);
-                match ids {
-                    Some(ids) if !ids.is_empty() && ids.iter().all(|&i| i >= 1) => {
-                        Some(ids.into_iter().map(|i| i as usize - 1).collect())
-                    }
-                    _ => {
-                        return Err(format!(
-                            "{}: `eagle_aux_hidden_state_layer_ids` must be a list of layer ids >= 1, got {v}",
-                            cfg_path.display()
-                        ))
-                    }
-                }
+        // Two public conventions name the layers read. SGLang's (what
+        // SpecForge writes, and specd): `eagle_config.
+        // eagle_aux_hidden_state_layer_ids` holds the layers whose *output*
+        // is read, our hidden index itself. vLLM's speculators format: a
+        // top-level `eagle_aux_hidden_state_layer_ids` holding the layers
+        // whose *input* is read, our index plus one. (Our index L, the
+        // final-normed state, is a specd extension.)
+        let aux = |v: &serde_json::Value, input: bool| -> Result<Vec<usize>, String> {
+            let ids: Option<Vec<u64>> = v
+                .as_array()
+                .map(|a| a.iter().map(|x| x.as_u64()).collect())
+                .unwrap_or(None);
+            let min = u64::from(input);
+            match ids {
+                Some(ids) if !ids.is_empty() && ids.iter().all(|&i| i >= min) => Ok(ids
+                    .into_iter()
+                    .map(|i| (i - min) as usize)
+                    .collect()),
+                _ => Err(format!(
+                    "{}: `eagle_aux_hidden_state_layer_ids` must be a list of layer ids >= {min}, got {v}",
+                    cfg_path.display()
+                )),
             }
+        };
+        let cfg_feature_layers: Option<Vec<usize>> = match (
+            cj.get("eagle_config")
+                .and_then(|e| e.get("eagle_aux_hidden_state_layer_ids")),
+            cj.get("eagle_aux_hidden_state_layer_ids"),
+        ) {
+            (Some(v), _) => Some(aux(v, false)?),
+            (None, Some(v)) => Some(aux(v, true)?),
+            (None, None) => None,
         };
         let (feature_layers, draft_vocab) = match variant {
             Variant::Eagle3 => {

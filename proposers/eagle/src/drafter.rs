@@ -86,6 +86,11 @@ struct SeqState {
 /// HumanEval task; longer prompts and long pauses are cut to it.
 pub const DEFAULT_WINDOW: usize = 256;
 
+/// Positions a window never drops: the first pairs of a sequence (the
+/// chat template's opening tokens, which every training sample starts
+/// with; StreamingLLM's attention sink).
+pub const SINK: usize = 4;
+
 /// Options of every head-based draft mode (besides where the head comes
 /// from).
 pub const DRAFT_OPTIONS: [&str; 8] = [
@@ -109,9 +114,10 @@ pub struct Eagle {
     seed: u64,
     /// Most pairs one catch-up takes into the cache (0: all): after a
     /// long pause (the engine's policy stopped drafting, or a long prompt)
-    /// only the newest `window` positions are processed, so a probe costs
-    /// a bounded amount whatever it missed. Older positions stay out of
-    /// the head's attention; drafts may be worse, never wrong.
+    /// only the newest `window` positions are processed (and the first
+    /// `SINK` of the sequence), so a probe costs a bounded amount whatever
+    /// it missed. Older positions stay out of the head's attention; drafts
+    /// may be worse, never wrong.
     window: usize,
     /// Natural log of `min_confidence` (negative infinity: off): a node
     /// whose path confidence times its children's largest q is below it is
@@ -325,7 +331,10 @@ impl Eagle {
             } else {
                 0
             };
-            for r in first.min(s.hidden_rows)..s.hidden_rows {
+            for r in 0..s.hidden_rows {
+                if r < first && start + r >= SINK {
+                    continue;
+                }
                 let mut f = Vec::with_capacity(fw);
                 for l in 0..s.hidden_layers {
                     f.extend_from_slice(&s.layer(l)[r * h..(r + 1) * h]);
@@ -336,7 +345,12 @@ impl Eagle {
                 st.pending.drain(..).partition(|(p, _)| p + 1 < n);
             st.pending = later;
             if window > 0 && ready.len() > window {
-                ready.drain(..ready.len() - window);
+                let cut = ready.len() - window;
+                let mut i = 0;
+                ready.retain(|(p, _)| {
+                    i += 1;
+                    i > cut || *p < SINK
+                });
             }
             if !ready.is_empty() {
                 rows.push((i, ready));
