@@ -523,6 +523,45 @@ fn diagnose_agrees_with_training_and_with_the_inference_path() {
     }
 }
 
+/// `--self-attn-init`: a head started with it gives its own key (the
+/// token it is fed) most of its attention; one started without it spreads
+/// attention over the whole prefix (what left the first shipped head blind
+/// to its token).
+#[test]
+fn the_self_focused_start_attends_to_the_fed_token() {
+    use specd::distill::diagnose::{diagnose, DiagnoseConfig};
+    let tmp = TempDir::new("eagle-self-attn");
+    let target = tiny_target(&tmp.0, &DEEP, 5);
+    let mut own = Vec::new();
+    for gain in [1.0f32, 0.0] {
+        let out = tmp.0.join(format!("head-{gain}"));
+        let cfg = EagleConfig {
+            self_attn_init: gain,
+            stop_after: 1,
+            lr: 1e-6,
+            ..tiny_cfg(prompts(DEEP.vocab as u32, 30, 9), 64)
+        };
+        distill_eagle(&target, &out, &cfg, 2).unwrap();
+        let d = DiagnoseConfig {
+            ttt: 2,
+            train_samples: 10,
+            chain_samples: 0,
+            train: cfg,
+            ..Default::default()
+        };
+        let r = diagnose(&target, &out, &out.join("train"), &d, 2).unwrap();
+        own.push(r.train[0].own_attention);
+    }
+    eprintln!(
+        "own-key attention at the start: with {:.3}, without {:.3}",
+        own[0], own[1]
+    );
+    assert!(
+        own[0] > 0.3 && own[1] < 0.15 && own[0] > 3.0 * own[1],
+        "{own:?}"
+    );
+}
+
 // ------------------------------------------------------------ the plugin
 
 fn eagle_config(head: &Path, tree_nodes: usize, extra: &str, hybrid: &str) -> Config {

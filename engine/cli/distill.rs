@@ -152,19 +152,19 @@ pub struct EagleArgs {
     #[arg(long)]
     pub fc_random: bool,
     /// Scale fc's start so the fused state has unit RMS on the training
-    /// features.
-    #[arg(long)]
+    /// features (`--fc-unit false`: the raw scale of the first heads).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub fc_unit: bool,
     /// Standard deviation of the start of o_proj and down_proj.
     #[arg(long, default_value_t = 0.002)]
     pub out_std: f32,
     /// Leave positions whose target is outside the draft vocabulary out of
-    /// the loss.
-    #[arg(long)]
+    /// the loss (`--drop-oov false`: renormalise them in).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub drop_oov: bool,
     /// Start the attention focused on each row's own key with this gain
     /// (0: off; EAGLE-3 heads only).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 1.0)]
     pub self_attn_init: f32,
     /// Hidden indices of the layers the head reads, comma-separated
     /// (default: EAGLE-3's, the residual stream entering layers 2, L/2 and

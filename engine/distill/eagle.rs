@@ -84,7 +84,7 @@ pub struct EagleConfig {
     /// Scale `fc`'s start so the fused state has unit RMS on the training
     /// features (the raw residual stream is far larger, which leaves the
     /// layer's own updates negligible beside it).
-    #[serde(default)]
+    #[serde(default = "default_true")]
     pub fc_unit: bool,
     /// Standard deviation of the start of the layer's output projections
     /// (`o_proj`, `down_proj`).
@@ -92,14 +92,14 @@ pub struct EagleConfig {
     pub out_std: f32,
     /// Leave out of the loss the positions whose target token is outside
     /// the draft vocabulary (EAGLE-3's reference does).
-    #[serde(default)]
+    #[serde(default = "default_true")]
     pub drop_oov: bool,
     /// Start the attention focused on each row's own key (0: off): q and
     /// k read the token-embedding half through one shared random
     /// projection times this gain, so a row's score for its own key (the
     /// token it is fed) stands out; in EAGLE-3 that token reaches the
     /// output only through attention.
-    #[serde(default)]
+    #[serde(default = "default_self_attn")]
     pub self_attn_init: f32,
     /// Our hidden indices of the layers the head reads (empty: EAGLE-3's
     /// `feature_layers`; the target's layer count names its final-normed
@@ -128,6 +128,10 @@ fn default_out_std() -> f32 {
     0.002
 }
 
+fn default_self_attn() -> f32 {
+    1.0
+}
+
 impl Default for EagleConfig {
     fn default() -> Self {
         Self {
@@ -150,10 +154,10 @@ impl Default for EagleConfig {
             seed: 0,
             stop_after: 0,
             fc_identity: true,
-            fc_unit: false,
+            fc_unit: true,
             out_std: default_out_std(),
-            drop_oov: false,
-            self_attn_init: 0.0,
+            drop_oov: true,
+            self_attn_init: default_self_attn(),
             feature_layers: Vec::new(),
             mtp: false,
             prompt_ids: Vec::new(),
