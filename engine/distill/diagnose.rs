@@ -19,10 +19,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::eagle::{
-    embedding_table, extract_features, feature_layers, plan_batches, Corpus, EagleConfig, Net,
-};
-use super::{training_data, DataConfig, Sample};
+use super::eagle::{embedding_table, extract_features, plan_batches, Corpus, EagleConfig, Net};
+use super::{training_data, Sample};
 use crate::error::{Result, SpecdError};
 use crate::model::eagle::{Head, KvStore, Src, Variant};
 use crate::tokenizer::Tokenizer;
@@ -124,16 +122,7 @@ pub fn diagnose(
             ..st.config
         });
     let tcfg = saved.as_ref().unwrap_or(&cfg.train);
-    let data_cfg = DataConfig {
-        gen_tokens: tcfg.gen_tokens,
-        gen_max_tokens: tcfg.gen_max_tokens,
-        temperature: tcfg.temperature,
-        sampled_fraction: tcfg.sampled_fraction,
-        concurrency: tcfg.concurrency,
-        seed: tcfg.seed,
-        prompt_ids: tcfg.prompt_ids.clone(),
-        mix: tcfg.prompts,
-    };
+    let data_cfg = tcfg.data_config();
     if !data_dir.join("samples.json").exists() {
         return Err(serr(format!(
             "{}: no samples.json (give a trainer's train/ directory)",
@@ -147,10 +136,15 @@ pub fn diagnose(
     }
     let net = Net::from_head(head_dir, &target, tcfg.max_len + cfg.ttt + 2)?;
     let mtp = net.is_mtp();
+    // The layers the head reads, as its config names them (a head trained
+    // with `--feature-layers` reads others than EAGLE-3's).
     let layers = if mtp {
         vec![tc.layers]
     } else {
-        feature_layers(tc.layers)
+        Head::load_with(head_dir, tc.hidden, tc.vocab_size, tc.layers, false)
+            .map_err(serr)?
+            .cfg
+            .feature_layers
     };
     let mut recorded = layers.clone();
     if !recorded.contains(&tc.layers) {

@@ -120,6 +120,22 @@ pub struct EagleConfig {
     pub prompts: crate::prompts::PromptMix,
 }
 
+impl EagleConfig {
+    /// The data pipeline's settings of this run (what its train/ caches).
+    pub(super) fn data_config(&self) -> DataConfig {
+        DataConfig {
+            gen_tokens: self.gen_tokens,
+            gen_max_tokens: self.gen_max_tokens,
+            temperature: self.temperature,
+            sampled_fraction: self.sampled_fraction,
+            concurrency: self.concurrency,
+            seed: self.seed,
+            prompt_ids: self.prompt_ids.clone(),
+            mix: self.prompts,
+        }
+    }
+}
+
 fn default_true() -> bool {
     true
 }
@@ -1172,16 +1188,7 @@ pub fn distill_eagle(
     if !recorded.contains(&tc.layers) {
         recorded.push(tc.layers);
     }
-    let data_cfg = DataConfig {
-        gen_tokens: cfg.gen_tokens,
-        gen_max_tokens: cfg.gen_max_tokens,
-        temperature: cfg.temperature,
-        sampled_fraction: cfg.sampled_fraction,
-        concurrency: cfg.concurrency,
-        seed: cfg.seed,
-        prompt_ids: cfg.prompt_ids.clone(),
-        mix: cfg.prompts,
-    };
+    let data_cfg = cfg.data_config();
     let t0 = std::time::Instant::now();
     let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;
     eprintln!(
