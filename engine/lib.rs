@@ -7,16 +7,18 @@ pub mod bench;
 pub mod bench_load;
 pub mod config;
 pub mod distill;
-pub mod error;
 pub mod fetch;
 pub mod generate;
-pub mod model;
 pub mod plugins;
 pub mod prompts;
-pub mod sampler;
 pub mod server;
 pub mod speculative;
 pub mod structured;
-pub mod tokenizer;
+
+// The model layer is its own crate (`engine/model`), which the proposer
+// plugins depend on alone; these re-exports keep `specd::model`,
+// `specd::sampler`, `specd::tokenizer` and `specd::error` one path.
+pub use specd_model as model;
+pub use specd_model::{error, sampler, tokenizer};
 
 pub use error::{Result, SpecdError};

@@ -13,11 +13,9 @@ use std::sync::{Arc, OnceLock};
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TinySpec, TINY};
 use specd::config::Config;
-use specd::distill::eagle::{
-    distill_eagle, feature_layers, reference_logits, EagleConfig, EagleState,
-};
+use specd::distill::eagle::{distill_eagle, reference_logits, EagleConfig, EagleState};
 use specd::generate::generate;
-use specd::model::eagle::{Head, Src, Variant};
+use specd::model::eagle::{feature_layers, Head, Src, Variant};
 use specd::model::tensor_file::{self, TensorData, TensorFile};
 use specd::model::{load_model, Logits, Model};
 use specd::sampler::SamplingParams;

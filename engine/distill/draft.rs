@@ -33,7 +33,7 @@ use candle_nn::{Optimizer, VarBuilder, VarMap};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::Rng;
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{vocab_fingerprint, Tokenizer};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct DistillConfig {
@@ -509,19 +509,6 @@ fn lr_at(cfg: &DistillConfig, step: usize) -> f64 {
         let p = (step - warm) as f64 / (cfg.steps - warm).max(1) as f64;
         cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
     }
-}
-
-/// A fingerprint of a vocabulary: SHA-256 over every id's token string
-/// (absent strings hash as empty), so a compact draft, which ships no
-/// tokenizer, can check it is paired with the target it was trained for.
-pub fn vocab_fingerprint(texts: impl Iterator<Item = Option<String>>) -> String {
-    use sha2::Digest;
-    let mut h = sha2::Sha256::new();
-    for t in texts {
-        h.update(t.unwrap_or_default().as_bytes());
-        h.update([0u8]);
-    }
-    format!("{:x}", h.finalize())
 }
 
 /// Write a compact draft: `config.json` (Llama keys plus

@@ -41,6 +41,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::{training_data, DataConfig, Sample};
 use crate::error::{Result, SpecdError};
+use crate::model::eagle::feature_layers;
 use crate::model::tensor_file::{self, TensorData, TensorFile};
 use crate::model::{ForwardInput, Logits, Model};
 use crate::sampler::Rng;
@@ -188,12 +189,6 @@ fn cerr(e: candle_core::Error) -> SpecdError {
 
 fn serr(e: String) -> SpecdError {
     SpecdError::InvalidRequest(format!("distill eagle: {e}"))
-}
-
-/// Our hidden indices of the EAGLE-3 feature layers of an `l`-layer target
-/// (the residual stream entering layers 2, l/2 and l-3).
-pub fn feature_layers(l: usize) -> Vec<usize> {
-    vec![1, (l / 2).saturating_sub(1), l.saturating_sub(4)]
 }
 
 /// Recorded target hidden states of every sample, row per token.

@@ -98,6 +98,12 @@ pub struct Head {
     path: KernelPath,
 }
 
+/// Our hidden indices of the EAGLE-3 feature layers of an `l`-layer target
+/// (the residual stream entering layers 2, l/2 and l-3).
+pub fn feature_layers(l: usize) -> Vec<usize> {
+    vec![1, (l / 2).saturating_sub(1), l.saturating_sub(4)]
+}
+
 pub(crate) fn cfg_usize(cfg: &serde_json::Value, key: &str, file: &Path) -> Result<usize, String> {
     cfg.get(key)
         .and_then(|v| v.as_u64())
@@ -391,8 +397,7 @@ impl Head {
                 // The residual stream entering layers 2, L/2 and L-3 (the
                 // output of the layer before each: our hidden index).
                 let l = target_layers;
-                let fl =
-                    cfg_feature_layers.unwrap_or_else(|| crate::distill::eagle::feature_layers(l));
+                let fl = cfg_feature_layers.unwrap_or_else(|| feature_layers(l));
                 let dv = cj
                     .get("draft_vocab_size")
                     .and_then(|v| v.as_u64())

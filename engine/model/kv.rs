@@ -245,8 +245,9 @@ impl KvCache {
         Ok(())
     }
 
-    /// Mark `n` more positions as written (after a forward filled them).
-    pub(crate) fn advance(&mut self, n: usize) {
+    /// Mark `n` more positions as written (after a forward filled them;
+    /// public for tests that build caches without a model).
+    pub fn advance(&mut self, n: usize) {
         debug_assert!(self.len + n <= self.blocks.len() * self.layout.block_size);
         self.len += n;
     }

@@ -262,7 +262,7 @@ pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>])
 /// there is no separate pass (or buffer) for the up projection. Each
 /// element is the same arithmetic as `matmul_many` followed by `silu_mul`.
 pub fn matmul_swiglu(a: &Activations, gate: &QMatrix, up: &QMatrix, out: &mut Vec<f32>) {
-    matmul_glu(a, gate, up, crate::model::Activation::Silu, out)
+    matmul_glu(a, gate, up, crate::Activation::Silu, out)
 }
 
 /// Gated feed-forward input with either gate nonlinearity:
@@ -272,7 +272,7 @@ pub fn matmul_glu(
     a: &Activations,
     gate: &QMatrix,
     up: &QMatrix,
-    activation: crate::model::Activation,
+    activation: crate::Activation,
     out: &mut Vec<f32>,
 ) {
     assert_eq!(gate.cols, a.cols, "matmul inner dimension mismatch");
@@ -297,8 +297,8 @@ pub fn matmul_glu(
                 matmul_rows(a, gate, r0, r1, g);
                 matmul_rows(a, up, r0, r1, u);
                 match activation {
-                    crate::model::Activation::Silu => silu_mul(g, u),
-                    crate::model::Activation::GeluTanh => gelu_tanh_mul(g, u),
+                    crate::Activation::Silu => silu_mul(g, u),
+                    crate::Activation::GeluTanh => gelu_tanh_mul(g, u),
                 }
                 for (i, seg) in segs.iter_mut().enumerate() {
                     seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use specd::model::Model;
+use specd_model::Model;
 use specd_plugin_sdk::Host;
 
 use candle_core::{self as candle, DType, Device, Tensor};
@@ -171,7 +171,7 @@ pub fn load(
         );
     }
     let got =
-        specd::distill::draft::vocab_fingerprint((0..vocab as u32).map(|i| host.token_text(i)));
+        specd_model::tokenizer::vocab_fingerprint((0..vocab as u32).map(|i| host.token_text(i)));
     if got != want {
         return Err(format!(
             "draft model {origin}: vocabulary mismatch: the draft was trained for another tokenizer (fingerprint {want}, this target's {got})"
@@ -240,7 +240,7 @@ pub fn load(
     // The model itself: a plain Llama whose (tied) output is never used.
     c["tie_word_embeddings"] = serde_json::Value::Bool(true);
     let model =
-        specd::model::load::model_from_tensors(Path::new(origin), &c.to_string(), tensors, threads)
+        specd_model::load::model_from_tensors(Path::new(origin), &c.to_string(), tensors, threads)
             .map_err(|e| format!("draft model: {e}"))?;
     Ok((
         model,

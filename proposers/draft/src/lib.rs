@@ -31,9 +31,9 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use specd::model::{ForwardInput, KvCache, Logits, Model};
-use specd::sampler::{self, Rng, SamplingParams};
-use specd::tokenizer::Tokenizer;
+use specd_model::sampler::{self, Rng, SamplingParams};
+use specd_model::tokenizer::Tokenizer;
+use specd_model::{ForwardInput, KvCache, Logits, Model};
 use specd_plugin_sdk::{abi, Caps, Host, Options, Plugin, Proposal, SeqView, Q};
 
 struct SeqState {
@@ -226,7 +226,7 @@ impl Plugin for DraftModel {
                 let (m, h) = compact::load_dir(&path, &host, threads)?;
                 (m, Some(h), format!("compact draft {}", path.display()))
             } else {
-                let model = specd::model::load_model(&path, threads)
+                let model = specd_model::load_model(&path, threads)
                     .map_err(|e| format!("draft model: {e}"))?;
                 let tok =
                     Tokenizer::for_model(&path).map_err(|e| format!("draft tokenizer: {e}"))?;

@@ -44,8 +44,8 @@
 //! (greedy: any token; the host checks against the target's argmax), and
 //! whether a node is expanded is decided before its children are drawn.
 
-use specd::model::eagle::{Head, KvStore, Src, Variant};
-use specd::sampler::{self, Rng, SamplingParams};
+use specd_model::eagle::{Head, KvStore, Src, Variant};
+use specd_model::sampler::{self, Rng, SamplingParams};
 use specd_plugin_sdk::{abi, Caps, Host, Options, Proposal, SeqView, Siblings, Q};
 use std::collections::HashMap;
 

@@ -15,7 +15,7 @@ mod drafter;
 use std::path::PathBuf;
 
 pub use drafter::{Eagle, Mode, DRAFT_OPTIONS};
-use specd::model::eagle::Head;
+use specd_model::eagle::Head;
 use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
 #[cfg(feature = "builtin-head")]

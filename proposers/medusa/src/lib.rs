@@ -34,8 +34,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use specd::model::medusa::MedusaHead;
-use specd::sampler::{self, Rng, SamplingParams};
+use specd_model::medusa::MedusaHead;
+use specd_model::sampler::{self, Rng, SamplingParams};
 use specd_plugin_sdk::{abi, Caps, Host, Options, Plugin, Proposal, SeqView, Siblings, Q};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -444,7 +444,7 @@ impl Plugin for Medusa {
             siblings: Siblings::WithoutReplacement,
             hidden_layers: vec![self.final_layer as u32],
             needs_embeddings: false,
-            needs_output_head: self.head.cfg.output == specd::model::medusa::Output::Target,
+            needs_output_head: self.head.cfg.output == specd_model::medusa::Output::Target,
         }
     }
 

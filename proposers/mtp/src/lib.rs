@@ -1,7 +1,7 @@
 //! Multi-token prediction (MTP) as a proposer plugin: the MTP module a
 //! target ships beside its main layers (DeepSeek-V3, GLM-4.5:
 //! `model.layers.{N}.{enorm,hnorm,eh_proj,...}` in safetensors,
-//! `blk.{N}.nextn.*` in GGUF; see `specd::model::mtp`), or one `specd
+//! `blk.{N}.nextn.*` in GGUF; see `specd_model::mtp`), or one `specd
 //! distill` wrote, drafts from the target's final-normed state. One
 //! module chains for several tokens (its output is the next depth's
 //! state); drafts are chains or trees exactly as the eagle plugin builds
@@ -18,7 +18,7 @@
 
 use std::path::PathBuf;
 
-use specd::model::mtp::{load_mtp, load_mtp_bytes};
+use specd_model::mtp::{load_mtp, load_mtp_bytes};
 use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
 // The eagle plugin's drafting machinery, compiled in (it exports nothing).
@@ -38,7 +38,7 @@ mod builtin {
 
 /// The module trained for SmolLM2-135M-Instruct, compiled in (used when
 /// `model` is unset).
-fn builtin_module(host: &Host, layers: usize) -> Result<specd::model::eagle::Head, String> {
+fn builtin_module(host: &Host, layers: usize) -> Result<specd_model::eagle::Head, String> {
     #[cfg(feature = "builtin-module")]
     {
         load_mtp_bytes(

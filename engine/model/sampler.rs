@@ -288,7 +288,7 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let w: Vec<f32> = logits
         .iter()
-        .map(|&l| crate::model::kernels::exp_f32((l - max) * inv_t))
+        .map(|&l| crate::kernels::exp_f32((l - max) * inv_t))
         .collect();
     let total = sum_f64(&w);
     if !(total.is_finite() && total > 0.0) {

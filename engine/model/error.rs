@@ -9,7 +9,7 @@ pub enum SpecdError {
     ModelNotFound(PathBuf),
     #[error("cannot read model {path}: {reason}")]
     BadModel { path: PathBuf, reason: String },
-    #[error("{path}: unsupported model architecture '{arch}' (supported: {})", crate::model::SUPPORTED_ARCHITECTURES.join(", "))]
+    #[error("{path}: unsupported model architecture '{arch}' (supported: {})", crate::SUPPORTED_ARCHITECTURES.join(", "))]
     UnsupportedArchitecture { path: PathBuf, arch: String },
     #[error("prompt plus generation needs {needed} positions but the context holds {limit}")]
     ContextOverflow { needed: usize, limit: usize },

@@ -312,7 +312,7 @@ impl Tokenizer {
         if path.is_dir() {
             Self::from_file(&path.join("tokenizer.json"))
         } else {
-            let ct = crate::model::load::read_gguf_header(path)?;
+            let ct = crate::load::read_gguf_header(path)?;
             Self::from_gguf(path, &ct)
         }
     }
@@ -558,6 +558,19 @@ impl StreamDecoder {
         self.read_offset = self.ids.len();
         Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
     }
+}
+
+/// A fingerprint of a vocabulary: SHA-256 over every id's token string
+/// (absent strings hash as empty), so a compact draft, which ships no
+/// tokenizer, can check it is paired with the target it was trained for.
+pub fn vocab_fingerprint(texts: impl Iterator<Item = Option<String>>) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for t in texts {
+        h.update(t.unwrap_or_default().as_bytes());
+        h.update([0u8]);
+    }
+    format!("{:x}", h.finalize())
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 
 mod attention;
 pub mod eagle;
+pub mod error;
 pub mod kernels;
 pub mod kv;
 pub mod llama;
@@ -18,8 +19,11 @@ pub mod load;
 pub mod medusa;
 pub mod mtp;
 pub mod requant;
+pub mod sampler;
 pub mod tensor_file;
+pub mod tokenizer;
 
+pub use error::{Result, SpecdError};
 pub use kernels::{QMatrix, WeightFormat};
 pub use kv::{KvCache, KvDtype, KvLayout, SharedBlock};
 pub use llama::{ForwardInput, ForwardOutput, Logits, Model, TreeMask};
