@@ -95,8 +95,8 @@ fn distill_trains_checkpoints_resumes_and_yields_a_usable_draft() {
 
 #[test]
 fn training_prompts_share_no_8gram_with_any_evaluation_set() {
-    use specd::prompts::{word_ngrams, NGRAM};
-    let eval = specd::ab::evaluation_texts();
+    use specd::distill::prompts::{word_ngrams, NGRAM};
+    let eval = specd::datasets::evaluation_texts();
     // Spec-Bench's 480 questions (both turns of the multi-turn ones) and
     // HumanEval's 164 prompts.
     assert!(eval.len() >= 480 + 164, "{}", eval.len());
@@ -139,8 +139,8 @@ fn training_prompts_share_no_8gram_with_any_evaluation_set() {
 /// budget is met and every sample is a real prompt and response.
 #[test]
 fn the_varied_mix_builds_its_second_stage_from_the_targets_own_answers() {
+    use specd::distill::prompts::PromptMix;
     use specd::distill::{training_data, DataConfig};
-    use specd::prompts::PromptMix;
     let path = common::smollm_path();
     let model = Arc::new(load_model(&path, 2).unwrap());
     let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
@@ -168,7 +168,7 @@ fn the_varied_mix_builds_its_second_stage_from_the_targets_own_answers() {
     let answers: Vec<std::collections::HashSet<String>> = data
         .iter()
         .map(|s| {
-            specd::prompts::word_ngrams(&response(s), 8)
+            specd::distill::prompts::word_ngrams(&response(s), 8)
                 .into_iter()
                 .collect()
         })
@@ -178,7 +178,7 @@ fn the_varied_mix_builds_its_second_stage_from_the_targets_own_answers() {
         .enumerate()
         .map(|(i, s)| {
             let prompt = tok.decode(&s.tokens[..s.prompt_len], true).unwrap();
-            specd::prompts::word_ngrams(&prompt, 8)
+            specd::distill::prompts::word_ngrams(&prompt, 8)
                 .iter()
                 .any(|g| answers[..i].iter().any(|a| a.contains(g)))
         })
@@ -298,7 +298,7 @@ fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
             prompt("Describe a lighthouse keeper's morning routine."),
             prompt("List three uses of copper wire."),
         ],
-        mix: specd::prompts::PromptMix::Templated,
+        mix: specd::distill::prompts::PromptMix::Templated,
     };
     let response = |s: &specd::distill::Sample| s.tokens[s.prompt_len..].to_vec();
     let all = training_data(&model, &tok, &cfg, &dir.0.join("a")).unwrap();
@@ -308,7 +308,7 @@ fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
         .map(response)
         .unwrap();
     let text = tok.decode(&first, true).unwrap();
-    assert!(specd::prompts::words(&text).len() >= 8, "{text}");
+    assert!(specd::distill::prompts::words(&text).len() >= 8, "{text}");
     let kept = training_data_excluding(
         &model,
         &tok,

@@ -24,13 +24,12 @@ use serde::Serialize;
 use crate::sampler::SamplingParams;
 use crate::speculative::SpecStats;
 
-mod datasets;
 mod report;
 mod run;
 mod stats;
 mod sweep;
 
-pub use datasets::{
+pub use crate::datasets::{
     evaluation_texts, limit_per_category, load_humaneval, load_jsonl, load_spec_bench,
     load_structured, Prompt, HUMANEVAL_PATH, SPEC_BENCH_PATH, STRUCTURED_PATH,
 };

@@ -64,8 +64,8 @@ pub struct PromptArgs {
     /// data of the shipped heads) or `varied` (those plus role-play,
     /// arithmetic and reasoning, then tasks over passages the target wrote:
     /// summaries, extraction, translation, questions over documents).
-    #[arg(long, value_parser = specd::prompts::PromptMix::parse, default_value = "templated")]
-    pub prompts: specd::prompts::PromptMix,
+    #[arg(long, value_parser = specd::distill::prompts::PromptMix::parse, default_value = "templated")]
+    pub prompts: specd::distill::prompts::PromptMix,
 }
 
 #[derive(Args)]
@@ -337,7 +337,7 @@ fn print_weights(out: &std::path::Path) -> Result<()> {
     println!(
         "{}  sha256 {}",
         weights.display(),
-        specd::distill::eagle::sha256_file(&weights)?
+        specd::fetch::sha256_file(&weights)?
     );
     Ok(())
 }

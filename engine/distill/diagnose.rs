@@ -19,7 +19,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::eagle::{embedding_table, extract_features, plan_batches, Corpus, EagleConfig, Net};
+use super::eagle::{embedding_table, Corpus, EagleConfig, Net};
+use super::train::{extract_features, plan_batches};
 use super::{training_data, Sample};
 use crate::error::{Result, SpecdError};
 use crate::model::eagle::{Head, KvStore, Src, Variant};

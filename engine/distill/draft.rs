@@ -59,7 +59,7 @@ pub struct DistillConfig {
     /// Which text prompts the target answers (`templated`: the data of the
     /// shipped heads).
     #[serde(default)]
-    pub prompts: crate::prompts::PromptMix,
+    pub prompts: crate::distill::prompts::PromptMix,
     /// Rows of a reduced-vocabulary output head (the most frequent
     /// response tokens); 0: the full vocabulary, tied to the embedding.
     /// With a draft vocabulary the draft is *compact*: its input embedding
@@ -599,11 +599,8 @@ fn distill_compact(
         mix: cfg.prompts,
     };
     let mut samples = super::training_data(target, tok, &data_cfg, &train_dir)?;
-    for s in &mut samples {
-        s.tokens.truncate(cfg.max_len);
-        s.prompt_len = s.prompt_len.min(s.tokens.len());
-    }
-    let feats = super::eagle::extract_features(
+    super::train::truncate(&mut samples, cfg.max_len);
+    let feats = super::train::extract_features(
         target,
         &samples,
         &[tc.layers],
@@ -611,7 +608,7 @@ fn distill_compact(
     )?;
     let fin = feats.layer(tc.layers);
     let vocab_ids =
-        super::eagle::choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
+        super::train::choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
     let dv = vocab_ids.len();
     // The stream of every sample, and each row's loss weight: the row at
     // position p learns the target's distribution there (which predicts

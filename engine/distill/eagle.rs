@@ -39,11 +39,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
+use super::train::{
+    cosine_lr, draft_vocab, extract_features, plan_batches, tensor_vec, truncate, var, AdamW,
+    Checkpoint, DraftVocab, Features, Schedule,
+};
 use super::{training_data, DataConfig, Sample};
 use crate::error::{Result, SpecdError};
 use crate::model::eagle::feature_layers;
 use crate::model::tensor_file::{self, TensorData, TensorFile};
-use crate::model::{ForwardInput, Logits, Model};
+use crate::model::Model;
 use crate::sampler::Rng;
 use crate::tokenizer::Tokenizer;
 
@@ -118,7 +122,7 @@ pub struct EagleConfig {
     /// Which text prompts the target answers (`templated`: the data of the
     /// shipped heads).
     #[serde(default)]
-    pub prompts: crate::prompts::PromptMix,
+    pub prompts: crate::distill::prompts::PromptMix,
 }
 
 impl EagleConfig {
@@ -189,198 +193,6 @@ fn cerr(e: candle_core::Error) -> SpecdError {
 
 fn serr(e: String) -> SpecdError {
     SpecdError::InvalidRequest(format!("distill eagle: {e}"))
-}
-
-/// Recorded target hidden states of every sample, row per token.
-pub(super) struct Features {
-    /// Hidden index -> `rows x h` (the final-normed state under the
-    /// target's layer count).
-    pub(super) layers: HashMap<usize, Vec<f32>>,
-    /// Target argmax per row (the token the target predicts next).
-    pub(super) argmax: Vec<u32>,
-    /// First row of each sample.
-    pub(super) offsets: Vec<usize>,
-}
-
-impl Features {
-    pub(super) fn layer(&self, l: usize) -> &[f32] {
-        self.layers.get(&l).map(Vec::as_slice).unwrap_or(&[])
-    }
-}
-
-/// The target's greedy token at every position of a features file.
-fn argmax_of(f: &TensorFile) -> Result<Vec<u32>> {
-    Ok(f.i64("argmax")
-        .map_err(serr)?
-        .into_iter()
-        .map(|x| x as u32)
-        .collect())
-}
-
-/// Run every sample through the target once, recording the hidden states
-/// of `layers` (cached at `path`; a cache holding them is reused).
-pub(super) fn extract_features(
-    target: &Model,
-    samples: &[Sample],
-    layers: &[usize],
-    path: &Path,
-) -> Result<Features> {
-    let h = target.config.hidden;
-    let total: usize = samples.iter().map(|s| s.tokens.len()).sum();
-    let mut offsets = Vec::with_capacity(samples.len());
-    let mut acc = 0;
-    for s in samples {
-        offsets.push(acc);
-        acc += s.tokens.len();
-    }
-    if let Ok(f) = TensorFile::read(path) {
-        // The first format: EAGLE-3's three layers side by side, and the
-        // final-normed state.
-        let old = feature_layers(target.config.layers);
-        if f.shape("feats") == Some(&[total, old.len() * h][..])
-            && f.shape("fin") == Some(&[total, h][..])
-        {
-            let feats = f.f32("feats").map_err(serr)?;
-            let mut m: HashMap<usize, Vec<f32>> = HashMap::new();
-            for (li, &l) in old.iter().enumerate() {
-                let mut v = vec![0f32; total * h];
-                for r in 0..total {
-                    let src = r * old.len() * h + li * h;
-                    v[r * h..(r + 1) * h].copy_from_slice(&feats[src..src + h]);
-                }
-                m.insert(l, v);
-            }
-            m.insert(target.config.layers, f.f32("fin").map_err(serr)?);
-            if layers.iter().all(|l| m.contains_key(l)) {
-                eprintln!(
-                    "specd distill: reusing target features from {}",
-                    path.display()
-                );
-                m.retain(|l, _| layers.contains(l));
-                return Ok(Features {
-                    layers: m,
-                    argmax: argmax_of(&f)?,
-                    offsets,
-                });
-            }
-        }
-        if layers
-            .iter()
-            .all(|l| f.shape(&format!("layer.{l}")) == Some(&[total, h][..]))
-        {
-            eprintln!(
-                "specd distill: reusing target features from {}",
-                path.display()
-            );
-            let mut m = HashMap::new();
-            for &l in layers {
-                m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
-            }
-            return Ok(Features {
-                layers: m,
-                argmax: argmax_of(&f)?,
-                offsets,
-            });
-        }
-    }
-    let mut rec: Vec<Vec<f32>> = layers.iter().map(|_| vec![0f32; total * h]).collect();
-    let mut argmax = vec![0u32; total];
-    let bar = indicatif::ProgressBar::new(total as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} tokens through the target (features)  {elapsed} elapsed, ~{eta} left",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let vocab = target.config.vocab_size;
-    let mut i = 0;
-    while i < samples.len() {
-        // Groups of about 512 tokens: big matmuls, bounded logits memory.
-        let mut j = i;
-        let mut n = 0;
-        while j < samples.len() && (j == i || n + samples[j].tokens.len() <= 512) {
-            n += samples[j].tokens.len();
-            j += 1;
-        }
-        let mut caches: Vec<_> = (i..j).map(|_| target.new_cache()).collect();
-        let mut inputs: Vec<ForwardInput<'_>> = caches
-            .iter_mut()
-            .zip(&samples[i..j])
-            .map(|(cache, s)| ForwardInput {
-                cache,
-                tokens: &s.tokens,
-                logits: Logits::All,
-                tree: None,
-            })
-            .collect();
-        let outs = target.forward(&mut inputs, layers)?;
-        for (k, out) in outs.iter().enumerate() {
-            let s = i + k;
-            let (o, len) = (offsets[s], samples[s].tokens.len());
-            for (li, (_, rows)) in out.hidden.iter().enumerate() {
-                rec[li][o * h..(o + len) * h].copy_from_slice(rows);
-            }
-            for r in 0..len {
-                let row = &out.logits[r * vocab..(r + 1) * vocab];
-                argmax[o + r] = crate::sampler::argmax(row);
-            }
-        }
-        bar.inc(n as u64);
-        i = j;
-    }
-    bar.finish_and_clear();
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let mut tensors: Vec<(String, Vec<usize>, TensorData)> = layers
-        .iter()
-        .zip(rec)
-        .map(|(l, v)| (format!("layer.{l}"), vec![total, h], TensorData::F16(v)))
-        .collect();
-    tensors.push((
-        "argmax".into(),
-        vec![total],
-        TensorData::I64(argmax.iter().map(|&x| i64::from(x)).collect()),
-    ));
-    tensor_file::write(path, &tensors).map_err(serr)?;
-    // Train on what the cache holds (f16), so a resumed run sees the same.
-    let f = TensorFile::read(path).map_err(serr)?;
-    let mut m = HashMap::new();
-    for &l in layers {
-        m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
-    }
-    Ok(Features {
-        layers: m,
-        argmax,
-        offsets,
-    })
-}
-
-/// The `n` most frequent response tokens (EOS ids always in), ascending.
-pub(super) fn choose_draft_vocab(
-    samples: &[Sample],
-    n: usize,
-    vocab: usize,
-    eos: &[u32],
-) -> Vec<u32> {
-    let mut counts = vec![0u64; vocab];
-    for s in samples {
-        for &t in &s.tokens[s.prompt_len..] {
-            if let Some(c) = counts.get_mut(t as usize) {
-                *c += 1;
-            }
-        }
-    }
-    for &e in eos {
-        if let Some(c) = counts.get_mut(e as usize) {
-            *c = u64::MAX;
-        }
-    }
-    let mut ids: Vec<u32> = (0..vocab as u32).collect();
-    ids.sort_by(|a, b| counts[*b as usize].cmp(&counts[*a as usize]).then(a.cmp(b)));
-    ids.truncate(n.min(vocab));
-    ids.sort_unstable();
-    ids
 }
 
 /// The head's trainable tensors, in EAGLE-3 names.
@@ -927,37 +739,6 @@ impl Corpus<'_> {
     }
 }
 
-/// Batches of sample indices: similar lengths together, `batch_tokens`
-/// padded tokens at most, in a seeded random order.
-pub(super) fn plan_batches(
-    samples: &[Sample],
-    idx: &[usize],
-    batch_tokens: usize,
-    max_len: usize,
-    seed: u64,
-) -> Vec<Vec<usize>> {
-    let mut sorted = idx.to_vec();
-    sorted.sort_by_key(|&i| (samples[i].tokens.len(), i));
-    let mut out = Vec::new();
-    let mut cur: Vec<usize> = Vec::new();
-    for i in sorted {
-        let len = samples[i].tokens.len().min(max_len);
-        if !cur.is_empty() && (cur.len() + 1) * len > batch_tokens {
-            out.push(std::mem::take(&mut cur));
-        }
-        cur.push(i);
-    }
-    if !cur.is_empty() {
-        out.push(cur);
-    }
-    let mut rng = Rng::new(seed ^ 0xEA61E);
-    for i in (1..out.len()).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        out.swap(i, j);
-    }
-    out
-}
-
 /// Training progress, next to each checkpoint.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct EagleState {
@@ -977,88 +758,6 @@ fn lr_at(cfg: &EagleConfig, step: usize, steps: usize) -> f64 {
     cosine_lr(cfg.lr, cfg.warmup, step, steps)
 }
 
-/// Linear warm-up over `warmup` steps (at most a tenth of the run), then
-/// cosine decay to 5% of `lr`.
-pub(super) fn cosine_lr(lr: f64, warmup: usize, step: usize, steps: usize) -> f64 {
-    let warm = warmup.min(steps / 10).max(1);
-    if step < warm {
-        lr * (step + 1) as f64 / warm as f64
-    } else {
-        let p = (step - warm) as f64 / (steps - warm).max(1) as f64;
-        lr * (0.05 + 0.95 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
-    }
-}
-
-/// AdamW whose moments are saved with the checkpoint.
-pub(super) struct AdamW {
-    pub(super) m: HashMap<String, Tensor>,
-    pub(super) v: HashMap<String, Tensor>,
-    pub(super) t: usize,
-}
-
-impl AdamW {
-    const B1: f64 = 0.9;
-    const B2: f64 = 0.95;
-    const WD: f64 = 0.0;
-
-    pub(super) fn new() -> Self {
-        Self {
-            m: HashMap::new(),
-            v: HashMap::new(),
-            t: 0,
-        }
-    }
-
-    /// One update of the parameters `p` from `grads`, their global norm
-    /// clipped to `clip`; returns the norm before clipping.
-    pub(super) fn step<'a>(
-        &mut self,
-        p: impl Iterator<Item = (&'a str, &'a Var)> + Clone,
-        grads: &candle_core::backprop::GradStore,
-        lr: f64,
-        clip: f64,
-    ) -> candle_core::Result<f64> {
-        self.t += 1;
-        let mut sq = 0f64;
-        for (_, var) in p.clone() {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                sq += f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?);
-            }
-        }
-        let norm = sq.sqrt();
-        let s = if norm > clip { clip / norm } else { 1.0 };
-        let (b1t, b2t) = (
-            1.0 - Self::B1.powi(self.t as i32),
-            1.0 - Self::B2.powi(self.t as i32),
-        );
-        for (name, var) in p {
-            let Some(g) = grads.get(var.as_tensor()) else {
-                continue;
-            };
-            let g = (g * s)?;
-            let m = self.m.get(name).cloned().unwrap_or(g.zeros_like()?);
-            let v = self.v.get(name).cloned().unwrap_or(g.zeros_like()?);
-            let m = ((m * Self::B1)? + (&g * (1.0 - Self::B1))?)?;
-            let v = ((v * Self::B2)? + (g.sqr()? * (1.0 - Self::B2))?)?;
-            let upd = ((&m / b1t)? / ((&v / b2t)?.sqrt()? + 1e-8)?)?;
-            let w = var.as_tensor();
-            let next = ((w * (1.0 - lr * Self::WD))? - (upd * lr)?)?;
-            var.set(&next)?;
-            self.m.insert(name.to_string(), m);
-            self.v.insert(name.to_string(), v);
-        }
-        Ok(norm)
-    }
-}
-
-pub(super) fn tensor_vec(t: &Tensor) -> Result<Vec<f32>> {
-    t.flatten_all()
-        .and_then(|t| t.to_dtype(DType::F32))
-        .and_then(|t| t.to_vec1::<f32>())
-        .map_err(cerr)
-}
-
-/// Write the head in the EAGLE-3 layout (F16 weights, `d2t`, `t2d`).
 fn export(
     out: &Path,
     net: &Net,
@@ -1143,13 +842,6 @@ fn export(
     Ok(weights)
 }
 
-/// SHA-256 of a file, hex.
-pub fn sha256_file(path: &Path) -> Result<String> {
-    use sha2::Digest;
-    let bytes = std::fs::read(path)?;
-    Ok(format!("{:x}", sha2::Sha256::digest(&bytes)))
-}
-
 /// Train (or resume training) an EAGLE-3 head for `target_path` into
 /// `out`. Returns the final state.
 pub fn distill_eagle(
@@ -1191,10 +883,7 @@ pub fn distill_eagle(
         t0.elapsed().as_secs_f64()
     );
     let t0 = std::time::Instant::now();
-    for s in &mut samples {
-        s.tokens.truncate(cfg.max_len);
-        s.prompt_len = s.prompt_len.min(s.tokens.len());
-    }
+    truncate(&mut samples, cfg.max_len);
     let features = extract_features(
         &target,
         &samples,
@@ -1205,24 +894,12 @@ pub fn distill_eagle(
         "specd distill: features ready in {:.0} s",
         t0.elapsed().as_secs_f64()
     );
-    let vocab_ids = choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
+    let DraftVocab {
+        ids: vocab_ids,
+        t2d,
+        coverage,
+    } = draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
     let dv = vocab_ids.len();
-    let mut t2d = vec![-1i64; vocab];
-    for (i, &t) in vocab_ids.iter().enumerate() {
-        t2d[t as usize] = i as i64;
-    }
-    let (mut covered, mut all) = (0usize, 0usize);
-    for s in &samples {
-        for &t in &s.tokens[s.prompt_len..] {
-            all += 1;
-            covered += usize::from(t2d[t as usize] >= 0);
-        }
-    }
-    let coverage = covered as f64 / all.max(1) as f64;
-    eprintln!(
-        "specd distill: draft vocabulary of {dv} tokens covers {:.1}% of {all} response tokens",
-        coverage * 100.0
-    );
 
     // Split: every sample whose seeded hash falls under val_fraction is held out.
     let (train_idx, val_idx) = super::split(samples.len(), cfg.seed, cfg.val_fraction);
@@ -1253,18 +930,8 @@ pub fn distill_eagle(
     // Parameters: fresh (fc reads the high layer as identity, lm_head and
     // norm start as the target's, so step 0 starts as a logit lens), or
     // from the checkpoint.
-    let ckpt = train_dir.join("checkpoint.safetensors");
-    let state_path = train_dir.join("state.json");
-    let resumed: Option<(EagleState, TensorFile)> = match (
-        std::fs::read_to_string(&state_path),
-        TensorFile::read(&ckpt),
-    ) {
-        (Ok(s), Ok(f)) => Some((
-            serde_json::from_str(&s).map_err(|e| serr(format!("{}: {e}", state_path.display())))?,
-            f,
-        )),
-        _ => None,
-    };
+    let ckpt = Checkpoint::new(&train_dir);
+    let resumed: Option<(EagleState, TensorFile)> = ckpt.resume()?;
     let mut rng = Rng::new(cfg.seed ^ 0x5EED);
     let mut gauss = |n: usize, std: f32| -> Vec<f32> {
         (0..n)
@@ -1293,21 +960,7 @@ pub fn distill_eagle(
     for (name, shape) in &shapes {
         let n: usize = shape.iter().product();
         let init: Vec<f32> = if let Some((_, f)) = &resumed {
-            if f.shape(name) != Some(shape.as_slice()) {
-                return Err(serr(format!(
-                    "{}: tensor `{name}` does not match this configuration (expected shape {shape:?}); delete {} to start over",
-                    ckpt.display(),
-                    train_dir.display()
-                )));
-            }
-            for (map, pre) in [(&mut opt.m, "adam_m."), (&mut opt.v, "adam_v.")] {
-                let v = f.f32(&format!("{pre}{name}")).map_err(serr)?;
-                map.insert(
-                    name.to_string(),
-                    Tensor::from_vec(v, shape.as_slice(), &dev).map_err(cerr)?,
-                );
-            }
-            f.f32(name).map_err(serr)?
+            ckpt.restore(f, name, shape, &mut opt)?
         } else {
             match *name {
                 // MTP: x = hnorm(f) at first (identity on the state's
@@ -1367,8 +1020,7 @@ pub fn distill_eagle(
                 _ => gauss(n, 0.02),
             }
         };
-        let t = Tensor::from_vec(init, shape.as_slice(), &dev).map_err(cerr)?;
-        p.insert(*name, Var::from_tensor(&t).map_err(cerr)?);
+        p.insert(*name, var(init, shape)?);
     }
     let net = Net {
         p,
@@ -1403,8 +1055,16 @@ pub fn distill_eagle(
         nl,
         drop_oov: false,
     };
-    let per_epoch = plan_batches(&samples, &train_idx, cfg.batch_tokens, cfg.max_len, 0).len();
-    let steps = ((per_epoch as f64 * cfg.epochs).ceil() as usize).max(1);
+    let mut sched = Schedule::new(
+        &samples,
+        &train_idx,
+        cfg.batch_tokens,
+        cfg.max_len,
+        cfg.seed,
+        cfg.epochs,
+        cfg.stop_after,
+    );
+    let steps = sched.steps;
     let mut state = match resumed {
         Some((st, _)) => {
             opt.t = st.step;
@@ -1448,26 +1108,7 @@ pub fn distill_eagle(
         ))
     };
     let save = |net: &Net, opt: &AdamW, state: &EagleState| -> Result<()> {
-        let mut t = Vec::new();
-        for (name, shape) in &shapes {
-            t.push((
-                name.to_string(),
-                shape.clone(),
-                TensorData::F32(tensor_vec(net.w(name))?),
-            ));
-            for (map, pre) in [(&opt.m, "adam_m."), (&opt.v, "adam_v.")] {
-                let v = match map.get(*name) {
-                    Some(x) => tensor_vec(x)?,
-                    None => vec![0.0; shape.iter().product()],
-                };
-                t.push((format!("{pre}{name}"), shape.clone(), TensorData::F32(v)));
-            }
-        }
-        tensor_file::write(&ckpt, &t).map_err(serr)?;
-        std::fs::write(
-            &state_path,
-            serde_json::to_string_pretty(state).unwrap_or_default(),
-        )?;
+        ckpt.save(&shapes, |n| net.w(n), opt, state)?;
         export(out, net, &shapes, &vocab_ids, &target, cfg, &layers)?;
         Ok(())
     };
@@ -1476,36 +1117,10 @@ pub fn distill_eagle(
         eprintln!("specd distill: before training, validation acceptance@1 {a0:.3} (TTT step {}: {ak:.3})", cfg.ttt_steps - 1);
         state.val.push((0, a0, ak));
     }
-    let bar = indicatif::ProgressBar::new(steps as u64);
-    bar.set_position(state.step as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let mut plans: HashMap<usize, Vec<Vec<usize>>> = HashMap::new();
     let (mut hits, mut counted) = (0.0, 0.0);
-    let t_train = std::time::Instant::now();
-    let start_step = state.step;
-    let limit = if cfg.stop_after > 0 {
-        steps.min(cfg.stop_after)
-    } else {
-        steps
-    };
-    while state.step < limit {
+    while state.step < sched.limit {
         let step = state.step;
-        let epoch = step / per_epoch;
-        let plan = plans.entry(epoch).or_insert_with(|| {
-            plan_batches(
-                &samples,
-                &train_idx,
-                cfg.batch_tokens,
-                cfg.max_len,
-                cfg.seed.wrapping_add(epoch as u64),
-            )
-        });
-        let batch = corpus.batch(&plan[step % per_epoch], cfg.ttt_steps, cfg.max_len);
+        let batch = corpus.batch(sched.batch(step), cfg.ttt_steps, cfg.max_len);
         let (loss, st) = net.forward(&batch).map_err(cerr)?;
         let grads = loss.backward().map_err(cerr)?;
         opt.step(
@@ -1524,12 +1139,11 @@ pub fn distill_eagle(
         hits = 0.9 * hits + st[0].0;
         counted = 0.9 * counted + st[0].1;
         let val = state.val.last().map_or(0.0, |v| v.1);
-        bar.set_message(format!(
+        let msg = format!(
             "loss {l:.3}  train acc@1 {:.3}  val acc@1 {val:.3}",
             hits / f64::max(counted, 1.0)
-        ));
-        bar.inc(1);
-        if state.step % cfg.checkpoint_every.max(1) == 0 || state.step == limit {
+        );
+        if sched.done(state.step, cfg.checkpoint_every, msg) {
             if !val_idx.is_empty() {
                 let (a0, ak) = validate(&net)?;
                 state.val.push((state.step, a0, ak));
@@ -1537,19 +1151,11 @@ pub fn distill_eagle(
             save(&net, &opt, &state)?;
         }
     }
-    bar.finish_and_clear();
-    let ran = state.step - start_step;
-    if ran > 0 {
-        eprintln!(
-            "specd distill: {ran} steps in {:.0} s ({:.2} s/step)",
-            t_train.elapsed().as_secs_f64(),
-            t_train.elapsed().as_secs_f64() / ran as f64
-        );
-    }
+    sched.finish(state.step);
     if !out.join("model.safetensors").exists() {
         save(&net, &opt, &state)?;
     }
-    let sha = sha256_file(&out.join("model.safetensors"))?;
+    let sha = crate::fetch::sha256_file(&out.join("model.safetensors"))?;
     let last = state.val.last().copied().unwrap_or((0, f64::NAN, f64::NAN));
     eprintln!(
         "specd distill: {}/{} steps, loss {:.3} (first {:.3}), validation acceptance@1 {:.3} (TTT step {}: {:.3}); head in {} (model.safetensors sha256 {sha})",

@@ -21,9 +21,9 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var, D};
 
-use super::eagle::{
-    choose_draft_vocab, cosine_lr, extract_features, plan_batches, sha256_file, tensor_vec, AdamW,
-    Features,
+use super::train::{
+    cosine_lr, draft_vocab, extract_features, plan_batches, tensor_vec, truncate, var, AdamW,
+    Checkpoint, DraftVocab, Features, Schedule,
 };
 use super::{training_data, DataConfig, Sample};
 use crate::error::{Result, SpecdError};
@@ -62,7 +62,7 @@ pub struct MedusaTrainConfig {
     /// Which text prompts the target answers (`templated`: the data of the
     /// shipped heads).
     #[serde(default)]
-    pub prompts: crate::prompts::PromptMix,
+    pub prompts: crate::distill::prompts::PromptMix,
 }
 
 impl Default for MedusaTrainConfig {
@@ -375,10 +375,7 @@ pub fn distill_medusa(
     };
     let t0 = std::time::Instant::now();
     let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;
-    for s in &mut samples {
-        s.tokens.truncate(cfg.max_len);
-        s.prompt_len = s.prompt_len.min(s.tokens.len());
-    }
+    truncate(&mut samples, cfg.max_len);
     let fin = tc.layers;
     let features = extract_features(
         &target,
@@ -390,24 +387,12 @@ pub fn distill_medusa(
         "specd distill: samples and final-normed states ready in {:.0} s",
         t0.elapsed().as_secs_f64()
     );
-    let vocab_ids = choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
+    let DraftVocab {
+        ids: vocab_ids,
+        t2d,
+        coverage,
+    } = draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
     let dv = vocab_ids.len();
-    let mut t2d = vec![-1i64; vocab];
-    for (i, &t) in vocab_ids.iter().enumerate() {
-        t2d[t as usize] = i as i64;
-    }
-    let (mut covered, mut all) = (0usize, 0usize);
-    for s in &samples {
-        for &t in &s.tokens[s.prompt_len..] {
-            all += 1;
-            covered += usize::from(t2d[t as usize] >= 0);
-        }
-    }
-    let coverage = covered as f64 / all.max(1) as f64;
-    eprintln!(
-        "specd distill: draft vocabulary of {dv} tokens covers {:.1}% of {all} response tokens",
-        coverage * 100.0
-    );
     let (train_idx, val_idx) = super::split(samples.len(), cfg.seed, cfg.val_fraction);
     if train_idx.is_empty() {
         return Err(serr("no training samples".into()));
@@ -415,44 +400,19 @@ pub fn distill_medusa(
 
     let dev = Device::Cpu;
     let shapes = param_shapes(h, cfg.heads, cfg.layers);
-    let ckpt = train_dir.join("checkpoint.safetensors");
-    let state_path = train_dir.join("state.json");
-    let resumed: Option<(MedusaState, TensorFile)> = match (
-        std::fs::read_to_string(&state_path),
-        TensorFile::read(&ckpt),
-    ) {
-        (Ok(s), Ok(f)) => Some((
-            serde_json::from_str(&s).map_err(|e| serr(format!("{}: {e}", state_path.display())))?,
-            f,
-        )),
-        _ => None,
-    };
+    let ckpt = Checkpoint::new(&train_dir);
+    let resumed: Option<(MedusaState, TensorFile)> = ckpt.resume()?;
     let mut opt = AdamW::new();
     let mut p = HashMap::new();
     for (name, shape) in &shapes {
         let n: usize = shape.iter().product();
         let init = if let Some((_, f)) = &resumed {
-            if f.shape(name) != Some(shape.as_slice()) {
-                return Err(serr(format!(
-                    "{}: tensor `{name}` does not match this configuration (expected shape {shape:?}); delete {} to start over",
-                    ckpt.display(),
-                    train_dir.display()
-                )));
-            }
-            for (map, pre) in [(&mut opt.m, "adam_m."), (&mut opt.v, "adam_v.")] {
-                let v = f.f32(&format!("{pre}{name}")).map_err(serr)?;
-                map.insert(
-                    name.clone(),
-                    Tensor::from_vec(v, shape.as_slice(), &dev).map_err(cerr)?,
-                );
-            }
-            f.f32(name).map_err(serr)?
+            ckpt.restore(f, name, shape, &mut opt)?
         } else {
             // Zero: every head starts as the target's own next-token head.
             vec![0.0; n]
         };
-        let t = Tensor::from_vec(init, shape.as_slice(), &dev).map_err(cerr)?;
-        p.insert(name.clone(), Var::from_tensor(&t).map_err(cerr)?);
+        p.insert(name.clone(), var(init, shape)?);
     }
     let net = Net {
         p,
@@ -461,8 +421,16 @@ pub fn distill_medusa(
         layers: cfg.layers,
     };
     let batch_of = |idx: &[usize]| make_batch(&samples, &features, fin, &t2d, cfg.heads, idx);
-    let per_epoch = plan_batches(&samples, &train_idx, cfg.batch_tokens, cfg.max_len, 0).len();
-    let steps = ((per_epoch as f64 * cfg.epochs).ceil() as usize).max(1);
+    let mut sched = Schedule::new(
+        &samples,
+        &train_idx,
+        cfg.batch_tokens,
+        cfg.max_len,
+        cfg.seed,
+        cfg.epochs,
+        cfg.stop_after,
+    );
+    let steps = sched.steps;
     let mut state = match resumed {
         Some((st, _)) => {
             opt.t = st.step;
@@ -505,26 +473,7 @@ pub fn distill_medusa(
         ))
     };
     let save = |net: &Net, opt: &AdamW, state: &MedusaState| -> Result<()> {
-        let mut t = Vec::new();
-        for (name, shape) in &shapes {
-            t.push((
-                name.clone(),
-                shape.clone(),
-                TensorData::F32(tensor_vec(net.w(name))?),
-            ));
-            for (map, pre) in [(&opt.m, "adam_m."), (&opt.v, "adam_v.")] {
-                let v = match map.get(name) {
-                    Some(x) => tensor_vec(x)?,
-                    None => vec![0.0; shape.iter().product()],
-                };
-                t.push((format!("{pre}{name}"), shape.clone(), TensorData::F32(v)));
-            }
-        }
-        tensor_file::write(&ckpt, &t).map_err(serr)?;
-        std::fs::write(
-            &state_path,
-            serde_json::to_string_pretty(state).unwrap_or_default(),
-        )?;
+        ckpt.save(&shapes, |n| net.w(n), opt, state)?;
         export(out, net, &shapes, &vocab_ids, &target)?;
         Ok(())
     };
@@ -542,35 +491,9 @@ pub fn distill_medusa(
         );
         state.val.push((0, a, l));
     }
-    let bar = indicatif::ProgressBar::new(steps as u64);
-    bar.set_position(state.step as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let mut plans: HashMap<usize, Vec<Vec<usize>>> = HashMap::new();
-    let t_train = std::time::Instant::now();
-    let start_step = state.step;
-    let limit = if cfg.stop_after > 0 {
-        steps.min(cfg.stop_after)
-    } else {
-        steps
-    };
-    while state.step < limit {
+    while state.step < sched.limit {
         let step = state.step;
-        let epoch = step / per_epoch;
-        let plan = plans.entry(epoch).or_insert_with(|| {
-            plan_batches(
-                &samples,
-                &train_idx,
-                cfg.batch_tokens,
-                cfg.max_len,
-                cfg.seed.wrapping_add(epoch as u64),
-            )
-        });
-        let batch = batch_of(&plan[step % per_epoch]);
+        let batch = batch_of(sched.batch(step));
         let (loss, _) = net.forward(&batch).map_err(cerr)?;
         let grads = loss.backward().map_err(cerr)?;
         opt.step(
@@ -587,9 +510,8 @@ pub fn distill_medusa(
         state.loss = l;
         state.step += 1;
         let val = state.val.last().map(|v| fmt(&v.1)).unwrap_or_default();
-        bar.set_message(format!("loss {l:.3}  val acc@1 per head {val}"));
-        bar.inc(1);
-        if state.step % cfg.checkpoint_every.max(1) == 0 || state.step == limit {
+        let msg = format!("loss {l:.3}  val acc@1 per head {val}");
+        if sched.done(state.step, cfg.checkpoint_every, msg) {
             if !val_idx.is_empty() {
                 let (a, l) = validate(&net)?;
                 state.val.push((state.step, a, l));
@@ -597,19 +519,11 @@ pub fn distill_medusa(
             save(&net, &opt, &state)?;
         }
     }
-    bar.finish_and_clear();
-    let ran = state.step - start_step;
-    if ran > 0 {
-        eprintln!(
-            "specd distill: {ran} steps in {:.0} s ({:.2} s/step)",
-            t_train.elapsed().as_secs_f64(),
-            t_train.elapsed().as_secs_f64() / ran as f64
-        );
-    }
+    sched.finish(state.step);
     if !out.join("model.safetensors").exists() {
         save(&net, &opt, &state)?;
     }
-    let sha = sha256_file(&out.join("model.safetensors"))?;
+    let sha = crate::fetch::sha256_file(&out.join("model.safetensors"))?;
     let last = state.val.last().map(|v| fmt(&v.1)).unwrap_or_default();
     eprintln!(
         "specd distill: {}/{} steps, loss {:.3} (first {:.3}), validation acceptance@1 per head {last}; heads in {} (model.safetensors sha256 {sha})",

@@ -27,15 +27,17 @@ pub mod diagnose;
 pub mod draft;
 pub mod eagle;
 pub mod medusa;
+pub mod prompts;
+pub(crate) mod train;
 
 use std::path::Path;
 use std::sync::Arc;
 
 pub use draft::{distill, DistillConfig, State};
 
+use crate::distill::prompts::PromptMix;
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
-use crate::prompts::PromptMix;
 use crate::sampler::SamplingParams;
 use crate::speculative::drafter::Drafter;
 use crate::speculative::driver::{EngineConfig, SyncDriver};
@@ -67,10 +69,12 @@ fn json_err(path: &Path, e: impl std::fmt::Display) -> SpecdError {
 /// (text, chat) pairs.
 fn checked_set(
     what: &str,
-    make: impl FnOnce(&crate::prompts::NgramIndex) -> (Vec<crate::prompts::TrainingPrompt>, usize),
+    make: impl FnOnce(
+        &crate::distill::prompts::NgramIndex,
+    ) -> (Vec<crate::distill::prompts::TrainingPrompt>, usize),
 ) -> Vec<(String, bool)> {
-    let eval = crate::ab::evaluation_texts();
-    let index = crate::prompts::NgramIndex::new(eval.iter().map(String::as_str));
+    let eval = crate::datasets::evaluation_texts();
+    let index = crate::distill::prompts::NgramIndex::new(eval.iter().map(String::as_str));
     let (prompts, dropped) = make(&index);
     eprintln!(
         "specd distill: {} {what}; {dropped} dropped for sharing an 8-gram with Spec-Bench or HumanEval",
@@ -85,7 +89,7 @@ fn checked_set(
 pub fn prompt_set(limit: usize) -> Vec<(String, bool)> {
     checked_set(
         "training prompts (generated instructions and code stubs)",
-        |index| crate::prompts::training_prompts(limit.max(1), 7, index),
+        |index| crate::distill::prompts::training_prompts(limit.max(1), 7, index),
     )
 }
 
@@ -93,7 +97,7 @@ pub fn prompt_set(limit: usize) -> Vec<(String, bool)> {
 pub fn varied_prompt_set(limit: usize) -> Vec<(String, bool)> {
     checked_set(
         "training prompts (instructions, code stubs, role-play, arithmetic, reasoning)",
-        |index| crate::prompts::varied_prompts(limit.max(1), 7, index),
+        |index| crate::distill::prompts::varied_prompts(limit.max(1), 7, index),
     )
 }
 
@@ -101,7 +105,7 @@ pub fn varied_prompt_set(limit: usize) -> Vec<(String, bool)> {
 /// wrote (`prompts::passage_prompts`, about 110 words each).
 pub fn passage_prompt_set(passages: &[String], limit: usize, seed: u64) -> Vec<(String, bool)> {
     checked_set("tasks over passages the target wrote", |index| {
-        crate::prompts::passage_prompts(passages, limit.max(1), 110, seed ^ 0xBA55, index)
+        crate::distill::prompts::passage_prompts(passages, limit.max(1), 110, seed ^ 0xBA55, index)
     })
 }
 
@@ -175,8 +179,9 @@ pub fn training_data_excluding(
     out: &Path,
     exclude: &[String],
 ) -> Result<Vec<Sample>> {
-    let eval = crate::ab::evaluation_texts();
-    let index = crate::prompts::NgramIndex::new(eval.iter().chain(exclude).map(String::as_str));
+    let eval = crate::datasets::evaluation_texts();
+    let index =
+        crate::distill::prompts::NgramIndex::new(eval.iter().chain(exclude).map(String::as_str));
     let overlaps = |s: &Sample| -> Result<bool> {
         let response = tok.decode(s.tokens.get(s.prompt_len..).unwrap_or(&[]), true)?;
         Ok(index.shared_content(&response).is_some())
@@ -309,7 +314,7 @@ struct Generator<'a> {
     cfg: &'a DataConfig,
     bar: &'a indicatif::ProgressBar,
     /// Responses sharing an n-gram with these texts are not kept.
-    evaluation: &'a crate::prompts::NgramIndex,
+    evaluation: &'a crate::distill::prompts::NgramIndex,
     /// Responses dropped for that.
     dropped: usize,
 }

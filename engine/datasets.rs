@@ -14,9 +14,9 @@ use crate::error::{Result, SpecdError};
 pub const SPEC_BENCH_PATH: &str = "benches/data/spec_bench/question.jsonl";
 pub const HUMANEVAL_PATH: &str = "benches/data/humaneval/prompts.jsonl";
 pub const STRUCTURED_PATH: &str = "benches/data/structured/prompts.jsonl";
-const STRUCTURED_JSONL: &str = include_str!("../../benches/data/structured/prompts.jsonl");
-const SPEC_BENCH_JSONL: &str = include_str!("../../benches/data/spec_bench/question.jsonl");
-const HUMANEVAL_JSONL: &str = include_str!("../../benches/data/humaneval/prompts.jsonl");
+const STRUCTURED_JSONL: &str = include_str!("../benches/data/structured/prompts.jsonl");
+const SPEC_BENCH_JSONL: &str = include_str!("../benches/data/spec_bench/question.jsonl");
+const HUMANEVAL_JSONL: &str = include_str!("../benches/data/humaneval/prompts.jsonl");
 
 /// One prompt of a dataset.
 #[derive(Debug, Clone, Serialize, PartialEq)]

@@ -12,7 +12,7 @@
 //!
 //! Invariant: no prompt returned by `training_prompts` shares an 8-gram of
 //! words (lowercased alphanumeric runs) with any Spec-Bench turn or
-//! HumanEval prompt (`ab::evaluation_texts`); candidates that do are
+//! HumanEval prompt (`datasets::evaluation_texts`); candidates that do are
 //! dropped and counted, never used.
 
 use std::collections::HashSet;
@@ -729,7 +729,7 @@ mod tests {
         // Matching short evaluation texts whole must not change the
         // templated prompts the shipped heads were trained on (their
         // reproduce commands stay valid).
-        let eval = crate::ab::evaluation_texts();
+        let eval = crate::datasets::evaluation_texts();
         let full = NgramIndex::new(eval.iter().map(String::as_str));
         let long: Vec<&str> = eval
             .iter()

@@ -1,0 +1,582 @@
+//! The trainers' shared scaffolding (`distill eagle`, `medusa`, `draft`
+//! and `diagnose`): the target's recorded features, the draft vocabulary,
+//! batches, the optimiser and its schedule, checkpoints that resume
+//! exactly, and the step loop's epochs and progress.
+//!
+//! Invariants:
+//! - A checkpoint holds every parameter and both AdamW moments under
+//!   `adam_m.` / `adam_v.`, with the run's state beside it; a resumed run
+//!   continues the same step sequence (epoch `e` is planned with seed
+//!   `seed + e`, whatever step the run resumed at).
+//! - A checkpoint whose tensor shapes do not match the configuration is
+//!   refused by name, never silently re-initialised.
+//! - Features are trained on as the cache holds them (f16), so a resumed
+//!   run sees the same numbers as the run that wrote them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Tensor, Var};
+
+use super::Sample;
+use crate::error::{Result, SpecdError};
+use crate::model::eagle::feature_layers;
+use crate::model::tensor_file::{self, TensorData, TensorFile};
+use crate::model::{ForwardInput, Logits, Model};
+use crate::sampler::Rng;
+
+pub(super) fn cerr(e: candle_core::Error) -> SpecdError {
+    SpecdError::InvalidRequest(format!("distill: {e}"))
+}
+
+fn serr(e: String) -> SpecdError {
+    SpecdError::InvalidRequest(format!("distill: {e}"))
+}
+
+/// Cut every sample to `max_len` tokens (its prompt with it).
+pub(super) fn truncate(samples: &mut [Sample], max_len: usize) {
+    for s in samples {
+        s.tokens.truncate(max_len);
+        s.prompt_len = s.prompt_len.min(s.tokens.len());
+    }
+}
+
+/// Recorded target hidden states of every sample, row per token.
+pub(super) struct Features {
+    /// Hidden index -> `rows x h` (the final-normed state under the
+    /// target's layer count).
+    pub(super) layers: HashMap<usize, Vec<f32>>,
+    /// Target argmax per row (the token the target predicts next).
+    pub(super) argmax: Vec<u32>,
+    /// First row of each sample.
+    pub(super) offsets: Vec<usize>,
+}
+
+impl Features {
+    pub(super) fn layer(&self, l: usize) -> &[f32] {
+        self.layers.get(&l).map(Vec::as_slice).unwrap_or(&[])
+    }
+}
+
+/// The target's greedy token at every position of a features file.
+fn argmax_of(f: &TensorFile) -> Result<Vec<u32>> {
+    Ok(f.i64("argmax")
+        .map_err(serr)?
+        .into_iter()
+        .map(|x| x as u32)
+        .collect())
+}
+
+/// Run every sample through the target once, recording the hidden states
+/// of `layers` (cached at `path`; a cache holding them is reused).
+pub(super) fn extract_features(
+    target: &Model,
+    samples: &[Sample],
+    layers: &[usize],
+    path: &Path,
+) -> Result<Features> {
+    let h = target.config.hidden;
+    let total: usize = samples.iter().map(|s| s.tokens.len()).sum();
+    let mut offsets = Vec::with_capacity(samples.len());
+    let mut acc = 0;
+    for s in samples {
+        offsets.push(acc);
+        acc += s.tokens.len();
+    }
+    if let Ok(f) = TensorFile::read(path) {
+        // The first format: EAGLE-3's three layers side by side, and the
+        // final-normed state.
+        let old = feature_layers(target.config.layers);
+        if f.shape("feats") == Some(&[total, old.len() * h][..])
+            && f.shape("fin") == Some(&[total, h][..])
+        {
+            let feats = f.f32("feats").map_err(serr)?;
+            let mut m: HashMap<usize, Vec<f32>> = HashMap::new();
+            for (li, &l) in old.iter().enumerate() {
+                let mut v = vec![0f32; total * h];
+                for r in 0..total {
+                    let src = r * old.len() * h + li * h;
+                    v[r * h..(r + 1) * h].copy_from_slice(&feats[src..src + h]);
+                }
+                m.insert(l, v);
+            }
+            m.insert(target.config.layers, f.f32("fin").map_err(serr)?);
+            if layers.iter().all(|l| m.contains_key(l)) {
+                eprintln!(
+                    "specd distill: reusing target features from {}",
+                    path.display()
+                );
+                m.retain(|l, _| layers.contains(l));
+                return Ok(Features {
+                    layers: m,
+                    argmax: argmax_of(&f)?,
+                    offsets,
+                });
+            }
+        }
+        if layers
+            .iter()
+            .all(|l| f.shape(&format!("layer.{l}")) == Some(&[total, h][..]))
+        {
+            eprintln!(
+                "specd distill: reusing target features from {}",
+                path.display()
+            );
+            let mut m = HashMap::new();
+            for &l in layers {
+                m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
+            }
+            return Ok(Features {
+                layers: m,
+                argmax: argmax_of(&f)?,
+                offsets,
+            });
+        }
+    }
+    let mut rec: Vec<Vec<f32>> = layers.iter().map(|_| vec![0f32; total * h]).collect();
+    let mut argmax = vec![0u32; total];
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} tokens through the target (features)  {elapsed} elapsed, ~{eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let vocab = target.config.vocab_size;
+    let mut i = 0;
+    while i < samples.len() {
+        // Groups of about 512 tokens: big matmuls, bounded logits memory.
+        let mut j = i;
+        let mut n = 0;
+        while j < samples.len() && (j == i || n + samples[j].tokens.len() <= 512) {
+            n += samples[j].tokens.len();
+            j += 1;
+        }
+        let mut caches: Vec<_> = (i..j).map(|_| target.new_cache()).collect();
+        let mut inputs: Vec<ForwardInput<'_>> = caches
+            .iter_mut()
+            .zip(&samples[i..j])
+            .map(|(cache, s)| ForwardInput {
+                cache,
+                tokens: &s.tokens,
+                logits: Logits::All,
+                tree: None,
+            })
+            .collect();
+        let outs = target.forward(&mut inputs, layers)?;
+        for (k, out) in outs.iter().enumerate() {
+            let s = i + k;
+            let (o, len) = (offsets[s], samples[s].tokens.len());
+            for (li, (_, rows)) in out.hidden.iter().enumerate() {
+                rec[li][o * h..(o + len) * h].copy_from_slice(rows);
+            }
+            for r in 0..len {
+                let row = &out.logits[r * vocab..(r + 1) * vocab];
+                argmax[o + r] = crate::sampler::argmax(row);
+            }
+        }
+        bar.inc(n as u64);
+        i = j;
+    }
+    bar.finish_and_clear();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut tensors: Vec<(String, Vec<usize>, TensorData)> = layers
+        .iter()
+        .zip(rec)
+        .map(|(l, v)| (format!("layer.{l}"), vec![total, h], TensorData::F16(v)))
+        .collect();
+    tensors.push((
+        "argmax".into(),
+        vec![total],
+        TensorData::I64(argmax.iter().map(|&x| i64::from(x)).collect()),
+    ));
+    tensor_file::write(path, &tensors).map_err(serr)?;
+    // Train on what the cache holds (f16), so a resumed run sees the same.
+    let f = TensorFile::read(path).map_err(serr)?;
+    let mut m = HashMap::new();
+    for &l in layers {
+        m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
+    }
+    Ok(Features {
+        layers: m,
+        argmax,
+        offsets,
+    })
+}
+
+/// The `n` most frequent response tokens (EOS ids always in), ascending.
+pub(super) fn choose_draft_vocab(
+    samples: &[Sample],
+    n: usize,
+    vocab: usize,
+    eos: &[u32],
+) -> Vec<u32> {
+    let mut counts = vec![0u64; vocab];
+    for s in samples {
+        for &t in &s.tokens[s.prompt_len..] {
+            if let Some(c) = counts.get_mut(t as usize) {
+                *c += 1;
+            }
+        }
+    }
+    for &e in eos {
+        if let Some(c) = counts.get_mut(e as usize) {
+            *c = u64::MAX;
+        }
+    }
+    let mut ids: Vec<u32> = (0..vocab as u32).collect();
+    ids.sort_by(|a, b| counts[*b as usize].cmp(&counts[*a as usize]).then(a.cmp(b)));
+    ids.truncate(n.min(vocab));
+    ids.sort_unstable();
+    ids
+}
+
+/// A draft vocabulary: the target ids it keeps (ascending), each target
+/// id's draft index (`-1` outside it), and the share of response tokens
+/// it covers.
+pub(super) struct DraftVocab {
+    pub(super) ids: Vec<u32>,
+    pub(super) t2d: Vec<i64>,
+    pub(super) coverage: f64,
+}
+
+/// [`choose_draft_vocab`] with its index and coverage, reported.
+pub(super) fn draft_vocab(samples: &[Sample], n: usize, vocab: usize, eos: &[u32]) -> DraftVocab {
+    let ids = choose_draft_vocab(samples, n, vocab, eos);
+    let mut t2d = vec![-1i64; vocab];
+    for (i, &t) in ids.iter().enumerate() {
+        t2d[t as usize] = i as i64;
+    }
+    let (mut covered, mut all) = (0usize, 0usize);
+    for s in samples {
+        for &t in &s.tokens[s.prompt_len..] {
+            all += 1;
+            covered += usize::from(t2d[t as usize] >= 0);
+        }
+    }
+    let coverage = covered as f64 / all.max(1) as f64;
+    eprintln!(
+        "specd distill: draft vocabulary of {} tokens covers {:.1}% of {all} response tokens",
+        ids.len(),
+        coverage * 100.0
+    );
+    DraftVocab { ids, t2d, coverage }
+}
+
+/// Batches of sample indices: similar lengths together, `batch_tokens`
+/// padded tokens at most, in a seeded random order.
+pub(super) fn plan_batches(
+    samples: &[Sample],
+    idx: &[usize],
+    batch_tokens: usize,
+    max_len: usize,
+    seed: u64,
+) -> Vec<Vec<usize>> {
+    let mut sorted = idx.to_vec();
+    sorted.sort_by_key(|&i| (samples[i].tokens.len(), i));
+    let mut out = Vec::new();
+    let mut cur: Vec<usize> = Vec::new();
+    for i in sorted {
+        let len = samples[i].tokens.len().min(max_len);
+        if !cur.is_empty() && (cur.len() + 1) * len > batch_tokens {
+            out.push(std::mem::take(&mut cur));
+        }
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    let mut rng = Rng::new(seed ^ 0xEA61E);
+    for i in (1..out.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        out.swap(i, j);
+    }
+    out
+}
+
+/// Linear warm-up over `warmup` steps (at most a tenth of the run), then
+/// cosine decay to 5% of `lr`.
+pub(super) fn cosine_lr(lr: f64, warmup: usize, step: usize, steps: usize) -> f64 {
+    let warm = warmup.min(steps / 10).max(1);
+    if step < warm {
+        lr * (step + 1) as f64 / warm as f64
+    } else {
+        let p = (step - warm) as f64 / (steps - warm).max(1) as f64;
+        lr * (0.05 + 0.95 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()))
+    }
+}
+
+/// AdamW whose moments are saved with the checkpoint.
+pub(super) struct AdamW {
+    pub(super) m: HashMap<String, Tensor>,
+    pub(super) v: HashMap<String, Tensor>,
+    pub(super) t: usize,
+}
+
+impl AdamW {
+    const B1: f64 = 0.9;
+    const B2: f64 = 0.95;
+    const WD: f64 = 0.0;
+
+    pub(super) fn new() -> Self {
+        Self {
+            m: HashMap::new(),
+            v: HashMap::new(),
+            t: 0,
+        }
+    }
+
+    /// One update of the parameters `p` from `grads`, their global norm
+    /// clipped to `clip`; returns the norm before clipping.
+    pub(super) fn step<'a>(
+        &mut self,
+        p: impl Iterator<Item = (&'a str, &'a Var)> + Clone,
+        grads: &candle_core::backprop::GradStore,
+        lr: f64,
+        clip: f64,
+    ) -> candle_core::Result<f64> {
+        self.t += 1;
+        let mut sq = 0f64;
+        for (_, var) in p.clone() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                sq += f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?);
+            }
+        }
+        let norm = sq.sqrt();
+        let s = if norm > clip { clip / norm } else { 1.0 };
+        let (b1t, b2t) = (
+            1.0 - Self::B1.powi(self.t as i32),
+            1.0 - Self::B2.powi(self.t as i32),
+        );
+        for (name, var) in p {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let g = (g * s)?;
+            let m = self.m.get(name).cloned().unwrap_or(g.zeros_like()?);
+            let v = self.v.get(name).cloned().unwrap_or(g.zeros_like()?);
+            let m = ((m * Self::B1)? + (&g * (1.0 - Self::B1))?)?;
+            let v = ((v * Self::B2)? + (g.sqr()? * (1.0 - Self::B2))?)?;
+            let upd = ((&m / b1t)? / ((&v / b2t)?.sqrt()? + 1e-8)?)?;
+            let w = var.as_tensor();
+            let next = ((w * (1.0 - lr * Self::WD))? - (upd * lr)?)?;
+            var.set(&next)?;
+            self.m.insert(name.to_string(), m);
+            self.v.insert(name.to_string(), v);
+        }
+        Ok(norm)
+    }
+}
+
+/// A tensor's values as f32, flattened.
+pub(super) fn tensor_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(cerr)
+}
+
+/// Write the head in the EAGLE-3 layout (F16 weights, `d2t`, `t2d`).
+/// A run's checkpoint: `<train>/checkpoint.safetensors` (parameters and
+/// AdamW moments) and `<train>/state.json` (the trainer's state).
+pub(super) struct Checkpoint {
+    pub(super) weights: PathBuf,
+    pub(super) state: PathBuf,
+    dir: PathBuf,
+}
+
+impl Checkpoint {
+    pub(super) fn new(train_dir: &Path) -> Self {
+        Self {
+            weights: train_dir.join("checkpoint.safetensors"),
+            state: train_dir.join("state.json"),
+            dir: train_dir.to_path_buf(),
+        }
+    }
+
+    /// The state and tensors of an interrupted run, if both are there.
+    pub(super) fn resume<S: serde::de::DeserializeOwned>(&self) -> Result<Option<(S, TensorFile)>> {
+        match (
+            std::fs::read_to_string(&self.state),
+            TensorFile::read(&self.weights),
+        ) {
+            (Ok(s), Ok(f)) => Ok(Some((
+                serde_json::from_str(&s)
+                    .map_err(|e| serr(format!("{}: {e}", self.state.display())))?,
+                f,
+            ))),
+            _ => Ok(None),
+        }
+    }
+
+    /// Parameter `name`'s saved values, its AdamW moments restored into
+    /// `opt`; a shape other than `shape` is refused by name.
+    pub(super) fn restore(
+        &self,
+        f: &TensorFile,
+        name: &str,
+        shape: &[usize],
+        opt: &mut AdamW,
+    ) -> Result<Vec<f32>> {
+        if f.shape(name) != Some(shape) {
+            return Err(serr(format!(
+                "{}: tensor `{name}` does not match this configuration (expected shape {shape:?}); delete {} to start over",
+                self.weights.display(),
+                self.dir.display()
+            )));
+        }
+        for (map, pre) in [(&mut opt.m, "adam_m."), (&mut opt.v, "adam_v.")] {
+            let v = f.f32(&format!("{pre}{name}")).map_err(serr)?;
+            map.insert(
+                name.to_string(),
+                Tensor::from_vec(v, shape, &candle_core::Device::Cpu).map_err(cerr)?,
+            );
+        }
+        f.f32(name).map_err(serr)
+    }
+
+    /// Write every parameter (`w` gives its tensor) with its moments, then
+    /// the state.
+    pub(super) fn save<'a, N: AsRef<str>, S: serde::Serialize>(
+        &self,
+        shapes: &[(N, Vec<usize>)],
+        w: impl Fn(&str) -> &'a Tensor,
+        opt: &AdamW,
+        state: &S,
+    ) -> Result<()> {
+        let mut t = Vec::new();
+        for (name, shape) in shapes {
+            let name = name.as_ref();
+            t.push((
+                name.to_string(),
+                shape.clone(),
+                TensorData::F32(tensor_vec(w(name))?),
+            ));
+            for (map, pre) in [(&opt.m, "adam_m."), (&opt.v, "adam_v.")] {
+                let v = match map.get(name) {
+                    Some(x) => tensor_vec(x)?,
+                    None => vec![0.0; shape.iter().product()],
+                };
+                t.push((format!("{pre}{name}"), shape.clone(), TensorData::F32(v)));
+            }
+        }
+        tensor_file::write(&self.weights, &t).map_err(serr)?;
+        std::fs::write(
+            &self.state,
+            serde_json::to_string_pretty(state).unwrap_or_default(),
+        )?;
+        Ok(())
+    }
+}
+
+/// A variable holding `init` in `shape`.
+pub(super) fn var(init: Vec<f32>, shape: &[usize]) -> Result<Var> {
+    let t = Tensor::from_vec(init, shape, &candle_core::Device::Cpu).map_err(cerr)?;
+    Var::from_tensor(&t).map_err(cerr)
+}
+
+/// The step loop's epochs and progress: epoch `e`'s batches are planned
+/// once, with seed `seed + e`; a progress bar from the resumed step; the
+/// run's pace reported at the end.
+pub(super) struct Schedule<'a> {
+    samples: &'a [Sample],
+    train_idx: &'a [usize],
+    batch_tokens: usize,
+    max_len: usize,
+    seed: u64,
+    /// Batches per epoch.
+    pub(super) per_epoch: usize,
+    /// Steps of the whole run.
+    pub(super) steps: usize,
+    /// Where this invocation stops (`stop_after`, or the whole run).
+    pub(super) limit: usize,
+    plans: HashMap<usize, Vec<Vec<usize>>>,
+    bar: indicatif::ProgressBar,
+    start: Option<(usize, std::time::Instant)>,
+}
+
+impl<'a> Schedule<'a> {
+    pub(super) fn new(
+        samples: &'a [Sample],
+        train_idx: &'a [usize],
+        batch_tokens: usize,
+        max_len: usize,
+        seed: u64,
+        epochs: f64,
+        stop_after: usize,
+    ) -> Self {
+        let per_epoch = plan_batches(samples, train_idx, batch_tokens, max_len, 0).len();
+        let steps = ((per_epoch as f64 * epochs).ceil() as usize).max(1);
+        let limit = if stop_after > 0 {
+            steps.min(stop_after)
+        } else {
+            steps
+        };
+        let bar = indicatif::ProgressBar::new(steps as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} step {pos}/{len}  {msg}  {elapsed} elapsed, ~{eta} left",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Self {
+            samples,
+            train_idx,
+            batch_tokens,
+            max_len,
+            seed,
+            per_epoch,
+            steps,
+            limit,
+            plans: HashMap::new(),
+            bar,
+            start: None,
+        }
+    }
+
+    /// The sample indices of step `step`'s batch.
+    pub(super) fn batch(&mut self, step: usize) -> &[usize] {
+        if self.start.is_none() {
+            self.bar.set_position(step as u64);
+            self.start = Some((step, std::time::Instant::now()));
+        }
+        let epoch = step / self.per_epoch;
+        let (samples, idx, bt, ml) = (
+            self.samples,
+            self.train_idx,
+            self.batch_tokens,
+            self.max_len,
+        );
+        let seed = self.seed.wrapping_add(epoch as u64);
+        let plan = self
+            .plans
+            .entry(epoch)
+            .or_insert_with(|| plan_batches(samples, idx, bt, ml, seed));
+        &plan[step % self.per_epoch]
+    }
+
+    /// A step is done (`done` steps in all): show `msg`; whether a
+    /// checkpoint is due (every `every` steps, and at the limit).
+    pub(super) fn done(&self, done: usize, every: usize, msg: String) -> bool {
+        self.bar.set_message(msg);
+        self.bar.inc(1);
+        done.is_multiple_of(every.max(1)) || done == self.limit
+    }
+
+    /// Clear the bar and report the pace of this invocation's steps.
+    pub(super) fn finish(self, done: usize) {
+        self.bar.finish_and_clear();
+        if let Some((start, t)) = self.start {
+            let ran = done.saturating_sub(start);
+            if ran > 0 {
+                eprintln!(
+                    "specd distill: {ran} steps in {:.0} s ({:.2} s/step)",
+                    t.elapsed().as_secs_f64(),
+                    t.elapsed().as_secs_f64() / ran as f64
+                );
+            }
+        }
+    }
+}
