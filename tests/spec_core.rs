@@ -1081,7 +1081,7 @@ impl Proposer for BadProposer {
             })
             .collect())
     }
-    fn observe(&mut self, _: u64, _: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, _: u64, _: &[u32], _: &[usize]) -> Result<(), String> {
         Ok(())
     }
     fn finish(&mut self, _: u64) {}

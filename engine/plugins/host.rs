@@ -141,7 +141,7 @@ impl Host {
                     std::mem::take(&mut self.path),
                 );
                 let p: Vec<usize> = path.iter().map(|&x| x as usize).collect();
-                let res = self.proposer()?.observe_path(seq, &toks, &p);
+                let res = self.proposer()?.observe(seq, &toks, &p);
                 (self.scratch, self.path) = (toks, path);
                 res
             }

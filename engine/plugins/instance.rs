@@ -485,11 +485,7 @@ impl Proposer for PluginProposer {
         Ok(drafts)
     }
 
-    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> std::result::Result<(), String> {
-        self.observe_path(seq, committed, &[])
-    }
-
-    fn observe_path(
+    fn observe(
         &mut self,
         seq: SeqId,
         committed: &[u32],

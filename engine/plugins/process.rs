@@ -830,11 +830,7 @@ impl Proposer for ProcessProposer {
         Ok(out)
     }
 
-    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> std::result::Result<(), String> {
-        self.observe_path(seq, committed, &[])
-    }
-
-    fn observe_path(
+    fn observe(
         &mut self,
         seq: SeqId,
         committed: &[u32],

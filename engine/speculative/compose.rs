@@ -492,16 +492,7 @@ impl Proposer for Compose {
         Ok(out)
     }
 
-    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> Result<(), String> {
-        self.observe_path(seq, committed, &[])
-    }
-
-    fn observe_path(
-        &mut self,
-        seq: SeqId,
-        committed: &[u32],
-        path: &[usize],
-    ) -> Result<(), String> {
+    fn observe(&mut self, seq: SeqId, committed: &[u32], path: &[usize]) -> Result<(), String> {
         let last = self.seqs.get_mut(&seq).and_then(|s| s.last.take());
         if let Some((m, depth)) = last {
             let accepted = committed.len().saturating_sub(1).min(depth);
@@ -517,7 +508,7 @@ impl Proposer for Compose {
                 &[]
             };
             mem.proposer
-                .observe_path(seq, committed, p)
+                .observe(seq, committed, p)
                 .map_err(|e| format!("member `{}`: {e}", mem.name))?;
         }
         Ok(())
@@ -613,7 +604,7 @@ mod tests {
                 })
                 .collect())
         }
-        fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+        fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
             Ok(())
         }
         fn finish(&mut self, _: SeqId) {}
@@ -662,7 +653,7 @@ mod tests {
             let d = c.propose(&[input(1, &[3, 1], &p, &[], 0)]).unwrap();
             assert_eq!(d[0].source.as_deref(), Some("cheap"), "step {step}");
             assert_eq!(d[0].tokens, vec![7; 4]);
-            c.observe_path(1, &[7, 7, 7, 7, 2], &[0, 1, 2, 3]).unwrap();
+            c.observe(1, &[7, 7, 7, 7, 2], &[0, 1, 2, 3]).unwrap();
         }
         // No match: the dear member drafts.
         let d = c.propose(&[input(1, &[3, 5], &p, &[], 0)]).unwrap();
@@ -672,9 +663,9 @@ mod tests {
         for _ in 0..6 {
             let d = c.propose(&[input(2, &[3, 1], &p, &[], 0)]).unwrap();
             if d[0].source.as_deref() == Some("dear") {
-                c.observe_path(2, &[9, 9, 9, 4], &[0, 1, 2]).unwrap();
+                c.observe(2, &[9, 9, 9, 4], &[0, 1, 2]).unwrap();
             } else {
-                c.observe_path(2, &[4], &[]).unwrap();
+                c.observe(2, &[4], &[]).unwrap();
             }
         }
         let d = c.propose(&[input(2, &[3, 1], &p, &[], 0)]).unwrap();
@@ -697,7 +688,7 @@ mod tests {
         for _ in 0..steps {
             let d = c.propose(&[input(1, &[1, 2], &p, &[], 0)]).unwrap();
             assert_eq!(d[0].source.as_deref(), Some("cheap"));
-            c.observe_path(1, &[7, 7, 3], &[0, 1]).unwrap();
+            c.observe(1, &[7, 7, 3], &[0, 1]).unwrap();
         }
         // A fixed probe every 8th step would ask it 50 times.
         let n = asked.load(std::sync::atomic::Ordering::Relaxed);
@@ -729,7 +720,7 @@ mod tests {
             )];
             let d = c.propose(&[input(1, &[1, 2], &p, &hidden, pos)]).unwrap();
             assert_eq!(d[0].source.as_deref(), Some("cheap"));
-            c.observe_path(1, &[7, 7], &[0]).unwrap();
+            c.observe(1, &[7, 7], &[0]).unwrap();
             pos += n;
             // Rows pile up for the member, but never past the flush size.
             let pending = pos - seen.lock().unwrap().len();
@@ -762,7 +753,7 @@ mod tests {
             fn propose(&mut self, b: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
                 Ok(b.iter().map(|_| Draft::default()).collect())
             }
-            fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+            fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
                 Ok(())
             }
             fn finish(&mut self, _: SeqId) {}

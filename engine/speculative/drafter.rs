@@ -530,7 +530,7 @@ impl Drafter {
             sh.settle(seq, false);
             if sh.slot.poisoned.is_none() {
                 let r = catch_unwind(AssertUnwindSafe(|| {
-                    sh.slot.proposer.observe(seq, committed)
+                    sh.slot.proposer.observe(seq, committed, &[])
                 }));
                 if let Some(why) = failure("observe", r) {
                     Self::poison(&mut sh.slot, &sh.name, why);
@@ -547,7 +547,7 @@ impl Drafter {
             return;
         }
         let r = catch_unwind(AssertUnwindSafe(|| {
-            slot.proposer.observe_path(seq, committed, path)
+            slot.proposer.observe(seq, committed, path)
         }));
         if let Some(why) = failure("observe", r) {
             Self::poison(slot, &name, why);
@@ -630,7 +630,7 @@ mod tests {
                 })
                 .collect())
         }
-        fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+        fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
             Ok(())
         }
         fn finish(&mut self, _: SeqId) {}
@@ -736,7 +736,7 @@ mod tests {
                 })
                 .collect()
         }
-        fn observe(&mut self, seq: SeqId, _: &[u32]) -> Result<(), String> {
+        fn observe(&mut self, seq: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
             match self.started.contains(&seq) {
                 true => Ok(()),
                 false => Err(format!("observe for unknown sequence {seq}")),

@@ -213,19 +213,10 @@ pub trait Proposer: Send {
     fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String>;
     /// Draft for every sequence in `batch` in one call.
     fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String>;
-    /// Tokens committed for `seq` by the last step.
-    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> Result<(), String>;
-    /// Tokens committed by the last step and the accepted path through its
-    /// draft (node indices, root first). Defaults to `observe`.
-    fn observe_path(
-        &mut self,
-        seq: SeqId,
-        committed: &[u32],
-        path: &[usize],
-    ) -> Result<(), String> {
-        let _ = path;
-        self.observe(seq, committed)
-    }
+    /// Tokens committed for `seq` by the last step, and the accepted path
+    /// through its draft (node indices, root first; empty when the step
+    /// had no draft of this proposer's).
+    fn observe(&mut self, seq: SeqId, committed: &[u32], path: &[usize]) -> Result<(), String>;
     fn finish(&mut self, seq: SeqId);
 }
 
@@ -255,16 +246,8 @@ impl Proposer for Priced {
     fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
         self.inner.propose(batch)
     }
-    fn observe(&mut self, seq: SeqId, committed: &[u32]) -> Result<(), String> {
-        self.inner.observe(seq, committed)
-    }
-    fn observe_path(
-        &mut self,
-        seq: SeqId,
-        committed: &[u32],
-        path: &[usize],
-    ) -> Result<(), String> {
-        self.inner.observe_path(seq, committed, path)
+    fn observe(&mut self, seq: SeqId, committed: &[u32], path: &[usize]) -> Result<(), String> {
+        self.inner.observe(seq, committed, path)
     }
     fn finish(&mut self, seq: SeqId) {
         self.inner.finish(seq)

@@ -395,7 +395,7 @@ impl Proposer for OracleProposer {
         }
         Ok(out)
     }
-    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
         Ok(())
     }
     fn finish(&mut self, seq: SeqId) {
@@ -463,7 +463,7 @@ impl Proposer for RandomProposer {
         }
         Ok(out)
     }
-    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
         Ok(())
     }
     fn finish(&mut self, _: SeqId) {}
@@ -505,7 +505,7 @@ impl Proposer for PanickyProposer {
             })
             .collect())
     }
-    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
         Ok(())
     }
     fn finish(&mut self, _: SeqId) {}
@@ -1241,7 +1241,7 @@ impl Proposer for TreeProposer {
         }
         Ok(out)
     }
-    fn observe(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+    fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
         Ok(())
     }
     fn finish(&mut self, seq: SeqId) {

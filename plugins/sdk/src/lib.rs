@@ -74,6 +74,30 @@ pub enum Siblings {
     WithoutReplacement,
 }
 
+/// Draw one sibling without replacement: remove and return an entry of
+/// `left` (token, weight) chosen in proportion to its weight, with `u` a
+/// uniform draw in [0, 1). Calling it again on what is left draws the next
+/// sibling from q renormalised without the earlier ones, which is what
+/// [`Siblings::WithoutReplacement`] declares to the host. `None` when
+/// `left` is empty.
+pub fn take_without_replacement(left: &mut Vec<(u32, f32)>, u: f64) -> Option<(u32, f32)> {
+    if left.is_empty() {
+        return None;
+    }
+    let z: f64 = left.iter().map(|(_, p)| f64::from(*p)).sum();
+    let target = u * z;
+    let mut cum = 0f64;
+    let mut pick = left.len() - 1;
+    for (j, (_, p)) in left.iter().enumerate() {
+        cum += f64::from(*p);
+        if target < cum {
+            pick = j;
+            break;
+        }
+    }
+    Some(left.remove(pick))
+}
+
 /// What the proposer needs and produces.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Caps {
@@ -436,4 +460,43 @@ macro_rules! export_proposer {
             .unwrap_or(::core::ptr::null())
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_without_replacement;
+
+    #[test]
+    fn draws_follow_the_weights_and_never_repeat() {
+        let q = vec![(7u32, 0.5f32), (3, 0.3), (9, 0.2)];
+        // Where u falls in the cumulative weights picks the entry.
+        for (u, want) in [
+            (0.0, 7),
+            (0.49, 7),
+            (0.5, 3),
+            (0.79, 3),
+            (0.8, 9),
+            (0.999, 9),
+        ] {
+            let mut left = q.clone();
+            assert_eq!(
+                take_without_replacement(&mut left, u).map(|x| x.0),
+                Some(want)
+            );
+            assert_eq!(left.len(), 2);
+        }
+        // The second draw renormalises over what is left: with 7 gone,
+        // 3 holds 0.3 / 0.5 of the mass.
+        let mut left = q.clone();
+        take_without_replacement(&mut left, 0.1);
+        assert_eq!(
+            take_without_replacement(&mut left, 0.59).map(|x| x.0),
+            Some(3)
+        );
+        assert_eq!(
+            take_without_replacement(&mut left, 0.61).map(|x| x.0),
+            Some(9)
+        );
+        assert_eq!(take_without_replacement(&mut left, 0.5), None);
+    }
 }

@@ -46,7 +46,9 @@
 
 use specd_model::eagle::{Head, KvStore, Src, Variant};
 use specd_model::sampler::{self, Rng, SamplingParams};
-use specd_plugin_sdk::{abi, Caps, Host, Options, Proposal, SeqView, Siblings, Q};
+use specd_plugin_sdk::{
+    abi, take_without_replacement, Caps, Host, Options, Proposal, SeqView, Siblings, Q,
+};
 use std::collections::HashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -496,18 +498,9 @@ impl Eagle {
             let q = Q::Sparse(left.clone());
             let mut out = Vec::new();
             for _ in 0..k.min(left.len()) {
-                let z: f64 = left.iter().map(|(_, p)| f64::from(*p)).sum();
-                let u = rng.next_f64() * z;
-                let mut cum = 0f64;
-                let mut pick = left.len() - 1;
-                for (j, (_, p)) in left.iter().enumerate() {
-                    cum += f64::from(*p);
-                    if u < cum {
-                        pick = j;
-                        break;
-                    }
-                }
-                let (t, p) = left.remove(pick);
+                let Some((t, p)) = take_without_replacement(&mut left, rng.next_f64()) else {
+                    break;
+                };
                 out.push((t, p.max(1e-30).ln()));
             }
             if self.gate_drawn {

@@ -1,20 +1,19 @@
 //! EAGLE draft heads as a proposer plugin: the head reads the target's own
 //! features (EAGLE-3: three layers fused; EAGLE-1: the final-normed state)
-//! and drafts chains or dynamic trees (EAGLE-2); see `drafter` for how.
+//! and drafts chains or dynamic trees (EAGLE-2); see `specd_eagle_core`
+//! (shared with the `mtp` plugin) for how.
 //!
 //! Options: `head` (directory with config.json + *.safetensors; default:
 //! the head built into the plugin for SmolLM2-135M-Instruct) and the
 //! drafting options (`DRAFT_OPTIONS`).
-//!
-//! `drafter.rs` holds no plugin export, so the `mtp` plugin compiles the
-//! same file as its own module (a dependency on this crate would bring a
-//! second `specd_proposer_entry` into its library).
-
-mod drafter;
 
 use std::path::PathBuf;
 
-pub use drafter::{Eagle, Mode, DRAFT_OPTIONS};
+pub use specd_eagle_core::{Eagle, Mode, DRAFT_OPTIONS};
+
+/// The plugin: EAGLE's drafting over a head from `head` (or the built-in
+/// one).
+pub struct EaglePlugin(pub Eagle);
 use specd_model::eagle::Head;
 use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
@@ -51,7 +50,7 @@ fn load_head(o: &Options, host: &Host) -> Result<Head, String> {
     Head::load(&path, host.hidden_size(), host.vocab_size(), layers)
 }
 
-impl Plugin for Eagle {
+impl Plugin for EaglePlugin {
     const NAME: &'static str = "eagle";
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
@@ -64,19 +63,19 @@ impl Plugin for Eagle {
         known.push("head");
         o.reject_unknown(&known)?;
         let head = load_head(o, &host)?;
-        Eagle::create_with(o, host, head)
+        Eagle::create_with(o, host, head).map(Self)
     }
 
     fn capabilities(&self) -> Caps {
-        self.caps()
+        self.0.caps()
     }
 
     fn start(&mut self, seq: u64, _tokens: &[u32]) -> Result<(), String> {
-        self.start_seq(seq)
+        self.0.start_seq(seq)
     }
 
     fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
-        self.propose_batch(batch)
+        self.0.propose_batch(batch)
     }
 
     fn observe(&mut self, _seq: u64, _tokens: &[u32], _path: &[u32]) -> Result<(), String> {
@@ -84,9 +83,9 @@ impl Plugin for Eagle {
     }
 
     fn finish(&mut self, seq: u64) {
-        self.finish_seq(seq)
+        self.0.finish_seq(seq)
     }
 }
 
 #[cfg(feature = "plugin")]
-specd_plugin_sdk::export_proposer!(Eagle);
+specd_plugin_sdk::export_proposer!(EaglePlugin);

@@ -36,7 +36,9 @@ use std::path::PathBuf;
 
 use specd_model::medusa::MedusaHead;
 use specd_model::sampler::{self, Rng, SamplingParams};
-use specd_plugin_sdk::{abi, Caps, Host, Options, Plugin, Proposal, SeqView, Siblings, Q};
+use specd_plugin_sdk::{
+    abi, take_without_replacement, Caps, Host, Options, Plugin, Proposal, SeqView, Siblings, Q,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -277,25 +279,14 @@ impl Medusa {
                     if left.is_empty() {
                         break;
                     }
-                    let pick = if self.top_tokens_sampled {
-                        0
+                    let t = if self.top_tokens_sampled {
+                        left.remove(0).0
                     } else {
                         // Without replacement: from q renormalised
                         // without the earlier siblings.
-                        let z: f64 = left.iter().map(|(_, p)| f64::from(*p)).sum();
-                        let u = rng.next_f64() * z;
-                        let mut cum = 0f64;
-                        let mut pick = left.len() - 1;
-                        for (k, (_, p)) in left.iter().enumerate() {
-                            cum += f64::from(*p);
-                            if u < cum {
-                                pick = k;
-                                break;
-                            }
-                        }
-                        pick
+                        take_without_replacement(&mut left, rng.next_f64()).map_or(0, |x| x.0)
                     };
-                    token[kid] = Some(left.remove(pick).0);
+                    token[kid] = Some(t);
                     q_of[kid] = if j == 0 {
                         Q::Sparse(q.clone())
                     } else {

@@ -5,7 +5,7 @@
 //! distill` wrote, drafts from the target's final-normed state. One
 //! module chains for several tokens (its output is the next depth's
 //! state); drafts are chains or trees exactly as the eagle plugin builds
-//! them (it is linked as a library), so the same losslessness guarantees
+//! them (`specd_eagle_core`), so the same losslessness guarantees
 //! hold: every token is drawn from the q reported for it, and sampled
 //! trees never prune by drawn values.
 //!
@@ -21,12 +21,7 @@ use std::path::PathBuf;
 use specd_model::mtp::{load_mtp, load_mtp_bytes};
 use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
-// The eagle plugin's drafting machinery, compiled in (it exports nothing).
-#[path = "../../eagle/src/drafter.rs"]
-#[allow(dead_code)]
-mod drafter;
-
-use drafter::{Eagle, DRAFT_OPTIONS};
+use specd_eagle_core::{Eagle, DRAFT_OPTIONS};
 
 pub struct Mtp(Eagle);
 
