@@ -12,8 +12,8 @@ mod common;
 
 use std::time::Instant;
 
-use specd::generate::generate;
 use specd::model::{load_model, Logits};
+use specd::plain::generate;
 use specd::speculative::Request;
 use specd::structured::{ConstraintSpec, Grammars};
 use specd::tokenizer::{ChatMessage, Tokenizer};

@@ -146,7 +146,7 @@ fn run_once(
         for r in 0..spec.background_requests {
             for p in 0..spec.background_prompts {
                 let salt = 1000 + (r * spec.background_prompts + p) as u64;
-                let prompt = crate::bench::tokens(spec.background_len, vocab, salt);
+                let prompt = crate::bench_model::tokens(spec.background_len, vocab, salt);
                 arrivals.push((Duration::ZERO, proto(prompt, spec.background_tokens), false));
             }
         }

@@ -186,20 +186,7 @@ pub struct ReloadPlan {
     pub not_applied: Vec<String>,
 }
 
-/// Where a plugin runs.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Isolation {
-    #[default]
-    None,
-    Process,
-}
-
-impl Isolation {
-    pub fn is_none(&self) -> bool {
-        *self == Isolation::None
-    }
-}
+pub use crate::speculative::proposer::Isolation;
 
 /// Default `propose_timeout_ms`.
 pub const DEFAULT_PROPOSE_TIMEOUT_MS: u64 = 1000;

@@ -3,13 +3,13 @@
 //! See ARCHITECTURE.md for the map of modules and their invariants.
 
 pub mod ab;
-pub mod bench;
 pub mod bench_load;
+pub mod bench_model;
 pub mod config;
 pub mod datasets;
 pub mod distill;
 pub mod fetch;
-pub mod generate;
+pub mod plain;
 pub mod plugins;
 pub mod server;
 pub mod speculative;

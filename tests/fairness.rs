@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use common::{OracleProposer, TempDir, TINY};
-use specd::generate::generate;
 use specd::model::{load_model, Model};
+use specd::plain::generate;
 use specd::sampler::SamplingParams;
 use specd::speculative::drafter::Drafter;
 use specd::speculative::driver::{EngineConfig, SyncDriver};

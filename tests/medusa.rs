@@ -17,10 +17,10 @@ use specd::config::Config;
 use specd::distill::medusa::{
     distill_medusa, reference_logits, target_head_rows, MedusaState, MedusaTrainConfig,
 };
-use specd::generate::generate;
 use specd::model::medusa::{MedusaHead, Output};
 use specd::model::tensor_file::{self, TensorData, TensorFile};
 use specd::model::{load_model, Logits, Model};
+use specd::plain::generate;
 use specd::sampler::SamplingParams;
 use specd::speculative::Request;
 use specd::tokenizer::Tokenizer;

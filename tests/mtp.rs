@@ -16,11 +16,11 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TinySpec, TINY};
 use specd::config::Config;
-use specd::generate::generate;
 use specd::model::eagle::{Src, Variant};
 use specd::model::load_model;
 use specd::model::mtp::load_mtp;
 use specd::model::tensor_file::{self, TensorData};
+use specd::plain::generate;
 use specd::sampler::SamplingParams;
 use specd::speculative::Request;
 

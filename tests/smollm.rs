@@ -195,7 +195,7 @@ fn stop_string_ends_generation_and_is_not_emitted() {
     let tok = Tokenizer::for_model(&path).unwrap();
     let model = load_model(&path, 2).unwrap();
     let prompt = tok.encode("def add(a, b):", false).unwrap();
-    let base = specd::generate::generate(
+    let base = specd::plain::generate(
         &model,
         Some(&tok),
         &specd::speculative::Request::greedy(prompt.clone(), 24),
@@ -208,8 +208,7 @@ fn stop_string_ends_generation_and_is_not_emitted() {
     let mut req = specd::speculative::Request::greedy(prompt, 24);
     req.stop = vec![needle.clone()];
     let mut streamed = String::new();
-    let out =
-        specd::generate::generate(&model, Some(&tok), &req, |t| streamed.push_str(t)).unwrap();
+    let out = specd::plain::generate(&model, Some(&tok), &req, |t| streamed.push_str(t)).unwrap();
     assert_eq!(out.finish, specd::sampler::FinishReason::Stop);
     assert_eq!(streamed, out.text);
     let cut = base.text.find(&needle).unwrap();

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use common::{OracleProposer, PanickyProposer, RandomProposer, TempDir, TinySpec, TINY};
-use specd::generate::generate;
 use specd::model::{load_model, Model};
+use specd::plain::generate;
 use specd::sampler::{FinishReason, SamplingParams};
 use specd::speculative::accept::Acceptance;
 use specd::speculative::drafter::Drafter;

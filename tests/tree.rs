@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use common::{OracleProposer, TempDir, TinySpec, TreeMode, TreeProposer, TINY};
-use specd::generate::generate;
 use specd::model::{load_model, ForwardInput, Logits, Model, TreeMask};
+use specd::plain::generate;
 use specd::sampler::SamplingParams;
 use specd::speculative::accept::Acceptance;
 use specd::speculative::drafter::Drafter;

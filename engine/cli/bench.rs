@@ -56,12 +56,12 @@ pub struct BenchArgs {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     let (path, model) = a.model.load()?;
-    let b = specd::bench::bench_model(
+    let b = specd::bench_model::bench_model(
         &model, a.prefill, a.decode, a.context, &a.ks, &a.trees, a.reps, a.cold,
     )?;
     let model = std::sync::Arc::new(model);
     let prefix = match a.prefix_cache {
-        Some(n) => Some(specd::bench::bench_prefix_cache(&model, n, 5)?),
+        Some(n) => Some(specd::bench_model::bench_prefix_cache(&model, n, 5)?),
         None => None,
     };
     let sampled = match a.temperature {
@@ -111,17 +111,17 @@ fn sampled_decode(
     path: &std::path::Path,
     model: std::sync::Arc<specd::model::Model>,
     temperature: f32,
-) -> Result<Vec<specd::bench::SamplingBench>> {
+) -> Result<Vec<specd::bench_model::SamplingBench>> {
     let cfg = super::load_config(&a.config)?;
     let tok = specd::tokenizer::Tokenizer::for_model(path).ok();
     let text = "Write a Python function that returns the n-th Fibonacci number, then explain how it works step by step.";
     let prompt = match &tok {
         Some(t) => super::encode_prompt(t, text, true)?,
-        None => specd::bench::tokens(24, model.config.vocab_size, 5),
+        None => specd::bench_model::tokens(24, model.config.vocab_size, 5),
     };
     let tok = tok.map(std::sync::Arc::new);
     let make = || cfg.build_drafter(&model, tok.clone());
-    Ok(specd::bench::bench_sampling(
+    Ok(specd::bench_model::bench_sampling(
         &model,
         &make,
         &a.proposers,
@@ -133,7 +133,7 @@ fn sampled_decode(
     )?)
 }
 
-fn print_model(path: &std::path::Path, b: &specd::bench::ModelBench) {
+fn print_model(path: &std::path::Path, b: &specd::bench_model::ModelBench) {
     println!(
         "model: {}  threads: {}  kernels: {}",
         path.display(),

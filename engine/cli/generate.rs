@@ -9,8 +9,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use specd::generate::generate;
 use specd::model::Model;
+use specd::plain::generate;
 use specd::sampler::SamplingParams;
 use specd::speculative::actors::{EngineHandle, EngineParts};
 use specd::speculative::drafter::Drafter;

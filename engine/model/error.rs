@@ -19,6 +19,11 @@ pub enum SpecdError {
     Tokenizer(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A request field out of range or malformed: `field` names it as the
+    /// API spells it (what an HTTP error's `param` reports), `msg` says why
+    /// (and starts with the field's name).
+    #[error("invalid request: {msg}")]
+    InvalidField { field: &'static str, msg: String },
     #[error("overloaded: {0} requests already waiting")]
     Overloaded(usize),
     #[error("engine stopped")]
@@ -36,6 +41,14 @@ pub enum SpecdError {
 pub type Result<T, E = SpecdError> = std::result::Result<T, E>;
 
 impl SpecdError {
+    /// `field` is invalid: `"{field}: {why}"`.
+    pub fn invalid_field(field: &'static str, why: impl std::fmt::Display) -> Self {
+        Self::InvalidField {
+            field,
+            msg: format!("{field}: {why}"),
+        }
+    }
+
     pub(crate) fn bad_model(path: &std::path::Path, reason: impl std::fmt::Display) -> Self {
         Self::BadModel {
             path: path.to_path_buf(),

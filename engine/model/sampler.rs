@@ -82,7 +82,7 @@ impl SamplingParams {
 
     /// Reject out-of-range values, naming the field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |f: &str, why: &str| Err(SpecdError::InvalidRequest(format!("{f}: {why}")));
+        let bad = |f: &'static str, why: &str| Err(SpecdError::invalid_field(f, why));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature", "must be a finite number >= 0");
         }

@@ -514,9 +514,10 @@ impl Tokenizer {
         // `raise_exception`, e.g. roles that do not alternate) is the
         // request's fault; one that does not compile is the deployment's.
         .map_err(|e| {
-            SpecdError::InvalidRequest(format!(
-                "messages: the model's chat template refused them: {e}"
-            ))
+            SpecdError::invalid_field(
+                "messages",
+                format!("the model's chat template refused them: {e}"),
+            )
         })
     }
 }
@@ -611,7 +612,16 @@ mod tests {
         assert!(t.encode_chat(&[m("a")], true, false).is_ok());
         for trusted in [false, true] {
             let e = t.encode_chat(&[m("a"), m("b")], true, trusted).unwrap_err();
-            assert!(matches!(e, SpecdError::InvalidRequest(_)), "{e:?}");
+            assert!(
+                matches!(
+                    e,
+                    SpecdError::InvalidField {
+                        field: "messages",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
             assert!(e.to_string().contains("one message only"), "{e}");
         }
         // A template that does not compile is the deployment's.

@@ -294,8 +294,6 @@ impl Proposer for PluginProposer {
             version: self.lib.version.clone(),
             build_id: self.lib.build_id.clone(),
             path: Some(self.lib.path.display().to_string()),
-            isolation: "none".into(),
-            state: "healthy".into(),
             ..ProposerInfo::default()
         }
     }

@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use super::instance::TargetDims;
 use super::wire::{self, Reader, Writer};
 use crate::error::{Result, SpecdError};
-use crate::speculative::proposer::{Capabilities, Draft, ProposeInput, Proposer, ProposerInfo};
+use crate::speculative::proposer::{
+    Capabilities, Draft, Isolation, ProposeInput, Proposer, ProposerInfo, ProposerState,
+};
 use crate::speculative::SeqId;
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
@@ -363,7 +365,7 @@ impl ProcessProposer {
         );
         metrics::gauge!("specd_proposer_up", "proposer" => name).set(0.0);
         self.info.last_failure = Some(why);
-        self.info.state = "restarting".into();
+        self.info.state = ProposerState::Restarting;
         self.info.pid = None;
         self.conn = Conn::Down {
             until: now + self.backoff,
@@ -537,7 +539,7 @@ impl ProcessProposer {
         let recovery = self.outage.take().map(|t| now - t);
         self.info.last_start_ms = Some((now - spawned).as_secs_f64() * 1e3);
         self.info.pid = info.pid;
-        self.info.state = "healthy".into();
+        self.info.state = ProposerState::Healthy;
         self.info.restarts += 1;
         self.info.last_recovery_ms = recovery.map(|d| d.as_secs_f64() * 1e3);
         metrics::counter!("specd_proposer_restarts_total", "proposer" => self.spec.name.clone())
@@ -655,8 +657,7 @@ fn parse_init(reply: &[u8]) -> std::result::Result<(Capabilities, ProposerInfo),
         version: r.str().map_err(proto)?,
         build_id: r.str().map_err(proto)?,
         pid: Some(r.u32().map_err(proto)?),
-        isolation: "process".into(),
-        state: "healthy".into(),
+        isolation: Isolation::Process,
         ..ProposerInfo::default()
     };
     Ok((caps, info))

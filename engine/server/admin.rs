@@ -14,8 +14,8 @@ use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::json;
 
+use super::auth::check_auth;
 use super::errors::ApiError;
-use super::routes::check_auth;
 use super::AppState;
 use crate::config::Config;
 use crate::speculative::drafter::ProposerSet;

@@ -103,27 +103,11 @@ impl From<SpecdError> for ApiError {
                 code: Some("context_length_exceeded"),
                 ..Self::bad_field("max_tokens", e.to_string())
             },
-            SpecdError::InvalidRequest(m) => {
-                let param = [
-                    "temperature",
-                    "top_p",
-                    "top_k",
-                    "min_p",
-                    "presence_penalty",
-                    "frequency_penalty",
-                    "repetition_penalty",
-                    "prompt",
-                    "max_tokens",
-                    "proposer",
-                    "messages",
-                ]
-                .into_iter()
-                .find(|p| m.contains(p));
-                Self {
-                    param: param.map(str::to_string),
-                    ..Self::bad_field("", m.clone())
-                }
-            }
+            SpecdError::InvalidField { field, msg } => Self::bad_field(field, msg.clone()),
+            SpecdError::InvalidRequest(m) => Self {
+                param: None,
+                ..Self::bad_field("", m.clone())
+            },
             SpecdError::EngineStopped => Self::status(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",

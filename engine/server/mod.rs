@@ -31,6 +31,7 @@ use crate::speculative::actors::EngineHandle;
 use crate::tokenizer::Tokenizer;
 
 pub mod admin;
+mod auth;
 pub mod constraints;
 pub mod errors;
 pub mod limits;

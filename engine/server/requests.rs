@@ -19,7 +19,6 @@ use serde_json::Value;
 
 use super::errors::ApiError;
 use super::AppState;
-use crate::error::SpecdError;
 use crate::sampler::SamplingParams;
 use crate::speculative::Request;
 use crate::tokenizer::ChatMessage;
@@ -678,14 +677,7 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         seed: c.seed.map(|s| s.0).unwrap_or_else(rand_seed),
         logit_bias: logit_bias(c.logit_bias.as_ref(), st.vocab())?,
     };
-    params.validate().map_err(|e| {
-        let msg = match e {
-            SpecdError::InvalidRequest(m) => m,
-            other => other.to_string(),
-        };
-        let field = msg.split(':').next().unwrap_or("").trim().to_string();
-        ApiError::bad_field(&field, msg)
-    })?;
+    params.validate().map_err(ApiError::from)?;
     let stop = match c.stop {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s],

@@ -8,6 +8,7 @@ use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
 use serde_json::{json, Map, Value};
 
+use super::auth::check_auth;
 use super::errors::ApiError;
 use super::requests::{self, ChatBody, Common, CompletionBody, Parsed};
 use super::sse::{AbortGuard, Echo, Kind, Shape, SseStream};
@@ -23,29 +24,6 @@ fn now() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
-}
-
-pub(super) fn check_auth(req: &HttpRequest, st: &AppState) -> Result<(), ApiError> {
-    if st.api_keys.is_empty() {
-        return Ok(());
-    }
-    let got = req
-        .headers()
-        .get("authorization")
-        .and_then(|h| h.to_str().ok())
-        .and_then(|h| h.strip_prefix("Bearer "));
-    if got.is_some_and(|g| st.api_keys.iter().any(|k| k == g)) {
-        Ok(())
-    } else {
-        Err(ApiError {
-            code: Some("invalid_api_key"),
-            ..ApiError::status(
-                StatusCode::UNAUTHORIZED,
-                "authentication_error",
-                "missing or invalid API key",
-            )
-        })
-    }
 }
 
 async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {

@@ -353,16 +353,20 @@ impl Proposer for Compose {
     fn info(&self) -> super::proposer::ProposerInfo {
         let members: Vec<_> = self.members.iter().map(|m| m.proposer.info()).collect();
         let names: Vec<&str> = self.members.iter().map(|m| m.name.as_str()).collect();
-        let isolated = members.iter().any(|i| i.isolation == "process");
+        use super::proposer::{Isolation, ProposerState};
+        let isolated = members.iter().any(|i| i.isolation == Isolation::Process);
         super::proposer::ProposerInfo {
             plugin: format!("compose({})", names.join(", ")),
-            isolation: if isolated { "process" } else { "none" }.into(),
-            state: if members.iter().any(|i| i.state != "healthy") {
-                "restarting"
+            isolation: if isolated {
+                Isolation::Process
             } else {
-                "healthy"
-            }
-            .into(),
+                Isolation::None
+            },
+            state: if members.iter().any(|i| i.state != ProposerState::Healthy) {
+                ProposerState::Restarting
+            } else {
+                ProposerState::Healthy
+            },
             restarts: members.iter().map(|i| i.restarts).sum(),
             crashes: members.iter().map(|i| i.crashes).sum(),
             timeouts: members.iter().map(|i| i.timeouts).sum(),

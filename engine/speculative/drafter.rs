@@ -274,7 +274,7 @@ impl Drafter {
         let row = |name: &str, role, slot: &Slot, live| {
             let mut info = slot.proposer.info();
             if slot.poisoned.is_some() {
-                info.state = "poisoned".into();
+                info.state = super::proposer::ProposerState::Poisoned;
             }
             ProposerListing {
                 name: name.to_string(),

@@ -88,21 +88,26 @@ impl Request {
         use crate::error::SpecdError;
         self.params.validate()?;
         if self.prompt.is_empty() {
-            return Err(SpecdError::InvalidRequest("prompt is empty".into()));
+            return Err(SpecdError::InvalidField {
+                field: "prompt",
+                msg: "prompt is empty".into(),
+            });
         }
         if self.max_tokens == 0 {
-            return Err(SpecdError::InvalidRequest(
-                "max_tokens must be at least 1".into(),
-            ));
+            return Err(SpecdError::InvalidField {
+                field: "max_tokens",
+                msg: "max_tokens must be at least 1".into(),
+            });
         }
         if self
             .logprobs
             .or(self.prompt_logprobs)
             .is_some_and(|k| k > MAX_TOP_LOGPROBS)
         {
-            return Err(SpecdError::InvalidRequest(format!(
-                "top_logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token"
-            )));
+            return Err(SpecdError::invalid_field(
+                "top_logprobs",
+                format!("at most {MAX_TOP_LOGPROBS} alternatives per token"),
+            ));
         }
         let needed = self.prompt.len().saturating_add(self.max_tokens);
         if needed > max_seq_len {

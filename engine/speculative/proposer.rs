@@ -167,6 +167,35 @@ pub struct ProposeInput<'a> {
     pub hidden_start: usize,
 }
 
+/// Where a plugin runs (`[[proposer]] isolation`).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// In the daemon's process.
+    #[default]
+    None,
+    /// In a `specd plugin-host` child.
+    Process,
+}
+
+impl Isolation {
+    pub fn is_none(&self) -> bool {
+        *self == Isolation::None
+    }
+}
+
+/// A proposer instance's health, as the admin listing shows it.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ProposerState {
+    #[default]
+    Healthy,
+    /// A plugin-host child is being replaced.
+    Restarting,
+    /// It failed and serves no drafts until a reload.
+    Poisoned,
+}
+
 /// What the admin listing (`GET /v1/admin/proposers`) says about a
 /// proposer instance.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -177,10 +206,8 @@ pub struct ProposerInfo {
     pub build_id: String,
     /// The library it was loaded from.
     pub path: Option<String>,
-    /// `none` (in the daemon's process) or `process` (a plugin-host child).
-    pub isolation: String,
-    /// `healthy`, `restarting` (a child is being replaced) or `poisoned`.
-    pub state: String,
+    pub isolation: Isolation,
+    pub state: ProposerState,
     /// The plugin host's process id (process isolation).
     pub pid: Option<u32>,
     pub restarts: u64,
@@ -204,8 +231,6 @@ pub trait Proposer: Send {
     fn info(&self) -> ProposerInfo {
         ProposerInfo {
             plugin: self.name().to_string(),
-            isolation: "none".into(),
-            state: "healthy".into(),
             ..ProposerInfo::default()
         }
     }

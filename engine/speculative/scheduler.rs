@@ -495,9 +495,10 @@ impl Scheduler {
         req.validate(self.config.max_seq_len)?;
         req.params = req.params.normalized();
         if !req.stop.is_empty() && self.tokenizer.is_none() {
-            return Err(SpecdError::InvalidRequest(
-                "stop strings need a tokenizer".into(),
-            ));
+            return Err(SpecdError::InvalidField {
+                field: "stop",
+                msg: "stop strings need a tokenizer".into(),
+            });
         }
         if self.waiting.len() >= self.config.max_waiting {
             return Err(SpecdError::Overloaded(self.waiting.len()));
@@ -506,9 +507,10 @@ impl Scheduler {
             Some("none") => None,
             Some(name) => {
                 if !known(name) {
-                    return Err(SpecdError::InvalidRequest(format!(
-                        "unknown proposer '{name}'"
-                    )));
+                    return Err(SpecdError::InvalidField {
+                        field: "proposer",
+                        msg: format!("unknown proposer '{name}'"),
+                    });
                 }
                 Some(name.to_string())
             }

@@ -43,9 +43,10 @@ pub fn generate(
 ) -> Result<GenerateOutput> {
     req.validate(model.config.max_seq_len)?;
     if !req.stop.is_empty() && tokenizer.is_none() {
-        return Err(SpecdError::InvalidRequest(
-            "stop strings need a tokenizer".into(),
-        ));
+        return Err(SpecdError::InvalidField {
+            field: "stop",
+            msg: "stop strings need a tokenizer".into(),
+        });
     }
     let start = Instant::now();
     let mut cache = model.new_cache();
