@@ -8,8 +8,7 @@
 //! `cargo bench --bench eagle_cost` (medians of 41 runs; ratios are to the
 //! 1-token target forward measured in the same run).
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+use specd_test_kit as common;
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -7,8 +7,7 @@
 //!
 //! `cargo bench --bench grammar_cost` (medians over every position).
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+use specd_test_kit as common;
 
 use std::time::Instant;
 

@@ -4,8 +4,7 @@
 //! `cargo bench --bench oracle` prints mean accepted length and tok/s per
 //! arm; each arm is checked token for token against plain decoding.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -1,6 +1,6 @@
 //! `specd ab` end to end on a few prompts, and the dataset loaders.
 
-mod common;
+use specd_test_kit as common;
 
 use specd::ab;
 

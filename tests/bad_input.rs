@@ -1,6 +1,6 @@
 //! Bad input gets a clear error naming the problem, never a crash.
 
-mod common;
+use specd_test_kit as common;
 
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TINY};

@@ -1,6 +1,6 @@
 //! The `specd` binary end to end on the default model.
 
-mod common;
+use specd_test_kit as common;
 
 use std::process::Command;
 

@@ -1,6 +1,6 @@
 //! `specd serve` end to end over loopback HTTP.
 
-mod common;
+use specd_test_kit as common;
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};

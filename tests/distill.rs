@@ -1,7 +1,7 @@
 //! `specd distill draft` on a tiny target: training, checkpoints, resume,
 //! and the result loading as a draft model.
 
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 

@@ -1,6 +1,6 @@
 //! The standalone draft-model proposer plugin.
 
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 
@@ -157,7 +157,7 @@ fn assert_sampling_is_lossless(
     let v = model.config.vocab_size;
     let sample = |acceptance: Acceptance| {
         let mut e = engine(&model, tok.clone(), &cfg, 64);
-        e.sampler.acceptance = acceptance;
+        e.acceptor.acceptance = acceptance;
         let reqs = (0..n)
             .map(|i| Request {
                 params: SamplingParams {

@@ -5,7 +5,7 @@
 //! (chains and trees, batched with other proposers and plain sequences)
 //! and the sampled distribution (chi-square, with a lossy control).
 
-mod common;
+use specd_test_kit as common;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -686,46 +686,6 @@ fn eagle1_heads_draft_losslessly_through_the_target_output_head() {
     assert!(e.drafter.poisoned("e1").is_none());
 }
 
-/// Counts of the first two sampled tokens.
-fn pairs(
-    model: &Arc<Model>,
-    cfg: &Config,
-    name: &str,
-    prompt: &[u32],
-    params: &SamplingParams,
-    n: usize,
-) -> (Vec<u64>, f64) {
-    let v = model.config.vocab_size;
-    let mut e = common::plugin_engine(model, None, cfg, 64, 16);
-    let reqs = (0..n)
-        .map(|i| Request {
-            params: SamplingParams {
-                seed: 9000 + i as u64,
-                ..params.clone()
-            },
-            proposer: Some(name.into()),
-            ignore_eos: true,
-            ..Request::greedy(prompt.to_vec(), 3)
-        })
-        .collect();
-    let done = common::run_all(&mut e, reqs);
-    assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
-    let mut counts = vec![0u64; v * v];
-    for c in &done {
-        counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
-    }
-    let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
-    let mut total = specd::speculative::SpecStats::default();
-    for c in &done {
-        total.add(&c.stats);
-    }
-    eprintln!(
-        "{name}: {} steps, {} drafted, {} accepted, members {:?}",
-        total.verify_steps, total.drafted, total.accepted, total.members
-    );
-    (counts, accepted as f64 / n as f64)
-}
-
 #[test]
 fn eagle_sampling_keeps_the_target_distribution() {
     let tmp = TempDir::new("eagle-chi2");
@@ -743,7 +703,7 @@ fn eagle_sampling_keeps_the_target_distribution() {
         temperature: 1.0,
         ..Default::default()
     };
-    let exact = common::exact_first_two(&model, &prompt, &params);
+    let s = common::Sampled::new(&model, &prompt, &params);
     let n: usize = std::env::var("EAGLE_CHI_N")
         .ok()
         .and_then(|x| x.parse().ok())
@@ -755,29 +715,12 @@ fn eagle_sampling_keeps_the_target_distribution() {
         "costs = { eagle-chain = 0.0 }\nverify_cost = 0.0",
     );
     for name in ["eagle-tree", "eagle-chain", "hybrid"] {
-        let (counts, acc) = pairs(&model, &good, name, &prompt, &params, n);
-        let (stat, df) = common::chi_square(&counts, &exact);
-        let crit = common::chi2_crit_999(df);
-        eprintln!("{name}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
-        assert!(
-            stat < crit,
-            "{name}: sampling is biased: chi2 {stat} > {crit}"
-        );
-        assert!(
-            acc > 0.3,
-            "{name}: drafts must be accepted often enough to matter: {acc}"
-        );
+        s.assert_lossless(&good, name, n, 9000, 0.3);
     }
     // The control: pruning sampled trees by their own probabilities (what
     // EAGLE-2 does under greedy decoding) is lossy, and the test sees it.
     let lossy = eagle_config(&out, 3, "test_control = \"rerank_sampled\"", "");
-    let (bad, _) = pairs(&model, &lossy, "eagle-tree", &prompt, &params, n);
-    let (bstat, bdf) = common::chi_square(&bad, &exact);
-    eprintln!("eagle-tree with test_control rerank_sampled: chi2 {bstat:.1} (df {bdf})");
-    assert!(
-        bstat > 1.5 * common::chi2_crit_999(bdf),
-        "the test cannot tell the lossy rerank apart: {bstat}"
-    );
+    s.assert_caught(&lossy, "eagle-tree", n, 9000, "the lossy rerank");
 }
 
 // ------------------------------------------------------------ SmolLM2

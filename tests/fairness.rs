@@ -4,7 +4,7 @@
 //! and the preemptions fairness adds change no output (greedy with
 //! speculation, seeded sampling).
 
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 

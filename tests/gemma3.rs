@@ -5,7 +5,7 @@
 //! ngram and suffix, a sampled distribution through the chi-square
 //! harness with a lossy control).
 
-mod common;
+use specd_test_kit as common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -338,7 +338,7 @@ fn gemma3_270m_sampled_ngram_keeps_the_distribution() {
     let n = 1_500u64;
     let sample = |acceptance: Acceptance| {
         let mut e = engine(&model, &tok);
-        e.sampler.acceptance = acceptance;
+        e.acceptor.acceptance = acceptance;
         let reqs = (0..n)
             .map(|i| Request {
                 params: SamplingParams {

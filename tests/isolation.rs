@@ -8,7 +8,7 @@
 //! process isolation is for (and why `export_proposer!` refuses
 //! `panic = "abort"`: `tests/plugins.rs`).
 
-mod common;
+use specd_test_kit as common;
 
 use std::time::{Duration, Instant};
 

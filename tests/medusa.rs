@@ -6,7 +6,7 @@
 //! trained heads read out through the target's head) and the sampled
 //! distribution (chi-square, with a lossy control).
 
-mod common;
+use specd_test_kit as common;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -503,7 +503,7 @@ fn medusa_sampling_keeps_the_target_distribution() {
         temperature: 1.0,
         ..Default::default()
     };
-    let exact = common::exact_first_two(&model, &prompt, &params);
+    let s = common::Sampled::new(&model, &prompt, &params);
     let n: usize = std::env::var("MEDUSA_CHI_N")
         .ok()
         .and_then(|x| x.parse().ok())
@@ -521,30 +521,12 @@ fn medusa_sampling_keeps_the_target_distribution() {
     };
     let good = cfg_for("");
     for name in ["tree", "chain"] {
-        let (counts, acc, _) =
-            common::first_two_runs(&model, &good, name, &prompt, &params, n, 9000);
-        let (stat, df) = common::chi_square(&counts, &exact);
-        let crit = common::chi2_crit_999(df);
-        eprintln!("{name}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {acc:.2} drafts accepted per request");
-        assert!(
-            stat < crit,
-            "{name}: sampling is biased: chi2 {stat} > {crit}"
-        );
-        assert!(
-            acc > 0.3,
-            "{name}: drafts must be accepted often enough to matter: {acc}"
-        );
+        s.assert_lossless(&good, name, n, 9000, 0.3);
     }
     // The control: drafting q's most likely tokens instead of drawing them
     // (what a "typical" or greedy-candidate shortcut does) is lossy.
     let lossy = cfg_for("test_control = \"top_tokens_sampled\"");
-    let (bad, ..) = common::first_two_runs(&model, &lossy, "chain", &prompt, &params, n, 9000);
-    let (bstat, bdf) = common::chi_square(&bad, &exact);
-    eprintln!("chain with test_control top_tokens_sampled: chi2 {bstat:.1} (df {bdf})");
-    assert!(
-        bstat > 1.5 * common::chi2_crit_999(bdf),
-        "the test cannot tell the lossy shortcut apart: {bstat}"
-    );
+    s.assert_caught(&lossy, "chain", n, 9000, "the lossy shortcut");
 }
 
 // ------------------------------------------------------------ SmolLM2

@@ -1,7 +1,7 @@
 //! Model-runner tests on a tiny random Llama: agreement with candle's
 //! reference implementations, rollback, batching, trees, hidden states.
 
-mod common;
+use specd_test_kit as common;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};

@@ -7,7 +7,7 @@
 //! implementations; the sliding window's exactness under batching,
 //! rollback and trees; and the loader's errors.
 
-mod common;
+use specd_test_kit as common;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -7,7 +7,7 @@
 //! distribution (chi-square, with a lossy control); bad drafting options
 //! are refused by name.
 
-mod common;
+use specd_test_kit as common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -405,7 +405,7 @@ fn mtp_sampling_keeps_the_target_distribution() {
         temperature: 1.0,
         ..Default::default()
     };
-    let exact = common::exact_first_two(&model, &prompt, &params);
+    let s = common::Sampled::new(&model, &prompt, &params);
     let n: usize = std::env::var("MTP_CHI_N")
         .ok()
         .and_then(|x| x.parse().ok())
@@ -438,20 +438,8 @@ fn mtp_sampling_keeps_the_target_distribution() {
             100_000,
         ),
     ] {
-        let (counts, acc, d) =
-            common::first_two_runs(&model, cfg, name, &prompt, &params, n, seed0);
+        let (_, d) = s.assert_lossless_as(label, cfg, name, n, seed0, 0.2);
         drafted.insert(label, d);
-        let (stat, df) = common::chi_square(&counts, &exact);
-        let crit = common::chi2_crit_999(df);
-        eprintln!("{label}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1}), {d:.2} drafted and {acc:.2} accepted per request");
-        assert!(
-            stat < crit,
-            "{label}: sampling is biased: chi2 {stat} > {crit}"
-        );
-        assert!(
-            acc > 0.2,
-            "{label}: drafts must be accepted often enough to matter: {acc}"
-        );
     }
     // The bar drafts less, but not nothing: it really cut some chains.
     let (all, cut) = (drafted["mtp"], drafted["mtp with min_confidence"]);
@@ -461,33 +449,19 @@ fn mtp_sampling_keeps_the_target_distribution() {
     );
     // The control: pruning sampled trees by their own probabilities.
     let lossy = mtp_config(&target, "test_control = \"rerank_sampled\"");
-    let (bad, ..) = common::first_two_runs(&model, &lossy, "mtp-tree", &prompt, &params, n, 9000);
-    let (bstat, bdf) = common::chi_square(&bad, &exact);
-    eprintln!("mtp-tree with rerank_sampled: chi2 {bstat:.1} (df {bdf})");
-    assert!(
-        bstat > 1.5 * common::chi2_crit_999(bdf),
-        "the test cannot tell the lossy rerank apart: {bstat}"
-    );
+    s.assert_caught(&lossy, "mtp-tree", n, 9000, "the lossy rerank");
     // The bar's control: judging it on each drawn token's own probability
     // (after the draw) instead of before it, with the bar's seeds and count.
     let lossy = mtp_config(
         &target,
         "min_confidence = 0.15\ntest_control = \"gate_drawn\"",
     );
-    let (bad, ..) = common::first_two_runs(
-        &model,
+    s.assert_caught(
         &lossy,
         "mtp",
-        &prompt,
-        &params,
         40_000.max(n),
         100_000,
-    );
-    let (bstat, bdf) = common::chi_square(&bad, &exact);
-    eprintln!("mtp with the bar on drawn tokens: chi2 {bstat:.1} (df {bdf})");
-    assert!(
-        bstat > 1.5 * common::chi2_crit_999(bdf),
-        "the test cannot tell the bar judged after the draw apart: {bstat}"
+        "the bar judged after the draw",
     );
 }
 

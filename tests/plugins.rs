@@ -1,7 +1,7 @@
 //! Proposer plugins end to end: the built-in ngram and suffix cdylibs, the
 //! out-of-tree example, broken libraries, panics, and config errors.
 
-mod common;
+use specd_test_kit as common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -265,7 +265,7 @@ fn ngram_and_suffix_keep_the_sampled_distribution() {
             ec.scheduler.max_waiting = usize::MAX;
             ec.scheduler.adaptive_draft = false;
             let mut e = SyncDriver::new(model.clone(), None, ec, drafter);
-            e.sampler.acceptance = acceptance;
+            e.acceptor.acceptance = acceptance;
             for i in 0..20_000u64 {
                 e.add(
                     Request {
@@ -412,7 +412,7 @@ fn out_of_tree_example_drafts_trees_through_the_abi_losslessly() {
         ec.scheduler.max_waiting = usize::MAX;
         ec.scheduler.adaptive_draft = false;
         let mut e = SyncDriver::new(model.clone(), None, ec, drafter);
-        e.sampler.acceptance = acceptance;
+        e.acceptor.acceptance = acceptance;
         for i in 0..12_000u64 {
             e.add(
                 Request {

@@ -1,7 +1,7 @@
 //! Automatic prefix caching: requests sharing a prompt prefix reuse its KV
 //! blocks, and nothing they produce depends on it.
 
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 

@@ -1,6 +1,6 @@
 //! Real-model tests on the cached SmolLM2-135M-Instruct GGUF.
 
-mod common;
+use specd_test_kit as common;
 
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;

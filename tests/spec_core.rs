@@ -2,7 +2,7 @@
 //! distributions), stops inside accepted runs, cancellation, preemption,
 //! failing proposers, and the actor pipeline.
 
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 
@@ -281,7 +281,7 @@ fn sampled_pairs(
         64,
         None,
     );
-    e.sampler.acceptance = acceptance;
+    e.acceptor.acceptance = acceptance;
     let reqs = (0..n)
         .map(|i| Request {
             params: SamplingParams {
@@ -915,7 +915,7 @@ fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
         let vresp = e.verifier.handle(vreq);
         abort(&mut e, 3);
         let areq = step.verified(&mut e.scheduler, vresp);
-        let aresp = e.sampler.handle(areq);
+        let aresp = e.acceptor.handle(areq);
         abort(&mut e, 4);
         let (lens, _) = step.commit(&mut e.scheduler, aresp);
         e.kv.handle_commit(lens);

@@ -3,7 +3,7 @@
 //! constrained decoding, the sampled constrained law), forced tokens
 //! drafted for free, and schema-valid output.
 
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 
@@ -301,7 +301,7 @@ fn sampling_under_a_constraint_keeps_the_constrained_law() {
             ec.scheduler.max_waiting = usize::MAX;
             ec.scheduler.adaptive_draft = false;
             let mut e = SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter);
-            e.sampler.acceptance = acceptance;
+            e.acceptor.acceptance = acceptance;
             for i in 0..n {
                 e.add(
                     Request {

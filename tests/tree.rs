@@ -3,7 +3,7 @@
 //! tree drafts in both sibling modes (and lossy controls), KV compaction
 //! after a non-first branch, and hidden states delivered through the ABI.
 
-mod common;
+use specd_test_kit as common;
 
 use std::sync::Arc;
 
@@ -184,7 +184,7 @@ fn tree_pairs_with(
     let v = model.config.vocab_size;
     let tree = TreeProposer::new("tree", v, 16, siblings, mode, 23);
     let mut e = engine(model, None, vec![Box::new(tree)], 64);
-    e.sampler.acceptance = acceptance;
+    e.acceptor.acceptance = acceptance;
     let reqs = (0..n)
         .map(|i| Request {
             params: SamplingParams {

@@ -40,8 +40,8 @@ use super::pipeline::{
     VerifyRequest, VerifyResponse,
 };
 use super::proposer::Capabilities;
-use super::runner::TargetRunner;
 use super::scheduler::{Scheduler, SchedulerConfig};
+use super::verify::Verifier;
 use super::{Event, Request, SeqId};
 use crate::error::{panic_message, Result, SpecdError};
 use crate::model::Model;
@@ -72,7 +72,7 @@ impl Message for CommitLens {
 // ------------------------------------------------------------ verify
 
 pub struct VerifyActor {
-    verifier: TargetRunner,
+    verifier: Verifier,
     /// Fault injection for supervision tests (see `failpoint`).
     die_at: Option<u64>,
     calls: u64,
@@ -169,15 +169,15 @@ impl Handler<ListProposers> for DraftActor {
 
 // ------------------------------------------------------------ sample
 
-pub struct SamplerActor {
+pub struct AcceptActor {
     core: Acceptor,
 }
 
-impl Actor for SamplerActor {
+impl Actor for AcceptActor {
     type Context = SyncContext<Self>;
 }
 
-impl Handler<Staged<AcceptRequest>> for SamplerActor {
+impl Handler<Staged<AcceptRequest>> for AcceptActor {
     type Result = MessageResult<Staged<AcceptRequest>>;
     fn handle(&mut self, msg: Staged<AcceptRequest>, ctx: &mut Self::Context) -> Self::Result {
         let _e = msg.span.enter();
@@ -197,7 +197,7 @@ impl Handler<Staged<AcceptRequest>> for SamplerActor {
 #[rtype(result = "()")]
 struct Prefetch;
 
-impl Handler<Prefetch> for SamplerActor {
+impl Handler<Prefetch> for AcceptActor {
     type Result = ();
     fn handle(&mut self, _: Prefetch, _: &mut Self::Context) {
         self.core.prefetch();
@@ -270,7 +270,7 @@ pub struct SchedulerActor {
     kv: Addr<KvManagerActor>,
     draft: Addr<DraftActor>,
     verify: Addr<VerifyActor>,
-    sampler: Addr<SamplerActor>,
+    acceptor: Addr<AcceptActor>,
     /// The step in flight, between its stage messages.
     step: Option<Step>,
     steps: u64,
@@ -574,7 +574,7 @@ impl SchedulerActor {
         let span = step.span().clone();
         self.step = Some(step);
         ctx.spawn(
-            self.sampler
+            self.acceptor
                 .send(Staged { req, span })
                 .into_actor(self)
                 .map(|r, act, ctx| act.on_accepted(r, ctx)),
@@ -586,7 +586,7 @@ impl SchedulerActor {
         r: std::result::Result<AcceptResponse, MailboxError>,
         ctx: &mut Context<Self>,
     ) {
-        let Some((step, resp)) = self.reply("sample", r) else {
+        let Some((step, resp)) = self.reply("accept", r) else {
             return;
         };
         let sched = &mut self.scheduler;
@@ -642,7 +642,7 @@ impl EngineHandle {
         // Each SyncArbiter factory runs once (one thread per stage).
         let prefix_blocks = config.prefix_cache_blocks;
         let verifier = std::sync::Mutex::new(Some(
-            TargetRunner::new(model.clone()).with_prefix_cache(prefix_blocks),
+            Verifier::new(model.clone()).with_prefix_cache(prefix_blocks),
         ));
         let die_at = failpoint();
         let verify = SyncArbiter::start(1, move || VerifyActor {
@@ -650,9 +650,7 @@ impl EngineHandle {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .take()
-                .unwrap_or_else(|| {
-                    TargetRunner::new(model.clone()).with_prefix_cache(prefix_blocks)
-                }),
+                .unwrap_or_else(|| Verifier::new(model.clone()).with_prefix_cache(prefix_blocks)),
             die_at,
             calls: 0,
         });
@@ -664,7 +662,7 @@ impl EngineHandle {
                 .take()
                 .unwrap_or_default(),
         });
-        let sampler = SyncArbiter::start(1, move || SamplerActor {
+        let acceptor = SyncArbiter::start(1, move || AcceptActor {
             core: Acceptor::new(vocab),
         });
         let kv = KvManagerActor {
@@ -678,7 +676,7 @@ impl EngineHandle {
             kv: kv.clone(),
             draft: draft.clone(),
             verify,
-            sampler,
+            acceptor,
             step: None,
             steps: 0,
             health: health.clone(),

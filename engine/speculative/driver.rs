@@ -10,8 +10,8 @@ use super::accept::Acceptor;
 use super::drafter::Drafter;
 use super::kv_manager::KvManager;
 use super::pipeline::{Step, StepReport};
-use super::runner::TargetRunner;
 use super::scheduler::{Scheduler, SchedulerConfig};
+use super::verify::Verifier;
 use super::{Completion, Event, Request, SeqId};
 use crate::error::Result;
 use crate::model::Model;
@@ -64,7 +64,8 @@ pub struct StageTimes {
     pub draft_s: f64,
     pub verify_s: f64,
     pub accept_s: f64,
-    /// Decode-only steps by the tokens their verify forward fed:
+    /// Decode-only steps (`Step::decode_only`) by the tokens their verify
+    /// forward fed:
     /// tokens -> (steps, verify seconds, draft seconds).
     pub by_tokens: std::collections::BTreeMap<usize, (u64, f64, f64)>,
 }
@@ -98,8 +99,8 @@ pub struct SyncDriver {
     pub scheduler: Scheduler,
     pub kv: KvManager,
     pub drafter: Drafter,
-    pub verifier: TargetRunner,
-    pub sampler: Acceptor,
+    pub verifier: Verifier,
+    pub acceptor: Acceptor,
     /// Time per stage since the driver was made.
     pub times: StageTimes,
     steps: u64,
@@ -121,8 +122,8 @@ impl SyncDriver {
             scheduler: Scheduler::new(config.scheduler, tokenizer),
             kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
             drafter,
-            verifier: TargetRunner::new(model).with_prefix_cache(config.prefix_cache_blocks),
-            sampler: Acceptor::new(vocab),
+            verifier: Verifier::new(model).with_prefix_cache(config.prefix_cache_blocks),
+            acceptor: Acceptor::new(vocab),
         }
     }
 
@@ -147,19 +148,15 @@ impl SyncDriver {
         let t = std::time::Instant::now();
         let draft_resp = self.drafter.handle(draft_req);
         let draft_s = t.elapsed().as_secs_f64();
+        let decode_only = step.decode_only();
         let verify_req = step.drafted(draft_resp);
-        let decode_only = !verify_req.items.is_empty()
-            && verify_req
-                .items
-                .iter()
-                .all(|i| i.logits == crate::model::Logits::All);
         let fed: usize = verify_req.items.iter().map(|i| i.tokens.len()).sum();
         let t = std::time::Instant::now();
         let verify_resp = self.verifier.handle(verify_req);
         let verify_s = t.elapsed().as_secs_f64();
         let accept_req = step.verified(&mut self.scheduler, verify_resp);
         let t = std::time::Instant::now();
-        let accept_resp = self.sampler.handle(accept_req);
+        let accept_resp = self.acceptor.handle(accept_req);
         let tm = &mut self.times;
         tm.steps += 1;
         tm.draft_s += draft_s;

@@ -26,8 +26,8 @@ pub mod pipeline;
 pub mod policy;
 pub mod prefix_cache;
 pub mod proposer;
-pub mod runner;
 pub mod scheduler;
+pub mod verify;
 
 use serde::{Deserialize, Serialize};
 

@@ -28,8 +28,8 @@ use std::time::Instant;
 
 use super::accept::Accepted;
 use super::accept::{AcceptItem, Acceptor};
-pub use super::runner::VerifyResponse;
-use super::runner::{TargetRunner, VerifyItem, VerifyOut};
+pub use super::verify::VerifyResponse;
+use super::verify::{Verifier, VerifyItem, VerifyOut};
 
 use super::drafter::Drafter;
 use super::kv_manager::{self, Grant, KvManager, Pool, Want};
@@ -276,6 +276,19 @@ impl Step {
         &self.span
     }
 
+    /// A decode-only step: every item feeds a committed token and its
+    /// drafts, no prompt tokens, so every fed position computes logits.
+    /// What its verify forward takes is the price of a forward of that
+    /// many tokens (the scheduler's cost model learns it; the sync
+    /// driver's `StageTimes::by_tokens` reports it). The one definition.
+    pub fn decode_only(&self) -> bool {
+        !self.items.is_empty()
+            && self
+                .items
+                .iter()
+                .all(|i| matches!(&i.work, Work::Decode { prefix, .. } if prefix.is_empty()))
+    }
+
     /// Stage 3 result (drafter): the verify batch, each decode item's drafts
     /// appended to its last token.
     pub fn drafted(&mut self, resp: DraftResponse) -> VerifyRequest {
@@ -375,14 +388,14 @@ impl Step {
         for (id, why) in &resp.failed {
             sched.fail(*id, why);
         }
-        // Decode-only steps (every fed position computed logits) teach the
-        // scheduler what a forward of this many tokens costs here.
+        // Decode-only steps teach the scheduler what a forward of this
+        // many tokens costs here.
         let decodes = self
             .items
             .iter()
             .filter(|i| matches!(&i.work, Work::Decode { prefix, .. } if prefix.is_empty()))
             .count();
-        let decode_only = decodes > 0 && decodes == self.items.len() && resp.failed.is_empty();
+        let decode_only = self.decode_only() && resp.failed.is_empty();
         sched.record_verify(self.report.batch_tokens, decodes, resp.seconds, decode_only);
         self.outs = resp.outs.into_iter().map(|o| (o.seq, o)).collect();
         let mut items = Vec::new();
@@ -579,7 +592,7 @@ impl Drafter {
     }
 }
 
-impl TargetRunner {
+impl Verifier {
     /// Stage 4: release, then one forward over every item; a forward that
     /// fails or panics fails its items (their caches are dropped).
     pub fn handle(&mut self, req: VerifyRequest) -> VerifyResponse {
@@ -623,7 +636,7 @@ impl Acceptor {
                 )),
             }
         }
-        metrics::histogram!("specd_sample_seconds", "proposer" => req.label)
+        metrics::histogram!("specd_accept_seconds", "proposer" => req.label)
             .record(t.elapsed().as_secs_f64());
         resp
     }

@@ -1,4 +1,4 @@
-//! The verify stage's struct, `TargetRunner`: the target model's caches and
+//! The verify stage's struct, `Verifier`: the target model's caches and
 //! one batched forward per step.
 //!
 //! Invariants:
@@ -85,7 +85,7 @@ pub struct VerifyResponse {
 /// and runs every target forward of a step in one batch (prefill chunks
 /// and draft verification alike).
 #[derive(Debug)]
-pub struct TargetRunner {
+pub struct Verifier {
     model: Arc<Model>,
     caches: HashMap<SeqId, KvCache>,
     prefix: Option<PrefixCache>,
@@ -97,7 +97,7 @@ pub struct TargetRunner {
     forwarded: u64,
 }
 
-impl TargetRunner {
+impl Verifier {
     pub fn new(model: Arc<Model>) -> Self {
         Self {
             model,
