@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 
+use super::hidden::HiddenRows;
 use super::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
 use super::SeqId;
 use crate::sampler::Distribution;
@@ -94,7 +95,7 @@ struct Pending {
     start: usize,
     rows: usize,
     /// One block per member layer.
-    layers: Vec<(usize, Vec<f32>)>,
+    layers: HiddenRows,
 }
 
 #[derive(Debug)]
@@ -411,13 +412,13 @@ impl Proposer for Compose {
                     };
                 }
                 for (k, &li) in idx.iter().enumerate() {
-                    p.layers[k].1.extend_from_slice(&inp.hidden[li].1);
+                    p.layers.0[k].1.extend_from_slice(&inp.hidden[li].1);
                 }
                 p.rows += rows;
                 // A member asked rarely holds a bounded buffer too (the
                 // host's default cap).
-                let max = super::scheduler::MAX_HIDDEN_ROWS;
-                super::scheduler::trim_hidden(&mut p.layers, &mut p.start, p.rows, max);
+                let max = super::hidden::MAX_HIDDEN_ROWS;
+                p.layers.trim(&mut p.start, p.rows, max);
                 p.rows = p.rows.min(max);
             }
         }

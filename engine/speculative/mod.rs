@@ -16,17 +16,21 @@
 
 pub mod accept;
 pub mod actors;
+mod admission;
 pub mod compose;
 pub mod drafter;
 pub mod driver;
 pub mod fairness;
 pub mod forced;
+pub mod hidden;
 pub mod kv_manager;
 pub mod pipeline;
+mod plan;
 pub mod policy;
 pub mod prefix_cache;
 pub mod proposer;
 pub mod scheduler;
+pub mod sequence;
 pub mod verify;
 
 use serde::{Deserialize, Serialize};

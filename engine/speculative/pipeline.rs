@@ -32,6 +32,7 @@ pub use super::verify::VerifyResponse;
 use super::verify::{Verifier, VerifyItem, VerifyOut};
 
 use super::drafter::Drafter;
+use super::hidden::HiddenRows;
 use super::kv_manager::{self, Grant, KvManager, Pool, Want};
 use super::proposer::{Capabilities, Draft, ProposeInput};
 use super::scheduler::{DecodeResult, Observed, PlanItem, PrefillResult, Scheduler, Work};
@@ -61,7 +62,7 @@ pub struct DraftInput {
     pub max_draft: usize,
     pub params: SamplingParams,
     /// Hidden states (declaration order) of positions `hidden_start..`.
-    pub hidden: Vec<(usize, Vec<f32>)>,
+    pub hidden: HiddenRows,
     pub hidden_start: usize,
 }
 
@@ -235,7 +236,7 @@ impl Step {
             let (hidden, hidden_start) = if max_draft > 0 {
                 sched.take_hidden(it.seq)
             } else {
-                (Vec::new(), 0)
+                (HiddenRows::default(), 0)
             };
             let Some(v) = sched.seq_context(it.seq) else {
                 continue;

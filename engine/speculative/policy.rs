@@ -142,6 +142,86 @@ impl VerifyCostModel {
     }
 }
 
+/// What the drafting policy tracks for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqPolicy {
+    /// Running estimate of the per-draft acceptance rate.
+    pub acceptance_ema: f64,
+    /// Decode steps since the last draft (for probing when drafting paused).
+    pub steps_without_draft: u32,
+    /// Consecutive probes (drafts after a pause) of which nothing was
+    /// accepted: for a proposer with its own cost (`token_cost`), each
+    /// doubles the wait before the next (up to 16x).
+    pub probe_misses: u32,
+    /// Tree size policy (tree proposers only).
+    pub tree: Option<TreePolicy>,
+}
+
+impl Default for SeqPolicy {
+    fn default() -> Self {
+        Self {
+            acceptance_ema: 0.5,
+            steps_without_draft: 0,
+            probe_misses: 0,
+            tree: None,
+        }
+    }
+}
+
+impl SeqPolicy {
+    /// A step drafted `drafted` of the proposer's own tokens (deepest
+    /// `depth`) and `accepted` were accepted; `forced`: the step drafted a
+    /// constraint's forced tokens (which alone do not count as a draft).
+    pub fn record(&mut self, drafted: usize, depth: usize, accepted: usize, forced: bool) {
+        if drafted > 0 {
+            // Acceptance per drafted depth (a chain's depth is its length).
+            let rate = accepted as f64 / depth.max(1) as f64;
+            self.acceptance_ema = 0.7 * self.acceptance_ema + 0.3 * rate;
+            if self.steps_without_draft > 0 {
+                // A draft after a pause: a probe.
+                self.probe_misses = if accepted == 0 {
+                    self.probe_misses.saturating_add(1)
+                } else {
+                    0
+                };
+            }
+            self.steps_without_draft = 0;
+            if let Some(tp) = &mut self.tree {
+                tp.record(drafted, accepted);
+            }
+        } else if !forced {
+            self.steps_without_draft += 1;
+        }
+    }
+
+    /// The draft length out of the cap `k` that recent acceptance pays for
+    /// at `cost` a drafted token (`own` of it the proposer's own;
+    /// `tree`: a tree proposer, sized by its `TreePolicy`), with a probe of
+    /// one token now and then while paused: less often as drafts get
+    /// dearer than `draft_cost` (under load, or a costly proposer), and
+    /// for a proposer with its own cost after each probe that missed (a
+    /// lookup's probe costs only its verify, and its matches come and go).
+    pub fn draft_len(&self, k: usize, cost: f64, own: f64, draft_cost: f64, tree: bool) -> usize {
+        let mut k = match (&self.tree, tree) {
+            // Trees: the node budget whose measured accepted length pays
+            // best for its verify cost.
+            (Some(tp), true) => tp.choose(k, cost),
+            _ => choose_draft_len(self.acceptance_ema, k, cost),
+        };
+        let backoff = if own > 0.0 {
+            self.probe_misses.min(4)
+        } else {
+            0
+        };
+        let every =
+            (8.0 * (cost / draft_cost.max(1e-3)).max(1.0)).min(128.0) * f64::from(1u32 << backoff);
+        if k == 0 && f64::from(self.steps_without_draft) >= every {
+            k = 1;
+        }
+        k
+    }
+}
+
 /// The node budget of tree proposers, learned per sequence.
 ///
 /// Budgets are powers of two up to the proposer's cap (and the cap). For

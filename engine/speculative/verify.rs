@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::hidden::HiddenRows;
 use super::prefix_cache::PrefixCache;
 use super::SeqId;
 use crate::model::{ForwardInput, KvCache, Logits, Model, TreeMask};
@@ -66,7 +67,7 @@ pub struct VerifyOut {
     pub seq: SeqId,
     pub logits: Vec<f32>,
     pub rows: usize,
-    pub hidden: Vec<(usize, Vec<f32>)>,
+    pub hidden: HiddenRows,
     /// Log-probabilities of the tokens a prefill's positions predict.
     pub prompt_logprobs: Vec<super::TokenLogprob>,
 }

@@ -1,0 +1,327 @@
+//! Planning a step (the scheduler's stages 1 and 2): admission, then what
+//! each running sequence wants (a decode with its draft length, or a
+//! prefill chunk) within the step's token budget, then the KV manager's
+//! grant applied.
+//!
+//! Invariants: every step's batch costs at most `max_batch_tokens`
+//! tokens, decode steps of running sequences come before new prefill
+//! work, a step prefills at most `max_prefill_tokens` prompt tokens, and a
+//! sequence drafts no further than its request, its proposer, its
+//! `max_tokens` and the context allow (then what its acceptance pays for).
+
+use super::fairness::{self, Scheduling, Slot};
+use super::kv_manager::{Grant, Want};
+use super::proposer::Capabilities;
+use super::scheduler::*;
+use super::{Event, SeqId};
+
+impl Scheduler {
+    pub(super) fn max_draft_for(&self, s: &Sequence, proposer_cap: Option<usize>) -> usize {
+        if s.proposer.is_none() {
+            return 0;
+        }
+        let mut k = self.config.max_draft;
+        if let Some(m) = s.req.max_draft {
+            k = k.min(m);
+        }
+        if let Some(c) = proposer_cap {
+            k = k.min(c);
+        }
+        // No drafts past max_tokens or the context.
+        let left = s.req.max_tokens.saturating_sub(s.generated().len());
+        k = k.min(left.saturating_sub(1));
+        k.min(self.config.max_seq_len.saturating_sub(s.cached + 1))
+    }
+
+    /// Tokens `s` drafts this step, at most `room`: the cap (request,
+    /// proposer, max_tokens, context), then what recent acceptance pays
+    /// for at `price` a drafted token, with a probe now and then.
+    pub(super) fn draft_len(
+        &self,
+        s: &Sequence,
+        pcaps: Option<&Capabilities>,
+        price: f64,
+        room: usize,
+    ) -> usize {
+        let mut k = self
+            .max_draft_for(s, pcaps.map(|c| c.max_draft))
+            .min(room)
+            .min(self.config.max_seq_len.saturating_sub(s.tokens.len()));
+        if self.config.adaptive_draft && k > 0 {
+            // A drafted token costs its share of the verify plus what
+            // the proposer spends drafting it.
+            let own = pcaps.map_or(0.0, |c| c.token_cost);
+            let cost = price + own;
+            let tree = pcaps.is_some_and(|c| c.tree);
+            k = s
+                .policy
+                .draft_len(k, cost, own, self.config.draft_cost, tree);
+        }
+        // The constraint's forced tokens are drafted whatever the policy
+        // says: they cost verification only and are accepted unless the
+        // target's masked choice tokenises the same bytes differently.
+        let forced = s.forced.len().min(MAX_FORCED_DRAFT);
+        if forced > k {
+            k = forced
+                .min(room)
+                .min(self.config.max_seq_len.saturating_sub(s.tokens.len()));
+        }
+        k
+    }
+
+    /// Step 1: admit waiting requests and list what each running sequence
+    /// wants this step, in priority order (decodes in admission order, then
+    /// prefills). `cap(name)` is a proposer's max draft.
+    pub fn wants<'c>(
+        &mut self,
+        caps: impl Fn(&str) -> Option<&'c Capabilities>,
+    ) -> (Vec<PlanItem>, Vec<Want>) {
+        // Admission: new sequences start prefilling; a forked choice waits
+        // for its parent's prefill, then starts from its prompt KV.
+        match self.config.scheduling {
+            Scheduling::Fcfs => self.admit_fcfs(&caps),
+            Scheduling::Fair => self.admit_fair(&caps),
+        }
+        metrics::gauge!("specd_queue_length").set(self.waiting.len() as f64);
+        let mut budget = self.config.max_batch_tokens;
+        let mut items = Vec::new();
+        let mut wants = Vec::new();
+        // Sequences whose prefill is done decode this step.
+        // A running id without a sequence would be a bookkeeping bug; such
+        // ids are dropped here rather than trusted.
+        let seqs = &self.seqs;
+        self.running.retain(|id| seqs.contains_key(id));
+        for &id in &self.running {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                if s.status == SeqStatus::Prefill && s.cached >= s.prefill_target() {
+                    s.status = SeqStatus::Decoding;
+                }
+            }
+        }
+        let decoding = self
+            .running
+            .iter()
+            .filter(|id| {
+                self.seqs
+                    .get(id)
+                    .is_some_and(|s| s.status == SeqStatus::Decoding)
+            })
+            .count();
+        let price = self.draft_price(decoding);
+        if self.config.adaptive_draft && decoding > 0 {
+            metrics::gauge!("specd_draft_token_price").set(price);
+            self.prices.0 += price;
+            self.prices.1 += 1;
+        }
+        for &id in &self.running {
+            let Some(s) = self.seqs.get(&id) else {
+                continue;
+            };
+            if s.status != SeqStatus::Decoding || budget == 0 {
+                continue;
+            }
+            let Some(&last) = s.tokens.last() else {
+                continue;
+            };
+            let pcaps = s.proposer.as_deref().and_then(&caps);
+            let k = self.draft_len(s, pcaps, price, budget - 1);
+            budget -= 1 + k;
+            items.push(PlanItem {
+                seq: id,
+                cache_len: s.cached,
+                work: Work::Decode {
+                    last,
+                    max_draft: k,
+                    prefix: Vec::new(),
+                },
+                hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
+                moves: s.pending_moves.clone(),
+                siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
+                lookup: pcaps.is_some_and(is_lookup),
+                fork_from: s.fork_from,
+                prompt_logprobs: None,
+            });
+            wants.push(Want {
+                seq: id,
+                len: s.cached + 1 + k,
+            });
+        }
+        // Prefill chunks from what the decodes left (at most
+        // `max_prefill_tokens`): in admission order (FCFS), or shared
+        // fairly across requests (`fairness`). A sequence that can also feed its last
+        // token this step asks for it: its first token then comes from
+        // this step (`Work::Decode` with a prefix).
+        let mut batch_left = budget;
+        budget = budget.min(self.config.max_prefill_tokens.max(1));
+        let prefilling: Vec<(Slot, usize, bool)> = self
+            .running
+            .iter()
+            .filter_map(|&id| {
+                let s = self.seqs.get(&id)?;
+                let need = s.prefill_target().saturating_sub(s.cached);
+                // Fresh prompts only (a recompute after a preemption ends
+                // with the decode step it would have had anyway), and not
+                // for a proposer that drafts from the prompt's hidden
+                // states (this forward computes the last of them).
+                let hidden = s
+                    .proposer
+                    .as_deref()
+                    .and_then(&caps)
+                    .is_some_and(|c| !c.hidden_layers.is_empty());
+                let last = s.req.prompt_logprobs.is_none()
+                    && s.fork_from.is_none()
+                    && s.generated().is_empty()
+                    && !hidden;
+                (s.status == SeqStatus::Prefill && need > 0).then_some((
+                    self.slot(id, false)?,
+                    need + usize::from(last),
+                    last,
+                ))
+            })
+            .collect();
+        let needs: Vec<(Slot, usize)> = prefilling.iter().map(|(s, n, _)| (*s, *n)).collect();
+        let shares = match self.config.scheduling {
+            Scheduling::Fair => fairness::prefill_shares(budget, &needs),
+            Scheduling::Fcfs => needs
+                .iter()
+                .map(|(_, need)| {
+                    let n = (*need).min(budget);
+                    budget -= n;
+                    n
+                })
+                .collect(),
+        };
+        batch_left = batch_left.saturating_sub(shares.iter().sum::<usize>());
+        for ((slot, need, last), n) in prefilling.into_iter().zip(shares) {
+            let Some(s) = self.seqs.get(&slot.id) else {
+                continue;
+            };
+            let id = slot.id;
+            if last && n == need {
+                // The whole rest of the prompt, its last token and drafts
+                // from what is left of the batch budget.
+                let Some((&tok, prefix)) = s.tokens[s.cached..].split_last() else {
+                    continue;
+                };
+                let pcaps = s.proposer.as_deref().and_then(&caps);
+                let k = self.draft_len(s, pcaps, price, batch_left);
+                batch_left -= k;
+                items.push(PlanItem {
+                    seq: id,
+                    cache_len: s.cached,
+                    work: Work::Decode {
+                        last: tok,
+                        max_draft: k,
+                        prefix: prefix.to_vec(),
+                    },
+                    hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
+                    moves: s.pending_moves.clone(),
+                    siblings: pcaps.map(|c| c.siblings).unwrap_or_default(),
+                    lookup: pcaps.is_some_and(is_lookup),
+                    fork_from: None,
+                    prompt_logprobs: None,
+                });
+                wants.push(Want {
+                    seq: id,
+                    len: s.tokens.len() + k,
+                });
+                continue;
+            }
+            // Without the last token (it waits for the next step).
+            let n = n.min(need - usize::from(last));
+            if n == 0 {
+                continue;
+            }
+            let pcaps = s.proposer.as_deref().and_then(&caps);
+            items.push(PlanItem {
+                seq: id,
+                cache_len: s.cached,
+                work: Work::Prefill(s.tokens[s.cached..s.cached + n].to_vec()),
+                hidden_layers: pcaps.map(|c| c.hidden_layers.clone()).unwrap_or_default(),
+                moves: Vec::new(),
+                siblings: Default::default(),
+                lookup: false,
+                fork_from: None,
+                // Positions before the prompt's last predict prompt
+                // tokens; a recompute after a preemption also feeds the
+                // generated ones, whose log-probabilities are not asked.
+                prompt_logprobs: s.req.prompt_logprobs.and_then(|k| {
+                    let end = (s.cached + n).min(s.prompt_len.saturating_sub(1));
+                    (end > s.cached).then(|| (k, s.tokens[s.cached + 1..end + 1].to_vec()))
+                }),
+            });
+            wants.push(Want {
+                seq: id,
+                len: s.cached + n,
+            });
+        }
+        (items, wants)
+    }
+
+    /// Running sequences that hold KV but want nothing this step (the
+    /// token budget ran out before them), in admission order: the grant's
+    /// last-resort victims. A forked choice before its first step holds
+    /// nothing yet.
+    pub fn idle_holders(&self, wants: &[super::kv_manager::Want]) -> Vec<SeqId> {
+        self.running
+            .iter()
+            .copied()
+            .filter(|id| !wants.iter().any(|w| w.seq == *id))
+            .filter(|id| {
+                self.seqs.get(id).is_some_and(|s| {
+                    s.cached > 0
+                        && s.fork_from.is_none()
+                        && matches!(s.status, SeqStatus::Decoding | SeqStatus::Prefill)
+                })
+            })
+            .collect()
+    }
+
+    /// Step 2: apply the KV manager's grant. Preempted sequences go back to
+    /// the front of the queue to be recomputed; deferred ones sit out this
+    /// step; sequences that can never fit fail.
+    pub fn apply_grant(&mut self, items: Vec<PlanItem>, grant: &Grant) -> Vec<PlanItem> {
+        // A forked choice whose parent goes away before the copy (preempted
+        // or too big now, or ended in an earlier step while the choice sat
+        // out for budget or KV: its cache is released before this step
+        // runs) prefills its prompt itself (from the next step).
+        let gone: Vec<SeqId> = self
+            .seqs
+            .values()
+            .filter_map(|s| s.fork_from)
+            .filter(|p| !self.seqs.contains_key(p))
+            .collect();
+        let mut unforked = Vec::new();
+        for s in self.seqs.values_mut() {
+            if s.fork_from.is_some_and(|p| {
+                grant.preempted.contains(&p) || grant.too_big.contains(&p) || gone.contains(&p)
+            }) {
+                s.fork_from = None;
+                s.cached = 0;
+                s.status = SeqStatus::Prefill;
+                unforked.push(s.id);
+            }
+        }
+        for &id in grant.preempted.iter().rev() {
+            self.requeue(id, "kv");
+        }
+        for &id in &grant.too_big {
+            if let Some(s) = self.seqs.get(&id) {
+                s.send(Event::Error(format!(
+                    "request needs more KV cache than the whole budget ({} tokens)",
+                    s.prompt_len.saturating_add(s.req.max_tokens)
+                )));
+            }
+            self.running.retain(|&r| r != id);
+            self.lifecycle.released.push(id);
+            self.lifecycle.ended.push(id);
+            if self.seqs.remove(&id).is_some() {
+                metrics::counter!("specd_requests_total", "finish" => "error").increment(1);
+            }
+        }
+        items
+            .into_iter()
+            .filter(|it| grant.granted.contains(&it.seq) && !unforked.contains(&it.seq))
+            .collect()
+    }
+}
