@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::plugins::{self, PluginProposer};
-use crate::speculative::compose::{Compose, MemberSpec};
+use crate::speculative::compose::Compose;
 use crate::speculative::drafter::Drafter;
 use crate::speculative::driver::EngineConfig;
 use crate::speculative::proposer::Proposer;
@@ -669,33 +669,19 @@ impl Config {
         tokenizer: Option<Arc<Tokenizer>>,
     ) -> Result<Box<dyn Proposer>> {
         if !p.compose.is_empty() {
-            let costs = p.options.get("costs").and_then(|c| c.as_table());
             let mut members = Vec::new();
             for m in &p.compose {
                 let q = self.proposer.iter().find(|q| &q.name == m).ok_or_else(|| {
                     SpecdError::Plugin(format!("proposer `{}`: unknown member `{m}`", p.name))
                 })?;
-                let cost = costs
-                    .and_then(|c| c.get(m))
-                    .and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)))
-                    .unwrap_or(0.0);
-                members.push(MemberSpec {
-                    name: m.clone(),
-                    proposer: self.build_proposer(q, model, tokenizer.clone())?,
-                    cost,
-                });
+                members.push((m.clone(), self.build_proposer(q, model, tokenizer.clone())?));
             }
-            let verify_cost = p
-                .options
-                .get("verify_cost")
-                .and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)))
-                .unwrap_or(self.engine.draft_cost);
-            let c = Compose::new(
+            let c = Compose::from_options(
                 &p.name,
                 members,
-                model.config.vocab_size,
-                model.config.hidden,
-                verify_cost,
+                &p.options,
+                self.engine.draft_cost,
+                &model.config,
             )
             .map_err(SpecdError::Plugin)?;
             return Ok(Box::new(c));
@@ -714,26 +700,14 @@ impl Config {
         }
         if p.isolation == Isolation::Process {
             // The library is loaded only by the child, never by the daemon.
-            let spec = plugins::ProcessSpec {
-                name: p.name.clone(),
-                exe: plugins::plugin_host_exe()?,
-                library: path.canonicalize().map_err(|e| {
-                    SpecdError::Plugin(format!(
-                        "proposer `{}`: {}: cannot open: {e}",
-                        p.name,
-                        path.display()
-                    ))
-                })?,
-                options: toml::to_string(&options).map_err(|e| {
-                    SpecdError::Plugin(format!("proposer `{}`: options: {e}", p.name))
-                })?,
-                dims: plugins::TargetDims::of(&model.config),
-                model: self.model_path().ok(),
-                propose_timeout: std::time::Duration::from_millis(
-                    p.propose_timeout_ms.unwrap_or(DEFAULT_PROPOSE_TIMEOUT_MS),
-                ),
-                init_timeout: std::time::Duration::from_secs(30),
-            };
+            let spec = plugins::ProcessSpec::new(
+                &p.name,
+                &path,
+                &options,
+                &model.config,
+                self.model_path().ok(),
+                p.propose_timeout_ms.unwrap_or(DEFAULT_PROPOSE_TIMEOUT_MS),
+            )?;
             return Ok(Box::new(plugins::ProcessProposer::spawn(spec)?));
         }
         let lib = plugins::load_library(&path)

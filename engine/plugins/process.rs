@@ -57,6 +57,38 @@ pub struct ProcessSpec {
     pub init_timeout: Duration,
 }
 
+impl ProcessSpec {
+    /// The spec of proposer `name`: its plugin `library` and `options`,
+    /// for a target of config `target` (whose file, `model`, the child
+    /// loads only if the plugin calls back for it), with a propose
+    /// deadline of `propose_timeout_ms`.
+    pub fn new(
+        name: &str,
+        library: &std::path::Path,
+        options: &toml::Table,
+        target: &crate::model::ModelConfig,
+        model: Option<PathBuf>,
+        propose_timeout_ms: u64,
+    ) -> Result<Self> {
+        Ok(Self {
+            name: name.to_string(),
+            exe: plugin_host_exe()?,
+            library: library.canonicalize().map_err(|e| {
+                SpecdError::Plugin(format!(
+                    "proposer `{name}`: {}: cannot open: {e}",
+                    library.display()
+                ))
+            })?,
+            options: toml::to_string(options)
+                .map_err(|e| SpecdError::Plugin(format!("proposer `{name}`: options: {e}")))?,
+            dims: TargetDims::of(target),
+            model,
+            propose_timeout: Duration::from_millis(propose_timeout_ms),
+            init_timeout: Duration::from_secs(30),
+        })
+    }
+}
+
 /// The `specd` binary to run as a plugin host: `$SPECD_PLUGIN_HOST`, the
 /// running executable if it is `specd`, else a `specd` beside it or in
 /// its parent directory (test binaries live in `target/<profile>/deps`).

@@ -147,6 +147,38 @@ pub struct MemberSpec {
 }
 
 impl Compose {
+    /// A composite from its `[[proposer]]` table: `members` (name and
+    /// instance, in `compose` order) and the options `costs` (member name
+    /// -> cost of one call, in one-token target forwards; default 0) and
+    /// `verify_cost` (per drafted token; default `default_verify_cost`,
+    /// the engine's `draft_cost`).
+    pub fn from_options(
+        name: &str,
+        members: Vec<(String, Box<dyn Proposer>)>,
+        options: &toml::Table,
+        default_verify_cost: f64,
+        target: &crate::model::ModelConfig,
+    ) -> Result<Self, String> {
+        let number = |v: &toml::Value| v.as_float().or(v.as_integer().map(|i| i as f64));
+        let costs = options.get("costs").and_then(|c| c.as_table());
+        let members = members
+            .into_iter()
+            .map(|(m, proposer)| MemberSpec {
+                cost: costs
+                    .and_then(|c| c.get(&m))
+                    .and_then(number)
+                    .unwrap_or(0.0),
+                name: m,
+                proposer,
+            })
+            .collect();
+        let verify_cost = options
+            .get("verify_cost")
+            .and_then(number)
+            .unwrap_or(default_verify_cost);
+        Self::new(name, members, target.vocab_size, target.hidden, verify_cost)
+    }
+
     /// Compose `members` (asked in this order) for a target of `vocab`
     /// tokens and hidden width `hidden`, with `verify_cost` per drafted
     /// token.
