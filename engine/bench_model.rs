@@ -418,14 +418,15 @@ pub fn bench_sampling(
 }
 
 /// Time to first token of a request whose `prefix` tokens nobody asked for
-/// before (cold) and of a second one sharing them (warm: the prefix cache
-/// holds its full blocks), through the engine, median over `reps` fresh
-/// prefixes. Returns (cold ms, warm ms).
+/// before (cold), of a second one sharing them (warm: the prefix cache
+/// holds its full blocks), and the mean over four more arriving together
+/// (warm, sharing the prefill budget), through the engine, median over
+/// `reps` fresh prefixes. Returns (cold ms, warm ms, four warm at once ms).
 pub fn bench_prefix_cache(
     model: &std::sync::Arc<Model>,
     prefix: usize,
     reps: usize,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     use crate::speculative::drafter::Drafter;
     use crate::speculative::driver::{EngineConfig, SyncDriver};
     use crate::speculative::Request;
@@ -445,9 +446,45 @@ pub fn bench_prefix_cache(
         d.run_to_completion()?;
         Ok(t.elapsed().as_secs_f64() * 1e3)
     };
+    // Mean time to first token of `prompts` added at once.
+    let ttft_together = |d: &mut SyncDriver, prompts: Vec<Vec<u32>>| -> Result<f64> {
+        let t = Instant::now();
+        let mut rxs = Vec::new();
+        for p in prompts {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            d.add(
+                Request {
+                    proposer: Some("none".into()),
+                    ..Request::greedy(p, 1)
+                },
+                Some(tx),
+            )?;
+            rxs.push(rx);
+        }
+        let mut firsts = vec![None; rxs.len()];
+        while firsts.iter().any(Option::is_none) && !d.scheduler.is_idle() {
+            d.step()?;
+            for (f, rx) in firsts.iter_mut().zip(&mut rxs) {
+                while let Ok(ev) = rx.try_recv() {
+                    if f.is_none()
+                        && matches!(ev, crate::speculative::Event::Tokens { ref ids, .. } if !ids.is_empty())
+                    {
+                        *f = Some(t.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+            }
+        }
+        d.run_to_completion()?;
+        let n = firsts.len().max(1) as f64;
+        Ok(firsts
+            .into_iter()
+            .map(|f| f.unwrap_or(f64::NAN))
+            .sum::<f64>()
+            / n)
+    };
     // Warm up the kernels once.
     ttft(&mut d, tokens(64, vocab, 99))?;
-    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    let (mut cold, mut warm, mut together) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..reps.max(1) {
         let shared = tokens(prefix, vocab, 1000 + rep as u64);
         let with = |salt: u64| {
@@ -457,6 +494,8 @@ pub fn bench_prefix_cache(
         };
         cold.push(ttft(&mut d, with(2000 + rep as u64))?);
         warm.push(ttft(&mut d, with(3000 + rep as u64))?);
+        let four = (0..4).map(|i| with(4000 + 10 * rep as u64 + i)).collect();
+        together.push(ttft_together(&mut d, four)?);
     }
-    Ok((median(cold), median(warm)))
+    Ok((median(cold), median(warm), median(together)))
 }

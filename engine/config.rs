@@ -90,8 +90,9 @@ pub struct EngineSection {
     /// cannot hold every other request's first token; `fcfs`: first come,
     /// first served by sequence.
     pub scheduling: crate::speculative::fairness::Scheduling,
-    /// Most prompt tokens one step prefills (chunked prefill, within
-    /// `max_batch_tokens`): a step's time is every running sequence's
+    /// Most prompt tokens one step computes (chunked prefill, within
+    /// `max_batch_tokens`; blocks found in the prefix cache ride along
+    /// free): a step's time is every running sequence's
     /// time per output token and a new request's wait before its prefill
     /// starts. On the CPUs measured, chunks past 64-128 tokens gain no
     /// prefill throughput (docs/performance.md).

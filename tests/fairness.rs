@@ -300,3 +300,81 @@ fn two_large_requests_share_slots_and_prefill() {
     assert!(fa.abs_diff(fb) <= 1, "A {fa}, B {fb}");
     assert!(fb < step / 3, "B {fb} of {step}");
 }
+
+/// Prompt blocks the prefix cache holds cost no prefill budget. Three
+/// requests sharing a three-block prefix with one that ran before arrive
+/// together: each takes the cached blocks in its first step and reaches
+/// its first token within three steps, however the 64-token budget is
+/// shared among them (pieces of a shared budget are shorter than a block,
+/// and the cache used to be found only a block at a time from a chunk's
+/// own tokens, so it never hit here). Outputs equal those without the
+/// cache, which needs about four times the steps.
+#[test]
+fn cached_prompt_blocks_are_taken_whole_under_a_shared_prefill_budget() {
+    let (_d, model) = tiny_model();
+    let shared = prompt(5, 192);
+    let with_tail = |seed: u64| {
+        let mut p = shared.clone();
+        p.extend(prompt(seed, 30));
+        p
+    };
+    let run = |prefix_blocks: usize| {
+        let mut cfg = EngineConfig::for_model(&model);
+        cfg.scheduler.max_running = 4;
+        cfg.scheduler.max_batch_tokens = 64;
+        cfg.scheduler.max_waiting = usize::MAX;
+        cfg.prefix_cache_blocks = prefix_blocks;
+        let mut e = SyncDriver::new(model.clone(), None, cfg, Drafter::new());
+        // The first request puts the shared blocks in the cache.
+        e.add(
+            Request {
+                prompt: with_tail(1),
+                ..greedy(8)
+            },
+            None,
+        )
+        .unwrap();
+        e.run_to_completion().unwrap();
+        let mut rxs = Vec::new();
+        for seed in 2..5 {
+            let (tx, rx) = unbounded_channel();
+            let r = Request {
+                prompt: with_tail(seed),
+                ..greedy(8)
+            };
+            e.add(r, Some(tx)).unwrap();
+            rxs.push(rx);
+        }
+        let mut first = [None; 3];
+        let mut done = Vec::new();
+        let mut steps = 0;
+        while first.iter().any(Option::is_none) && steps < 200 {
+            done.extend(e.step().unwrap().finished);
+            steps += 1;
+            for (f, rx) in first.iter_mut().zip(&mut rxs) {
+                if f.is_none() && first_token(rx) {
+                    *f = Some(steps);
+                }
+            }
+        }
+        done.extend(e.run_to_completion().unwrap());
+        done.sort_by_key(|c| c.id);
+        let tokens: Vec<Vec<u32>> = done.into_iter().map(|c| c.tokens).collect();
+        let first: Vec<usize> = first.iter().map(|f| f.unwrap()).collect();
+        (first, tokens, e.verifier.prefix_stats().1)
+    };
+    let (cold_first, cold, cold_hit) = run(0);
+    let (warm_first, warm, warm_hit) = run(64);
+    eprintln!(
+        "first tokens at steps {warm_first:?} with the cache ({warm_hit} tokens from it), \
+         {cold_first:?} without"
+    );
+    assert_eq!(warm, cold, "the cache changes no output");
+    assert_eq!(cold_hit, 0);
+    assert!(
+        warm_hit >= 3 * 192,
+        "each request found the three shared blocks"
+    );
+    assert!(warm_first.iter().all(|&s| s <= 3), "{warm_first:?}");
+    assert!(cold_first.iter().all(|&s| s >= 8), "{cold_first:?}");
+}

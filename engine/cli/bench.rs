@@ -74,9 +74,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return Ok(());
     }
     print_model(&path, &b);
-    if let (Some((cold, warm)), Some(n)) = (prefix, a.prefix_cache) {
+    if let (Some((cold, warm, four)), Some(n)) = (prefix, a.prefix_cache) {
         println!(
-            "time to first token, {n}-token shared prefix + 16 tokens (median of 5): cold {cold:.1} ms, warm {warm:.1} ms ({:.1}% of cold)",
+            "time to first token, {n}-token shared prefix + 16 tokens (median of 5): cold {cold:.1} ms, warm {warm:.1} ms ({:.1}% of cold), four warm at once {four:.1} ms each on average",
             100.0 * warm / cold
         );
     }

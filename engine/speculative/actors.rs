@@ -641,9 +641,9 @@ impl EngineHandle {
         drafter.set_vocab(vocab);
         // Each SyncArbiter factory runs once (one thread per stage).
         let prefix_blocks = config.prefix_cache_blocks;
-        let verifier = std::sync::Mutex::new(Some(
-            Verifier::new(model.clone()).with_prefix_cache(prefix_blocks),
-        ));
+        let verifier = Verifier::new(model.clone()).with_prefix_cache(prefix_blocks);
+        let prefix_probe = verifier.prefix_probe();
+        let verifier = std::sync::Mutex::new(Some(verifier));
         let die_at = failpoint();
         let verify = SyncArbiter::start(1, move || VerifyActor {
             verifier: verifier
@@ -670,8 +670,10 @@ impl EngineHandle {
         }
         .start();
         let health = Arc::new(EngineHealth::default());
+        let mut sched = Scheduler::new(config.scheduler, tokenizer);
+        sched.set_prefix_probe(prefix_probe);
         let scheduler = SchedulerActor {
-            scheduler: Scheduler::new(config.scheduler, tokenizer),
+            scheduler: sched,
             caps,
             kv: kv.clone(),
             draft: draft.clone(),

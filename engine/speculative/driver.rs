@@ -116,13 +116,16 @@ impl SyncDriver {
         let vocab = model.config.vocab_size;
         let mut drafter = drafter;
         drafter.set_vocab(vocab);
+        let verifier = Verifier::new(model).with_prefix_cache(config.prefix_cache_blocks);
+        let mut scheduler = Scheduler::new(config.scheduler, tokenizer);
+        scheduler.set_prefix_probe(verifier.prefix_probe());
         Self {
             steps: 0,
             times: StageTimes::default(),
-            scheduler: Scheduler::new(config.scheduler, tokenizer),
+            scheduler,
             kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
             drafter,
-            verifier: Verifier::new(model).with_prefix_cache(config.prefix_cache_blocks),
+            verifier,
             acceptor: Acceptor::new(vocab),
         }
     }

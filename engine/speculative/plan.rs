@@ -5,7 +5,8 @@
 //!
 //! Invariants: every step's batch costs at most `max_batch_tokens`
 //! tokens, decode steps of running sequences come before new prefill
-//! work, a step prefills at most `max_prefill_tokens` prompt tokens, and a
+//! work, a step computes at most `max_prefill_tokens` prompt tokens (the
+//! whole blocks the prefix cache holds next ride along free), and a
 //! sequence drafts no further than its request, its proposer, its
 //! `max_tokens` and the context allow (then what its acceptance pays for).
 
@@ -153,7 +154,11 @@ impl Scheduler {
         // this step (`Work::Decode` with a prefix).
         let mut batch_left = budget;
         budget = budget.min(self.config.max_prefill_tokens.max(1));
-        let prefilling: Vec<(Slot, usize, bool)> = self
+        let bs = crate::model::DEFAULT_BLOCK_SIZE;
+        // (slot, prompt tokens to compute (+1 for the last token), whether
+        // the last token comes along, prompt tokens the prefix cache holds
+        // next: free, outside the budget).
+        let prefilling: Vec<(Slot, usize, bool, usize)> = self
             .running
             .iter()
             .filter_map(|&id| {
@@ -168,18 +173,37 @@ impl Scheduler {
                     .as_deref()
                     .and_then(&caps)
                     .is_some_and(|c| !c.hidden_layers.is_empty());
+                // Blocks the prefix cache holds right after what is cached
+                // (whole blocks from a block boundary, as the runner takes
+                // them; not for chunks it would compute anyway).
+                let free = match &self.prefix {
+                    Some(p)
+                        if s.status == SeqStatus::Prefill
+                            && s.cached % bs == 0
+                            && s.req.prompt_logprobs.is_none()
+                            && s.fork_from.is_none()
+                            && !hidden =>
+                    {
+                        p.cached_blocks(&s.tokens[..s.prefill_target()], s.cached / bs, bs) * bs
+                    }
+                    _ => 0,
+                };
+                // With cached blocks ahead this step prefills (they are
+                // taken by a prefill chunk); the first token comes next.
                 let last = s.req.prompt_logprobs.is_none()
                     && s.fork_from.is_none()
                     && s.generated().is_empty()
-                    && !hidden;
+                    && !hidden
+                    && free == 0;
                 (s.status == SeqStatus::Prefill && need > 0).then_some((
                     self.slot(id, false)?,
-                    need + usize::from(last),
+                    need - free + usize::from(last),
                     last,
+                    free,
                 ))
             })
             .collect();
-        let needs: Vec<(Slot, usize)> = prefilling.iter().map(|(s, n, _)| (*s, *n)).collect();
+        let needs: Vec<(Slot, usize)> = prefilling.iter().map(|(s, n, _, _)| (*s, *n)).collect();
         let shares = match self.config.scheduling {
             Scheduling::Fair => fairness::prefill_shares(budget, &needs),
             Scheduling::Fcfs => needs
@@ -192,7 +216,7 @@ impl Scheduler {
                 .collect(),
         };
         batch_left = batch_left.saturating_sub(shares.iter().sum::<usize>());
-        for ((slot, need, last), n) in prefilling.into_iter().zip(shares) {
+        for ((slot, need, last, free), n) in prefilling.into_iter().zip(shares) {
             let Some(s) = self.seqs.get(&slot.id) else {
                 continue;
             };
@@ -228,7 +252,8 @@ impl Scheduler {
                 continue;
             }
             // Without the last token (it waits for the next step).
-            let n = n.min(need - usize::from(last));
+            // The cached blocks ahead, then what it computes.
+            let n = free + n.min(need - usize::from(last));
             if n == 0 {
                 continue;
             }

@@ -18,8 +18,14 @@
 //!   them), and among equally recent entries the deepest goes first, so a
 //!   parent never goes before its children and a long prompt is trimmed
 //!   from its end.
+//! - `PrefixProbe` mirrors the entries' keys (parent id, a hash of the
+//!   tokens) -> id; it changes only with `map`, under the same calls. The
+//!   scheduler reads it to plan cached blocks as free (a hint: the runner's
+//!   exact lookup decides, and a block evicted in between is computed).
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, RwLock};
 
 use crate::model::SharedBlock;
 
@@ -35,9 +41,58 @@ struct Entry {
     used: u64,
 }
 
+/// What the scheduler sees of a `PrefixCache`: which blocks of a prompt
+/// it holds, read without touching the cache (no recency, no lock on it).
+#[derive(Debug, Clone, Default)]
+pub struct PrefixProbe(Arc<RwLock<HashMap<(u64, u64), u64>>>);
+
+fn tokens_hash(tokens: &[u32]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+impl PrefixProbe {
+    /// How many full `block_size` blocks of `tokens` after the first
+    /// `from` blocks the cache holds in a row, following the prompt's chain
+    /// from its start (0 where the first `from` blocks are not all there).
+    pub fn cached_blocks(&self, tokens: &[u32], from: usize, block_size: usize) -> usize {
+        let Ok(index) = self.0.read() else {
+            return 0;
+        };
+        let mut parent = 0;
+        let mut found = 0;
+        for (b, block) in tokens.chunks_exact(block_size).enumerate() {
+            match index.get(&(parent, tokens_hash(block))) {
+                Some(&id) => parent = id,
+                None => return found,
+            }
+            if b >= from {
+                found += 1;
+            }
+        }
+        found
+    }
+
+    fn set(&self, parent: u64, tokens: &[u32], id: u64) {
+        let mut index = self.0.write().unwrap_or_else(|e| e.into_inner());
+        index.insert((parent, tokens_hash(tokens)), id);
+    }
+
+    fn forget(&self, parent: u64, tokens: &[u32], id: u64) {
+        let mut index = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let key = (parent, tokens_hash(tokens));
+        // Only this entry's (another's may share the hash).
+        if index.get(&key) == Some(&id) {
+            index.remove(&key);
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct PrefixCache {
     capacity: usize,
+    probe: PrefixProbe,
     map: HashMap<(u64, Vec<u32>), Entry>,
     /// Entry id -> its key.
     keys: HashMap<u64, (u64, Vec<u32>)>,
@@ -50,6 +105,7 @@ impl PrefixCache {
     pub fn new(capacity: usize) -> Self {
         Self {
             capacity,
+            probe: PrefixProbe::default(),
             map: HashMap::new(),
             keys: HashMap::new(),
             next_id: 1,
@@ -59,6 +115,18 @@ impl PrefixCache {
 
     pub fn len(&self) -> usize {
         self.map.len()
+    }
+
+    /// A view of this cache's keys for the scheduler (see `PrefixProbe`).
+    pub fn probe(&self) -> PrefixProbe {
+        self.probe.clone()
+    }
+
+    fn remove(&mut self, k: &Key) {
+        if let Some(e) = self.map.remove(k) {
+            self.keys.remove(&e.id);
+            self.probe.forget(k.0, &k.1, e.id);
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -110,6 +178,7 @@ impl PrefixCache {
             .and_then(|k| self.map.get(k))
             .map_or(0, |p| p.depth + 1);
         self.keys.insert(id, (parent, tokens.clone()));
+        self.probe.set(parent, &tokens, id);
         self.map.insert(
             (parent, tokens),
             Entry {
@@ -150,9 +219,7 @@ impl PrefixCache {
             if self.map.len() <= target {
                 break;
             }
-            if let Some(e) = self.map.remove(&k) {
-                self.keys.remove(&e.id);
-            }
+            self.remove(&k);
         }
         // Entries whose parent went are unreachable: drop them too.
         loop {
@@ -166,9 +233,7 @@ impl PrefixCache {
                 break;
             }
             for k in orphans {
-                if let Some(e) = self.map.remove(&k) {
-                    self.keys.remove(&e.id);
-                }
+                self.remove(&k);
             }
         }
     }
@@ -215,6 +280,31 @@ mod tests {
         // Inserting the same block again keeps one entry.
         assert_eq!(p.insert(0, vec![1, 2], c.share_block(0).unwrap()), a);
         assert_eq!(p.len(), 2);
+    }
+
+    /// The probe follows a prompt's chain from its start, counts the
+    /// blocks after the first `from`, and forgets evicted entries.
+    #[test]
+    fn the_probe_sees_chains_from_the_start_and_forgets_evictions() {
+        let c = cache_with_blocks(3);
+        let mut p = PrefixCache::new(8);
+        let probe = p.probe();
+        let a = p.insert(0, vec![1, 2], c.share_block(0).unwrap());
+        let b = p.insert(a, vec![3, 4], c.share_block(1).unwrap());
+        p.insert(b, vec![5, 6], c.share_block(2).unwrap());
+        let prompt = [1, 2, 3, 4, 5, 6, 7];
+        assert_eq!(probe.cached_blocks(&prompt, 0, 2), 3);
+        assert_eq!(probe.cached_blocks(&prompt, 1, 2), 2);
+        assert_eq!(probe.cached_blocks(&prompt, 3, 2), 0);
+        // Another first block: nothing after it counts.
+        assert_eq!(probe.cached_blocks(&[9, 9, 3, 4], 1, 2), 0);
+        assert_eq!(probe.cached_blocks(&[1, 2, 3, 9], 0, 2), 1);
+        // Evicted (once no cache holds them): gone from the probe too.
+        drop(c);
+        p.capacity = 0;
+        p.trim();
+        assert!(p.is_empty());
+        assert_eq!(probe.cached_blocks(&prompt, 0, 2), 0);
     }
 
     /// A chain inserted block by block is trimmed from its end: its root

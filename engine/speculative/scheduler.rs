@@ -48,6 +48,7 @@ use super::hidden::HiddenRows;
 pub use super::hidden::MAX_HIDDEN_ROWS;
 
 use super::policy::{SeqPolicy, VerifyCostModel};
+use super::prefix_cache::PrefixProbe;
 use super::proposer::Capabilities;
 pub use super::sequence::{SeqContext, SeqStatus, Sequence};
 use super::{Completion, Event, Request, SeqId, SpecStats};
@@ -254,6 +255,9 @@ pub struct Scheduler {
     pub(super) last_extra: usize,
     /// Sum and count of the draft prices of planned steps.
     pub(super) prices: (f64, u64),
+    /// The verifier's prefix cache, read to plan cached prompt blocks as
+    /// free (`None`: no prefix cache).
+    pub(super) prefix: Option<PrefixProbe>,
 }
 
 impl Scheduler {
@@ -272,8 +276,16 @@ impl Scheduler {
             cost: VerifyCostModel::new(config.max_batch_tokens),
             last_extra: 0,
             prices: (0.0, 0),
+            prefix: None,
             config,
         }
+    }
+
+    /// Plan prefill chunks with the prefix cache `probe` looks into: its
+    /// blocks cost no budget, so a prompt takes all it finds cached in one
+    /// step, however the budget is shared.
+    pub fn set_prefix_probe(&mut self, probe: Option<PrefixProbe>) {
+        self.prefix = probe;
     }
 
     /// A verify forward fed `tokens` tokens for `decodes` decoding

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::hidden::HiddenRows;
-use super::prefix_cache::PrefixCache;
+use super::prefix_cache::{PrefixCache, PrefixProbe};
 use super::SeqId;
 use crate::model::{ForwardInput, KvCache, Logits, Model, TreeMask};
 
@@ -116,6 +116,11 @@ impl Verifier {
     pub fn with_prefix_cache(mut self, blocks: usize) -> Self {
         self.prefix = (blocks > 0).then(|| PrefixCache::new(blocks));
         self
+    }
+
+    /// The prefix cache's view for the scheduler (`None`: no cache).
+    pub fn prefix_probe(&self) -> Option<PrefixProbe> {
+        self.prefix.as_ref().map(PrefixCache::probe)
     }
 
     /// Blocks in the prefix cache (in use or idle).
