@@ -25,6 +25,10 @@ pub struct ModelBench {
     pub weight_bytes: usize,
     /// Bytes of the one KV cache at `context` (+ the largest k).
     pub kv_bytes: usize,
+    /// (the model's context, bytes of one sequence's KV there once the
+    /// sliding layers' entries outside their window are released, bytes
+    /// with every layer's kept).
+    pub kv_full_context: (usize, usize, usize),
     /// Peak resident set of the process (Linux `VmHWM`) over the model's
     /// work, leaving out the bandwidth probes' buffers; None where unknown.
     pub peak_rss_bytes: Option<usize>,
@@ -296,6 +300,11 @@ pub fn bench_model(
         tree_verify,
         weight_bytes: model.weight_bytes(),
         kv_bytes,
+        kv_full_context: {
+            let l = c.layout();
+            let n = model.config.max_seq_len;
+            (n, l.bytes_at(n), l.blocks_for(n) * l.block_bytes())
+        },
         // Without a reset, the resident set now (the probe's buffers are
         // freed) stands in for the peak after the probes.
         peak_rss_bytes: peak_before.max(if reset { peak_rss_bytes() } else { rss_bytes() }),

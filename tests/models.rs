@@ -16,7 +16,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use common::{lcg_vec, max_abs_diff, TempDir};
-use specd::model::{load_model, ForwardInput, KvDtype, Logits, Model, TreeMask};
+use specd::model::{load_model, ForwardInput, KvCache, KvDtype, Logits, Model, TreeMask};
 
 /// A tiny checkpoint of one architecture.
 #[derive(Clone, Copy)]
@@ -864,16 +864,28 @@ fn sliding_window_rollback_and_trees_are_exact() {
         assert_eq!(after.row(r), want.row(250 + r), "row {r} after rollback");
     }
     // A tree of two branches, [a, b] and [c, d], after 250 tokens.
-    let tree = TreeMask {
-        parents: vec![None, Some(0), None, Some(2)],
-    };
-    let nodes = [7u32, 8, 9, 10];
     let mut ct = m.new_cache();
     m.forward_one(&mut ct, &toks[..250], Logits::None).unwrap();
+    tree_equals_its_chains(&m, &mut ct, &toks[..250], &[None, Some(0), None, Some(2)]);
+}
+
+/// A tree over `cache` (which holds `context`) of nodes 7, 8, ... with
+/// `parents`: every node's logits equal those of its path fed as a chain
+/// after `context` on a fresh cache.
+fn tree_equals_its_chains(
+    m: &Model,
+    cache: &mut KvCache,
+    context: &[u32],
+    parents: &[Option<usize>],
+) {
+    let tree = TreeMask {
+        parents: parents.to_vec(),
+    };
+    let nodes: Vec<u32> = (7..7 + parents.len() as u32).collect();
     let out = m
         .forward(
             &mut [ForwardInput {
-                cache: &mut ct,
+                cache,
                 tokens: &nodes,
                 logits: Logits::All,
                 tree: Some(&tree),
@@ -882,13 +894,149 @@ fn sliding_window_rollback_and_trees_are_exact() {
         )
         .unwrap()
         .remove(0);
-    for (branch, rows) in [([7u32, 8], [0usize, 1]), ([9, 10], [2, 3])] {
-        let mut cc = m.new_cache();
-        m.forward_one(&mut cc, &toks[..250], Logits::None).unwrap();
-        let chain = m.forward_one(&mut cc, &branch, Logits::All).unwrap();
-        for (i, &r) in rows.iter().enumerate() {
-            assert_eq!(out.row(r), chain.row(i), "tree node {r} vs its chain");
+    for r in 0..nodes.len() {
+        let mut path = vec![r];
+        while let Some(p) = parents[*path.last().unwrap()] {
+            path.push(p);
         }
+        path.reverse();
+        let branch: Vec<u32> = path.iter().map(|&i| nodes[i]).collect();
+        let mut cc = m.new_cache();
+        m.forward_one(&mut cc, context, Logits::None).unwrap();
+        let chain = m.forward_one(&mut cc, &branch, Logits::All).unwrap();
+        assert_eq!(
+            out.row(r),
+            chain.row(path.len() - 1),
+            "tree node {r} vs its chain"
+        );
+    }
+}
+
+/// A windowed cache gives back its sliding layers' parts of the blocks no
+/// later query reads, and nothing changes: chunked prefill and decoding
+/// with releases before every forward give the logits of a cache that
+/// keeps everything, bit for bit, as do a rollback and a tree after a
+/// release; a rollback into released entries is refused, and a released
+/// block is never shared.
+#[test]
+fn sliding_window_entries_outside_the_window_are_released_exactly() {
+    let (_d, m) = long_gemma("win-release");
+    let toks = tokens(&GEMMA3_LONG, 300);
+    let mut keep = m.new_cache();
+    let all = m.forward_one(&mut keep, &toks, Logits::All).unwrap();
+    let mut c = m.new_cache();
+    let mut released = 0;
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    let mut at = 0;
+    // Chunks of 29, then tokens one at a time.
+    while at < toks.len() {
+        let n = if at < 250 { 29.min(250 - at) } else { 1 };
+        released += c.release_window(c.len());
+        let out = m
+            .forward_one(&mut c, &toks[at..at + n], Logits::All)
+            .unwrap();
+        rows.extend((0..out.rows).map(|r| out.row(r).to_vec()));
+        at += n;
+    }
+    for (p, r) in rows.iter().enumerate() {
+        assert_eq!(r.as_slice(), all.row(p), "position {p}");
+    }
+    released += c.release_window(c.len());
+    // 300 positions, a 40-position window read in ranges of 128 slots:
+    // blocks 0-3 (256 positions) go; the global layer keeps them all.
+    let layout = c.layout();
+    assert_eq!(layout.local_layers(), 3);
+    assert_eq!(released, 4);
+    assert_eq!((c.num_blocks(), c.num_local_blocks()), (5, 1));
+    assert!(c.num_local_blocks() <= layout.local_blocks_held());
+    assert_eq!(
+        c.bytes() * 20,
+        keep.bytes() * 8,
+        "5 blocks of the global layer and 1 of the 3 sliding ones: 8 of 20 layer-blocks"
+    );
+    assert!(c.share_block(0).is_none(), "a released block is not shared");
+    assert!(c.share_block(4).is_none(), "block 4 is not full");
+    // Rollback within what the window kept, then a tree: exact. A query at
+    // 290 reads from block 2 on (released): refused.
+    c.truncate(297).unwrap();
+    let err = c.truncate(290).unwrap_err();
+    assert!(err.to_string().contains("sliding-window"), "{err}");
+    assert_eq!(c.len(), 297);
+    tree_equals_its_chains(&m, &mut c, &toks[..297], &[None, Some(0), None]);
+}
+
+/// Through the engine a windowed model's sequences give their sliding
+/// layers' blocks back as they grow, and no output changes: greedy plain
+/// decoding, ngram and suffix speculation (chains and trees), a request
+/// taking another's blocks from the prefix cache, and forked choices, one
+/// of which waits for a slot until its parent has decoded past the
+/// window's next range (the parent keeps its window where the choice
+/// copies it) all give plain decoding's tokens.
+#[test]
+fn sliding_window_kv_is_released_through_the_engine_without_changing_outputs() {
+    use specd::config::Config;
+    use specd::plain::generate;
+    use specd::speculative::driver::{EngineConfig, SyncDriver};
+    use specd::speculative::Request;
+    use std::sync::Arc;
+
+    let (_d, m) = long_gemma("win-engine");
+    let m = Arc::new(m);
+    let prompt = tokens(&GEMMA3_LONG, 200);
+    let req = |proposer: &str, n: usize| Request {
+        proposer: Some(proposer.into()),
+        ignore_eos: true,
+        ..Request::greedy(prompt.clone(), n)
+    };
+    let want = generate(&m, None, &req("none", 250), |_| {})
+        .unwrap()
+        .tokens;
+    for proposer in ["none", "ngram", "suffix", "suffix-tree"] {
+        let engine = |running: usize| {
+            let drafter = Config::builtin().build_drafter(&m, None).unwrap();
+            let mut ec = EngineConfig::for_model(&m);
+            ec.scheduler.max_running = running;
+            SyncDriver::new(m.clone(), None, ec, drafter)
+        };
+        // Alone, then again (its prompt's blocks from the cache).
+        let mut e = engine(4);
+        for round in 0..2 {
+            e.add(req(proposer, 100), None).unwrap();
+            let done = e.run_to_completion().unwrap();
+            assert_eq!(done[0].tokens, want[..100], "{proposer}, round {round}");
+        }
+        let (_, hit) = e.verifier.prefix_stats();
+        assert!(
+            hit >= 192,
+            "{proposer}: the prompt's blocks came from the cache ({hit})"
+        );
+        let released = e.verifier.window_released_blocks();
+        assert!(released >= 4, "{proposer}: {released} blocks released");
+        // Two slots: the parent (250 tokens) and its first choice (120)
+        // run; the second choice (60) starts when the first ends, the
+        // parent then past position 295, where its window's range moves on.
+        let mut e = engine(2);
+        let parent = e.add(req(proposer, 250), None).unwrap();
+        for n in [120, 60] {
+            let r = Request {
+                fork_of: Some(parent),
+                ..req(proposer, n)
+            };
+            e.add(r, None).unwrap();
+        }
+        let mut done = e.run_to_completion().unwrap();
+        done.sort_by_key(|c| c.id);
+        let lens: Vec<usize> = done.iter().map(|c| c.tokens.len()).collect();
+        assert_eq!(lens, [250, 120, 60], "{proposer}");
+        for c in &done {
+            assert_eq!(
+                c.tokens,
+                want[..c.tokens.len()],
+                "{proposer}: choice {}",
+                c.id
+            );
+        }
+        assert!(e.verifier.window_released_blocks() >= 4, "{proposer}");
     }
 }
 

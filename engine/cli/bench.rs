@@ -195,4 +195,12 @@ fn print_model(path: &std::path::Path, b: &specd::bench_model::ModelBench) {
             .map(|r| format!("{:.1} MiB", mb(r)))
             .unwrap_or_else(|| "unknown".into())
     );
+    let (n, kept, every) = b.kv_full_context;
+    if kept < every {
+        println!(
+            "KV of one sequence at the full context ({n} positions): {:.1} MiB, the sliding-window layers' entries outside the window released ({:.1} MiB with every layer's)",
+            mb(kept),
+            mb(every)
+        );
+    }
 }

@@ -327,7 +327,7 @@ const ATTN_VERIFY_TOKENS: usize = 16;
 /// positions and their partial softmax sums are merged in order, so a
 /// token's result never depends on the batch; short ranges let a single
 /// decoding or verifying sequence spread over the threads.
-const ATTN_BLOCKS_PER_RANGE: usize = 2;
+pub(crate) const ATTN_BLOCKS_PER_RANGE: usize = 2;
 
 /// Merge partial attention results `[max, sum, o[head_dim]]` of consecutive
 /// slot ranges, in order: `out = sum_c o_c e^(m_c - M) / sum_c s_c e^(m_c - M)`.

@@ -204,12 +204,20 @@ impl ModelConfig {
     }
 
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        let mut sliding = 0u128;
+        for li in 0..self.layers.min(128) {
+            if self.layer_window(li).is_some() {
+                sliding |= 1 << li;
+            }
+        }
         KvLayout {
             layers: self.layers,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             block_size,
             dtype: KvDtype::default(),
+            sliding,
+            window: self.sliding_window.unwrap_or(0),
         }
     }
 }

@@ -34,7 +34,7 @@ use super::accept::Acceptor;
 use super::drafter::{Drafter, ProposerListing, ProposerSet};
 use super::driver::EngineConfig;
 use super::kv_manager::Grant;
-use super::kv_manager::{KvManager, Pool, PoolUsage};
+use super::kv_manager::{KvManager, Pool, PoolUsage, WindowCost};
 use super::pipeline::{
     AcceptRequest, AcceptResponse, CommitLens, DraftRequest, DraftResponse, GrantRequest, Step,
     VerifyRequest, VerifyResponse,
@@ -640,6 +640,7 @@ impl EngineHandle {
         let vocab = model.config.vocab_size;
         drafter.set_vocab(vocab);
         // Each SyncArbiter factory runs once (one thread per stage).
+        let window = WindowCost::of(&model.config.kv_layout(crate::model::DEFAULT_BLOCK_SIZE));
         let prefix_blocks = config.prefix_cache_blocks;
         let verifier = Verifier::new(model.clone()).with_prefix_cache(prefix_blocks);
         let prefix_probe = verifier.prefix_probe();
@@ -666,7 +667,8 @@ impl EngineHandle {
             core: Acceptor::new(vocab),
         });
         let kv = KvManagerActor {
-            kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
+            kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks)
+                .with_window(Pool::Target, window),
         }
         .start();
         let health = Arc::new(EngineHealth::default());

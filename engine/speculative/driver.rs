@@ -8,7 +8,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::accept::Acceptor;
 use super::drafter::Drafter;
-use super::kv_manager::KvManager;
+use super::kv_manager::{KvManager, Pool, WindowCost};
 use super::pipeline::{Step, StepReport};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::verify::Verifier;
@@ -116,6 +116,7 @@ impl SyncDriver {
         let vocab = model.config.vocab_size;
         let mut drafter = drafter;
         drafter.set_vocab(vocab);
+        let window = WindowCost::of(&model.config.kv_layout(crate::model::DEFAULT_BLOCK_SIZE));
         let verifier = Verifier::new(model).with_prefix_cache(config.prefix_cache_blocks);
         let mut scheduler = Scheduler::new(config.scheduler, tokenizer);
         scheduler.set_prefix_probe(verifier.prefix_probe());
@@ -123,7 +124,8 @@ impl SyncDriver {
             steps: 0,
             times: StageTimes::default(),
             scheduler,
-            kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks),
+            kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks)
+                .with_window(Pool::Target, window),
             drafter,
             verifier,
             acceptor: Acceptor::new(vocab),

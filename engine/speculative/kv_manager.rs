@@ -4,6 +4,10 @@
 //! Invariants:
 //! - `used <= capacity` for every pool, always.
 //! - A sequence holds exactly `blocks_for(reserved_len)` blocks per pool;
+//!   with sliding-window layers (`with_window`) that counts their part of
+//!   a block only for the blocks a cache keeps (`KvLayout::
+//!   local_blocks_held`), in whole-block units rounded up, so a long
+//!   sequence of such a model costs about its global layers' share;
 //!   `reserve` raises that length before a step (all-or-nothing across
 //!   pools), `commit` lowers it to the committed length after (rollback of
 //!   rejected positions), `free` returns everything.
@@ -36,6 +40,26 @@ pub struct OutOfBlocks {
     pub free: usize,
 }
 
+/// How a pool counts a model with sliding-window layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowCost {
+    pub layers: usize,
+    pub local_layers: usize,
+    /// Blocks whose sliding part a cache keeps at most.
+    pub local_blocks: usize,
+}
+
+impl WindowCost {
+    /// The cost of caches of `layout` (`None`: no sliding layers).
+    pub fn of(layout: &crate::model::KvLayout) -> Option<Self> {
+        (layout.local_layers() > 0).then(|| Self {
+            layers: layout.layers,
+            local_layers: layout.local_layers(),
+            local_blocks: layout.local_blocks_held(),
+        })
+    }
+}
+
 #[derive(Debug)]
 struct PoolState {
     block_size: usize,
@@ -43,11 +67,17 @@ struct PoolState {
     used: usize,
     /// Reserved token length per sequence.
     lens: HashMap<SeqId, usize>,
+    window: Option<WindowCost>,
 }
 
 impl PoolState {
     fn blocks(&self, len: usize) -> usize {
-        len.div_ceil(self.block_size)
+        let b = len.div_ceil(self.block_size);
+        match self.window {
+            None => b,
+            Some(w) => ((w.layers - w.local_layers) * b + w.local_layers * b.min(w.local_blocks))
+                .div_ceil(w.layers.max(1)),
+        }
     }
 
     fn held(&self, seq: SeqId) -> usize {
@@ -71,6 +101,7 @@ impl KvManager {
                 capacity: capacity_blocks,
                 used: 0,
                 lens: HashMap::new(),
+                window: None,
             },
         );
         Self { pools }
@@ -85,8 +116,19 @@ impl KvManager {
                 capacity: capacity_blocks,
                 used: 0,
                 lens: HashMap::new(),
+                window: None,
             },
         );
+        self
+    }
+
+    /// Count `pool`'s sequences as caches with sliding-window layers do
+    /// (`None`: every layer holds every position). Before any reservation.
+    pub fn with_window(mut self, pool: Pool, window: Option<WindowCost>) -> Self {
+        if let Some(p) = self.pools.get_mut(&pool) {
+            debug_assert!(p.lens.is_empty());
+            p.window = window;
+        }
         self
     }
 
@@ -303,6 +345,30 @@ mod tests {
         assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 0);
         assert_eq!(kv.usage(Pool::Draft).unwrap().used_blocks, 0);
         assert_eq!(kv.holders(), 0);
+    }
+
+    /// Five of six layers slide: a long sequence costs its global layer's
+    /// blocks and the few the sliding ones keep.
+    #[test]
+    fn sliding_window_layers_count_only_the_blocks_a_cache_keeps() {
+        let w = WindowCost {
+            layers: 6,
+            local_layers: 5,
+            local_blocks: 4,
+        };
+        let mut kv = KvManager::new(64, 100).with_window(Pool::Target, Some(w));
+        assert_eq!(kv.blocks_for(Pool::Target, 128), 2);
+        // (64 + 5 x 4) / 6, rounded up.
+        assert_eq!(kv.blocks_for(Pool::Target, 64 * 64), 14);
+        kv.reserve(1, &[(Pool::Target, 64 * 64)]).unwrap();
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 14);
+        kv.commit(1, Pool::Target, 100);
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 2);
+        kv.free(1);
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 0);
+        // Without the window the same sequence needs 64.
+        let dense = KvManager::new(64, 100);
+        assert_eq!(dense.blocks_for(Pool::Target, 64 * 64), 64);
     }
 
     #[test]

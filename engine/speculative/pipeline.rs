@@ -312,6 +312,7 @@ impl Step {
                     moves: Vec::new(),
                     fork_from: None,
                     prompt_logprobs: it.prompt_logprobs.clone(),
+                    keep_window_from: it.keep_window_from,
                 },
                 Work::Decode {
                     last,
@@ -371,6 +372,7 @@ impl Step {
                         moves: it.moves.clone(),
                         fork_from: it.fork_from,
                         prompt_logprobs: None,
+                        keep_window_from: it.keep_window_from,
                     }
                 }
             })

@@ -141,6 +141,7 @@ impl Scheduler {
                 lookup: pcaps.is_some_and(is_lookup),
                 fork_from: s.fork_from,
                 prompt_logprobs: None,
+                keep_window_from: None,
             });
             wants.push(Want {
                 seq: id,
@@ -244,6 +245,7 @@ impl Scheduler {
                     lookup: pcaps.is_some_and(is_lookup),
                     fork_from: None,
                     prompt_logprobs: None,
+                    keep_window_from: None,
                 });
                 wants.push(Want {
                     seq: id,
@@ -274,11 +276,23 @@ impl Scheduler {
                     let end = (s.cached + n).min(s.prompt_len.saturating_sub(1));
                     (end > s.cached).then(|| (k, s.tokens[s.cached + 1..end + 1].to_vec()))
                 }),
+                keep_window_from: None,
             });
             wants.push(Want {
                 seq: id,
                 len: s.cached + n,
             });
+        }
+        // A choice that may still fork copies its parent's cache at the
+        // end of the prompt: the parent keeps the window there.
+        for it in &mut items {
+            it.keep_window_from = self
+                .seqs
+                .values()
+                .filter(|t| t.req.fork_of == Some(it.seq))
+                .filter(|t| t.status == SeqStatus::Waiting || t.fork_from.is_some())
+                .map(|t| t.prefill_target())
+                .min();
         }
         (items, wants)
     }

@@ -253,13 +253,7 @@ mod tests {
     use crate::model::{KvCache, KvDtype, KvLayout};
 
     fn cache_with_blocks(n: usize) -> KvCache {
-        let layout = KvLayout {
-            layers: 1,
-            kv_heads: 1,
-            head_dim: 2,
-            block_size: 2,
-            dtype: KvDtype::F32,
-        };
+        let layout = KvLayout::dense(1, 1, 2, 2, KvDtype::F32);
         let mut c = KvCache::new(layout, 64);
         c.reserve(2 * n).unwrap();
         c.advance(2 * n);

@@ -166,6 +166,9 @@ pub struct PlanItem {
     /// Prefill: report the log-probabilities of these tokens (the ones
     /// each fed position predicts) with this many alternatives.
     pub prompt_logprobs: Option<(usize, Vec<u32>)>,
+    /// Keep the sliding-window entries a query at this position reads
+    /// (a choice still to fork copies this cache there).
+    pub keep_window_from: Option<usize>,
 }
 
 /// Bookkeeping the other stages need at the start of a step.

@@ -60,6 +60,9 @@ pub struct VerifyItem {
     /// position predicts); the forward then keeps every row's logits and
     /// the runner reduces them to log-probabilities.
     pub prompt_logprobs: Option<(usize, Vec<u32>)>,
+    /// Keep the sliding-window entries a query at this position reads,
+    /// whatever the cache's length (a forked choice will copy it there).
+    pub keep_window_from: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -96,6 +99,8 @@ pub struct Verifier {
     prefix_hit: u64,
     /// Tokens fed through target forwards so far.
     forwarded: u64,
+    /// Blocks' sliding-window parts released so far.
+    window_released: u64,
 }
 
 impl Verifier {
@@ -108,6 +113,7 @@ impl Verifier {
             prefix_query: 0,
             prefix_hit: 0,
             forwarded: 0,
+            window_released: 0,
         }
     }
 
@@ -126,6 +132,18 @@ impl Verifier {
     /// Blocks in the prefix cache (in use or idle).
     pub fn prefix_cached_blocks(&self) -> usize {
         self.prefix.as_ref().map_or(0, PrefixCache::len)
+    }
+
+    /// Blocks' sliding-window parts released so far (memory a model with
+    /// sliding-window layers gives back as its sequences grow).
+    pub fn window_released_blocks(&self) -> u64 {
+        self.window_released
+    }
+
+    /// Bytes of KV entries the live caches reference (blocks shared
+    /// between caches counted once per cache).
+    pub fn cache_bytes(&self) -> usize {
+        self.caches.values().map(KvCache::bytes).sum()
     }
 
     /// Tokens fed through target forwards so far (prefill and verify).
@@ -212,6 +230,14 @@ impl Verifier {
         }
         // Prefix cache: cached blocks instead of computing them.
         let skips: Vec<usize> = run.iter().map(|it| self.take_cached(it)).collect();
+        // Sliding-window entries no query from here on reads (or a fork
+        // still to copy) go.
+        for it in &run {
+            if let Some(c) = self.caches.get_mut(&it.seq) {
+                let from = it.keep_window_from.unwrap_or(usize::MAX).min(c.len());
+                self.window_released += c.release_window(from) as u64;
+            }
+        }
         // Take the caches out so the forward can borrow them mutably at once
         // (items the cache covered entirely need no forward).
         let fwd: Vec<(&VerifyItem, usize)> = run
