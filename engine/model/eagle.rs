@@ -23,7 +23,7 @@ use std::path::Path;
 
 use super::kernels::{matmul_many, rms_norm, silu_mul, wants_q8, Activations, KernelPath};
 use super::tensor_file::TensorFile;
-use super::QMatrix;
+use super::{QMatrix, RopeScaling};
 
 /// Which published head layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,9 @@ pub struct HeadConfig {
     pub intermediate: usize,
     pub rms_eps: f32,
     pub rope_theta: f32,
+    /// Rotary scaling from the head's `rope_scaling` (public Llama 3.1
+    /// heads carry the target's `llama3` scaling; `linear` too).
+    pub rope_scaling: RopeScaling,
     /// The target's hidden size (features are `features x target_hidden`).
     pub target_hidden: usize,
     /// Target layers whose features the head reads (EAGLE-3: three; EAGLE-1:
@@ -102,6 +105,62 @@ pub struct Head {
 /// (the residual stream entering layers 2, l/2 and l-3).
 pub fn feature_layers(l: usize) -> Vec<usize> {
     vec![1, (l / 2).saturating_sub(1), l.saturating_sub(4)]
+}
+
+/// A head's `rope_scaling`: none, `linear` or `llama3` (what public heads
+/// carry, copied from their target's config); any other kind is refused
+/// by name rather than drafted with the wrong rotation.
+pub(crate) fn head_rope_scaling(
+    cfg: &serde_json::Value,
+    file: &Path,
+) -> Result<RopeScaling, String> {
+    let Some(rs) = cfg.get("rope_scaling").filter(|v| !v.is_null()) else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = rs
+        .get("rope_type")
+        .or_else(|| rs.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let num = |k: &str| {
+        rs.get(k)
+            .and_then(|v| v.as_f64())
+            .map(|v| v as f32)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| {
+                format!(
+                    "{}: rope_scaling.{k}: missing or not a positive number for '{kind}'",
+                    file.display()
+                )
+            })
+    };
+    Ok(match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: num("factor")?,
+        },
+        "llama3" => {
+            let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+            if high <= low {
+                return Err(format!(
+                    "{}: rope_scaling: high_freq_factor {high} must exceed low_freq_factor {low}",
+                    file.display()
+                ));
+            }
+            RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position: num("original_max_position_embeddings")? as usize,
+            }
+        }
+        other => {
+            return Err(format!(
+                "{}: rope_scaling '{other}' is not supported for draft heads (supported: default, linear, llama3)",
+                file.display()
+            ))
+        }
+    })
 }
 
 pub(crate) fn cfg_usize(cfg: &serde_json::Value, key: &str, file: &Path) -> Result<usize, String> {
@@ -332,6 +391,7 @@ impl Head {
             .get("rope_theta")
             .and_then(|v| v.as_f64())
             .unwrap_or(10000.0) as f32;
+        let rope_scaling = head_rope_scaling(&cj, &cfg_path)?;
         if hidden != target_hidden {
             return Err(format!(
                 "{}: hidden_size {hidden} does not match the target's {target_hidden}",
@@ -437,6 +497,7 @@ impl Head {
             intermediate,
             rms_eps,
             rope_theta,
+            rope_scaling,
             target_hidden,
             feature_layers,
             draft_vocab,
@@ -583,14 +644,20 @@ impl Head {
     ) -> Head {
         let half = cfg.head_dim / 2;
         let max_pos = 1 << 15;
+        // `head_rope_scaling` admits only kinds that cannot fail here.
+        let (freqs, mscale) =
+            super::llama::rope_frequencies(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling)
+                .unwrap_or_else(|_| {
+                    super::llama::rope_frequencies(cfg.head_dim, cfg.rope_theta, &RopeScaling::None)
+                        .unwrap_or_default()
+                });
         let mut rope_cos = Vec::with_capacity(max_pos * half);
         let mut rope_sin = Vec::with_capacity(max_pos * half);
         for pos in 0..max_pos {
-            for i in 0..half {
-                let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32);
+            for &f in &freqs {
                 let a = pos as f32 * f;
-                rope_cos.push(a.cos());
-                rope_sin.push(a.sin());
+                rope_cos.push(a.cos() * mscale);
+                rope_sin.push(a.sin() * mscale);
             }
         }
         Head {
@@ -647,6 +714,17 @@ impl Head {
             }
         }
         g
+    }
+
+    /// The cos and sin the head rotates position `pos` by (one per
+    /// frequency, `head_dim / 2`).
+    pub fn rotation(&self, pos: usize) -> (&[f32], &[f32]) {
+        let half = self.cfg.head_dim / 2;
+        let pos = pos.min(self.rope_cos.len() / half.max(1) - 1);
+        (
+            &self.rope_cos[pos * half..(pos + 1) * half],
+            &self.rope_sin[pos * half..(pos + 1) * half],
+        )
     }
 
     fn rope(&self, x: &mut [f32], pos: usize) {
@@ -906,5 +984,104 @@ impl KvStore {
     fn value(&self, i: usize, kvh: usize, hd: usize) -> &[f32] {
         let o = i * self.dim + kvh * hd;
         &self.v[o..o + hd]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hugging Face's `_compute_llama3_parameters`, in f64.
+    fn hf_llama3(dim: usize, base: f64, factor: f64, low: f64, high: f64, old: f64) -> Vec<f64> {
+        (0..dim / 2)
+            .map(|i| {
+                let f = 1.0 / base.powf((2 * i) as f64 / dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                if wavelen < old / high {
+                    f
+                } else if wavelen > old / low {
+                    f / factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * f / factor + smooth * f
+                }
+            })
+            .collect()
+    }
+
+    /// A head whose config carries Llama 3.1's `rope_scaling` rotates as
+    /// Hugging Face's formula says (the shipped head's weights, head_dim 64
+    /// and base 1e5, with an original context of 32 so every band is hit);
+    /// without it the rotation differs; unknown kinds and bad fields are
+    /// refused naming the file and the key.
+    #[test]
+    fn heads_follow_their_configs_rope_scaling() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../proposers/eagle/heads/smollm2-135m-instruct"
+        );
+        let weights = std::fs::read(format!("{dir}/model.safetensors")).unwrap();
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(format!("{dir}/config.json")).unwrap())
+                .unwrap();
+        let head = |scaling: serde_json::Value| {
+            let mut c = config.clone();
+            c["rope_scaling"] = scaling;
+            Head::from_bytes("head", &c.to_string(), &weights, 576, 49152, 30)
+        };
+        let scaled = head(serde_json::json!({
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32
+        }))
+        .unwrap();
+        let plain = head(serde_json::Value::Null).unwrap();
+        let want = hf_llama3(64, 1e5, 8.0, 1.0, 4.0, 32.0);
+        let mut moved = 0f32;
+        for pos in [1usize, 100, 1000] {
+            let (cos, sin) = scaled.rotation(pos);
+            for (i, f) in want.iter().enumerate() {
+                let a = pos as f64 * f;
+                assert!(
+                    (cos[i] as f64 - a.cos()).abs() < 1e-3,
+                    "cos, pos {pos}, frequency {i}"
+                );
+                assert!(
+                    (sin[i] as f64 - a.sin()).abs() < 1e-3,
+                    "sin, pos {pos}, frequency {i}"
+                );
+            }
+            let (pc, _) = plain.rotation(pos);
+            moved = moved.max(
+                cos.iter()
+                    .zip(pc)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max),
+            );
+        }
+        assert!(moved > 0.1, "the scaling changes the rotation ({moved})");
+        // Linear, under the older `type` key.
+        let linear = head(serde_json::json!({"type": "linear", "factor": 2.0})).unwrap();
+        let f1 = 1.0 / 1e5f64.powf(2.0 / 64.0);
+        assert!((linear.rotation(10).0[1] as f64 - (10.0 * f1 / 2.0).cos()).abs() < 1e-4);
+        for (scaling, want) in [
+            (
+                serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+                "rope_scaling 'yarn' is not supported",
+            ),
+            (
+                serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+                "rope_scaling.original_max_position_embeddings",
+            ),
+            (
+                serde_json::json!({"rope_type": "linear", "factor": -1.0}),
+                "rope_scaling.factor",
+            ),
+        ] {
+            let err = head(scaling).unwrap_err();
+            assert!(
+                err.contains(want) && err.contains("head/config.json"),
+                "{err}"
+            );
+        }
     }
 }

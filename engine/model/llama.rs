@@ -583,94 +583,106 @@ struct RopeTable {
     sin: Vec<f32>,
 }
 
+/// The RoPE frequencies of `rot` rotary dimensions (`rot / 2` of them)
+/// for base `theta` under `scaling`, and the factor cos and sin are
+/// multiplied by (YaRN's and LongRoPE's attention factor, else 1). The
+/// target's tables and EAGLE heads' come from here.
+pub(crate) fn rope_frequencies(
+    rot: usize,
+    theta: f32,
+    scaling: &RopeScaling,
+) -> Result<(Vec<f32>, f32)> {
+    let half = rot / 2;
+    let mut freqs: Vec<f32> = (0..half)
+        .map(|i| 1f32 / theta.powf((2 * i) as f32 / rot as f32))
+        .collect();
+    match scaling {
+        RopeScaling::None | RopeScaling::Yarn { .. } => {}
+        RopeScaling::Linear { factor } => {
+            for f in &mut freqs {
+                *f /= factor;
+            }
+        }
+        RopeScaling::Factors(div)
+        | RopeScaling::LongRope {
+            factors: div,
+            attention_factor: _,
+        } => {
+            if div.len() != half {
+                return Err(SpecdError::InvalidRequest(format!(
+                    "rope frequency factors: {} values for {half} frequencies",
+                    div.len()
+                )));
+            }
+            for (f, d) in freqs.iter_mut().zip(div) {
+                *f /= d;
+            }
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } => {
+            let old = *original_max_position as f32;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            for f in &mut freqs {
+                let wavelen = 2.0 * std::f32::consts::PI / *f;
+                if wavelen < high_wavelen {
+                    // High frequencies kept.
+                } else if wavelen > low_wavelen {
+                    *f /= factor;
+                } else {
+                    let smooth =
+                        (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                }
+            }
+        }
+    }
+    let mut mscale = match scaling {
+        RopeScaling::LongRope {
+            attention_factor, ..
+        } => *attention_factor,
+        _ => 1f32,
+    };
+    if let RopeScaling::Yarn {
+        factor,
+        original_max_position,
+        beta_fast,
+        beta_slow,
+        attention_factor,
+    } = scaling
+    {
+        // The dimension pair that turns `rotations` times over the
+        // original context, then a linear ramp between those of
+        // `beta_fast` and `beta_slow` (floored and ceiled, clamped).
+        let orig = *original_max_position as f32;
+        let corr = |rotations: f32| {
+            rot as f32 * (orig / (rotations * 2.0 * std::f32::consts::PI)).ln() / (2.0 * theta.ln())
+        };
+        let low = corr(*beta_fast).floor().max(0.0);
+        let high = corr(*beta_slow).ceil().min(rot as f32 - 1.0);
+        let high = if high == low { high + 0.001 } else { high };
+        for (i, f) in freqs.iter_mut().enumerate() {
+            let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+            let extrapolate = 1.0 - ramp;
+            *f = *f / factor * (1.0 - extrapolate) + *f * extrapolate;
+        }
+        mscale = attention_factor.unwrap_or(if *factor > 1.0 {
+            0.1 * factor.ln() + 1.0
+        } else {
+            1.0
+        });
+    }
+    Ok((freqs, mscale))
+}
+
 impl RopeTable {
     fn new(c: &ModelConfig, theta: f32, scaling: &RopeScaling) -> Result<Self> {
-        let rot = c.rotary_dim;
-        let half = rot / 2;
-        let mut freqs: Vec<f32> = (0..half)
-            .map(|i| 1f32 / theta.powf((2 * i) as f32 / rot as f32))
-            .collect();
-        match scaling {
-            RopeScaling::None | RopeScaling::Yarn { .. } => {}
-            RopeScaling::Linear { factor } => {
-                for f in &mut freqs {
-                    *f /= factor;
-                }
-            }
-            RopeScaling::Factors(div)
-            | RopeScaling::LongRope {
-                factors: div,
-                attention_factor: _,
-            } => {
-                if div.len() != half {
-                    return Err(SpecdError::InvalidRequest(format!(
-                        "rope frequency factors: {} values for {half} frequencies",
-                        div.len()
-                    )));
-                }
-                for (f, d) in freqs.iter_mut().zip(div) {
-                    *f /= d;
-                }
-            }
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position,
-            } => {
-                let old = *original_max_position as f32;
-                let low_wavelen = old / low_freq_factor;
-                let high_wavelen = old / high_freq_factor;
-                for f in &mut freqs {
-                    let wavelen = 2.0 * std::f32::consts::PI / *f;
-                    if wavelen < high_wavelen {
-                        // High frequencies kept.
-                    } else if wavelen > low_wavelen {
-                        *f /= factor;
-                    } else {
-                        let smooth = (old / wavelen - low_freq_factor)
-                            / (high_freq_factor - low_freq_factor);
-                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
-                    }
-                }
-            }
-        }
-        let mut mscale = match scaling {
-            RopeScaling::LongRope {
-                attention_factor, ..
-            } => *attention_factor,
-            _ => 1f32,
-        };
-        if let RopeScaling::Yarn {
-            factor,
-            original_max_position,
-            beta_fast,
-            beta_slow,
-            attention_factor,
-        } = scaling
-        {
-            // The dimension pair that turns `rotations` times over the
-            // original context, then a linear ramp between those of
-            // `beta_fast` and `beta_slow` (floored and ceiled, clamped).
-            let orig = *original_max_position as f32;
-            let corr = |rotations: f32| {
-                rot as f32 * (orig / (rotations * 2.0 * std::f32::consts::PI)).ln()
-                    / (2.0 * theta.ln())
-            };
-            let low = corr(*beta_fast).floor().max(0.0);
-            let high = corr(*beta_slow).ceil().min(rot as f32 - 1.0);
-            let high = if high == low { high + 0.001 } else { high };
-            for (i, f) in freqs.iter_mut().enumerate() {
-                let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
-                let extrapolate = 1.0 - ramp;
-                *f = *f / factor * (1.0 - extrapolate) + *f * extrapolate;
-            }
-            mscale = attention_factor.unwrap_or(if *factor > 1.0 {
-                0.1 * factor.ln() + 1.0
-            } else {
-                1.0
-            });
-        }
+        let half = c.rotary_dim / 2;
+        let (freqs, mscale) = rope_frequencies(c.rotary_dim, theta, scaling)?;
         let n = c.max_seq_len;
         let mut cos = Vec::with_capacity(n * half);
         let mut sin = Vec::with_capacity(n * half);
