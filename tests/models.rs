@@ -1037,6 +1037,37 @@ fn sliding_window_kv_is_released_through_the_engine_without_changing_outputs() {
             );
         }
         assert!(e.verifier.window_released_blocks() >= 4, "{proposer}");
+        // A choice added once its parent has decoded past its window's
+        // range prefills on its own (the parent's window at the prompt's
+        // end is gone), and gives the same tokens.
+        let mut e = engine(4);
+        let parent = e.add(req(proposer, 250), None).unwrap();
+        let mut steps = 0;
+        while e.verifier.cache_len(parent).is_none_or(|l| l < 320) && steps < 1000 {
+            e.step().unwrap();
+            steps += 1;
+        }
+        let late = e
+            .add(
+                Request {
+                    fork_of: Some(parent),
+                    ..req(proposer, 40)
+                },
+                None,
+            )
+            .unwrap();
+        let done = e.run_to_completion().unwrap();
+        let got = |id| done.iter().find(|c| c.id == id).map(|c| c.tokens.clone());
+        assert_eq!(
+            got(parent).as_deref(),
+            Some(&want[..]),
+            "{proposer}: late parent"
+        );
+        assert_eq!(
+            got(late).as_deref(),
+            Some(&want[..40]),
+            "{proposer}: late choice"
+        );
     }
 }
 

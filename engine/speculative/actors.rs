@@ -674,6 +674,7 @@ impl EngineHandle {
         let health = Arc::new(EngineHealth::default());
         let mut sched = Scheduler::new(config.scheduler, tokenizer);
         sched.set_prefix_probe(prefix_probe);
+        sched.set_windowed(window.is_some());
         let scheduler = SchedulerActor {
             scheduler: sched,
             caps,

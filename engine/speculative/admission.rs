@@ -199,6 +199,10 @@ impl Scheduler {
         let Some(parent) = self.seqs.get(&p) else {
             return Fork::No;
         };
+        // Its window past the prompt may be gone: a prefill of its own.
+        if self.windowed && parent.window_past_prompt {
+            return Fork::No;
+        }
         if parent.prompt_len != s.prompt_len
             || parent.tokens[..parent.prompt_len] != s.tokens[..s.prompt_len]
         {

@@ -120,6 +120,7 @@ impl SyncDriver {
         let verifier = Verifier::new(model).with_prefix_cache(config.prefix_cache_blocks);
         let mut scheduler = Scheduler::new(config.scheduler, tokenizer);
         scheduler.set_prefix_probe(verifier.prefix_probe());
+        scheduler.set_windowed(window.is_some());
         Self {
             steps: 0,
             times: StageTimes::default(),

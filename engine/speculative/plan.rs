@@ -293,6 +293,11 @@ impl Scheduler {
                 .filter(|t| t.status == SeqStatus::Waiting || t.fork_from.is_some())
                 .map(|t| t.prefill_target())
                 .min();
+            if it.keep_window_from.is_none() {
+                if let Some(s) = self.seqs.get_mut(&it.seq) {
+                    s.window_past_prompt |= it.cache_len >= s.prefill_target();
+                }
+            }
         }
         (items, wants)
     }

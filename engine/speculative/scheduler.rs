@@ -261,6 +261,9 @@ pub struct Scheduler {
     /// The verifier's prefix cache, read to plan cached prompt blocks as
     /// free (`None`: no prefix cache).
     pub(super) prefix: Option<PrefixProbe>,
+    /// The target has sliding-window layers whose entries the verifier
+    /// releases (forks then need the parent's window kept).
+    pub(super) windowed: bool,
 }
 
 impl Scheduler {
@@ -280,6 +283,7 @@ impl Scheduler {
             last_extra: 0,
             prices: (0.0, 0),
             prefix: None,
+            windowed: false,
             config,
         }
     }
@@ -289,6 +293,12 @@ impl Scheduler {
     /// step, however the budget is shared.
     pub fn set_prefix_probe(&mut self, probe: Option<PrefixProbe>) {
         self.prefix = probe;
+    }
+
+    /// The target's caches release sliding-window entries (a choice then
+    /// forks only from a parent that kept its window at the prompt's end).
+    pub fn set_windowed(&mut self, windowed: bool) {
+        self.windowed = windowed;
     }
 
     /// A verify forward fed `tokens` tokens for `decodes` decoding
@@ -400,6 +410,7 @@ impl Scheduler {
             group: req.group.unwrap_or(id),
             arrived: std::time::Instant::now(),
             admitted_once: false,
+            window_past_prompt: false,
             first_token_seen: false,
             req,
         };

@@ -80,6 +80,10 @@ pub struct Sequence {
     /// Whether its queue wait and first token were recorded (once each,
     /// not again after a preemption).
     pub(super) admitted_once: bool,
+    /// A step past the prompt ran without keeping the window at the
+    /// prompt's end: the verifier may have released sliding-window
+    /// entries a forked choice would need, so none forks from it now.
+    pub(super) window_past_prompt: bool,
     pub(super) first_token_seen: bool,
 }
 
@@ -121,6 +125,7 @@ impl Sequence {
         self.status = status;
         self.cached = 0;
         self.fork_from = None;
+        self.window_past_prompt = false;
         self.hidden = HiddenRows::default();
         self.hidden_start = 0;
         self.pending_moves.clear();
