@@ -200,7 +200,7 @@ impl Scheduler {
             return Fork::No;
         };
         // Its window past the prompt may be gone: a prefill of its own.
-        if self.windowed && parent.window_past_prompt {
+        if parent.window_past_prompt {
             return Fork::No;
         }
         if parent.prompt_len != s.prompt_len

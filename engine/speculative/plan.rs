@@ -283,19 +283,25 @@ impl Scheduler {
                 len: s.cached + n,
             });
         }
-        // A choice that may still fork copies its parent's cache at the
-        // end of the prompt: the parent keeps the window there.
-        for it in &mut items {
-            it.keep_window_from = self
-                .seqs
-                .values()
-                .filter(|t| t.req.fork_of == Some(it.seq))
-                .filter(|t| t.status == SeqStatus::Waiting || t.fork_from.is_some())
-                .map(|t| t.prefill_target())
-                .min();
-            if it.keep_window_from.is_none() {
-                if let Some(s) = self.seqs.get_mut(&it.seq) {
-                    s.window_past_prompt |= it.cache_len >= s.prefill_target();
+        // With sliding-window layers, a choice that may still fork copies
+        // its parent's cache at the end of the prompt: the parent keeps
+        // the window there (without them nothing is released).
+        if self.windowed {
+            let mut keep: std::collections::HashMap<SeqId, usize> = Default::default();
+            for t in self.seqs.values() {
+                if let Some(p) = t.req.fork_of {
+                    if t.status == SeqStatus::Waiting || t.fork_from.is_some() {
+                        let k = keep.entry(p).or_insert(usize::MAX);
+                        *k = (*k).min(t.prefill_target());
+                    }
+                }
+            }
+            for it in &mut items {
+                it.keep_window_from = keep.get(&it.seq).copied();
+                if it.keep_window_from.is_none() {
+                    if let Some(s) = self.seqs.get_mut(&it.seq) {
+                        s.window_past_prompt |= it.cache_len >= s.prefill_target();
+                    }
                 }
             }
         }

@@ -140,12 +140,6 @@ impl Verifier {
         self.window_released
     }
 
-    /// Bytes of KV entries the live caches reference (blocks shared
-    /// between caches counted once per cache).
-    pub fn cache_bytes(&self) -> usize {
-        self.caches.values().map(KvCache::bytes).sum()
-    }
-
     /// Tokens fed through target forwards so far (prefill and verify).
     pub fn forwarded_tokens(&self) -> u64 {
         self.forwarded
