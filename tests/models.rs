@@ -1256,10 +1256,7 @@ fn chat_templates_in_the_styles_of_qwen3_and_gemma3_render() {
         Vec::new(),
     );
     let base = Tokenizer::for_model(&p).unwrap();
-    let msg = |role: &str, content: &str| ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    };
+    let msg = |role: &str, content: &str| ChatMessage::new(role, content);
     let qwen = base.clone().with_chat_template(QWEN3_STYLE);
     let out = qwen
         .apply_chat_template(

@@ -55,10 +55,7 @@ fn run_all(e: &mut SyncDriver, reqs: Vec<Request>) -> Vec<Completion> {
 /// A chat with a long shared system prompt and its own question.
 fn chat(tok: &Tokenizer, system: &str, question: &str) -> Vec<u32> {
     let msgs = [
-        ChatMessage {
-            role: "system".into(),
-            content: system.into(),
-        },
+        ChatMessage::new("system", system),
         ChatMessage::user(question),
     ];
     tok.encode_chat(&msgs, true, false).unwrap()

@@ -29,18 +29,33 @@ use tokenizers::{
 
 use crate::error::{Result, SpecdError};
 
-/// One chat message for the template.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+/// One chat message for the template. The optional fields are what
+/// Hugging Face chat templates read for tool use: an assistant turn's
+/// `tool_calls` (`[{"id", "type": "function", "function": {"name",
+/// "arguments": {...}}}]`, arguments as an object) and a `tool` turn's
+/// `tool_call_id` and `name`; absent ones are undefined in the template.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
-            role: "user".into(),
+            role: role.into(),
             content: content.into(),
+            ..Default::default()
         }
     }
 }
@@ -87,6 +102,76 @@ fn byte_level_inverse() -> &'static std::collections::HashMap<char, u8> {
         }
         m
     })
+}
+
+/// Jinja's `tojson` as Hugging Face's templates run it (Python's
+/// `json.dumps(x, ensure_ascii=False, indent=indent, sort_keys=sort_keys)`):
+/// ", " and ": " between items (with `indent`, a newline and that many
+/// spaces per level, and "," between items), non-ASCII kept, nothing
+/// HTML-escaped; keys in the order they came.
+fn py_tojson(
+    value: &minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(value).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    let mut out = String::new();
+    write_py_json(&v, indent, sort.unwrap_or(false), 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn write_py_json(
+    v: &serde_json::Value,
+    indent: Option<usize>,
+    sort: bool,
+    depth: usize,
+    out: &mut String,
+) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, d: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * d));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                write_py_json(x, indent, sort, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        J::Object(m) if !m.is_empty() => {
+            let mut items: Vec<(&String, &J)> = m.iter().collect();
+            if sort {
+                items.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, x)) in items.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&J::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_py_json(x, indent, sort, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 fn tk_err(e: impl std::fmt::Display) -> SpecdError {
@@ -368,19 +453,56 @@ impl Tokenizer {
         add_generation_prompt: bool,
         trust_content: bool,
     ) -> Result<Vec<u32>> {
+        self.encode_chat_with_tools(messages, None, add_generation_prompt, trust_content)
+    }
+
+    /// `encode_chat` with `tools` (OpenAI's list of `{"type": "function",
+    /// "function": {...}}`) handed to the template, as Hugging Face's
+    /// `apply_chat_template(tools=...)` does. The template writes tool
+    /// definitions and earlier calls' arguments itself (as JSON), so
+    /// unless `trust_content` any of them that spells one of the
+    /// tokenizer's added tokens is refused, naming the field: it would
+    /// become a control token.
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        trust_content: bool,
+    ) -> Result<Vec<u32>> {
         if trust_content {
-            let text = self.apply_chat_template(messages, add_generation_prompt)?;
+            let text = self.render_chat(messages, tools, add_generation_prompt)?;
             return self.encode(&text, false);
         }
+        if let Some(t) = tools {
+            self.refuse_added_tokens("tools", "tools", &t.to_string())?;
+        }
+        for (i, m) in messages.iter().enumerate() {
+            if let Some(c) = &m.tool_calls {
+                let at = format!("messages[{i}].tool_calls");
+                self.refuse_added_tokens("messages", &at, &c.to_string())?;
+            }
+            for (f, v) in [("tool_call_id", &m.tool_call_id), ("name", &m.name)] {
+                if let Some(v) = v {
+                    self.refuse_added_tokens("messages", &format!("messages[{i}].{f}"), v)?;
+                }
+            }
+        }
+        // Empty content needs no hole (it encodes to nothing), and a
+        // template that tests it (`if message.content`) sees it empty.
         let holes: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
             .map(|(i, m)| ChatMessage {
-                role: m.role.clone(),
-                content: format!("{HOLE_OPEN}{i}{HOLE_CLOSE}"),
+                content: if m.content.is_empty() {
+                    String::new()
+                } else {
+                    format!("{HOLE_OPEN}{i}{HOLE_CLOSE}")
+                },
+                ..m.clone()
             })
             .collect();
-        let rendered = self.apply_chat_template(&holes, add_generation_prompt)?;
+        let rendered = self.render_chat(&holes, tools, add_generation_prompt)?;
         let mut ids = Vec::new();
         let mut rest = rendered.as_str();
         while let Some(open) = rest.find(HOLE_OPEN) {
@@ -479,10 +601,60 @@ impl Tokenizer {
         self
     }
 
+    /// `Err` for request field `field` (at `at`) if `text` spells one of
+    /// the added tokens.
+    fn refuse_added_tokens(&self, field: &'static str, at: &str, text: &str) -> Result<()> {
+        let added = self.inner.get_added_vocabulary().get_added_tokens_decoder();
+        match added
+            .values()
+            .find(|t| !t.content.is_empty() && text.contains(&t.content))
+        {
+            Some(t) => Err(SpecdError::invalid_field(
+                field,
+                format!(
+                    "`{at}` contains `{}`, one of the model's control tokens",
+                    t.content
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the chat template documents tools and the calls it expects
+    /// in the `<tool_call>` JSON format specd parses (Hermes', which
+    /// Qwen 2.5 and 3, Hermes and SmolLM3 templates use): such a template
+    /// gets the request's `tools`, `tool_calls` and `tool` turns as they
+    /// are. Other templates (none, or another call format) get the tools
+    /// documented in a system turn instead (`structured::tools`).
+    pub fn native_tool_template(&self) -> bool {
+        self.chat_template
+            .as_deref()
+            .is_some_and(|t| t.contains("tools") && t.contains("<tool_call>"))
+    }
+
     /// Render messages with the model's chat template (ChatML if none).
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.render_chat(messages, None, add_generation_prompt)
+    }
+
+    /// `apply_chat_template` with `tools` in the template's context.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.render_chat(messages, tools, add_generation_prompt)
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
         let chatml = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -501,11 +673,16 @@ impl Tokenizer {
                 ))
             },
         );
+        // Hugging Face renders `tojson` with Python's `json.dumps` (", "
+        // and ": " separators, no HTML escaping), which is what models
+        // saw in training; minijinja's own is compact and HTML-safe.
+        env.add_filter("tojson", py_tojson);
         env.add_template("chat", src)
             .map_err(|e| SpecdError::Tokenizer(format!("chat template: {e}")))?;
         let tmpl = env.get_template("chat").map_err(tk_err)?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
@@ -600,15 +777,37 @@ mod tests {
     }
 
     #[test]
+    fn tojson_writes_what_pythons_json_dumps_writes() {
+        let t = with_template(
+            "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ tools | tojson(sort_keys=true) }}",
+        );
+        let tools = serde_json::json!([{"z": "<b>&'é", "a": [1, 2.5, null, true], "e": {}}]);
+        let out = t
+            .apply_chat_template_with_tools(&[ChatMessage::user("a")], Some(&tools), false)
+            .unwrap();
+        assert_eq!(
+            out,
+            "[{\"z\": \"<b>&'é\", \"a\": [1, 2.5, null, true], \"e\": {}}]|\
+             {\n  \"z\": \"<b>&'é\",\n  \"a\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"e\": {}\n}|\
+             [{\"a\": [1, 2.5, null, true], \"e\": {}, \"z\": \"<b>&'é\"}]"
+        );
+        // No tools: the template sees none.
+        let t = with_template("{% if tools %}tools{% else %}none{% endif %}");
+        assert_eq!(
+            t.apply_chat_template(&[ChatMessage::user("a")], false)
+                .unwrap(),
+            "none"
+        );
+        assert!(!t.native_tool_template());
+    }
+
+    #[test]
     fn a_template_that_refuses_the_messages_is_the_requests_fault() {
         let t = with_template(
             "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}\
              {{ messages[0].content }}",
         );
-        let m = |c: &str| ChatMessage {
-            role: "user".into(),
-            content: c.into(),
-        };
+        let m = |c: &str| ChatMessage::user(c);
         assert!(t.encode_chat(&[m("a")], true, false).is_ok());
         for trusted in [false, true] {
             let e = t.encode_chat(&[m("a"), m("b")], true, trusted).unwrap_err();

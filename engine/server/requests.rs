@@ -488,8 +488,13 @@ pub fn completion_prompts(b: CompletionBody, vocab: usize) -> Result<Vec<PromptI
         .collect()
 }
 
-/// Chat messages for the template, each role checked.
-pub fn chat_messages(b: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
+/// Chat messages for the template, each role checked. With `native`
+/// (the model's template handles tools: `Tokenizer::native_tool_template`)
+/// an assistant turn's calls stay `tool_calls` (arguments parsed to an
+/// object, as Hugging Face templates expect) and a `tool` turn stays one,
+/// with its `tool_call_id` and `name`; otherwise both are written into
+/// the text in the documented format (`structured::tools`).
+pub fn chat_messages(b: ChatBody, native: bool) -> Result<Vec<ChatMessage>, ApiError> {
     if b.messages.is_empty() {
         return Err(ApiError::bad_field(
             "messages",
@@ -518,28 +523,47 @@ pub fn chat_messages(b: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
                     if content.is_none() && calls.is_empty() {
                         return Err(need_content());
                     }
-                    // Earlier calls, in the format the model writes them.
                     let mut text = content.unwrap_or_default();
+                    let mut native_calls = Vec::new();
                     for (k, c) in calls.iter().enumerate() {
                         let f = format!("messages[{i}].tool_calls[{k}].function");
                         let name = c["function"]["name"].as_str();
                         let args = c["function"]["arguments"]
                             .as_str()
-                            .and_then(|a| serde_json::from_str::<Value>(a).ok());
+                            .and_then(|a| serde_json::from_str::<Value>(a).ok())
+                            .filter(Value::is_object);
                         let (Some(name), Some(args)) = (name, args) else {
                             return Err(ApiError::bad_field(
                                 &f,
                                 format!("`{f}` needs a `name` and `arguments` (a JSON object as a string)"),
                             ));
                         };
+                        if native {
+                            let id = c["id"].as_str().map_or_else(|| format!("call_{k}"), str::to_string);
+                            native_calls.push(serde_json::json!({"id": id, "type": "function",
+                                "function": {"name": name, "arguments": args}}));
+                            continue;
+                        }
+                        // Earlier calls, in the format the model writes them.
                         if !text.is_empty() {
                             text.push('\n');
                         }
                         text.push_str(&crate::structured::tools::render_call(name, &args));
                     }
-                    (m.role, text)
+                    return Ok(ChatMessage {
+                        tool_calls: (!native_calls.is_empty()).then(|| Value::Array(native_calls)),
+                        ..ChatMessage::new(m.role, text)
+                    });
                 }
-                // A tool's result: a user turn, as the format documents.
+                // A tool's result: the template's own `tool` turn, or a
+                // user turn as the documented format has it.
+                "tool" if native => {
+                    return Ok(ChatMessage {
+                        tool_call_id: m.tool_call_id,
+                        name: m.name,
+                        ..ChatMessage::new("tool", content.ok_or_else(need_content)?)
+                    })
+                }
                 "tool" => (
                     "user".into(),
                     crate::structured::tools::render_result(&content.ok_or_else(need_content)?),
@@ -551,7 +575,7 @@ pub fn chat_messages(b: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
                     ))
                 }
             };
-            Ok(ChatMessage { role, content })
+            Ok(ChatMessage::new(role, content))
         })
         .collect()
 }
@@ -808,10 +832,19 @@ pub fn encode(st: &AppState, prompt: &PromptIn) -> Result<Vec<u32>, ApiError> {
 
 /// Tokenize chat messages with the model's template (message content as
 /// text unless `[server] parse_special_tokens`), checking they fit.
-pub fn encode_chat(st: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+pub fn encode_chat(
+    st: &AppState,
+    messages: &[ChatMessage],
+    tools: Option<&Value>,
+) -> Result<Vec<u32>, ApiError> {
     let ids = st
         .tokenizer
-        .encode_chat(messages, true, st.config().server.parse_special_tokens)
+        .encode_chat_with_tools(
+            messages,
+            tools,
+            true,
+            st.config().server.parse_special_tokens,
+        )
         .map_err(ApiError::from)?;
     check_prompt(st, ids)
 }

@@ -214,28 +214,29 @@ async fn run_choices(
 async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
     let body = requests::body_object(&body)?;
-    let mut messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?)?;
+    let native = st.tokenizer.native_tool_template();
+    let mut messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?, native)?;
     let common: Common = requests::from_body(&body)?;
-    // Offered tools are documented to the model in the system turn.
     let tools = super::tools::parse(
         common.tools.as_ref(),
         common.tool_choice.as_ref(),
         common.parallel_tool_calls.as_ref(),
     )?;
+    // Offered tools go to a template that documents them itself, or are
+    // documented to the model in the system turn.
+    let mut offered = None;
     if let Some(t) = tools.filter(|t| t.active()) {
-        let doc = crate::structured::tools::system_prompt(&t.tools);
-        match messages.first_mut().filter(|m| m.role == "system") {
-            Some(m) => m.content = format!("{}\n\n{doc}", m.content),
-            None => messages.insert(
-                0,
-                ChatMessage {
-                    role: "system".into(),
-                    content: doc,
-                },
-            ),
+        if native {
+            offered = Some(crate::structured::tools::definitions(&t.tools));
+        } else {
+            let doc = crate::structured::tools::system_prompt(&t.tools);
+            match messages.first_mut().filter(|m| m.role == "system") {
+                Some(m) => m.content = format!("{}\n\n{doc}", m.content),
+                None => messages.insert(0, ChatMessage::new("system", doc)),
+            }
         }
     }
-    let ids = requests::encode_chat(&st, &messages)?;
+    let ids = requests::encode_chat(&st, &messages, offered.as_ref())?;
     let parsed = requests::validate(common, &st, ids)?;
     run_choices(&st, &req, vec![parsed], Kind::Chat, None).await
 }

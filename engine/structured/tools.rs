@@ -57,6 +57,22 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
+/// One tool as OpenAI (and Hugging Face chat templates) write it:
+/// `{"type": "function", "function": {"name", "description", "parameters"}}`.
+fn definition(t: &Tool) -> Value {
+    let mut f = json!({"name": t.name});
+    if let Some(d) = &t.description {
+        f["description"] = json!(d);
+    }
+    f["parameters"] = t.parameters.clone();
+    json!({"type": "function", "function": f})
+}
+
+/// The tools as a chat template's `tools` (a list of `definition`s).
+pub fn definitions(tools: &[Tool]) -> Value {
+    Value::Array(tools.iter().map(definition).collect())
+}
+
 /// The system text that documents the tools and the call format.
 pub fn system_prompt(tools: &[Tool]) -> String {
     let mut s = String::from(
