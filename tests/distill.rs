@@ -154,6 +154,7 @@ fn the_varied_mix_builds_its_second_stage_from_the_targets_own_answers() {
         seed: 3,
         prompt_ids: Vec::new(),
         mix: PromptMix::Varied,
+        corpus: None,
     };
     let data = training_data(&model, &tok, &cfg, &dir.0).unwrap();
     let response =
@@ -299,6 +300,7 @@ fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
             prompt("List three uses of copper wire."),
         ],
         mix: specd::distill::prompts::PromptMix::Templated,
+        corpus: None,
     };
     let response = |s: &specd::distill::Sample| s.tokens[s.prompt_len..].to_vec();
     let all = training_data(&model, &tok, &cfg, &dir.0.join("a")).unwrap();
@@ -326,4 +328,120 @@ fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
     // (and, short of the budget then, generates anew without them).
     let again = training_data_excluding(&model, &tok, &cfg, &dir.0.join("a"), &[text]).unwrap();
     assert!(again.iter().all(|s| response(s) != first));
+}
+
+/// `specd distill corpus`: shards alternate instructions and conversations
+/// over the target's own answers, each with its provenance and digest; a
+/// rerun keeps intact shards and extends the stream where it stopped, an
+/// altered shard is made again with those after it, other settings are
+/// refused, and a trainer reads the corpus instead of generating.
+#[test]
+fn a_corpus_builds_in_resumable_checked_shards_that_trainers_read() {
+    use specd::distill::corpus::{build, load, CorpusConfig, CorpusSettings, FOLLOW_UPS, SOURCES};
+    use specd::distill::{training_data, DataConfig};
+    let path = common::smollm_path();
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let dir = TempDir::new("corpus");
+    let settings = CorpusSettings {
+        shard_tokens: 400,
+        gen_max_tokens: 32,
+        temperature: 0.8,
+        seed: 5,
+    };
+    let cfg = |shards: usize| CorpusConfig {
+        out: dir.0.clone(),
+        shards,
+        concurrency: 8,
+        settings: settings.clone(),
+        target_name: "smol".into(),
+        command: "specd distill corpus --shards N".into(),
+    };
+    let man = build(&model, &tok, &cfg(2)).unwrap();
+    assert_eq!(man.shards.len(), 2);
+    assert_eq!(man.command, "specd distill corpus --shards 2");
+    assert_eq!(
+        (man.shards[0].kind.as_str(), man.shards[1].kind.as_str()),
+        ("instructions", "conversations")
+    );
+    let (m2, all) = load(&dir.0, &tok).unwrap();
+    assert_eq!(m2, man);
+    assert_eq!(all.len(), man.shards[0].samples + man.shards[1].samples);
+    for e in &man.shards {
+        assert!(e.response_tokens >= 400, "{e:?}");
+    }
+    let (first, second) = all.split_at(man.shards[0].samples);
+    let src = |c: &specd::distill::corpus::CorpusSample| SOURCES[c.source as usize];
+    assert!(first
+        .iter()
+        .all(|c| !["passage", "follow-up"].contains(&src(c))
+            && (c.index as usize) < man.shards[0].prompts[1]));
+    // Half of the first pass is greedy, the rest sampled.
+    assert!(first.iter().any(|c| c.temperature == 0.0));
+    assert!(first.iter().any(|c| c.temperature == 0.8));
+    assert!(second
+        .iter()
+        .all(|c| ["passage", "follow-up"].contains(&src(c))));
+    // A follow-up is a second turn after one of the target's answers.
+    let follow = second
+        .iter()
+        .find(|c| src(c) == "follow-up")
+        .expect("a follow-up sample");
+    let prompt = tok
+        .decode(&follow.sample.tokens[..follow.sample.prompt_len], false)
+        .unwrap();
+    assert!(FOLLOW_UPS.iter().any(|q| prompt.contains(q)), "{prompt}");
+    let answered = first
+        .iter()
+        .find(|c| c.index == follow.index)
+        .expect("the chat it follows");
+    let answer = tok
+        .decode(&answered.sample.tokens[answered.sample.prompt_len..], true)
+        .unwrap();
+    assert!(prompt.contains(answer.trim()), "{prompt}");
+    // Extending keeps what is there and takes the stream up where it stopped.
+    let shard0 = dir.0.join(&man.shards[0].file);
+    let before = std::fs::read(&shard0).unwrap();
+    let man3 = build(&model, &tok, &cfg(3)).unwrap();
+    assert_eq!(man3.shards[..2], man.shards[..]);
+    assert_eq!(std::fs::read(&shard0).unwrap(), before);
+    assert_eq!(man3.shards[2].prompts[0], man.shards[0].prompts[1]);
+    // An altered shard is caught on load and made again (with the next).
+    let shard1 = dir.0.join(&man.shards[1].file);
+    let mut bytes = std::fs::read(&shard1).unwrap();
+    let n = bytes.len();
+    bytes[n / 2] ^= 0x55;
+    std::fs::write(&shard1, &bytes).unwrap();
+    let err = load(&dir.0, &tok).unwrap_err().to_string();
+    assert!(err.contains("SHA-256"), "{err}");
+    let again = build(&model, &tok, &cfg(3)).unwrap();
+    assert_eq!(again.shards.len(), 3);
+    assert_eq!(again.shards[0], man.shards[0]);
+    assert!(load(&dir.0, &tok).is_ok());
+    // Other settings do not extend this corpus.
+    let mut other = cfg(4);
+    other.settings.gen_max_tokens = 64;
+    let err = build(&model, &tok, &other).unwrap_err().to_string();
+    assert!(err.contains("other settings"), "{err}");
+    // A trainer's data: the corpus's samples in order, up to the budget.
+    let data_cfg = DataConfig {
+        gen_tokens: 500,
+        gen_max_tokens: 32,
+        temperature: 0.0,
+        sampled_fraction: 0.0,
+        concurrency: 4,
+        seed: 1,
+        prompt_ids: Vec::new(),
+        mix: specd::distill::prompts::PromptMix::Templated,
+        corpus: Some(dir.0.clone()),
+    };
+    let data = training_data(&model, &tok, &data_cfg, &dir.0.join("train")).unwrap();
+    let (_, all) = load(&dir.0, &tok).unwrap();
+    let got: usize = data.iter().map(|s| s.tokens.len() - s.prompt_len).sum();
+    assert!(
+        got >= 500 && data.len() < all.len(),
+        "{got} tokens, {} samples",
+        data.len()
+    );
+    assert!(data.iter().zip(&all).all(|(d, c)| *d == c.sample));
 }

@@ -27,6 +27,41 @@ pub enum DistillCmd {
     /// inference path, on the training and validation texts a trainer
     /// cached (prints markdown tables).
     Diagnose(DiagnoseArgs),
+    /// Build (or extend) a training corpus: the target's answers to
+    /// instruction prompts and conversations over them, disjoint from the
+    /// evaluation sets, in resumable shards of compressed token ids with
+    /// each sample's provenance (`corpus.json` holds each shard's SHA-256
+    /// and the command that builds it); trainers read it with `--corpus`.
+    Corpus(CorpusArgs),
+}
+
+#[derive(Args)]
+pub struct CorpusArgs {
+    /// Target model (default: the embedded SmolLM2).
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// Corpus directory (created; shards already there are kept).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Shards the corpus holds when this run ends.
+    #[arg(long)]
+    pub shards: usize,
+    /// Response tokens per shard.
+    #[arg(long, default_value_t = 100_000)]
+    pub shard_tokens: usize,
+    /// Most tokens per response.
+    #[arg(long, default_value_t = 384)]
+    pub gen_max_tokens: usize,
+    /// Temperature of the sampled responses.
+    #[arg(long, default_value_t = 0.7)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Requests decoded together.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 #[derive(Args)]
@@ -66,6 +101,11 @@ pub struct PromptArgs {
     /// summaries, extraction, translation, questions over documents).
     #[arg(long, value_parser = specd::distill::prompts::PromptMix::parse, default_value = "templated")]
     pub prompts: specd::distill::prompts::PromptMix,
+    /// Train on a corpus made by `specd distill corpus` (this directory)
+    /// instead of generating text: its samples in order, up to
+    /// `--gen-tokens` response tokens (0: all of them).
+    #[arg(long)]
+    pub corpus: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -232,6 +272,51 @@ pub struct DistillArgs {
 
 pub fn run(what: DistillCmd) -> Result<()> {
     match what {
+        DistillCmd::Corpus(a) => {
+            let target = match &a.target {
+                Some(t) => specd::fetch::resolve_model(t)?,
+                None => specd::fetch::ensure_default_model()?,
+            };
+            let threads = a.threads.unwrap_or_else(model::llama::default_threads);
+            let m = std::sync::Arc::new(model::load_model(&target, threads)?);
+            let tok = std::sync::Arc::new(specd::tokenizer::Tokenizer::for_model(&target)?);
+            let settings = specd::distill::corpus::CorpusSettings {
+                shard_tokens: a.shard_tokens,
+                gen_max_tokens: a.gen_max_tokens,
+                temperature: a.temperature,
+                seed: a.seed,
+            };
+            let mut command = format!(
+                "specd distill corpus --out {} --shards N --shard-tokens {} --gen-max-tokens {} --temperature {} --seed {}",
+                a.out.display(),
+                a.shard_tokens,
+                a.gen_max_tokens,
+                a.temperature,
+                a.seed
+            );
+            if let Some(t) = &a.target {
+                command.push_str(&format!(" --target {}", t.display()));
+            }
+            let cfg = specd::distill::corpus::CorpusConfig {
+                out: a.out.clone(),
+                shards: a.shards,
+                concurrency: a.concurrency,
+                settings,
+                target_name: target
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                command,
+            };
+            let man = specd::distill::corpus::build(&m, &tok, &cfg)?;
+            println!(
+                "{}: {} shards, {} response tokens",
+                a.out.display(),
+                man.shards.len(),
+                man.response_tokens()
+            );
+            Ok(())
+        }
         DistillCmd::Draft(a) => {
             let target = match a.target {
                 Some(t) => specd::fetch::resolve_model(&t)?,
@@ -276,6 +361,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 prompt_weight: a.prompt_weight,
                 seed: a.seed,
                 prompts: a.data.prompts,
+                corpus: a.data.corpus.clone(),
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
@@ -322,6 +408,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 stop_after: a.stop_after,
                 seed: a.seed,
                 prompts: a.data.prompts,
+                corpus: a.data.corpus.clone(),
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
@@ -368,6 +455,7 @@ fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
         feature_layers: a.feature_layers,
         seed: a.seed,
         prompts: a.data.prompts,
+        corpus: a.data.corpus.clone(),
         mtp,
         ..Default::default()
     };

@@ -60,6 +60,10 @@ pub struct DistillConfig {
     /// shipped heads).
     #[serde(default)]
     pub prompts: crate::distill::prompts::PromptMix,
+    /// Train on this `specd distill corpus` directory instead of
+    /// generating text (`DataConfig::corpus`).
+    #[serde(default)]
+    pub corpus: Option<std::path::PathBuf>,
     /// Rows of a reduced-vocabulary output head (the most frequent
     /// response tokens); 0: the full vocabulary, tied to the embedding.
     /// With a draft vocabulary the draft is *compact*: its input embedding
@@ -119,6 +123,7 @@ impl Default for DistillConfig {
             seed: 0,
             prompt_ids: Vec::new(),
             prompts: Default::default(),
+            corpus: None,
             draft_vocab: 0,
             max_len: default_max_len(),
             prompt_weight: default_prompt_weight(),
@@ -340,6 +345,7 @@ pub fn distill(
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
         mix: cfg.prompts,
+        corpus: cfg.corpus.clone(),
     };
     let data = super::training_data(&target, &tok, &data_cfg, out)?;
     let stream: Vec<u32> = data.iter().flat_map(|s| s.tokens.iter().copied()).collect();
@@ -597,6 +603,7 @@ fn distill_compact(
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
         mix: cfg.prompts,
+        corpus: cfg.corpus.clone(),
     };
     let mut samples = super::training_data(target, tok, &data_cfg, &train_dir)?;
     super::train::truncate(&mut samples, cfg.max_len);

@@ -123,6 +123,10 @@ pub struct EagleConfig {
     /// shipped heads).
     #[serde(default)]
     pub prompts: crate::distill::prompts::PromptMix,
+    /// Train on this `specd distill corpus` directory instead of
+    /// generating text (`DataConfig::corpus`).
+    #[serde(default)]
+    pub corpus: Option<std::path::PathBuf>,
 }
 
 impl EagleConfig {
@@ -137,6 +141,7 @@ impl EagleConfig {
             seed: self.seed,
             prompt_ids: self.prompt_ids.clone(),
             mix: self.prompts,
+            corpus: self.corpus.clone(),
         }
     }
 }
@@ -183,6 +188,7 @@ impl Default for EagleConfig {
             mtp: false,
             prompt_ids: Vec::new(),
             prompts: Default::default(),
+            corpus: None,
         }
     }
 }

@@ -63,6 +63,10 @@ pub struct MedusaTrainConfig {
     /// shipped heads).
     #[serde(default)]
     pub prompts: crate::distill::prompts::PromptMix,
+    /// Train on this `specd distill corpus` directory instead of
+    /// generating text (`DataConfig::corpus`).
+    #[serde(default)]
+    pub corpus: Option<std::path::PathBuf>,
 }
 
 impl Default for MedusaTrainConfig {
@@ -90,6 +94,7 @@ impl Default for MedusaTrainConfig {
             stop_after: 0,
             prompt_ids: Vec::new(),
             prompts: Default::default(),
+            corpus: None,
         }
     }
 }
@@ -372,6 +377,7 @@ pub fn distill_medusa(
         seed: cfg.seed,
         prompt_ids: cfg.prompt_ids.clone(),
         mix: cfg.prompts,
+        corpus: cfg.corpus.clone(),
     };
     let t0 = std::time::Instant::now();
     let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;

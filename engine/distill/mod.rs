@@ -23,6 +23,7 @@
 //! finish and again when a cache is reused (a sample whose response
 //! overlaps is dropped and does not count toward the token budget).
 
+pub mod corpus;
 pub mod diagnose;
 pub mod draft;
 pub mod eagle;
@@ -128,6 +129,10 @@ pub struct DataConfig {
     pub prompt_ids: Vec<Vec<u32>>,
     /// Which text prompts (ignored with `prompt_ids`).
     pub mix: PromptMix,
+    /// Train on this `specd distill corpus` directory instead of
+    /// generating text: its samples in order, up to `gen_tokens` response
+    /// tokens (all of them with 0).
+    pub corpus: Option<std::path::PathBuf>,
 }
 
 /// One training sample: a prompt and the target's response.
@@ -139,10 +144,21 @@ pub struct Sample {
 }
 
 #[derive(Debug, Clone)]
-enum Prompt {
+pub(crate) enum Prompt {
     /// Text, and whether to apply the chat template.
     Text(String, bool),
     Ids(Vec<u32>),
+    /// A conversation, through the chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+/// One prompt to answer, and how.
+#[derive(Debug, Clone)]
+pub(crate) struct Job {
+    pub prompt: Prompt,
+    /// 0: greedy.
+    pub temperature: f32,
+    pub seed: u64,
 }
 
 /// Generate (or load from `<out>/samples.json`) the target's responses.
@@ -186,6 +202,37 @@ pub fn training_data_excluding(
         let response = tok.decode(s.tokens.get(s.prompt_len..).unwrap_or(&[]), true)?;
         Ok(index.shared_content(&response).is_some())
     };
+    if let Some(dir) = &cfg.corpus {
+        let (man, all) = corpus::load(dir, tok)?;
+        let mut kept = Vec::new();
+        let (mut n, mut dropped) = (0usize, 0usize);
+        for c in all {
+            if cfg.gen_tokens > 0 && n >= cfg.gen_tokens {
+                break;
+            }
+            let s = c.sample;
+            if s.prompt_len >= s.tokens.len() || overlaps(&s)? {
+                dropped += 1;
+                continue;
+            }
+            n += s.tokens.len() - s.prompt_len;
+            kept.push(s);
+        }
+        eprintln!(
+            "specd distill: {n} response tokens of {} samples from the corpus in {} ({} shards, {} tokens in all; {dropped} dropped)",
+            kept.len(),
+            dir.display(),
+            man.shards.len(),
+            man.response_tokens()
+        );
+        if n < cfg.gen_tokens {
+            eprintln!(
+                "specd distill: the corpus holds fewer than the {} tokens asked for: training on all of it",
+                cfg.gen_tokens
+            );
+        }
+        return Ok(kept);
+    }
     let path = out.join("samples.json");
     let meta_path = out.join("samples.meta.json");
     let meta = data_meta(model, cfg);
@@ -306,17 +353,17 @@ pub fn training_data_excluding(
 }
 
 /// Generates training samples through an engine (`run`, once per stage).
-struct Generator<'a> {
-    engine: &'a mut SyncDriver,
+pub(crate) struct Generator<'a> {
+    pub engine: &'a mut SyncDriver,
     /// Prompts are cut to this many tokens.
-    max_prompt: usize,
-    tok: &'a Tokenizer,
-    cfg: &'a DataConfig,
-    bar: &'a indicatif::ProgressBar,
+    pub max_prompt: usize,
+    pub tok: &'a Tokenizer,
+    pub cfg: &'a DataConfig,
+    pub bar: &'a indicatif::ProgressBar,
     /// Responses sharing an n-gram with these texts are not kept.
-    evaluation: &'a crate::distill::prompts::NgramIndex,
+    pub evaluation: &'a crate::distill::prompts::NgramIndex,
     /// Responses dropped for that.
-    dropped: usize,
+    pub dropped: usize,
 }
 
 impl Generator<'_> {
@@ -330,31 +377,53 @@ impl Generator<'_> {
         budget: usize,
         offset: usize,
     ) -> Result<Vec<(usize, Sample)>> {
+        let cfg = self.cfg;
+        let jobs: Vec<Job> = prompts
+            .iter()
+            .enumerate()
+            .map(|(k, p)| {
+                // Every 1/fraction-th response is sampled, the rest greedy.
+                let j = k + offset;
+                let sampled = cfg.temperature > 0.0
+                    && cfg.sampled_fraction > 0.0
+                    && ((j as f32 * cfg.sampled_fraction).floor()
+                        != ((j + 1) as f32 * cfg.sampled_fraction).floor());
+                Job {
+                    prompt: p.clone(),
+                    temperature: if sampled { cfg.temperature } else { 0.0 },
+                    seed: cfg.seed.wrapping_add(j as u64),
+                }
+            })
+            .collect();
+        self.run_jobs(&jobs, budget)
+    }
+
+    /// Decodes `jobs` through the engine until `budget` response tokens
+    /// are collected; returns each finished job's index and sample, in job
+    /// order.
+    pub(crate) fn run_jobs(&mut self, jobs: &[Job], budget: usize) -> Result<Vec<(usize, Sample)>> {
         let (tok, cfg, max_prompt) = (self.tok, self.cfg, self.max_prompt);
         // Every prompt is queued; the scheduler keeps `concurrency` of them
         // decoding, so the batch stays full until enough text is collected.
         let mut prompt_of = std::collections::HashMap::new();
-        for (k, p) in prompts.iter().enumerate() {
-            let ids = match p {
+        for (k, job) in jobs.iter().enumerate() {
+            let ids = match &job.prompt {
                 Prompt::Text(text, true) => tok.encode(
                     &tok.apply_chat_template(&[ChatMessage::user(text.clone())], true)?,
                     false,
                 )?,
                 Prompt::Text(text, false) => tok.encode(text, true)?,
                 Prompt::Ids(ids) => ids.clone(),
+                Prompt::Chat(messages) => {
+                    tok.encode(&tok.apply_chat_template(messages, true)?, false)?
+                }
             };
             let ids: Vec<u32> = ids.into_iter().take(max_prompt).collect();
-            // Every 1/fraction-th response is sampled, the rest greedy.
-            let j = k + offset;
-            let sampled = cfg.temperature > 0.0
-                && cfg.sampled_fraction > 0.0
-                && ((j as f32 * cfg.sampled_fraction).floor()
-                    != ((j + 1) as f32 * cfg.sampled_fraction).floor());
             let id = self.engine.add(
                 Request {
                     params: SamplingParams {
-                        temperature: if sampled { cfg.temperature } else { 0.0 },
-                        seed: cfg.seed.wrapping_add(j as u64),
+                        temperature: job.temperature,
+                        seed: job.seed,
                         ..Default::default()
                     },
                     ..Request::greedy(ids.clone(), cfg.gen_max_tokens)
@@ -365,7 +434,7 @@ impl Generator<'_> {
         }
         let mut done = Vec::new();
         let mut total = 0usize;
-        while total < budget && !prompt_of.is_empty() && done.len() < prompts.len() {
+        while total < budget && !prompt_of.is_empty() && done.len() < jobs.len() {
             for c in self.engine.step()?.finished {
                 // (Requests an earlier call aborted finish here too.)
                 if let Some((k, ids)) = prompt_of.remove(&c.id) {
