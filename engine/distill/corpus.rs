@@ -90,17 +90,6 @@ pub struct CorpusSettings {
     pub seed: u64,
 }
 
-impl Default for CorpusSettings {
-    fn default() -> Self {
-        Self {
-            shard_tokens: 100_000,
-            gen_max_tokens: 384,
-            temperature: 0.7,
-            seed: 7,
-        }
-    }
-}
-
 /// One shard in the manifest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShardEntry {
@@ -160,8 +149,12 @@ fn fingerprint(tok: &Tokenizer) -> String {
     crate::tokenizer::vocab_fingerprint((0..tok.vocab_size() as u32).map(|i| tok.id_to_token(i)))
 }
 
-fn source_index(s: &str) -> u8 {
-    SOURCES.iter().position(|x| *x == s).unwrap_or(0) as u8
+fn source_index(s: &str) -> Result<u8> {
+    SOURCES
+        .iter()
+        .position(|x| *x == s)
+        .map(|i| i as u8)
+        .ok_or_else(|| SpecdError::InvalidRequest(format!("corpus: unknown prompt source `{s}`")))
 }
 
 /// The shard's bytes before compression.
@@ -420,7 +413,7 @@ pub fn build(model: &Arc<Model>, tok: &Arc<Tokenizer>, cfg: &CorpusConfig) -> Re
                     },
                     seed: s.seed.wrapping_add(g as u64),
                 });
-                prov.push((source_index(p.source), g as u32));
+                prov.push((source_index(p.source)?, g as u32));
             }
         } else {
             // The chats answered in the instruction shards so far.
@@ -460,7 +453,7 @@ pub fn build(model: &Arc<Model>, tok: &Arc<Tokenizer>, cfg: &CorpusConfig) -> Re
                             temperature,
                             seed,
                         });
-                        prov.push((source_index("passage"), ti as u32));
+                        prov.push((source_index("passage")?, ti as u32));
                         continue;
                     }
                 }
@@ -479,7 +472,7 @@ pub fn build(model: &Arc<Model>, tok: &Arc<Tokenizer>, cfg: &CorpusConfig) -> Re
                     temperature,
                     seed,
                 });
-                prov.push((source_index("follow-up"), c.index));
+                prov.push((source_index("follow-up")?, c.index));
             }
         }
         let done = gen.run_jobs(&jobs, s.shard_tokens)?;

@@ -471,7 +471,8 @@ impl Tokenizer {
         trust_content: bool,
     ) -> Result<Vec<u32>> {
         if trust_content {
-            let text = self.render_chat(messages, tools, add_generation_prompt)?;
+            let text =
+                self.apply_chat_template_with_tools(messages, tools, add_generation_prompt)?;
             return self.encode(&text, false);
         }
         if let Some(t) = tools {
@@ -502,7 +503,7 @@ impl Tokenizer {
                 ..m.clone()
             })
             .collect();
-        let rendered = self.render_chat(&holes, tools, add_generation_prompt)?;
+        let rendered = self.apply_chat_template_with_tools(&holes, tools, add_generation_prompt)?;
         let mut ids = Vec::new();
         let mut rest = rendered.as_str();
         while let Some(open) = rest.find(HOLE_OPEN) {
@@ -638,20 +639,11 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        self.render_chat(messages, None, add_generation_prompt)
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
     }
 
     /// `apply_chat_template` with `tools` in the template's context.
     pub fn apply_chat_template_with_tools(
-        &self,
-        messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
-        add_generation_prompt: bool,
-    ) -> Result<String> {
-        self.render_chat(messages, tools, add_generation_prompt)
-    }
-
-    fn render_chat(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
