@@ -321,6 +321,7 @@ pub fn distill(
     cfg: &DistillConfig,
     threads: usize,
 ) -> Result<PathBuf> {
+    super::train::keep_freed_memory();
     std::fs::create_dir_all(out)?;
     let target = Arc::new(crate::model::load_model(target_path, threads)?);
     let tok = Arc::new(Tokenizer::for_model(target_path)?);

@@ -39,6 +39,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
+use super::fused::{SoftCrossEntropy, TttAttention};
 use super::train::{
     cosine_lr, draft_vocab, extract_features, plan_batches, tensor_vec, truncate, var, AdamW,
     Checkpoint, DraftVocab, Features, Schedule,
@@ -297,6 +298,55 @@ fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.broadcast_div(&(ms + EPS)?.sqrt()?)?.broadcast_mul(w)
 }
 
+/// `x W^T` over the last dimension of `x` (`(b, t, in)` or `(rows, in)`),
+/// as one 2-D matmul over every row.
+fn lin(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let dims = x.dims();
+    let (last, rows) = (
+        dims[dims.len() - 1],
+        x.elem_count() / dims[dims.len() - 1].max(1),
+    );
+    let mut out = dims.to_vec();
+    *out.last_mut().unwrap_or(&mut 0) = w.dim(0)?;
+    x.reshape((rows, last))?.matmul(&w.t()?)?.reshape(out)
+}
+
+/// The TTT attention composed from candle ops, with its weights: `keys`
+/// are each step's `(k, v)` as `(b, nkv, t, hd)`. What `probe` reads, and
+/// the reference `fused::TttAttention` is tested against.
+pub(super) fn composed_attention(
+    q: &Tensor,
+    keys: &[(Tensor, Tensor)],
+    nh: usize,
+    causal: &Tensor,
+    scale: f64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let t = q.dim(2)?;
+    let rep = |x: &Tensor| -> candle_core::Result<Tensor> {
+        let (b, n, t, hd) = x.dims4()?;
+        let g = nh / n;
+        x.unsqueeze(2)?
+            .expand((b, n, g, t, hd))?
+            .reshape((b, nh, t, hd))
+    };
+    let keys = keys
+        .iter()
+        .map(|(k, v)| Ok((rep(k)?, rep(v)?)))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let (k0, v0) = &keys[0];
+    let mut parts = vec![(q.matmul(&k0.t()?)? * scale)?.broadcast_add(causal)?];
+    for (kj, _) in &keys[1..] {
+        parts.push(((q * kj)?.sum_keepdim(D::Minus1)? * scale)?);
+    }
+    // `softmax` (not `softmax_last_dim`, which has no backward pass).
+    let att = candle_nn::ops::softmax(&Tensor::cat(&parts, D::Minus1)?, D::Minus1)?;
+    let mut o = att.narrow(D::Minus1, 0, t)?.matmul(v0)?;
+    for (j, (_, vj)) in keys.iter().enumerate().skip(1) {
+        o = (o + att.narrow(D::Minus1, t + j - 1, 1)?.broadcast_mul(vj)?)?;
+    }
+    Ok((o, att))
+}
+
 /// The trainable head plus the frozen target pieces it needs.
 pub(super) struct Net {
     p: HashMap<&'static str, Var>,
@@ -328,15 +378,18 @@ pub(super) struct Batch {
     pub(super) t: usize,
     /// `b*t x 3h`.
     feats: Vec<f32>,
-    /// Per TTT step: token ids of the embedding input, the final-normed
-    /// target rows whose distribution is learned, the loss mask, and the
+    /// `b*t x h`: the target's final-normed state at every position (its
+    /// distribution, recomputed on the draft vocabulary once per batch).
+    fin: Vec<f32>,
+    /// Per TTT step: token ids of the embedding input, the row of `fin`
+    /// whose distribution each row learns, the loss mask, and the
     /// target's argmax as a draft id (-1: outside the draft vocabulary).
     pub(super) steps: Vec<StepData>,
 }
 
 pub(super) struct StepData {
     pub(super) ids: Vec<u32>,
-    fin: Vec<f32>,
+    fin_row: Vec<u32>,
     pub(super) mask: Vec<f32>,
     pub(super) argmax: Vec<i64>,
 }
@@ -357,21 +410,15 @@ impl Net {
         x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?
     }
 
-    /// (b, t, n*hd) -> (b, nh, t, hd), kv heads repeated for their groups.
+    /// (b, t, n*hd) -> (b, n, t, hd).
     fn heads(&self, x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let x = x.reshape((b, t, n, self.hd))?.transpose(1, 2)?;
-        if n == self.nh {
-            return x.contiguous();
-        }
-        let g = self.nh / n;
-        x.unsqueeze(2)?
-            .expand((b, n, g, t, self.hd))?
-            .reshape((b, self.nh, t, self.hd))
+        x.reshape((b, t, n, self.hd))?.transpose(1, 2)?.contiguous()
     }
 
-    /// The head unrolled over the batch's TTT steps: logits per step,
-    /// `(b*t, dv)`. With `probe`, each step's diagnostics are recorded too.
+    /// The head unrolled over the batch's TTT steps: per step, the final-
+    /// normed state of every row, `(b*t, h)` (`logits` makes them logits).
+    /// With `probe`, each step's diagnostics are recorded too.
     fn unroll(
         &self,
         batch: &Batch,
@@ -386,7 +433,7 @@ impl Net {
         let mut g = if self.mtp {
             feats
         } else {
-            feats.broadcast_matmul(&self.w("fc.weight").t()?)?
+            lin(&feats, self.w("fc.weight"))?
         };
         let mask_tt: Vec<f32> = (0..t)
             .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
@@ -406,7 +453,7 @@ impl Net {
                     ],
                     D::Minus1,
                 )?;
-                let x = cat.broadcast_matmul(&self.w("eh_proj.weight").t()?)?;
+                let x = lin(&cat, self.w("eh_proj.weight"))?;
                 let u = rms(&x, self.w("input_layernorm.weight"))?;
                 (x, u)
             } else {
@@ -422,19 +469,14 @@ impl Net {
             let pre = if self.mtp { "" } else { "midlayer." };
             let wn = |n: &str| self.w(&format!("{pre}{n}"));
             let proj = |name: &str, n: usize| -> candle_core::Result<Tensor> {
-                self.heads(&u.broadcast_matmul(&wn(name).t()?)?, n)
+                self.heads(&lin(&u, wn(name))?, n)
             };
             let q = self.rope(&proj("self_attn.q_proj.weight", self.nh)?, k)?;
             let kk = self.rope(&proj("self_attn.k_proj.weight", self.nkv)?, k)?;
             let vv = proj("self_attn.v_proj.weight", self.nkv)?;
             keys.push((kk, vv));
-            let (k0, v0) = &keys[0];
-            let mut parts = vec![(q.matmul(&k0.t()?)? * scale)?.broadcast_add(&causal)?];
-            for (kj, _) in &keys[1..] {
-                parts.push(((&q * kj)?.sum_keepdim(D::Minus1)? * scale)?);
-            }
-            let att = candle_nn::ops::softmax_last_dim(&Tensor::cat(&parts, D::Minus1)?)?;
-            let own_att = if probe.is_some() {
+            let (o, own_att) = if probe.is_some() {
+                let (o, att) = composed_attention(&q, &keys, self.nh, &causal, scale)?;
                 // The weight each row gives its own key (step 0: the
                 // diagonal; step k: its own step-k key), mean over heads.
                 let own = if k == 0 {
@@ -445,32 +487,30 @@ impl Net {
                 } else {
                     att.narrow(D::Minus1, t + k - 1, 1)?.squeeze(D::Minus1)?
                 };
-                Some(own.mean(1)?.flatten_all()?.to_vec1::<f32>()?)
+                (o, Some(own.mean(1)?.flatten_all()?.to_vec1::<f32>()?))
             } else {
-                None
+                let cat = |i: usize| -> candle_core::Result<Tensor> {
+                    let xs: Vec<&Tensor> = keys
+                        .iter()
+                        .map(|kv| if i == 0 { &kv.0 } else { &kv.1 })
+                        .collect();
+                    Tensor::cat(&xs, 2)
+                };
+                let o = q.apply_op3(&cat(0)?, &cat(1)?, TttAttention::new(k))?;
+                (o, None)
             };
-            let mut o = att.narrow(D::Minus1, 0, t)?.matmul(v0)?;
-            for (j, (_, vj)) in keys.iter().enumerate().skip(1) {
-                o = (o + att.narrow(D::Minus1, t + j - 1, 1)?.broadcast_mul(vj)?)?;
-            }
             let o = o.transpose(1, 2)?.reshape((b, t, self.nh * self.hd))?;
-            let a = (&x + o.broadcast_matmul(&wn("self_attn.o_proj.weight").t()?)?)?;
+            let a = (&x + lin(&o, wn("self_attn.o_proj.weight"))?)?;
             let an = rms(&a, wn("post_attention_layernorm.weight"))?;
-            let gate = an
-                .broadcast_matmul(&wn("mlp.gate_proj.weight").t()?)?
-                .silu()?;
-            let up = an.broadcast_matmul(&wn("mlp.up_proj.weight").t()?)?;
-            let y = (&a + (gate * up)?.broadcast_matmul(&wn("mlp.down_proj.weight").t()?)?)?;
-            let (norm, head) = if self.mtp {
-                ("shared_head.norm.weight", "shared_head.head.weight")
+            let gate = lin(&an, wn("mlp.gate_proj.weight"))?.silu()?;
+            let up = lin(&an, wn("mlp.up_proj.weight"))?;
+            let y = (&a + lin(&(gate * up)?, wn("mlp.down_proj.weight"))?)?;
+            let norm = if self.mtp {
+                "shared_head.norm.weight"
             } else {
-                ("norm.weight", "lm_head.weight")
+                "norm.weight"
             };
-            out.push(
-                rms(&y, self.w(norm))?
-                    .reshape((b * t, h))?
-                    .matmul(&self.w(head).t()?)?,
-            );
+            out.push(rms(&y, self.w(norm))?.reshape((b * t, h))?);
             if let (Some(pr), Some(own_att)) = (probe.as_deref_mut(), own_att) {
                 let norm = |x: &Tensor| -> candle_core::Result<Vec<f32>> {
                     x.sqr()?
@@ -490,41 +530,70 @@ impl Net {
         Ok(out)
     }
 
+    /// The head's output layer: draft-vocabulary logits of normed states.
+    fn logits(&self, normed: &Tensor) -> candle_core::Result<Tensor> {
+        let head = if self.mtp {
+            "shared_head.head.weight"
+        } else {
+            "lm_head.weight"
+        };
+        normed.matmul(&self.w(head).t()?)
+    }
+
     /// The TTT-unrolled loss; returns (loss, per-step (correct, counted)).
+    /// Only the rows in the loss go through the output layers.
     fn forward(&self, batch: &Batch) -> candle_core::Result<(Tensor, Vec<(f64, f64)>)> {
         let dev = Device::Cpu;
         let (b, t, h) = (batch.b, batch.t, self.h);
+        // The target's logits at every position, once; step k's rows learn
+        // those of positions k + 1 further on.
+        let fin = Tensor::from_slice(&batch.fin, (b * t, h), &dev)?;
+        let target = fin.matmul(&self.target_head.t()?)?;
         let mut total: Option<Tensor> = None;
         let mut stats = Vec::new();
-        for (k, (sd, logits)) in batch
+        for (k, (sd, normed)) in batch
             .steps
             .iter()
             .zip(self.unroll(batch, None)?)
             .enumerate()
         {
-            let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-            let fin = Tensor::from_slice(&sd.fin, (b * t, h), &dev)?;
-            let p =
-                candle_nn::ops::softmax_last_dim(&fin.matmul(&self.target_head.t()?)?)?.detach();
-            let mask = Tensor::from_slice(&sd.mask, b * t, &dev)?;
-            let n = sd.mask.iter().sum::<f32>().max(1.0) as f64;
-            let ce = ((p * logp)?.sum(D::Minus1)? * &mask)?.sum_all()?.neg()?;
-            let step_loss = (ce * (0.8f64.powi(k as i32) / n))?;
+            let rows: Vec<u32> = (0..b * t)
+                .filter(|&r| sd.mask[r] > 0.0)
+                .map(|r| r as u32)
+                .collect();
+            if rows.is_empty() {
+                stats.push((0.0, 0.0));
+                continue;
+            }
+            let sel = Tensor::from_slice(&rows, rows.len(), &dev)?;
+            let logits = self.logits(&normed.index_select(&sel, 0)?)?;
+            let src: Vec<u32> = rows.iter().map(|&r| sd.fin_row[r as usize]).collect();
+            let tk = target.index_select(&Tensor::from_slice(&src, src.len(), &dev)?, 0)?;
+            // Soft cross-entropy against the target's distribution on the
+            // draft vocabulary (no gradient), step weight 0.8^k.
+            let n = rows.iter().map(|&r| sd.mask[r as usize]).sum::<f32>();
+            let wk = 0.8f32.powi(k as i32) / n;
+            let weights = rows.iter().map(|&r| sd.mask[r as usize] * wk).collect();
+            let step_loss = logits.apply_op2(&tk, SoftCrossEntropy::new(weights))?;
             total = Some(match total {
                 None => step_loss,
                 Some(t) => (t + step_loss)?,
             });
             // Acceptance@1 of this step: head argmax = target argmax.
             let pred = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-            let mut hit = 0.0;
-            for (r, &m) in sd.mask.iter().enumerate() {
-                if m > 0.0 && i64::from(pred[r]) == sd.argmax[r] {
-                    hit += 1.0;
-                }
-            }
-            stats.push((hit, sd.mask.iter().map(|&m| f64::from(m)).sum()));
+            let hit = rows
+                .iter()
+                .zip(&pred)
+                .filter(|(&r, &p)| i64::from(p) == sd.argmax[r as usize])
+                .count();
+            stats.push((hit as f64, f64::from(n)));
         }
-        let total = total.ok_or_else(|| candle_core::Error::Msg("no TTT steps".into()))?;
+        // A batch without a row in the loss (prompts cut at max_len) adds
+        // nothing.
+        let total = match total {
+            Some(t) => t,
+            None => Tensor::zeros((), DType::F32, &dev)?,
+        };
         Ok((total, stats))
     }
 }
@@ -548,7 +617,7 @@ pub fn reference_logits(
             ids: (0..t)
                 .map(|p| tokens.get(p + 1 + k).copied().unwrap_or(0))
                 .collect(),
-            fin: Vec::new(),
+            fin_row: Vec::new(),
             mask: Vec::new(),
             argmax: Vec::new(),
         })
@@ -557,12 +626,13 @@ pub fn reference_logits(
         b: 1,
         t,
         feats: feats.to_vec(),
+        fin: Vec::new(),
         steps,
     };
     net.unroll(&batch, None)
         .and_then(|ls| {
             ls.iter()
-                .map(|l| l.flatten_all()?.to_vec1::<f32>())
+                .map(|l| net.logits(l)?.flatten_all()?.to_vec1::<f32>())
                 .collect()
         })
         .map_err(cerr)
@@ -620,10 +690,14 @@ impl Net {
     /// step's diagnostics.
     pub(super) fn probe(&self, batch: &Batch) -> Result<(Vec<Vec<u32>>, Vec<ProbeStep>)> {
         let mut pr = Vec::new();
-        let logits = self.unroll(batch, Some(&mut pr)).map_err(cerr)?;
-        let am = logits
+        let normed = self.unroll(batch, Some(&mut pr)).map_err(cerr)?;
+        let am = normed
             .iter()
-            .map(|l| l.argmax(D::Minus1).and_then(|a| a.to_vec1::<u32>()))
+            .map(|l| {
+                self.logits(l)?
+                    .argmax(D::Minus1)
+                    .and_then(|a| a.to_vec1::<u32>())
+            })
             .collect::<candle_core::Result<Vec<_>>>()
             .map_err(cerr)?;
         Ok((am, pr))
@@ -701,10 +775,11 @@ impl Corpus<'_> {
             .unwrap_or(1);
         let b = idx.len();
         let mut feats = vec![0f32; b * t * nl * h];
+        let mut fin_all = vec![0f32; b * t * h];
         let mut steps: Vec<StepData> = (0..ttt)
             .map(|_| StepData {
                 ids: vec![0; b * t],
-                fin: vec![0.0; b * t * h],
+                fin_row: (0..(b * t) as u32).collect(),
                 mask: vec![0.0; b * t],
                 argmax: vec![-1; b * t],
             })
@@ -722,6 +797,7 @@ impl Corpus<'_> {
                 }
             }
             let fin = self.f.layer(self.fin);
+            fin_all[r0 * h..(r0 + len) * h].copy_from_slice(&fin[o * h..(o + len) * h]);
             for (k, sd) in steps.iter_mut().enumerate() {
                 for p in 0..len {
                     // Row p at step k: token x_{p+1+k}; learns the target's
@@ -731,8 +807,7 @@ impl Corpus<'_> {
                         break;
                     }
                     sd.ids[r0 + p] = s.tokens[q];
-                    sd.fin[(r0 + p) * h..(r0 + p + 1) * h]
-                        .copy_from_slice(&fin[(o + q) * h..(o + q + 1) * h]);
+                    sd.fin_row[r0 + p] = (r0 + q) as u32;
                     let am = self.t2d[self.f.argmax[o + q] as usize];
                     if q + 1 >= s.prompt_len && (am >= 0 || !self.drop_oov) {
                         sd.mask[r0 + p] = 1.0;
@@ -741,7 +816,13 @@ impl Corpus<'_> {
                 }
             }
         }
-        Batch { b, t, feats, steps }
+        Batch {
+            b,
+            t,
+            feats,
+            fin: fin_all,
+            steps,
+        }
     }
 }
 
@@ -856,6 +937,7 @@ pub fn distill_eagle(
     cfg: &EagleConfig,
     threads: usize,
 ) -> Result<EagleState> {
+    super::train::keep_freed_memory();
     let train_dir = out.join("train");
     std::fs::create_dir_all(&train_dir)?;
     let target = Arc::new(crate::model::load_model(target_path, threads)?);
@@ -939,14 +1021,7 @@ pub fn distill_eagle(
     let ckpt = Checkpoint::new(&train_dir);
     let resumed: Option<(EagleState, TensorFile)> = ckpt.resume()?;
     let mut rng = Rng::new(cfg.seed ^ 0x5EED);
-    let mut gauss = |n: usize, std: f32| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let (u1, u2) = (rng.next_f64().max(1e-12), rng.next_f64());
-                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * std
-            })
-            .collect()
-    };
+    let mut gauss = |n: usize, std: f32| super::train::gauss(&mut rng, n, std);
     if cfg.fc_unit && !cfg.mtp {
         eprintln!(
             "specd distill: feature RMS {:.3} (highest layer {:.3}); fc starts scaled to unit RMS",
@@ -1168,4 +1243,220 @@ pub fn distill_eagle(
         state.step, steps, state.loss, state.first_loss, last.1, cfg.ttt_steps - 1, last.2, out.display()
     );
     Ok(state)
+}
+
+/// One measurement of the trainer's step (`benches/train_step.rs`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepBench {
+    /// Rows per step (`b * t`) times TTT steps.
+    pub token_steps: usize,
+    /// Median seconds of one training step (forward, backward, AdamW).
+    pub seconds: f64,
+    /// Token-steps per second.
+    pub rate: f64,
+    /// Matmul work of a step (forward 2, backward 4 FLOPs per trainable
+    /// weight and row, the frozen target head's 2) over its time, GFLOP/s.
+    pub gflops: f64,
+    /// The loss of each timed step, so a faster graph can be checked to
+    /// train alike.
+    pub losses: Vec<f32>,
+}
+
+/// Shapes of a randomly initialised head (`bench_train_step`, tests).
+#[derive(Clone, Copy)]
+struct RandomDims {
+    h: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    f: usize,
+    dv: usize,
+    vocab: usize,
+    ttt: usize,
+    mtp: bool,
+}
+
+/// A head on seeded random weights and a batch of `b` random rows of `t`
+/// tokens, every row in the loss.
+#[allow(clippy::type_complexity)]
+fn random_net(
+    d: &RandomDims,
+    b: usize,
+    t: usize,
+) -> Result<(Net, Batch, Vec<(&'static str, Vec<usize>)>)> {
+    let RandomDims {
+        h,
+        nh,
+        nkv,
+        hd,
+        f,
+        dv,
+        vocab,
+        ttt,
+        mtp,
+    } = *d;
+    let nl = if mtp { 1 } else { 3 };
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(11);
+    let mut gauss = |n: usize, std: f32| super::train::gauss(&mut rng, n, std);
+    let shapes = if mtp {
+        mtp_param_shapes(h, nh, nkv, hd, f, dv)
+    } else {
+        param_shapes(h, nh, nkv, hd, f, nl, dv)
+    };
+    let mut p = HashMap::new();
+    for (name, shape) in &shapes {
+        let n: usize = shape.iter().product();
+        let init = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else {
+            gauss(n, 0.05)
+        };
+        p.insert(*name, var(init, shape)?);
+    }
+    let (cos, sin) = rope_tables(t + ttt + 1, hd, 10_000.0)?;
+    let net = Net {
+        p,
+        embed: Tensor::from_vec(gauss(vocab * h, 0.05), (vocab, h), &dev).map_err(cerr)?,
+        target_head: Tensor::from_vec(gauss(dv * h, 0.05), (dv, h), &dev).map_err(cerr)?,
+        cos,
+        sin,
+        h,
+        nh,
+        nkv,
+        hd,
+        mtp,
+    };
+    let mut tok_rng = Rng::new(12);
+    // Every row in the loss, learning the distribution k + 1 positions on
+    // (the last k + 1 rows of each sequence learn their own).
+    let batch = Batch {
+        b,
+        t,
+        feats: gauss(b * t * nl * h, 1.0),
+        fin: gauss(b * t * h, 1.0),
+        steps: (0..ttt)
+            .map(|k| StepData {
+                ids: (0..b * t)
+                    .map(|_| (tok_rng.next_f64() * vocab as f64) as u32 % vocab as u32)
+                    .collect(),
+                fin_row: (0..b * t)
+                    .map(|r| if r % t + 1 + k < t { r + 1 + k } else { r } as u32)
+                    .collect(),
+                mask: vec![1.0; b * t],
+                argmax: (0..b * t)
+                    .map(|_| (tok_rng.next_f64() * dv as f64) as i64 % dv as i64)
+                    .collect(),
+            })
+            .collect(),
+    };
+    Ok((net, batch, shapes))
+}
+
+/// Times `steps` training steps (after one warm-up) of a head with
+/// SmolLM2-135M's shapes (hidden 576, 9 heads, 3 kv heads, vocabulary
+/// 49,152) and the default recipe's (draft vocabulary 4,096, MLP 1,024,
+/// TTT 4), on seeded random weights, features and tokens: `b` rows of `t`
+/// tokens, every position in the loss. The same seed gives the same
+/// numbers, so two builds' losses can be compared step for step.
+pub fn bench_train_step(mtp: bool, b: usize, t: usize, steps: usize) -> Result<StepBench> {
+    super::train::keep_freed_memory();
+    let dims = RandomDims {
+        h: 576,
+        nh: 9,
+        nkv: 3,
+        hd: 64,
+        f: 1024,
+        dv: 4096,
+        vocab: 49_152,
+        ttt: 4,
+        mtp,
+    };
+    let (h, dv, ttt) = (dims.h, dims.dv, dims.ttt);
+    let (net, batch, shapes) = random_net(&dims, b, t)?;
+    let mut opt = AdamW::new();
+    let mut times = Vec::new();
+    let mut losses = Vec::new();
+    for i in 0..=steps {
+        let t0 = std::time::Instant::now();
+        let (loss, _) = net.forward(&batch).map_err(cerr)?;
+        let grads = loss.backward().map_err(cerr)?;
+        opt.step(net.p.iter().map(|(k, v)| (*k, v)), &grads, 1e-3, 1.0)
+            .map_err(cerr)?;
+        let l = loss.to_scalar::<f32>().map_err(cerr)?;
+        if i > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+            losses.push(l);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let seconds = times[times.len() / 2];
+    let weights: usize = shapes
+        .iter()
+        .filter(|(n, _)| !n.ends_with("norm.weight"))
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    let rows = b * t * ttt;
+    // fc runs once per batch, the target's head once per position.
+    let fc = if mtp { 0 } else { 3 * h * h };
+    let flops = rows as f64 * 6.0 * (weights - fc) as f64
+        + (b * t) as f64 * (6.0 * fc as f64 + 2.0 * (dv * h) as f64);
+    Ok(StepBench {
+        token_steps: rows,
+        seconds,
+        rate: rows as f64 / seconds,
+        gflops: flops / seconds / 1e9,
+        losses,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every trainable tensor of both graphs gets a gradient from the loss
+    /// (the attention's query and key projections had none while the
+    /// attention softmax was an op without a backward pass), and one
+    /// AdamW step lowers the loss on the same batch.
+    #[test]
+    fn every_parameter_learns_from_the_unrolled_loss() {
+        for mtp in [false, true] {
+            let dims = RandomDims {
+                h: 32,
+                nh: 4,
+                nkv: 2,
+                hd: 8,
+                f: 48,
+                dv: 64,
+                vocab: 300,
+                ttt: 3,
+                mtp,
+            };
+            let (net, batch, shapes) = random_net(&dims, 2, 9).unwrap();
+            let (loss, _) = net.forward(&batch).unwrap();
+            let grads = loss.backward().unwrap();
+            for (name, _) in &shapes {
+                let g = grads
+                    .get(net.w(name))
+                    .unwrap_or_else(|| panic!("mtp {mtp}: no gradient for {name}"));
+                let norm = g
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(norm > 0.0, "mtp {mtp}: zero gradient for {name}");
+            }
+            let mut opt = AdamW::new();
+            opt.step(net.p.iter().map(|(k, v)| (*k, v)), &grads, 1e-3, 1.0)
+                .unwrap();
+            let (after, _) = net.forward(&batch).unwrap();
+            let (l0, l1) = (
+                loss.to_scalar::<f32>().unwrap(),
+                after.to_scalar::<f32>().unwrap(),
+            );
+            assert!(l1 < l0, "mtp {mtp}: loss {l0} -> {l1}");
+        }
+    }
 }

@@ -359,6 +359,7 @@ pub fn distill_medusa(
     cfg: &MedusaTrainConfig,
     threads: usize,
 ) -> Result<MedusaState> {
+    super::train::keep_freed_memory();
     if cfg.heads == 0 || cfg.layers == 0 {
         return Err(serr("heads and layers must be at least 1".into()));
     }

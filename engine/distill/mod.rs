@@ -27,6 +27,7 @@ pub mod corpus;
 pub mod diagnose;
 pub mod draft;
 pub mod eagle;
+mod fused;
 pub mod medusa;
 pub mod prompts;
 pub(crate) mod train;

@@ -580,3 +580,31 @@ impl<'a> Schedule<'a> {
         }
     }
 }
+
+/// `n` seeded normal draws of standard deviation `std` (Box-Muller).
+pub(super) fn gauss(rng: &mut Rng, n: usize, std: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let (u1, u2) = (rng.next_f64().max(1e-12), rng.next_f64());
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * std
+        })
+        .collect()
+}
+
+/// Keep the trainer's freed memory in the process. A step allocates and
+/// frees gigabytes of tensors, many above glibc's mmap threshold; by
+/// default each is mapped fresh and given back, so every step pays the
+/// kernel to zero its pages again (a third of a step's time on the
+/// 2-core machines). Heap-only allocation without trimming makes a step's
+/// memory a reuse of the last one's. Trainers are their own processes (or
+/// tests), so keeping the peak is the right trade.
+pub(super) fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc's allocation parameters; it is
+    // called with documented parameters and values, and memory already
+    // allocated (mapped or not) is still freed correctly.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}

@@ -20,7 +20,7 @@ use super::layout::{
 use super::path::KernelPath;
 
 #[inline]
-pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent lanes, folded in a fixed order: vectorizes well and
     // gives the same result whatever the caller's batch shape.
     let mut acc = [0f32; 8];

@@ -41,5 +41,5 @@ pub use kquant::QK_K;
 pub use layout::{
     tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightFormat, QK, TILE,
 };
-pub use matmul::{matmul_glu, matmul_many, matmul_swiglu, wants_q8};
+pub use matmul::{dot_f32, matmul_glu, matmul_many, matmul_swiglu, wants_q8};
 pub use path::{evict_from_caches, KernelPath};

@@ -1,0 +1,467 @@
+//! Fused CPU training ops with their own backward passes, for the parts of
+//! the heads' training graph where candle's op-by-op tensors cost more
+//! than the matmuls: the draft-vocabulary soft cross-entropy and the
+//! training-time-test attention.
+//!
+//! Invariants:
+//! - Each op computes the same function as the candle composition it
+//!   replaces (`tests` check values and gradients against it), up to
+//!   float summation order.
+//! - Inputs are read through their layouts' contiguous offsets; callers
+//!   pass contiguous f32 tensors (`contiguous()` is free when they are).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::model::kernels::{dot_f32 as dot, exp_f32, exp_shifted};
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        candle_core::bail!("{what}: f32 expected");
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("{what}: contiguous input expected"),
+    }
+}
+
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// `sum_r w_r * CE(softmax(target_r), log_softmax(logits_r))`: the soft
+/// cross-entropy of each row's logits against the distribution of its
+/// target logits, weighted per row (a weight of 0 leaves a row out). The
+/// target logits get no gradient. The forward pass keeps the gradient in
+/// the logits, `w_r * (softmax(logits_r) - softmax(target_r))`, for the
+/// backward pass (one pass over the logits each way).
+pub(super) struct SoftCrossEntropy {
+    weights: Arc<Vec<f32>>,
+    grad: Mutex<Option<Tensor>>,
+}
+
+impl SoftCrossEntropy {
+    pub(super) fn new(weights: Vec<f32>) -> Self {
+        Self {
+            weights: Arc::new(weights),
+            grad: Mutex::new(None),
+        }
+    }
+}
+
+impl CustomOp2 for SoftCrossEntropy {
+    fn name(&self) -> &'static str {
+        "soft_ce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (logits, target) = (slice(s1, l1, "soft_ce")?, slice(s2, l2, "soft_ce")?);
+        let rows = self.weights.len();
+        if rows == 0 || logits.len() != target.len() || logits.len() % rows != 0 {
+            candle_core::bail!(
+                "soft_ce: {} logits, {} targets, {rows} rows",
+                logits.len(),
+                target.len()
+            );
+        }
+        let n = logits.len() / rows;
+        let mut grad = vec![0f32; logits.len()];
+        let loss: f64 = grad
+            .par_chunks_mut(n)
+            .zip(logits.par_chunks(n).zip(target.par_chunks(n)))
+            .zip(self.weights.par_iter())
+            .filter(|(_, &w)| w != 0.0)
+            .map_init(Vec::new, |p: &mut Vec<f32>, ((gr, (l, t)), &w)| {
+                gr.copy_from_slice(l);
+                let (ml, sl) = exp_shifted(gr);
+                p.clear();
+                p.extend_from_slice(t);
+                let (_, st) = exp_shifted(p);
+                let (il, it) = (1.0 / sl, 1.0 / st);
+                // CE = lse(l) - sum_j p_j l_j.
+                let pl: f32 = p.iter().zip(l).map(|(&p, &l)| p * l).sum::<f32>() * it;
+                for (g, &p) in gr.iter_mut().zip(p.iter()) {
+                    *g = w * (*g * il - p * it);
+                }
+                f64::from(w) * f64::from(ml + sl.ln() - pl)
+            })
+            .sum();
+        let shape = l1.shape().clone();
+        let grad = Tensor::from_vec(grad, shape, &candle_core::Device::Cpu)?;
+        *self.grad.lock().unwrap_or_else(|e| e.into_inner()) = Some(grad);
+        Ok((CpuStorage::F32(vec![loss as f32]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        _logits: &Tensor,
+        _target: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let Some(grad) = self.grad.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            candle_core::bail!("soft_ce: backward before forward (or twice)");
+        };
+        let g = grad_res.to_scalar::<f32>()?;
+        let grad = if g == 1.0 {
+            grad
+        } else {
+            (grad * f64::from(g))?
+        };
+        Ok((Some(grad), None))
+    }
+}
+
+/// The attention of a head unrolled by training-time test, at TTT step
+/// `extra` (0: plain causal attention). `q` is `(b, heads, t, hd)`; `k`
+/// and `v` are `(b, kv_heads, (extra + 1) * t, hd)`: the step-0 keys of
+/// every position, then the keys of steps 1..=extra. Row `p` of every
+/// query head attends to step-0 keys `0..=p` of its kv head and to its own
+/// row `p` of each later step's keys, scaled by `1/sqrt(hd)`.
+///
+/// The step-0 products run as batched matmuls (the query heads of a kv
+/// head stacked as one `(g * t, hd)` matrix); masking, softmax and the
+/// per-row later-step keys are one fused pass each way.
+pub(super) struct TttAttention {
+    pub(super) extra: usize,
+    /// The forward's attention weights, kept for the backward pass.
+    saved: Mutex<Option<Saved>>,
+}
+
+struct Saved {
+    /// `(b, nkv, g * t, t)` weights of the step-0 keys (0 above the
+    /// diagonal).
+    p: Tensor,
+    /// `(b * nh * t, extra)` weights of the later steps' own keys.
+    pe: Vec<f32>,
+}
+
+impl TttAttention {
+    pub(super) fn new(extra: usize) -> Self {
+        Self {
+            extra,
+            saved: Mutex::new(None),
+        }
+    }
+}
+
+struct Dims {
+    b: usize,
+    nh: usize,
+    nkv: usize,
+    t: usize,
+    hd: usize,
+}
+
+impl Dims {
+    fn g(&self) -> usize {
+        self.nh / self.nkv
+    }
+}
+
+fn dims(extra: usize, q: &Shape, k: &Shape, v: &Shape) -> Result<Dims> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let (b2, nkv, tk, hd2) = k.dims4()?;
+    if b2 != b || hd2 != hd || tk != (extra + 1) * t || nkv == 0 || nh % nkv != 0 || v != k {
+        candle_core::bail!("ttt_attention: q {q:?}, k {k:?}, v {v:?} at step {extra}");
+    }
+    Ok(Dims { b, nh, nkv, t, hd })
+}
+
+/// Rows of `x` (`(b, nkv, rows, hd)` as a flat slice) for the later steps:
+/// the `hd` values of kv unit `u`, key row `j * t + p`.
+fn key_row<'a>(x: &'a [f32], d: &Dims, u: usize, j: usize, p: usize) -> &'a [f32] {
+    let tk = x.len() / (d.b * d.nkv * d.hd);
+    let o = (u * tk + j * d.t + p) * d.hd;
+    &x[o..o + d.hd]
+}
+
+impl CustomOp3 for TttAttention {
+    fn name(&self) -> &'static str {
+        "ttt_attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sq: &CpuStorage,
+        lq: &Layout,
+        sk: &CpuStorage,
+        lk: &Layout,
+        sv: &CpuStorage,
+        lv: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = dims(self.extra, lq.shape(), lk.shape(), lv.shape())?;
+        let (q, k, v) = (
+            slice(sq, lq, "ttt_attention q")?,
+            slice(sk, lk, "ttt_attention k")?,
+            slice(sv, lv, "ttt_attention v")?,
+        );
+        let (g, t, hd, ex) = (d.g(), d.t, d.hd, self.extra);
+        let dev = candle_core::Device::Cpu;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let qg = Tensor::from_slice(q, (d.b, d.nkv, g * t, hd), &dev)?;
+        let kt = Tensor::from_slice(k, (d.b, d.nkv, (ex + 1) * t, hd), &dev)?;
+        let vt = Tensor::from_slice(v, (d.b, d.nkv, (ex + 1) * t, hd), &dev)?;
+        let k0 = kt.narrow(2, 0, t)?.contiguous()?;
+        let v0 = vt.narrow(2, 0, t)?.contiguous()?;
+        // Scores of the step-0 keys, then masked softmax over them and the
+        // row's later-step keys, in place.
+        let s = qg.matmul(&k0.t()?)?;
+        let mut sv_ = s.flatten_all()?.to_vec1::<f32>()?;
+        // One column even at step 0, so the row chunks line up.
+        let mut pe = vec![0f32; d.b * d.nh * t * ex.max(1)];
+        sv_.par_chunks_mut(t)
+            .zip(pe.par_chunks_mut(ex.max(1)))
+            .enumerate()
+            .for_each_init(Vec::new, |se: &mut Vec<f32>, (r, (srow, perow))| {
+                let p = r % t;
+                let u = r / (g * t);
+                let qr = &q[r * hd..(r + 1) * hd];
+                se.clear();
+                se.extend((1..=ex).map(|j| dot(qr, key_row(k, &d, u, j, p)) * scale));
+                let m = srow[..=p]
+                    .iter()
+                    .map(|&x| x * scale)
+                    .chain(se.iter().copied())
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for x in srow[..=p].iter_mut() {
+                    *x = exp_f32(*x * scale - m);
+                    sum += *x;
+                }
+                for x in se.iter_mut() {
+                    *x = exp_f32(*x - m);
+                    sum += *x;
+                }
+                let inv = 1.0 / sum;
+                srow[..=p].iter_mut().for_each(|x| *x *= inv);
+                srow[p + 1..].iter_mut().for_each(|x| *x = 0.0);
+                for (o, x) in perow.iter_mut().zip(se.iter()) {
+                    *o = x * inv;
+                }
+            });
+        let p = Tensor::from_vec(sv_, (d.b, d.nkv, g * t, t), &dev)?;
+        let mut o = p.matmul(&v0)?.flatten_all()?.to_vec1::<f32>()?;
+        if ex > 0 {
+            o.par_chunks_mut(hd).enumerate().for_each(|(r, orow)| {
+                let (p_, u) = (r % t, r / (g * t));
+                for j in 1..=ex {
+                    axpy(orow, pe[r * ex.max(1) + j - 1], key_row(v, &d, u, j, p_));
+                }
+            });
+        }
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(Saved { p, pe });
+        Ok((CpuStorage::F32(o), lq.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = dims(self.extra, q.shape(), k.shape(), v.shape())?;
+        let (g, t, hd, ex) = (d.g(), d.t, d.hd, self.extra);
+        let tk = (ex + 1) * t;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let Some(Saved { p, pe }) = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take()
+        else {
+            candle_core::bail!("ttt_attention: backward before forward (or twice)");
+        };
+        let flat = |x: &Tensor| x.contiguous()?.flatten_all()?.to_vec1::<f32>();
+        let (qv, kv, vv, ov) = (flat(q)?, flat(k)?, flat(v)?, flat(res)?);
+        let go = grad_res.contiguous()?.reshape((d.b, d.nkv, g * t, hd))?;
+        let gov = go.flatten_all()?.to_vec1::<f32>()?;
+        let k0 = k.narrow(2, 0, t)?.contiguous()?;
+        let v0 = v.narrow(2, 0, t)?.contiguous()?;
+        let qg = q.contiguous()?.reshape((d.b, d.nkv, g * t, hd))?;
+        // dP = dO V0^T, then dS = P (dP - D) on the step-0 keys and the
+        // later-step keys alike (D = dO . O per row).
+        let mut ds = go.matmul(&v0.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+        let pv = p.flatten_all()?.to_vec1::<f32>()?;
+        let mut dse = vec![0f32; pe.len()];
+        ds.par_chunks_mut(t)
+            .zip(pv.par_chunks(t))
+            .zip(dse.par_chunks_mut(ex.max(1)))
+            .enumerate()
+            .for_each(|(r, ((dsrow, prow), dserow))| {
+                let (p_, u) = (r % t, r / (g * t));
+                let row = r * hd..(r + 1) * hd;
+                let gr = &gov[row.clone()];
+                let dsum = dot(gr, &ov[row]);
+                for (x, &a) in dsrow[..=p_].iter_mut().zip(prow) {
+                    *x = a * (*x - dsum) * scale;
+                }
+                dsrow[p_ + 1..].iter_mut().for_each(|x| *x = 0.0);
+                for j in 1..=ex {
+                    let a = pe[r * ex.max(1) + j - 1];
+                    dserow[j - 1] = a * (dot(gr, key_row(&vv, &d, u, j, p_)) - dsum) * scale;
+                }
+            });
+        let ds = Tensor::from_vec(ds, (d.b, d.nkv, g * t, t), &candle_core::Device::Cpu)?;
+        let mut dq = ds.matmul(&k0)?.flatten_all()?.to_vec1::<f32>()?;
+        let dk0 = ds.t()?.matmul(&qg)?.flatten_all()?.to_vec1::<f32>()?;
+        let dv0 = p.t()?.matmul(&go)?.flatten_all()?.to_vec1::<f32>()?;
+        // The later steps' keys: row p of step j is read by row p of every
+        // query head of its group.
+        let mut dk = vec![0f32; kv.len()];
+        let mut dv = vec![0f32; vv.len()];
+        dk.par_chunks_mut(tk * hd)
+            .zip(dv.par_chunks_mut(tk * hd))
+            .zip(dq.par_chunks_mut(g * t * hd))
+            .enumerate()
+            .for_each(|(u, ((dku, dvu), dqu))| {
+                let src = u * t * hd..(u + 1) * t * hd;
+                dku[..t * hd].copy_from_slice(&dk0[src.clone()]);
+                dvu[..t * hd].copy_from_slice(&dv0[src]);
+                for gi in 0..g {
+                    for p_ in 0..t {
+                        let r = (u * g + gi) * t + p_;
+                        let lr = (gi * t + p_) * hd;
+                        let row = r * hd..(r + 1) * hd;
+                        for j in 1..=ex {
+                            let at = (j * t + p_) * hd;
+                            let (a, s_) = (pe[r * ex.max(1) + j - 1], dse[r * ex.max(1) + j - 1]);
+                            axpy(&mut dqu[lr..lr + hd], s_, key_row(&kv, &d, u, j, p_));
+                            axpy(&mut dku[at..at + hd], s_, &qv[row.clone()]);
+                            axpy(&mut dvu[at..at + hd], a, &gov[row.clone()]);
+                        }
+                    }
+                }
+            });
+        let dev = candle_core::Device::Cpu;
+        Ok((
+            Some(Tensor::from_vec(dq, (d.b, d.nh, t, hd), &dev)?),
+            Some(Tensor::from_vec(dk, (d.b, d.nkv, tk, hd), &dev)?),
+            Some(Tensor::from_vec(dv, (d.b, d.nkv, tk, hd), &dev)?),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn rand(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = crate::sampler::Rng::new(seed);
+        (0..n).map(|_| (r.next_f64() as f32 - 0.5) * 2.0).collect()
+    }
+
+    fn close(a: &Tensor, b: &Tensor, tol: f32) {
+        let (a, b) = (
+            a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!((x - y).abs() <= tol * scale, "element {i}: {x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn soft_cross_entropy_matches_its_composition_and_gradient() {
+        let dev = Device::Cpu;
+        let (rows, n) = (6, 37);
+        let logits = Var::from_vec(rand(rows * n, 1), (rows, n), &dev).unwrap();
+        let target = (Tensor::from_vec(rand(rows * n, 2), (rows, n), &dev).unwrap() * 3.0).unwrap();
+        let w = vec![0.5, 0.0, 1.0, 0.25, 0.0, 2.0];
+        let wt = Tensor::from_slice(&w, rows, &dev).unwrap();
+        // The composition the trainer used before.
+        let p = candle_nn::ops::softmax_last_dim(&target).unwrap();
+        let logp = candle_nn::ops::log_softmax(logits.as_tensor(), D::Minus1).unwrap();
+        let want = ((p * logp).unwrap().sum(D::Minus1).unwrap() * &wt)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .neg()
+            .unwrap();
+        let got = logits
+            .as_tensor()
+            .apply_op2(&target, SoftCrossEntropy::new(w))
+            .unwrap();
+        close(&got, &want, 1e-5);
+        let (gw, gg) = (
+            (want * 1.7).unwrap().backward().unwrap(),
+            (got * 1.7).unwrap().backward().unwrap(),
+        );
+        let (a, b) = (
+            gg.get(logits.as_tensor()).unwrap(),
+            gw.get(logits.as_tensor()).unwrap(),
+        );
+        close(a, b, 1e-5);
+        // Rows of weight 0 get no gradient, the others do.
+        let a = a.to_vec2::<f32>().unwrap();
+        assert!(a[1].iter().all(|&x| x == 0.0) && a[0].iter().any(|&x| x != 0.0));
+    }
+
+    /// The TTT attention composed from candle ops (the trainer's probe
+    /// path), over the concatenated keys the fused op reads.
+    fn composed(q: &Tensor, k: &Tensor, v: &Tensor, nh: usize, extra: usize) -> Tensor {
+        let t = q.dim(2).unwrap();
+        let keys: Vec<(Tensor, Tensor)> = (0..=extra)
+            .map(|j| {
+                (
+                    k.narrow(2, j * t, t).unwrap(),
+                    v.narrow(2, j * t, t).unwrap(),
+                )
+            })
+            .collect();
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let causal = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
+        let scale = 1.0 / (q.dim(3).unwrap() as f64).sqrt();
+        crate::distill::eagle::composed_attention(q, &keys, nh, &causal, scale)
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn ttt_attention_matches_its_composition_and_gradients_at_every_step() {
+        let dev = Device::Cpu;
+        let (b, nh, nkv, t, hd) = (2, 6, 2, 5, 16);
+        for extra in 0..3 {
+            let tk = (extra + 1) * t;
+            let q = Var::from_vec(rand(b * nh * t * hd, 3), (b, nh, t, hd), &dev).unwrap();
+            let k = Var::from_vec(rand(b * nkv * tk * hd, 4), (b, nkv, tk, hd), &dev).unwrap();
+            let v = Var::from_vec(rand(b * nkv * tk * hd, 5), (b, nkv, tk, hd), &dev).unwrap();
+            let want = composed(q.as_tensor(), k.as_tensor(), v.as_tensor(), nh, extra);
+            let got = q
+                .as_tensor()
+                .apply_op3(k.as_tensor(), v.as_tensor(), TttAttention::new(extra))
+                .unwrap();
+            close(&got, &want, 1e-5);
+            // A loss that weighs every output element differently.
+            let wl = Tensor::from_vec(rand(b * nh * t * hd, 6), (b, nh, t, hd), &dev).unwrap();
+            let loss = |o: &Tensor| (o * &wl).unwrap().sum_all().unwrap();
+            let (gw, gg) = (
+                loss(&want).backward().unwrap(),
+                loss(&got).backward().unwrap(),
+            );
+            for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+                let (a, b) = (gg.get(x.as_tensor()), gw.get(x.as_tensor()));
+                assert!(
+                    a.is_some() && b.is_some(),
+                    "step {extra}: no gradient of {name} ({} {})",
+                    a.is_some(),
+                    b.is_some()
+                );
+                close(a.unwrap(), b.unwrap(), 1e-4);
+            }
+        }
+    }
+}
