@@ -39,7 +39,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
-use super::fused::{SoftCrossEntropy, TttAttention};
+use super::fused::{RmsNorm, Rope, SoftCrossEntropy, TttAttention};
 use super::train::{
     cosine_lr, draft_vocab, extract_features, plan_batches, tensor_vec, truncate, var, AdamW,
     Checkpoint, DraftVocab, Features, Schedule,
@@ -294,8 +294,7 @@ fn mtp_param_shapes(
 const EPS: f64 = 1e-5;
 
 fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + EPS)?.sqrt()?)?.broadcast_mul(w)
+    x.contiguous()?.apply_op2(w, RmsNorm { eps: EPS as f32 })
 }
 
 /// `x W^T` over the last dimension of `x` (`(b, t, in)` or `(rows, in)`),
@@ -354,8 +353,9 @@ pub(super) struct Net {
     embed: Tensor,
     /// Target output head rows of the draft vocabulary, `dv x h` (frozen).
     target_head: Tensor,
-    cos: Tensor,
-    sin: Tensor,
+    /// `(positions, hd/2)` rotary tables.
+    cos: Arc<Vec<f32>>,
+    sin: Arc<Vec<f32>>,
     h: usize,
     nh: usize,
     nkv: usize,
@@ -401,13 +401,11 @@ impl Net {
 
     fn rope(&self, x: &Tensor, offset: usize) -> candle_core::Result<Tensor> {
         // x: (b, heads, t, hd); NeoX pairing (i, i + hd/2) as HF Llama.
-        let (_, _, t, hd) = x.dims4()?;
-        let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
-        let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
-        let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        let cos = self.cos.narrow(0, offset, t)?;
-        let sin = self.sin.narrow(0, offset, t)?;
-        x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?
+        x.contiguous()?.apply_op1(Rope {
+            cos: self.cos.clone(),
+            sin: self.sin.clone(),
+            offset,
+        })
     }
 
     /// (b, t, n*hd) -> (b, n, t, hd).
@@ -736,17 +734,18 @@ pub(super) fn embedding_table(target: &Model) -> Vec<f32> {
     emb
 }
 
-fn rope_tables(max_pos: usize, hd: usize, theta: f32) -> Result<(Tensor, Tensor)> {
-    let dev = Device::Cpu;
+#[allow(clippy::type_complexity)]
+fn rope_tables(max_pos: usize, hd: usize, theta: f32) -> Result<(Arc<Vec<f32>>, Arc<Vec<f32>>)> {
     let inv: Vec<f32> = (0..hd / 2)
         .map(|i| 1.0 / theta.powf(2.0 * i as f32 / hd as f32))
         .collect();
     let ang: Vec<f32> = (0..max_pos)
         .flat_map(|p| inv.iter().map(move |th| p as f32 * th))
         .collect();
-    let ang = Tensor::from_vec(ang, (max_pos, hd / 2), &dev).map_err(cerr)?;
-    let ang = Tensor::cat(&[&ang, &ang], 1).map_err(cerr)?;
-    Ok((ang.cos().map_err(cerr)?, ang.sin().map_err(cerr)?))
+    Ok((
+        Arc::new(ang.iter().map(|a| a.cos()).collect()),
+        Arc::new(ang.iter().map(|a| a.sin()).collect()),
+    ))
 }
 
 /// Everything the batches are cut from.

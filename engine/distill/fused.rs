@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::model::kernels::{dot_f32 as dot, exp_f32, exp_shifted};
@@ -350,6 +350,160 @@ impl CustomOp3 for TttAttention {
     }
 }
 
+/// RMS norm over the last dimension, `x / sqrt(mean(x^2) + eps) * w`,
+/// with gradients for `x` and the weight `w`.
+pub(super) struct RmsNorm {
+    pub(super) eps: f32,
+}
+
+impl RmsNorm {
+    /// Per row `1 / sqrt(mean(x^2) + eps)`.
+    fn inv(&self, x: &[f32], n: usize) -> Vec<f32> {
+        x.par_chunks(n)
+            .map(|r| 1.0 / (dot(r, r) / n as f32 + self.eps).sqrt())
+            .collect()
+    }
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (slice(sx, lx, "rms_norm x")?, slice(sw, lw, "rms_norm w")?);
+        let n = w.len();
+        if n == 0 || lx.shape().dims().last() != Some(&n) {
+            candle_core::bail!("rms_norm: x {:?}, w {:?}", lx.shape(), lw.shape());
+        }
+        let inv = self.inv(x, n);
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(n)
+            .zip(x.par_chunks(n).zip(inv.par_iter()))
+            .for_each(|(o, (xr, &s))| {
+                for ((o, &x), &w) in o.iter_mut().zip(xr).zip(w) {
+                    *o = x * s * w;
+                }
+            });
+        Ok((CpuStorage::F32(out), lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let flat = |t: &Tensor| t.contiguous()?.flatten_all()?.to_vec1::<f32>();
+        let (xv, wv, gv) = (flat(x)?, flat(w)?, flat(grad_res)?);
+        let n = wv.len();
+        let inv = self.inv(&xv, n);
+        let mut dx = vec![0f32; xv.len()];
+        // dx = s (w g - x s^2 (sum_j w_j g_j x_j) / n); dw = sum_rows g x s.
+        let dw = dx
+            .par_chunks_mut(n)
+            .zip(xv.par_chunks(n).zip(gv.par_chunks(n)))
+            .zip(inv.par_iter())
+            .fold(
+                || vec![0f32; n],
+                |mut dw, ((dxr, (xr, gr)), &s)| {
+                    let mut c = 0f32;
+                    for ((&x, &g), &w) in xr.iter().zip(gr).zip(&wv) {
+                        c += w * g * x;
+                    }
+                    let c = c * s * s / n as f32;
+                    for (((d, &x), &g), (&w, dwi)) in dxr
+                        .iter_mut()
+                        .zip(xr)
+                        .zip(gr)
+                        .zip(wv.iter().zip(dw.iter_mut()))
+                    {
+                        *d = s * (w * g - x * c);
+                        *dwi += g * x * s;
+                    }
+                    dw
+                },
+            )
+            .reduce(
+                || vec![0f32; n],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        let dev = candle_core::Device::Cpu;
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), &dev)?),
+            Some(Tensor::from_vec(dw, w.shape(), &dev)?),
+        ))
+    }
+}
+
+/// Rotary position embedding of `(b, heads, t, hd)` rows at positions
+/// `offset..offset + t`, NeoX pairing (`i` with `i + hd/2`, as Hugging
+/// Face Llama); `cos`/`sin` are `(positions, hd/2)` tables.
+pub(super) struct Rope {
+    pub(super) cos: Arc<Vec<f32>>,
+    pub(super) sin: Arc<Vec<f32>>,
+    pub(super) offset: usize,
+}
+
+impl Rope {
+    /// `x` rotated by the angle of each row's position, or back (`sign`
+    /// -1: the transpose, which is the backward pass).
+    fn rotate(&self, x: &[f32], t: usize, hd: usize, sign: f32) -> Result<Vec<f32>> {
+        let half = hd / 2;
+        if !hd.is_multiple_of(2) || (self.offset + t) * half > self.cos.len() {
+            candle_core::bail!("rope: head dim {hd}, positions {}", self.offset + t);
+        }
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(hd)
+            .zip(x.par_chunks(hd))
+            .enumerate()
+            .for_each(|(r, (o, xr))| {
+                let at = (self.offset + r % t) * half;
+                let (c, s) = (&self.cos[at..at + half], &self.sin[at..at + half]);
+                let (o1, o2) = o.split_at_mut(half);
+                let (x1, x2) = xr.split_at(half);
+                for i in 0..half {
+                    let si = sign * s[i];
+                    o1[i] = x1[i] * c[i] - x2[i] * si;
+                    o2[i] = x2[i] * c[i] + x1[i] * si;
+                }
+            });
+        Ok(out)
+    }
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = slice(s, l, "rope")?;
+        let (_, _, t, hd) = l.shape().dims4()?;
+        Ok((
+            CpuStorage::F32(self.rotate(x, t, hd, 1.0)?),
+            l.shape().clone(),
+        ))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let (_, _, t, hd) = x.dims4()?;
+        let g = grad_res.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let dx = self.rotate(&g, t, hd, -1.0)?;
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -463,5 +617,76 @@ mod tests {
                 close(a.unwrap(), b.unwrap(), 1e-4);
             }
         }
+    }
+
+    #[test]
+    fn rms_norm_matches_its_composition_and_gradients() {
+        let dev = Device::Cpu;
+        let x = Var::from_vec(rand(3 * 4 * 40, 7), (3, 4, 40), &dev).unwrap();
+        let w = Var::from_vec(rand(40, 8), 40, &dev).unwrap();
+        let xt = x.as_tensor();
+        let ms = xt.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        let want = xt
+            .broadcast_div(&(ms + 1e-5).unwrap().sqrt().unwrap())
+            .unwrap()
+            .broadcast_mul(w.as_tensor())
+            .unwrap();
+        let got = xt.apply_op2(w.as_tensor(), RmsNorm { eps: 1e-5 }).unwrap();
+        close(&got, &want, 1e-5);
+        let wl = Tensor::from_vec(rand(3 * 4 * 40, 9), (3, 4, 40), &dev).unwrap();
+        let loss = |o: &Tensor| (o * &wl).unwrap().sum_all().unwrap();
+        let (gw, gg) = (
+            loss(&want).backward().unwrap(),
+            loss(&got).backward().unwrap(),
+        );
+        for v in [&x, &w] {
+            close(
+                gg.get(v.as_tensor()).unwrap(),
+                gw.get(v.as_tensor()).unwrap(),
+                1e-4,
+            );
+        }
+    }
+
+    #[test]
+    fn rope_matches_its_composition_and_gradient() {
+        let dev = Device::Cpu;
+        let (b, n, t, hd, offset) = (2, 3, 5, 8, 2);
+        let x = Var::from_vec(rand(b * n * t * hd, 10), (b, n, t, hd), &dev).unwrap();
+        let ang: Vec<f32> = (0..offset + t)
+            .flat_map(|p| (0..hd / 2).map(move |i| p as f32 * 0.3f32.powi(i as i32)))
+            .collect();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
+        // The composition: x * cos + rotate_half(x) * sin, tables with both
+        // halves.
+        let full = |v: &[f32]| {
+            let t2 = Tensor::from_slice(v, (offset + t, hd / 2), &dev).unwrap();
+            Tensor::cat(&[&t2, &t2], 1)
+                .unwrap()
+                .narrow(0, offset, t)
+                .unwrap()
+        };
+        let xt = x.as_tensor();
+        let x1 = xt.narrow(D::Minus1, 0, hd / 2).unwrap();
+        let x2 = xt.narrow(D::Minus1, hd / 2, hd / 2).unwrap();
+        let rot = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
+        let want = (xt.broadcast_mul(&full(&cos)).unwrap()
+            + rot.broadcast_mul(&full(&sin)).unwrap())
+        .unwrap();
+        let got = xt
+            .apply_op1(Rope {
+                cos: Arc::new(cos),
+                sin: Arc::new(sin),
+                offset,
+            })
+            .unwrap();
+        close(&got, &want, 1e-6);
+        let wl = Tensor::from_vec(rand(b * n * t * hd, 11), (b, n, t, hd), &dev).unwrap();
+        let loss = |o: &Tensor| (o * &wl).unwrap().sum_all().unwrap();
+        let (gw, gg) = (
+            loss(&want).backward().unwrap(),
+            loss(&got).backward().unwrap(),
+        );
+        close(gg.get(xt).unwrap(), gw.get(xt).unwrap(), 1e-5);
     }
 }
