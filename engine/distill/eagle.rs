@@ -317,10 +317,13 @@ pub(super) fn composed_attention(
     q: &Tensor,
     keys: &[(Tensor, Tensor)],
     nh: usize,
-    causal: &Tensor,
     scale: f64,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let t = q.dim(2)?;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    let causal = Tensor::from_vec(mask, (t, t), q.device())?;
     let rep = |x: &Tensor| -> candle_core::Result<Tensor> {
         let (b, n, t, hd) = x.dims4()?;
         let g = nh / n;
@@ -333,7 +336,7 @@ pub(super) fn composed_attention(
         .map(|(k, v)| Ok((rep(k)?, rep(v)?)))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let (k0, v0) = &keys[0];
-    let mut parts = vec![(q.matmul(&k0.t()?)? * scale)?.broadcast_add(causal)?];
+    let mut parts = vec![(q.matmul(&k0.t()?)? * scale)?.broadcast_add(&causal)?];
     for (kj, _) in &keys[1..] {
         parts.push(((q * kj)?.sum_keepdim(D::Minus1)? * scale)?);
     }
@@ -433,10 +436,6 @@ impl Net {
         } else {
             lin(&feats, self.w("fc.weight"))?
         };
-        let mask_tt: Vec<f32> = (0..t)
-            .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
-            .collect();
-        let causal = Tensor::from_vec(mask_tt, (t, t), &dev)?;
         let scale = 1.0 / (self.hd as f64).sqrt();
         let mut keys: Vec<(Tensor, Tensor)> = Vec::new();
         let mut out = Vec::new();
@@ -474,7 +473,7 @@ impl Net {
             let vv = proj("self_attn.v_proj.weight", self.nkv)?;
             keys.push((kk, vv));
             let (o, own_att) = if probe.is_some() {
-                let (o, att) = composed_attention(&q, &keys, self.nh, &causal, scale)?;
+                let (o, att) = composed_attention(&q, &keys, self.nh, scale)?;
                 // The weight each row gives its own key (step 0: the
                 // diagonal; step k: its own step-k key), mean over heads.
                 let own = if k == 0 {
