@@ -1823,6 +1823,7 @@ fn tool_calls_round_trip_streamed_and_not() {
         for prop in ["none", "suffix"] {
             let body = json!({"messages": ask, "tools": [weather, time], "tool_choice": choice,
                 "parallel_tool_calls": false, "max_tokens": 60, "temperature": 0,
+                "logprobs": true, "top_logprobs": 2,
                 "speculation": {"proposer": prop}});
             let r = d.post("/v1/chat/completions", &body);
             assert_eq!(r.status, 200, "{}", r.body);
@@ -1868,6 +1869,29 @@ fn tool_calls_round_trip_streamed_and_not() {
                 .find(|e| !e["choices"][0]["finish_reason"].is_null())
                 .unwrap();
             assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+            // Logprobs stream too: the chunks' lists add up to the
+            // response's, a token each, in order.
+            let whole = c["logprobs"]["content"].as_array().unwrap();
+            assert_eq!(
+                whole.len() as u64,
+                j["usage"]["completion_tokens"].as_u64().unwrap(),
+                "{prop}"
+            );
+            let streamed: Vec<&serde_json::Value> = events
+                .iter()
+                .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array())
+                .flatten()
+                .collect();
+            assert_eq!(streamed.len(), whole.len(), "{prop}: {}", r.body);
+            for (s, w) in streamed.iter().zip(whole) {
+                assert_eq!(s["token"], w["token"], "{prop}");
+                let (a, b) = (
+                    s["logprob"].as_f64().unwrap(),
+                    w["logprob"].as_f64().unwrap(),
+                );
+                assert!((a - b).abs() < 1e-4, "{prop}: {a} vs {b}");
+                assert_eq!(s["top_logprobs"].as_array().unwrap().len(), 2);
+            }
             // The round trip: the call and its result go back, the
             // model answers in text (tool_choice none constrains nothing).
             if prop == "none" {

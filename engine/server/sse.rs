@@ -365,6 +365,10 @@ pub(super) struct Part {
     /// known (or until a call block completes), calls sent so far.
     tool_mode: ToolMode,
     tool_buf: String,
+    /// The held tokens' logprobs: they go out with the chunk that sends
+    /// the held text or the calls it completes, so the streamed lists add
+    /// up to the whole response's.
+    tool_lps: Vec<TokenLogprob>,
     calls_sent: usize,
 }
 
@@ -410,6 +414,7 @@ impl SseStream {
                         ToolMode::Text
                     },
                     tool_buf: String::new(),
+                    tool_lps: Vec::new(),
                     calls_sent: 0,
                 })
                 .collect(),
@@ -466,12 +471,13 @@ impl futures_core::Stream for SseStream {
                 }
                 match part.rx.poll_recv(cx) {
                     Poll::Pending => break,
-                    Poll::Ready(Some(Event::Tokens { text, .. }))
+                    Poll::Ready(Some(Event::Tokens { text, logprobs, .. }))
                         if part.tool_mode != ToolMode::Text =>
                     {
                         // Tools offered: hold text until the output shows
                         // whether it is calls; send each call whole.
                         part.tool_buf.push_str(&text);
+                        part.tool_lps.extend(logprobs);
                         if part.tool_mode == ToolMode::Undecided {
                             match part.tool_buf.trim_start().chars().next() {
                                 None => continue,
@@ -479,10 +485,11 @@ impl futures_core::Stream for SseStream {
                                 Some(_) => {
                                     part.tool_mode = ToolMode::Text;
                                     let held = std::mem::take(&mut part.tool_buf);
+                                    let lps = std::mem::take(&mut part.tool_lps);
                                     let first = std::mem::replace(&mut part.first, false);
                                     self.next = (i + 1) % n;
                                     let v =
-                                        self.shape.chunk(i, &held, None, None, first, &[], &mut 0);
+                                        self.shape.chunk(i, &held, None, None, first, &lps, &mut 0);
                                     return self.frame(v);
                                 }
                             }
@@ -495,6 +502,9 @@ impl futures_core::Stream for SseStream {
                         let start = part.calls_sent;
                         part.calls_sent += calls.len();
                         let first = std::mem::replace(&mut part.first, false);
+                        // The logprobs of every token held so far (the
+                        // next call's first tokens may be among them).
+                        let lps = std::mem::take(&mut part.tool_lps);
                         self.next = (i + 1) % n;
                         let mut delta =
                             json!({"tool_calls": self.shape.tool_calls_json(i, &calls, start)});
@@ -502,7 +512,8 @@ impl futures_core::Stream for SseStream {
                             delta["role"] = json!("assistant");
                             delta["content"] = Value::Null;
                         }
-                        let v = self.shape.delta_chunk(i, delta, None, None);
+                        let mut v = self.shape.delta_chunk(i, delta, None, None);
+                        v["choices"][0]["logprobs"] = self.shape.logprobs_json(&lps, &mut 0);
                         return self.frame(v);
                     }
                     Poll::Ready(Some(Event::Tokens { text, logprobs, .. })) => {
@@ -537,6 +548,9 @@ impl futures_core::Stream for SseStream {
                         } else {
                             std::mem::take(&mut part.tool_buf)
                         };
+                        // Tokens held and not yet sent (an unfinished call
+                        // or text) keep their logprobs in the last chunk.
+                        let lps = std::mem::take(&mut part.tool_lps);
                         self.next = (i + 1) % n;
                         let v = self.shape.chunk(
                             i,
@@ -544,7 +558,7 @@ impl futures_core::Stream for SseStream {
                             Some(finish),
                             Some(usage(&c)),
                             first,
-                            &[],
+                            &lps,
                             &mut 0,
                         );
                         self.parts[i].completion = Some(c);
