@@ -12,7 +12,6 @@ use specd_test_kit as common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::GgmlDType;
 use common::{TempDir, TinySpec, TINY};
 use specd::config::Config;
@@ -23,49 +22,6 @@ use specd::model::tensor_file::{self, TensorData};
 use specd::plain::generate;
 use specd::sampler::SamplingParams;
 use specd::speculative::Request;
-
-/// The MTP layer's tensors, Hugging Face names after `model.layers.{N}.`.
-fn mtp_weights(s: &TinySpec, seed: u64, own_head: bool) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let mut sd = seed;
-    let (h, hd) = (s.hidden, s.hidden / s.heads);
-    let (q, kv, f) = (s.heads * hd, s.kv_heads * hd, s.intermediate);
-    let mut w = Vec::new();
-    let norm = |sd: &mut u64| -> Vec<f32> {
-        common::lcg_vec(sd, h, 0.1)
-            .iter()
-            .map(|x| 1.0 + x)
-            .collect()
-    };
-    for n in ["enorm.weight", "hnorm.weight", "input_layernorm.weight"] {
-        let v = norm(&mut sd);
-        w.push((n.to_string(), vec![h], v));
-    }
-    for (n, shape, scale) in [
-        ("eh_proj.weight", vec![h, 2 * h], 0.15),
-        ("self_attn.q_proj.weight", vec![q, h], 0.2),
-        ("self_attn.k_proj.weight", vec![kv, h], 0.2),
-        ("self_attn.v_proj.weight", vec![kv, h], 0.2),
-        ("self_attn.o_proj.weight", vec![h, q], 0.2),
-        ("mlp.gate_proj.weight", vec![f, h], 0.2),
-        ("mlp.up_proj.weight", vec![f, h], 0.2),
-        ("mlp.down_proj.weight", vec![h, f], 0.2),
-    ] {
-        let n_el = shape.iter().product();
-        w.push((n.to_string(), shape, common::lcg_vec(&mut sd, n_el, scale)));
-    }
-    for n in ["post_attention_layernorm.weight", "shared_head.norm.weight"] {
-        let v = norm(&mut sd);
-        w.push((n.to_string(), vec![h], v));
-    }
-    if own_head {
-        w.push((
-            "shared_head.head.weight".into(),
-            vec![s.vocab, h],
-            common::lcg_vec(&mut sd, s.vocab * h, 0.5),
-        ));
-    }
-    w
-}
 
 /// A safetensors target whose MTP layer sits in its own shard, as large
 /// published targets split it; `edit` may change the MTP tensors or the
@@ -81,7 +37,7 @@ fn st_target(
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["num_nextn_predict_layers"] = 1.into();
-    let mut w = mtp_weights(s, 9, own_head);
+    let mut w = common::mtp_weights(s, 9, own_head);
     edit(&mut w, &mut cfg);
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let t: Vec<(String, Vec<usize>, TensorData)> = w
@@ -98,74 +54,13 @@ fn st_target(
     dir.to_path_buf()
 }
 
-/// llama.cpp's query/key row permutation (HF halves -> interleaved pairs).
-fn permute(w: &[f32], rows: usize, cols: usize, hd: usize) -> Vec<f32> {
-    let mut out = vec![0f32; w.len()];
-    for h in 0..rows / hd {
-        for i in 0..hd / 2 {
-            for (src, dst) in [(i, 2 * i), (hd / 2 + i, 2 * i + 1)] {
-                let (a, b) = ((h * hd + src) * cols, (h * hd + dst) * cols);
-                out[b..b + cols].copy_from_slice(&w[a..a + cols]);
-            }
-        }
-    }
-    out
-}
-
-/// The same target as GGUF, the MTP layer as llama.cpp writes it: block
-/// count including it, `nextn_predict_layers`, `blk.{N}.nextn.*`.
-fn gguf_target(path: &Path, s: &TinySpec, own_head: bool, dtype: GgmlDType) -> PathBuf {
-    let n = s.layers;
-    let hd = s.hidden / s.heads;
-    let extra = mtp_weights(s, 9, own_head)
-        .into_iter()
-        .map(|(name, sh, d)| {
-            let gg = match name.as_str() {
-                "enorm.weight" | "hnorm.weight" | "eh_proj.weight" => format!("nextn.{name}"),
-                "shared_head.norm.weight" => "nextn.shared_head_norm.weight".into(),
-                "shared_head.head.weight" => "nextn.shared_head_head.weight".into(),
-                "input_layernorm.weight" => "attn_norm.weight".into(),
-                "post_attention_layernorm.weight" => "ffn_norm.weight".into(),
-                "self_attn.q_proj.weight" => "attn_q.weight".into(),
-                "self_attn.k_proj.weight" => "attn_k.weight".into(),
-                "self_attn.v_proj.weight" => "attn_v.weight".into(),
-                "self_attn.o_proj.weight" => "attn_output.weight".into(),
-                "mlp.gate_proj.weight" => "ffn_gate.weight".into(),
-                "mlp.up_proj.weight" => "ffn_up.weight".into(),
-                "mlp.down_proj.weight" => "ffn_down.weight".into(),
-                other => panic!("{other}"),
-            };
-            let d = if gg == "attn_q.weight" || gg == "attn_k.weight" {
-                permute(&d, sh[0], sh[1], hd)
-            } else {
-                d
-            };
-            (format!("blk.{n}.{gg}"), sh, d)
-        })
-        .collect();
-    common::write_tiny_gguf_with(
-        path,
-        s,
-        3,
-        dtype,
-        "llama",
-        "t",
-        extra,
-        vec![
-            ("llama.block_count".into(), Value::U32(n as u32 + 1)),
-            ("llama.nextn_predict_layers".into(), Value::U32(1)),
-        ],
-    );
-    path.to_path_buf()
-}
-
 const S: TinySpec = TinySpec { layers: 3, ..TINY };
 
 #[test]
 fn mtp_layers_load_from_safetensors_shards_and_gguf_alike() {
     let tmp = TempDir::new("mtp-load");
     let st = st_target(&tmp.0.join("st"), &S, true, |_, _| {});
-    let gg = gguf_target(&tmp.0.join("t.gguf"), &S, true, GgmlDType::F32);
+    let gg = common::mtp_gguf_target(&tmp.0.join("t.gguf"), &S, true, GgmlDType::F32);
     let (h, v) = (S.hidden, S.vocab);
     let a = load_mtp(&st, None, h, v, S.layers, false).unwrap();
     let b = load_mtp(&gg, None, h, v, S.layers, false).unwrap();
@@ -389,7 +284,7 @@ fn mtp_greedy_is_plain_decoding() {
     greedy_identity_with(&st, "", Some(2));
     // The target's output head, from a quantized GGUF target.
     greedy_identity(
-        &gguf_target(&tmp.0.join("t.gguf"), &S, false, GgmlDType::Q8_0),
+        &common::mtp_gguf_target(&tmp.0.join("t.gguf"), &S, false, GgmlDType::Q8_0),
         "",
     );
 }

@@ -219,15 +219,20 @@ const TINY_TOKENS: [&str; 12] = [
     "a", "b", "<eos>", "c", "ab", "ba", "x", "y", "aa", "bb", "yx", "z",
 ];
 
-fn tiny_with_tokens(dir: &TempDir, name: &str, seed: u64) -> std::path::PathBuf {
-    let spec = TinySpec { vocab: 12, ..TINY };
-    let p = dir.0.join(name);
-    let tokens = Value::Array(
+/// `TINY_TOKENS` as GGUF metadata.
+fn tiny_tokens() -> Value {
+    Value::Array(
         TINY_TOKENS
             .iter()
             .map(|t| Value::String(t.to_string()))
             .collect(),
-    );
+    )
+}
+
+fn tiny_with_tokens(dir: &TempDir, name: &str, seed: u64) -> std::path::PathBuf {
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let p = dir.0.join(name);
+    let tokens = tiny_tokens();
     common::write_tiny_gguf_with(
         &p,
         &spec,
@@ -241,32 +246,87 @@ fn tiny_with_tokens(dir: &TempDir, name: &str, seed: u64) -> std::path::PathBuf 
     p
 }
 
-/// Under a constraint, sampling through ngram, suffix (chains and trees)
-/// and a draft model keeps the exact constrained law (chi-square on the
-/// first two tokens), and the same test rejects a lossy control that
-/// accepts drafts against the masked law without renormalising it.
-#[test]
-fn sampling_under_a_constraint_keeps_the_constrained_law() {
-    let dir = TempDir::new("structured-stat");
-    let target = tiny_with_tokens(&dir, "target.gguf", 8);
-    let draft = tiny_with_tokens(&dir, "draft.gguf", 31);
-    let model = Arc::new(load_model(&target, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&target).unwrap());
+/// One constrained sampling run: `n` seeded 3-token requests through
+/// `proposer` under `acceptance`; the first two tokens' counts.
+#[allow(clippy::too_many_arguments)]
+fn constrained_counts(
+    model: &Arc<Model>,
+    tok: &Arc<Tokenizer>,
+    cfg: &Config,
+    c: &specd::structured::Constraint,
+    prompt: &[u32],
+    params: &SamplingParams,
+    proposer: &str,
+    acceptance: Acceptance,
+    n: u64,
+) -> Vec<u64> {
+    let drafter = cfg.build_drafter(model, Some(tok.clone())).unwrap();
+    let mut ec = EngineConfig::for_model(model);
+    ec.scheduler.max_running = 64;
+    ec.scheduler.max_waiting = usize::MAX;
+    ec.scheduler.adaptive_draft = false;
+    let mut e = SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter);
+    e.acceptor.acceptance = acceptance;
+    for i in 0..n {
+        e.add(
+            Request {
+                params: SamplingParams {
+                    seed: 91_000 + i,
+                    ..params.clone()
+                },
+                proposer: Some(proposer.into()),
+                constraint: Some(c.clone()),
+                // Drafts here come from the proposer alone.
+                forced_drafts: false,
+                ..Request::greedy(prompt.to_vec(), 3)
+            },
+            None,
+        )
+        .unwrap();
+    }
+    let done = e.run_to_completion().unwrap();
+    assert_eq!(done.len() as u64, n, "{proposer}: every request completes");
+    let v = model.config.vocab_size;
+    let mut counts = vec![0u64; v * v];
+    let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
+    let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+    assert!(
+        drafted > n / 2 && accepted > 0,
+        "{proposer} must draft: {drafted} {accepted}"
+    );
+    for c in &done {
+        counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+    }
+    counts
+}
+
+/// The regular expression both sampled-law tests constrain to.
+const LAW_REGEX: &str = "a[ab]*[xy]+z";
+
+/// A target, its tokenizer and `LAW_REGEX` compiled over it.
+fn law_fixture(
+    target: &std::path::Path,
+) -> (Arc<Model>, Arc<Tokenizer>, specd::structured::Constraint) {
+    let model = Arc::new(load_model(target, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(target).unwrap());
     let grammars =
         Grammars::new(&tok, model.config.vocab_size, &model.config.eos_token_ids).unwrap();
     let c = grammars
-        .compile(&ConstraintSpec::Regex("a[ab]*[xy]+z".into()), "regex")
+        .compile(&ConstraintSpec::Regex(LAW_REGEX.into()), "regex")
         .unwrap();
-    // The prompt repeats, so the lookup proposers draft from the start,
-    // and what they draft is often (not always) allowed.
-    let prompt = [3u32, 7, 4, 9, 3, 7, 4, 9, 3, 7];
-    let params = SamplingParams {
-        temperature: 1.0,
-        ..Default::default()
-    };
-    // The exact constrained law: each position's logits masked by the
-    // constraint at that point, then the sampling law.
-    let exact = common::exact_first_two_shaped(&model, &prompt, &params, |out, l| {
+    (model, tok, c)
+}
+
+/// The exact constrained law of the first two tokens: each position's
+/// logits masked by the constraint at that point, then the sampling law;
+/// checked to put no mass outside the constraint.
+fn constrained_law(
+    model: &Model,
+    c: &specd::structured::Constraint,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> Vec<f64> {
+    let exact = common::exact_first_two_shaped(model, prompt, params, |out, l| {
         c.start_at(out).unwrap().mask_row(l).unwrap()
     });
     let v = model.config.vocab_size;
@@ -276,62 +336,29 @@ fn sampling_under_a_constraint_keeps_the_constrained_law() {
         assert!(exact[t1 * v..(t1 + 1) * v].iter().all(|&p| p == 0.0));
     }
     assert!((0..v).all(|t1| exact[t1 * v + 2] == 0.0 && exact[t1 * v + 11] == 0.0));
-    let cfg = Config::parse(
-        &format!(
-            "[[proposer]]\nname = \"ngram\"\nplugin = \"ngram\"\n\
-             [[proposer]]\nname = \"suffix-tree\"\nplugin = \"suffix\"\n[proposer.options]\ntree = true\n\
-             [[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = 3\n[proposer.options]\nmodel = \"{}\"\nthreads = 1\n",
-            draft.display()
-        ),
-        None,
-    )
-    .unwrap();
-    // The lookups draft allowed tokens the control misjudges; the draft
-    // model, unaware of the constraint, drafts mostly disallowed ones, so
-    // its control is the residual resampled from the masked p instead.
-    for (proposer, control, n) in [
-        ("ngram", Acceptance::UnnormalisedMask, 12_000u64),
-        ("suffix-tree", Acceptance::UnnormalisedMask, 12_000),
-        ("draft", Acceptance::ResidualFromP, 8_000),
-    ] {
-        let sample = |acceptance: Acceptance| {
-            let drafter = cfg.build_drafter(&model, Some(tok.clone())).unwrap();
-            let mut ec = EngineConfig::for_model(&model);
-            ec.scheduler.max_running = 64;
-            ec.scheduler.max_waiting = usize::MAX;
-            ec.scheduler.adaptive_draft = false;
-            let mut e = SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter);
-            e.acceptor.acceptance = acceptance;
-            for i in 0..n {
-                e.add(
-                    Request {
-                        params: SamplingParams {
-                            seed: 91_000 + i,
-                            ..params.clone()
-                        },
-                        proposer: Some(proposer.into()),
-                        constraint: Some(c.clone()),
-                        // Drafts here come from the proposer alone.
-                        forced_drafts: false,
-                        ..Request::greedy(prompt.to_vec(), 3)
-                    },
-                    None,
-                )
-                .unwrap();
-            }
-            let done = e.run_to_completion().unwrap();
-            assert_eq!(done.len() as u64, n, "{proposer}: every request completes");
-            let mut counts = vec![0u64; v * v];
-            let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
-            let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
-            assert!(
-                drafted > n / 2 && accepted > 0,
-                "{proposer} must draft: {drafted} {accepted}"
-            );
-            for c in &done {
-                counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
-            }
-            counts
+    exact
+}
+
+/// Sampling through each of `arms` (proposer, control, requests), the
+/// proposers of the config `toml`, keeps the exact constrained law of
+/// `target` after `prompt` (chi-square at 0.1%), and its lossy control
+/// is rejected.
+fn assert_constrained_law(
+    target: &std::path::Path,
+    prompt: &[u32],
+    toml: &str,
+    arms: &[(&str, Acceptance, u64)],
+) {
+    let (model, tok, c) = law_fixture(target);
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = constrained_law(&model, &c, prompt, &params);
+    let cfg = Config::parse(toml, None).unwrap();
+    for &(proposer, control, n) in arms {
+        let sample = |a: Acceptance| {
+            constrained_counts(&model, &tok, &cfg, &c, prompt, &params, proposer, a, n)
         };
         let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
         let crit = common::chi2_crit_999(df);
@@ -347,6 +374,66 @@ fn sampling_under_a_constraint_keeps_the_constrained_law() {
             "{proposer}: a lossy acceptance went unnoticed: {bad}"
         );
     }
+}
+
+/// Under a constraint, sampling through ngram, suffix (chains and trees)
+/// and a draft model keeps the exact constrained law (chi-square on the
+/// first two tokens), and the same test rejects a lossy control that
+/// accepts drafts against the masked law without renormalising it.
+#[test]
+fn sampling_under_a_constraint_keeps_the_constrained_law() {
+    let dir = TempDir::new("structured-stat");
+    let target = tiny_with_tokens(&dir, "target.gguf", 8);
+    let draft = tiny_with_tokens(&dir, "draft.gguf", 31);
+    // The prompt repeats, so the lookup proposers draft from the start,
+    // and what they draft is often (not always) allowed. The lookups
+    // draft allowed tokens the control misjudges; the draft model,
+    // unaware of the constraint, drafts mostly disallowed ones, so its
+    // control is the residual resampled from the masked p instead.
+    assert_constrained_law(
+        &target,
+        &[3, 7, 4, 9, 3, 7, 4, 9, 3, 7],
+        &format!(
+            "[[proposer]]\nname = \"ngram\"\nplugin = \"ngram\"\n\
+             [[proposer]]\nname = \"suffix-tree\"\nplugin = \"suffix\"\n[proposer.options]\ntree = true\n\
+             [[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = 3\n[proposer.options]\nmodel = \"{}\"\nthreads = 1\n",
+            draft.display()
+        ),
+        &[
+            ("ngram", Acceptance::UnnormalisedMask, 12_000),
+            ("suffix-tree", Acceptance::UnnormalisedMask, 12_000),
+            ("draft", Acceptance::ResidualFromP, 8_000),
+        ],
+    );
+}
+
+/// The same for a trained proposer that drafts from the target's hidden
+/// states: an MTP layer (chains and trees of its sampled drafts), which
+/// knows nothing of the constraint.
+#[test]
+fn sampling_under_a_constraint_keeps_the_law_through_a_trained_proposer() {
+    let dir = TempDir::new("structured-stat-mtp");
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let target = common::mtp_gguf_target_with(
+        &dir.0.join("mtp.gguf"),
+        &spec,
+        true,
+        GgmlDType::Q8_0,
+        vec![("tokenizer.ggml.tokens".into(), tiny_tokens())],
+    );
+    assert_constrained_law(
+        &target,
+        &[3, 7, 4, 9, 3, 7],
+        &format!(
+            "[[proposer]]\nname = \"mtp\"\nplugin = \"mtp\"\n[proposer.options]\nmodel = \"{0}\"\ndepth = 3\n\
+             [[proposer]]\nname = \"mtp-tree\"\nplugin = \"mtp\"\n[proposer.options]\nmodel = \"{0}\"\nmode = \"tree\"\nmax_draft = 6\ndepth = 3\ntop_k = 2\n",
+            target.display()
+        ),
+        &[
+            ("mtp", Acceptance::ResidualFromP, 10_000),
+            ("mtp-tree", Acceptance::ResidualFromP, 10_000),
+        ],
+    );
 }
 
 /// The greedy fast path (`Guide::allows`, one lexer step) decides exactly
