@@ -378,3 +378,93 @@ fn cached_prompt_blocks_are_taken_whole_under_a_shared_prefill_budget() {
     assert!(warm_first.iter().all(|&s| s <= 3), "{warm_first:?}");
     assert!(cold_first.iter().all(|&s| s >= 8), "{cold_first:?}");
 }
+
+/// A request whose prompt the prefix cache holds up to its last 30 tokens
+/// takes the cached blocks, computes the rest and feeds its last token in
+/// one step: its first token comes from its first step (it used to come a
+/// step later). With a chain proposer and a tree proposer drafting in that
+/// step too, outputs are plain decoding's, and each follower found the
+/// three shared blocks.
+#[test]
+fn a_cache_hit_brings_the_first_token_in_the_same_step() {
+    let (_d, model) = tiny_model();
+    let shared = prompt(5, 192);
+    let with_tail = |seed: u64| {
+        let mut p = shared.clone();
+        p.extend(prompt(seed, 30));
+        p
+    };
+    let answers: Vec<(Vec<u32>, Vec<u32>)> = (1..5)
+        .map(|seed| {
+            let p = with_tail(seed);
+            let a = generate(
+                &model,
+                None,
+                &Request {
+                    prompt: p.clone(),
+                    ..greedy(12)
+                },
+                |_| {},
+            )
+            .unwrap()
+            .tokens;
+            (p, a)
+        })
+        .collect();
+    for proposer in ["none", "oracle", "tree"] {
+        let mut cfg = EngineConfig::for_model(&model);
+        cfg.scheduler.max_batch_tokens = 64;
+        cfg.scheduler.max_draft = 4;
+        cfg.scheduler.adaptive_draft = false;
+        cfg.prefix_cache_blocks = 64;
+        let mut d = Drafter::new();
+        d.add(Box::new(OracleProposer::new(
+            answers.clone(),
+            0.3,
+            4,
+            TINY.vocab as u32,
+        )));
+        d.add(Box::new(common::TreeProposer::new(
+            "tree",
+            TINY.vocab,
+            8,
+            specd::speculative::proposer::SiblingMode::WithoutReplacement,
+            common::TreeMode::Oracle {
+                answers: answers.iter().cloned().collect(),
+                error: 0.3,
+            },
+            3,
+        )));
+        let mut e = SyncDriver::new(model.clone(), None, cfg, d);
+        let req = |i: usize| Request {
+            prompt: answers[i].0.clone(),
+            proposer: (proposer != "none").then(|| proposer.to_string()),
+            ..greedy(12)
+        };
+        // The first request puts the shared blocks in the cache.
+        e.add(req(0), None).unwrap();
+        let mut done = e.run_to_completion().unwrap();
+        for i in 1..4 {
+            let (_, hit0) = e.verifier.prefix_stats();
+            let (tx, mut rx) = unbounded_channel();
+            e.add(req(i), Some(tx)).unwrap();
+            done.extend(e.step().unwrap().finished);
+            assert!(first_token(&mut rx), "{proposer}: follower {i}");
+            done.extend(e.run_to_completion().unwrap());
+            let (_, hit) = e.verifier.prefix_stats();
+            assert!(
+                hit - hit0 >= 192,
+                "{proposer}: follower {i} hit {}",
+                hit - hit0
+            );
+        }
+        done.sort_by_key(|c| c.id);
+        for (c, (_, a)) in done.iter().zip(&answers) {
+            assert_eq!(&c.tokens, a, "{proposer}: request {}", c.id);
+        }
+        if proposer != "none" {
+            assert!(done.iter().map(|c| c.stats.drafted).sum::<u64>() > 0);
+        }
+        assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+    }
+}

@@ -35,6 +35,32 @@ impl TreeMask {
         }
     }
 
+    /// Whether the first `s` tokens may come from the cache instead: they
+    /// form a chain off the context, and every later token descends from
+    /// the last of them (so none loses an ancestor).
+    pub fn skippable(&self, s: usize) -> bool {
+        s <= self.parents.len()
+            && self.parents[..s]
+                .iter()
+                .enumerate()
+                .all(|(i, &p)| p == i.checked_sub(1))
+            && (s == 0
+                || self.parents[s..]
+                    .iter()
+                    .all(|&p| p.is_some_and(|p| p + 1 >= s)))
+    }
+
+    /// The mask of the tokens after the first `s` (`skippable(s)`): the
+    /// token after them hangs off the context.
+    pub fn after_prefix(&self, s: usize) -> Self {
+        Self {
+            parents: self.parents[s..]
+                .iter()
+                .map(|&p| p.and_then(|p| p.checked_sub(s)))
+                .collect(),
+        }
+    }
+
     pub(super) fn depths(&self) -> Vec<usize> {
         let mut d = vec![0; self.parents.len()];
         for i in 0..self.parents.len() {
@@ -860,6 +886,36 @@ fn attend_tree(
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    /// A chain prefix before a tree may come from the cache; the rest's
+    /// mask hangs the root off the context. A prefix that is not a chain,
+    /// or a node that would lose an ancestor, may not.
+    #[test]
+    fn a_tree_skips_only_a_chain_prefix_every_node_descends_from() {
+        // Prefix 0-2, root 3, children 4 and 5 of the root, 6 under 4.
+        let t = TreeMask {
+            parents: vec![None, Some(0), Some(1), Some(2), Some(3), Some(3), Some(4)],
+        };
+        for s in 0..=4 {
+            assert!(t.skippable(s), "{s}");
+        }
+        // Skipping the root too would orphan both of its children.
+        assert!(!t.skippable(5));
+        let rest = t.after_prefix(3);
+        assert_eq!(rest.parents, vec![None, Some(0), Some(0), Some(1)]);
+        assert_eq!(rest.depths(), vec![0, 1, 1, 2]);
+        // A node hanging off the context beside the prefix.
+        let t = TreeMask {
+            parents: vec![None, Some(0), None],
+        };
+        assert!(!t.skippable(1) && !t.skippable(2) && t.skippable(0));
+        // A branch below the prefix's first token: only that token may go
+        // (token 2 would see token 1 as context).
+        let t = TreeMask {
+            parents: vec![None, Some(0), Some(0), Some(2)],
+        };
+        assert!(t.skippable(1) && !t.skippable(2) && !t.skippable(3));
+    }
 
     /// The SIMD attention loops (AVX-512 where available, and AVX2) give
     /// the portable loops' bits.

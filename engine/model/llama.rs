@@ -120,6 +120,18 @@ pub enum Logits {
     All,
 }
 
+impl Logits {
+    /// How many of a forward's last rows (of `len`) have logits.
+    pub fn rows_at_end(&self, len: usize) -> usize {
+        match *self {
+            Logits::None => 0,
+            Logits::Last => len.min(1),
+            Logits::Tail(n) => n.min(len),
+            Logits::All => len,
+        }
+    }
+}
+
 /// One sequence's part of a batched forward.
 #[derive(Debug)]
 pub struct ForwardInput<'a> {

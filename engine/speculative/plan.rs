@@ -189,13 +189,12 @@ impl Scheduler {
                     }
                     _ => 0,
                 };
-                // With cached blocks ahead this step prefills (they are
-                // taken by a prefill chunk); the first token comes next.
+                // Cached blocks ahead ride in this step's chunk; when the
+                // budget holds the rest, the first token comes with them.
                 let last = s.req.prompt_logprobs.is_none()
                     && s.fork_from.is_none()
                     && s.generated().is_empty()
-                    && !hidden
-                    && free == 0;
+                    && !hidden;
                 (s.status == SeqStatus::Prefill && need > 0).then_some((
                     self.slot(id, false)?,
                     need - free + usize::from(last),

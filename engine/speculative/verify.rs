@@ -244,15 +244,29 @@ impl Verifier {
             .iter()
             .filter_map(|(it, _)| self.caches.remove(&it.seq).map(|c| (it.seq, c)))
             .collect();
+        // A tree whose prefix came from the cache: the mask of the rest.
+        let trees: Vec<Option<std::borrow::Cow<'_, TreeMask>>> = fwd
+            .iter()
+            .map(|(it, k)| {
+                it.tree.as_ref().map(|t| {
+                    if *k == 0 {
+                        std::borrow::Cow::Borrowed(t)
+                    } else {
+                        std::borrow::Cow::Owned(t.after_prefix(*k))
+                    }
+                })
+            })
+            .collect();
         let result = {
             let mut inputs: Vec<ForwardInput<'_>> = taken
                 .iter_mut()
                 .zip(&fwd)
-                .map(|((_, c), (it, k))| ForwardInput {
+                .zip(&trees)
+                .map(|(((_, c), (it, k)), tree)| ForwardInput {
                     cache: c,
                     tokens: &it.tokens[*k..],
                     logits: it.logits,
-                    tree: it.tree.as_ref(),
+                    tree: tree.as_deref(),
                 })
                 .collect();
             self.forwarded += inputs.iter().map(|i| i.tokens.len() as u64).sum::<u64>();
@@ -346,12 +360,14 @@ impl Verifier {
     }
 
     /// Whether `it` may use the prefix cache: a prefill chunk of a
-    /// sequence that has done nothing else.
+    /// sequence that has done nothing else, or the chain step that ends
+    /// its prefill (`Logits::Tail`: the rest of the prompt, its last token
+    /// and drafts; it ends the chain).
     fn chain_for(&mut self, it: &VerifyItem) -> Option<&mut Chain> {
         self.prefix.as_ref()?;
-        let eligible = matches!(it.logits, Logits::None | Logits::Last)
+        let eligible = matches!(it.logits, Logits::None | Logits::Last | Logits::Tail(_))
             && it.hidden_layers.is_empty()
-            && it.tree.is_none()
+            && (it.tree.is_none() || matches!(it.logits, Logits::Tail(_)))
             && it.moves.is_empty();
         let ch = self.chains.entry(it.seq).or_default();
         if it.cache_len == 0 {
@@ -385,9 +401,11 @@ impl Verifier {
             return 0;
         }
         let mut skip = 0;
-        // A chunk that wants its last row's logits computes that row.
-        let keep = usize::from(it.logits == Logits::Last);
-        while skip + bs + keep <= it.tokens.len() {
+        // The rows whose logits are wanted are computed.
+        let keep = it.logits.rows_at_end(it.tokens.len());
+        while skip + bs + keep <= it.tokens.len()
+            && it.tree.as_ref().is_none_or(|t| t.skippable(skip + bs))
+        {
             let Some((id, block)) = prefix.lookup(parent, &it.tokens[skip..skip + bs]) else {
                 break;
             };
@@ -422,7 +440,16 @@ impl Verifier {
         let (Some(prefix), Some(c)) = (self.prefix.as_mut(), self.caches.get(&it.seq)) else {
             return;
         };
-        ch.partial.extend_from_slice(&it.tokens[skip..]);
+        // A chain step commits its prefix and root whatever is accepted
+        // of its drafts; nothing after it is a prefill chunk.
+        let (end, ends_chain) = match it.logits {
+            Logits::Tail(n) => (it.tokens.len().saturating_sub(n.saturating_sub(1)), true),
+            _ => (it.tokens.len(), false),
+        };
+        ch.partial.extend_from_slice(&it.tokens[skip.min(end)..end]);
+        if ends_chain {
+            ch.live = false;
+        }
         while ch.partial.len() >= bs {
             let Some(block) = c.share_block(ch.blocks) else {
                 ch.live = false;
