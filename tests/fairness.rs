@@ -468,3 +468,71 @@ fn a_cache_hit_brings_the_first_token_in_the_same_step() {
         assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
     }
 }
+
+/// Blocks a step plans to take from the prefix cache are not evicted
+/// under it. The cache is over its capacity (1 entry) while a request
+/// holds its three prompt blocks; it finishes in the step before another
+/// request sharing two of them arrives. The step that plans the newcomer
+/// with the two blocks free also releases the first request, the only
+/// holder: the cache used to trim there, before the newcomer took them,
+/// evicting one, which it then computed again over the step's budget.
+#[test]
+fn planned_cache_blocks_survive_their_last_holder_ending_in_that_step() {
+    let (_d, model) = tiny_model();
+    let shared = prompt(5, 128);
+    let with_tail = |seed: u64| {
+        let mut p = shared.clone();
+        p.extend(prompt(seed, 70));
+        p
+    };
+    let mut cfg = EngineConfig::for_model(&model);
+    cfg.scheduler.max_batch_tokens = 64;
+    cfg.prefix_cache_blocks = 1;
+    let mut e = SyncDriver::new(model.clone(), None, cfg, Drafter::new());
+    e.add(
+        Request {
+            prompt: with_tail(1),
+            ..greedy(4)
+        },
+        None,
+    )
+    .unwrap();
+    let mut steps = 0;
+    while e.step().unwrap().finished.is_empty() {
+        steps += 1;
+        assert!(steps < 100);
+    }
+    assert!(
+        e.verifier.prefix_cached_blocks() > 2,
+        "over capacity while held"
+    );
+    let (_, hit0) = e.verifier.prefix_stats();
+    let b = with_tail(2);
+    e.add(
+        Request {
+            prompt: b.clone(),
+            ..greedy(4)
+        },
+        None,
+    )
+    .unwrap();
+    e.step().unwrap();
+    let (_, hit) = e.verifier.prefix_stats();
+    assert_eq!(hit - hit0, 128, "the two planned blocks were taken");
+    let done = e.run_to_completion().unwrap();
+    let want = generate(
+        &model,
+        None,
+        &Request {
+            prompt: b,
+            ..greedy(4)
+        },
+        |_| {},
+    )
+    .unwrap()
+    .tokens;
+    assert_eq!(done[0].tokens, want);
+    // Trimmed once nothing holds the blocks.
+    assert!(e.verifier.prefix_cached_blocks() <= 1);
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+}

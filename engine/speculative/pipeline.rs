@@ -596,11 +596,13 @@ impl Drafter {
 }
 
 impl Verifier {
-    /// Stage 4: release, then one forward over every item; a forward that
-    /// fails or panics fails its items (their caches are dropped).
+    /// Stage 4: release, then one forward over every item, then trim the
+    /// prefix cache (after the items took the cached blocks they were
+    /// planned with); a forward that fails or panics fails its items
+    /// (their caches are dropped).
     pub fn handle(&mut self, req: VerifyRequest) -> VerifyResponse {
         let t = Instant::now();
-        self.release(&req.release);
+        self.release_caches(&req.release);
         let resp = match catch_unwind(AssertUnwindSafe(|| self.run(&req.items))) {
             Ok(r) => r,
             Err(p) => {
@@ -615,6 +617,7 @@ impl Verifier {
                 }
             }
         };
+        self.trim_prefix();
         let mut resp = resp;
         resp.seconds = t.elapsed().as_secs_f64();
         metrics::histogram!("specd_verify_seconds", "proposer" => req.label).record(resp.seconds);

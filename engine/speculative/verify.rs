@@ -154,12 +154,27 @@ impl Verifier {
         &self.model
     }
 
-    /// Drop the caches of these sequences.
+    /// Drop the caches of these sequences (and trim the prefix cache).
     pub fn release(&mut self, ids: &[SeqId]) {
+        self.release_caches(ids);
+        self.trim_prefix();
+    }
+
+    /// Drop the caches of these sequences, leaving the prefix cache's
+    /// entries they held in place until `trim_prefix`.
+    pub(super) fn release_caches(&mut self, ids: &[SeqId]) {
         for id in ids {
             self.caches.remove(id);
             self.chains.remove(id);
         }
+    }
+
+    /// Back within the prefix cache's capacity where entries no cache
+    /// holds allow it. A step trims after its forward: blocks the step
+    /// was planned to take from the cache, whose only holders it released,
+    /// are taken first (evicted before, they would be computed again,
+    /// over the step's prefill budget).
+    pub(super) fn trim_prefix(&mut self) {
         if let Some(p) = &mut self.prefix {
             p.trim();
             metrics::gauge!("specd_prefix_cache_blocks").set(p.len() as f64);
