@@ -21,6 +21,10 @@ pub struct ModelBench {
     /// (nodes, median ms per forward of a tree of that many drafted nodes
     /// plus its root, ratio to k = 1), verified with the tree mask.
     pub tree_verify: Vec<(usize, f64, f64)>,
+    /// (nodes, median ms of a chain of as many tokens as the tree feeds,
+    /// the tree's median over it): the chain is timed in blocks that
+    /// alternate with the tree's, so drift hits both alike.
+    pub tree_vs_chain: Vec<(usize, f64, f64)>,
     /// Bytes of weights as held in memory (repacked).
     pub weight_bytes: usize,
     /// Bytes of the one KV cache at `context` (+ the largest k).
@@ -227,6 +231,7 @@ pub fn bench_model(
         .collect();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
     let mut tree_times: Vec<Vec<f64>> = vec![Vec::new(); trees.len()];
+    let mut twin_times: Vec<Vec<f64>> = vec![Vec::new(); trees.len()];
     let mut left = reps;
     while left > 0 {
         let n = left.min(VERIFY_BLOCK);
@@ -250,24 +255,27 @@ pub fn bench_model(
         let n = left.min(VERIFY_BLOCK);
         left -= n;
         for (i, mask) in masks.iter().enumerate() {
-            for j in 0..n + VERIFY_WARMUP {
-                let s = timed(&mut || {
-                    model
-                        .forward(
-                            &mut [crate::model::ForwardInput {
-                                cache: &mut c,
-                                tokens: &draft[..mask.parents.len()],
-                                logits: Logits::All,
-                                tree: Some(mask),
-                            }],
-                            &[],
-                        )
-                        .map(drop)
-                })?;
-                if j >= VERIFY_WARMUP {
-                    tree_times[i].push(s * 1e3);
+            // The tree, then a chain of as many tokens (its twin).
+            for (tree, out) in [(Some(mask), &mut tree_times[i]), (None, &mut twin_times[i])] {
+                for j in 0..n + VERIFY_WARMUP {
+                    let s = timed(&mut || {
+                        model
+                            .forward(
+                                &mut [crate::model::ForwardInput {
+                                    cache: &mut c,
+                                    tokens: &draft[..mask.parents.len()],
+                                    logits: Logits::All,
+                                    tree,
+                                }],
+                                &[],
+                            )
+                            .map(drop)
+                    })?;
+                    if j >= VERIFY_WARMUP {
+                        out.push(s * 1e3);
+                    }
+                    c.truncate(context)?;
                 }
-                c.truncate(context)?;
             }
         }
     }
@@ -283,10 +291,17 @@ pub fn bench_model(
         .zip(&med)
         .map(|(&k, &m)| (k, m, m / base))
         .collect();
+    let tree_med: Vec<f64> = tree_times.into_iter().map(median).collect();
     let tree_verify = trees
         .iter()
-        .zip(tree_times.into_iter().map(median))
-        .map(|(&n, m)| (n, m, m / base))
+        .zip(&tree_med)
+        .map(|(&n, &m)| (n, m, m / base))
+        .collect();
+    let tree_vs_chain = trees
+        .iter()
+        .zip(&tree_med)
+        .zip(twin_times.into_iter().map(median))
+        .map(|((&n, &t), c)| (n, c, t / c))
         .collect();
     Ok(ModelBench {
         threads: model.threads(),
@@ -298,6 +313,7 @@ pub fn bench_model(
         context,
         verify,
         tree_verify,
+        tree_vs_chain,
         weight_bytes: model.weight_bytes(),
         kv_bytes,
         kv_full_context: {

@@ -382,6 +382,29 @@ fn batched_forward_equals_each_sequence_alone() {
     assert_eq!(out[1].rows, 3);
 }
 
+/// One tree forward of `tokens` after `ctx`, every row's logits.
+fn tree_forward(
+    model: &Model,
+    ctx: &[u32],
+    tokens: &[u32],
+    tree: &TreeMask,
+) -> specd::model::ForwardOutput {
+    let mut c = model.new_cache();
+    model.forward_one(&mut c, ctx, Logits::None).unwrap();
+    model
+        .forward(
+            &mut [ForwardInput {
+                cache: &mut c,
+                tokens,
+                logits: Logits::All,
+                tree: Some(tree),
+            }],
+            &[],
+        )
+        .unwrap()
+        .remove(0)
+}
+
 #[test]
 fn tree_mask_branches_equal_their_linear_paths() {
     let (_d, model) = tiny_q();
@@ -391,19 +414,7 @@ fn tree_mask_branches_equal_their_linear_paths() {
     let tree = TreeMask {
         parents: vec![None, Some(0), Some(0), Some(1)],
     };
-    let mut c = model.new_cache();
-    model.forward_one(&mut c, &ctx, Logits::None).unwrap();
-    let out = model
-        .forward(
-            &mut [ForwardInput {
-                cache: &mut c,
-                tokens: &[20, 21, 31, 22],
-                logits: Logits::All,
-                tree: Some(&tree),
-            }],
-            &[],
-        )
-        .unwrap();
+    let out = tree_forward(&model, &ctx, &[20, 21, 31, 22], &tree);
     let linear = |path: &[u32]| {
         let mut c = model.new_cache();
         model.forward_one(&mut c, &ctx, Logits::None).unwrap();
@@ -411,10 +422,10 @@ fn tree_mask_branches_equal_their_linear_paths() {
     };
     let p1 = linear(&[20, 21, 22]);
     let p2 = linear(&[20, 31]);
-    assert_eq!(out[0].row(0), p1.row(0));
-    assert_eq!(out[0].row(1), p1.row(1));
-    assert_eq!(out[0].row(3), p1.row(2));
-    assert_eq!(out[0].row(2), p2.row(1));
+    assert_eq!(out.row(0), p1.row(0));
+    assert_eq!(out.row(1), p1.row(1));
+    assert_eq!(out.row(3), p1.row(2));
+    assert_eq!(out.row(2), p2.row(1));
     // A chain mask is the same as no mask.
     let mut c = model.new_cache();
     model.forward_one(&mut c, &ctx, Logits::None).unwrap();
@@ -431,6 +442,36 @@ fn tree_mask_branches_equal_their_linear_paths() {
         )
         .unwrap();
     assert_eq!(o[0].logits, p1.logits);
+}
+
+/// A bushy tree after a long context (past a 128-slot attention range,
+/// its nodes across a block boundary), split over several attention
+/// tasks: every node's logits are its linear path's, bit for bit.
+#[test]
+fn a_large_tree_after_a_long_context_equals_its_linear_paths() {
+    let (_d, model) = tiny_q();
+    let ctx: Vec<u32> = (0..190u32).map(|i| 3 + (i * 7 + i * i) % 60).collect();
+    // A ternary heap of 25 tokens (the root and 24 nodes), depth 3.
+    let parents: Vec<Option<usize>> = (0..25usize)
+        .map(|i| i.checked_sub(1).map(|j| j / 3))
+        .collect();
+    let tokens: Vec<u32> = (0..25u32).map(|i| 5 + (i * 11) % 50).collect();
+    let tree = TreeMask {
+        parents: parents.clone(),
+    };
+    let out = tree_forward(&model, &ctx, &tokens, &tree);
+    for node in 0..tokens.len() {
+        let mut path = vec![node];
+        while let Some(p) = parents[*path.last().unwrap()] {
+            path.push(p);
+        }
+        path.reverse();
+        let ids: Vec<u32> = path.iter().map(|&i| tokens[i]).collect();
+        let mut c = model.new_cache();
+        model.forward_one(&mut c, &ctx, Logits::None).unwrap();
+        let lin = model.forward_one(&mut c, &ids, Logits::All).unwrap();
+        assert_eq!(out.row(node), lin.row(ids.len() - 1), "node {node}");
+    }
 }
 
 #[test]

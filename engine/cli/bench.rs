@@ -179,10 +179,13 @@ fn print_model(path: &std::path::Path, b: &specd::bench_model::ModelBench) {
         println!("  {k:>3}  {ms:>9.2}  {r:>6.2}");
     }
     if !b.tree_verify.is_empty() {
-        println!("tree verify cost (nodes + root, ternary tree, tree mask):");
-        println!("  {:>5}  {:>9}  {:>6}", "nodes", "ms", "x k=1");
-        for (n, ms, r) in &b.tree_verify {
-            println!("  {n:>5}  {ms:>9.2}  {r:>6.2}");
+        println!("tree verify cost (nodes + root, ternary tree, tree mask; chain: as many tokens, timed alternately):");
+        println!(
+            "  {:>5}  {:>9}  {:>6}  {:>9}  {:>8}",
+            "nodes", "ms", "x k=1", "chain ms", "x chain"
+        );
+        for ((n, ms, r), (_, cms, x)) in b.tree_verify.iter().zip(&b.tree_vs_chain) {
+            println!("  {n:>5}  {ms:>9.2}  {r:>6.2}  {cms:>9.2}  {x:>8.2}");
         }
     }
     let mb = |b: usize| b as f64 / (1024.0 * 1024.0);

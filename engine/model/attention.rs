@@ -174,9 +174,16 @@ impl AttentionPlan {
                 // Tree tokens: each task covers whole rows (every range),
                 // computed in the layout plain decoding would use
                 // (`attend_tree`).
-                // Balanced chunks of at most ATTN_TREE_TOKENS_PER_TASK.
-                // (`per` >= 1 whenever the loop runs: m.n >= 1.)
-                let per = m.n.div_ceil(m.n.div_ceil(ATTN_TREE_TOKENS_PER_TASK).max(1));
+                // Balanced chunks of at most ATTN_TREE_TOKENS_PER_TASK,
+                // and at least two tasks per thread over the kv heads (a
+                // small tree's three tasks on two threads left one idle
+                // half the time). (`per` >= 1 whenever the loop runs.)
+                let spread = (2 * rayon::current_num_threads()).div_ceil(nkv.max(1));
+                let chunks =
+                    m.n.div_ceil(ATTN_TREE_TOKENS_PER_TASK)
+                        .max(spread)
+                        .clamp(1, m.n.max(1));
+                let per = m.n.div_ceil(chunks);
                 for g in 0..nkv {
                     let mut t0 = 0;
                     while t0 < m.n {
@@ -792,20 +799,30 @@ fn attend_tree(
         .collect();
     // Physical blocks from `tail` up to the last slot these tokens see.
     let (tb0, tb1) = (tail / bs, l.blocks_for(base + ts.end));
-    let mut kbufs: Vec<Vec<f32>> = Vec::with_capacity(tb1 - tb0);
-    let mut vbufs: Vec<Vec<f32>> = Vec::with_capacity(tb1 - tb0);
-    for b in tb0..tb1 {
+    // The tail blocks widened once, into one buffer each for keys and
+    // values (block k at k * bs * hd).
+    let blk = bs * hd;
+    let mut kwide = vec![0f32; (tb1 - tb0) * blk];
+    let mut vwide = vec![0f32; (tb1 - tb0) * blk];
+    {
         let mut w = Vec::new();
-        kbufs.push(cache.keys_t(layer, kv_head, b).widen(&mut w).to_vec());
-        let mut w = Vec::new();
-        vbufs.push(cache.values(layer, kv_head, b).widen(&mut w).to_vec());
+        for (k, b) in (tb0..tb1).enumerate() {
+            kwide[k * blk..(k + 1) * blk]
+                .copy_from_slice(cache.keys_t(layer, kv_head, b).widen(&mut w));
+            vwide[k * blk..(k + 1) * blk]
+                .copy_from_slice(cache.values(layer, kv_head, b).widen(&mut w));
+        }
     }
+    let kbufs: Vec<&[f32]> = kwide.chunks(blk).collect();
+    let vbufs: Vec<&[f32]> = vwide.chunks(blk).collect();
     let nq = ts.len() * group;
     out.clear();
     out.resize(nq * (hd + 2), 0.0);
     let mut phys = vec![0f32; (tb1 - tb0) * bs];
     let mut virt: Vec<f32> = Vec::new();
     let mut gathered: Vec<f32> = Vec::new();
+    // A query's tail ranges' partials, `hd + 2` each.
+    let mut ranges: Vec<f32> = Vec::new();
     for qi in 0..nq {
         let t = ts.start + qi / group;
         let h = qi % group;
@@ -816,7 +833,7 @@ fn attend_tree(
         for (k, b) in (tb0..tb1).enumerate() {
             let lim = last.saturating_sub(b * bs).min(bs);
             if lim > 0 {
-                block_scores(q, &kbufs[k], bs, lim, &mut phys[k * bs..(k + 1) * bs]);
+                block_scores(q, kbufs[k], bs, lim, &mut phys[k * bs..(k + 1) * bs]);
             }
         }
         // The virtual layout: context slots as they are, then the
@@ -826,7 +843,7 @@ fn attend_tree(
         virt.clear();
         virt.extend_from_slice(&phys[..base - tail]);
         virt.extend(a.iter().map(|&i| phys[base + i - tail]));
-        let mut ranges: Vec<Vec<f32>> = Vec::new();
+        ranges.clear();
         let mut r0 = tail;
         while r0 < vend {
             let r1 = (r0 + range).min(vend);
@@ -840,7 +857,9 @@ fn attend_tree(
                 };
             }
             let (mx, sum) = kernels::exp_shifted(sc);
-            let mut part = vec![0f32; hd + 2];
+            let at = ranges.len();
+            ranges.resize(at + hd + 2, 0.0);
+            let part = &mut ranges[at..];
             part[0] = mx;
             part[1] = sum;
             // Context slots of this range, block by block, in place.
@@ -867,7 +886,6 @@ fn attend_tree(
                 let p0 = r0.max(base) - r0;
                 value_sum(&sc[p0..p0 + (k1 - k0)], &gathered, hd, &mut part[2..]);
             }
-            ranges.push(part);
             r0 = r1;
         }
         let dst = &mut out[qi * (hd + 2)..(qi + 1) * (hd + 2)];
@@ -877,7 +895,7 @@ fn attend_tree(
             parts
                 .iter()
                 .map(|p| &p[qi * (hd + 2)..(qi + 1) * (hd + 2)])
-                .chain(ranges.iter().map(|p| &p[..])),
+                .chain(ranges.chunks(hd + 2)),
             &mut dst[2..],
         );
     }
