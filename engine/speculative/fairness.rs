@@ -24,7 +24,9 @@
 //!   drawn, in the step after it arrives); the rest is water-filled, each
 //!   group an equal share capped at what it still needs, what one leaves
 //!   going to the others (so a long prompt gets at least a quarter of the
-//!   budget shared among the long ones every step: it cannot starve).
+//!   budget shared among the long ones every step: it cannot starve). In a
+//!   step where some group fits whole, the others share only that quarter,
+//!   so the step that brings a first token is short.
 //!   Within a group, sequences are served in admission order (its first
 //!   prompt finishes first).
 
@@ -136,13 +138,22 @@ pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
         // quarters of what is left.
         let mut order: Vec<usize> = (0..groups.len()).collect();
         order.sort_by_key(|&i| groups[i].1);
-        let mut pool = left - left / 4;
+        let quarter = left / 4;
+        let mut pool = left - quarter;
+        let mut whole = false;
         for i in order {
             if groups[i].1 <= pool {
                 given[i] = groups[i].1;
                 pool -= groups[i].1;
                 left -= groups[i].1;
+                whole = true;
             }
+        }
+        // A step that brings a group's first token stays light: the
+        // groups that do not fit share only their guaranteed quarter
+        // (the step in flight plus this one is that group's wait).
+        if whole {
+            left = left.min(quarter);
         }
         loop {
             let open: Vec<usize> = (0..groups.len())
@@ -282,28 +293,36 @@ mod tests {
             (slot(4, 2, 0, 0), 30),
             (slot(5, 3, 0, 0), 400),
         ];
-        // Group 2 fits whole; 482 left for two: 241 each.
-        assert_eq!(prefill_shares(512, &needs), vec![241, 0, 0, 30, 241]);
+        // Group 2 fits whole; the other two share the quarter (128).
+        assert_eq!(prefill_shares(512, &needs), vec![64, 0, 0, 30, 64]);
+        // Without a group that fits whole, everything is water-filled.
+        assert_eq!(prefill_shares(512, &needs[..3]), vec![512, 0, 0]);
+        let no_chat = [needs[0], needs[4]];
+        assert_eq!(prefill_shares(512, &no_chat), vec![256, 256]);
         // A 40-token chat beside two long requests in a 64-token step: it
-        // fits whole (within 48) and goes first; the long ones share 24.
+        // fits whole (within 48) and goes first; the long ones share the
+        // quarter, 16.
         let needs = [
             (slot(1, 1, 0, 0), 900),
             (slot(2, 2, 0, 0), 900),
             (slot(3, 3, 0, 0), 40),
         ];
-        assert_eq!(prefill_shares(64, &needs), vec![12, 12, 40]);
+        assert_eq!(prefill_shares(64, &needs), vec![8, 8, 40]);
         // Never more than three quarters to groups that fit whole: the
         // second chat does not fit in what is left of the 48 and shares
-        // the remaining 34 with the long one.
+        // the quarter with the long one.
         let needs = [
             (slot(1, 1, 0, 0), 900),
             (slot(2, 2, 0, 0), 30),
             (slot(3, 3, 0, 0), 30),
         ];
-        assert_eq!(prefill_shares(64, &needs), vec![17, 30, 17]);
-        // A better priority takes what it needs first.
+        assert_eq!(prefill_shares(64, &needs), vec![8, 30, 8]);
+        // A better priority takes what it needs first; its first token's
+        // step stays light for the worse one too (the quarter).
         let needs = [(slot(1, 1, 0, 0), 2000), (slot(2, 2, -1, 0), 100)];
-        assert_eq!(prefill_shares(512, &needs), vec![412, 100]);
+        assert_eq!(prefill_shares(512, &needs), vec![128, 100]);
+        let needs = [(slot(1, 1, 0, 0), 2000), (slot(2, 2, -1, 0), 1000)];
+        assert_eq!(prefill_shares(512, &needs), vec![0, 512]);
         // Enough for everyone: everyone's need.
         let needs = [(slot(1, 1, 0, 0), 10), (slot(2, 1, 0, 0), 20)];
         assert_eq!(prefill_shares(512, &needs), vec![10, 20]);
@@ -322,8 +341,18 @@ mod tests {
         for budget in [0, 1, 5, 64, 100, 512, 4096] {
             let got = prefill_shares(budget, &needs);
             let want: usize = needs.iter().map(|(_, n)| n).sum();
-            assert_eq!(got.iter().sum::<usize>(), budget.min(want), "{budget}");
+            assert!(got.iter().sum::<usize>() <= budget.min(want), "{budget}");
             assert!(got.iter().zip(&needs).all(|(g, (_, n))| g <= n));
+        }
+        // Within one priority, every group that does not fit whole gets
+        // something while tokens last (its share of at least the quarter:
+        // none starves).
+        let needs: Vec<_> = (0..7)
+            .map(|i| (slot(i, i, 0, 0), 37 * i as usize + 1))
+            .collect();
+        for budget in [28, 64, 100, 512] {
+            let got = prefill_shares(budget, &needs);
+            assert!(got.iter().all(|&g| g > 0), "{budget}: {got:?}");
         }
     }
 
