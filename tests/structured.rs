@@ -260,12 +260,8 @@ fn constrained_counts(
     acceptance: Acceptance,
     n: u64,
 ) -> Vec<u64> {
-    let drafter = cfg.build_drafter(model, Some(tok.clone())).unwrap();
-    let mut ec = EngineConfig::for_model(model);
-    ec.scheduler.max_running = 64;
-    ec.scheduler.max_waiting = usize::MAX;
-    ec.scheduler.adaptive_draft = false;
-    let mut e = SyncDriver::new(model.clone(), Some(tok.clone()), ec, drafter);
+    let max_draft = EngineConfig::for_model(model).scheduler.max_draft;
+    let mut e = common::plugin_engine(model, Some(tok.clone()), cfg, 64, max_draft);
     e.acceptor.acceptance = acceptance;
     for i in 0..n {
         e.add(

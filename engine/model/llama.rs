@@ -523,13 +523,8 @@ impl Model {
         // Output head over the rows that want logits.
         let mut rows = Vec::new();
         for (s, m) in seqs.iter().zip(&metas) {
-            match s.logits {
-                Logits::None => {}
-                Logits::Last if m.n > 0 => rows.push(m.start + m.n - 1),
-                Logits::Last => {}
-                Logits::Tail(k) => rows.extend(m.start + m.n - k.min(m.n)..m.start + m.n),
-                Logits::All => rows.extend(m.start..m.start + m.n),
-            }
+            let end = m.start + m.n;
+            rows.extend(end - s.logits.rows_at_end(m.n)..end);
         }
         let head = self.weights.output.as_ref().unwrap_or(&self.weights.embed);
         let mut sel = Vec::with_capacity(rows.len() * dim);
@@ -545,12 +540,7 @@ impl Model {
         let vocab = c.vocab_size;
         let mut cursor = 0;
         for ((s, m), out) in seqs.iter().zip(&metas).zip(outputs.iter_mut()) {
-            let nrows = match s.logits {
-                Logits::None => 0,
-                Logits::Last => usize::from(m.n > 0),
-                Logits::Tail(k) => k.min(m.n),
-                Logits::All => m.n,
-            };
+            let nrows = s.logits.rows_at_end(m.n);
             out.rows = nrows;
             out.logits = logits[cursor * vocab..(cursor + nrows) * vocab].to_vec();
             cursor += nrows;
