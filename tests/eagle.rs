@@ -16,7 +16,7 @@ use specd::config::Config;
 use specd::distill::eagle::{distill_eagle, reference_logits, EagleConfig, EagleState};
 use specd::model::eagle::{feature_layers, Head, Src, Variant};
 use specd::model::tensor_file::{self, TensorData, TensorFile};
-use specd::model::{load_model, Logits, Model};
+use specd::model::load_model;
 use specd::plain::generate;
 use specd::sampler::SamplingParams;
 use specd::speculative::{Completion, Request};
@@ -388,33 +388,6 @@ fn distill_eagle_trains_resumes_and_writes_the_eagle3_layout() {
 }
 
 /// Target features of `tokens` (`rows x 3h`, layers side by side).
-fn features(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let layers = feature_layers(model.config.layers);
-    let h = model.config.hidden;
-    let mut c = model.new_cache();
-    let out = model
-        .forward(
-            &mut [specd::model::ForwardInput {
-                cache: &mut c,
-                tokens,
-                logits: Logits::None,
-                tree: None,
-            }],
-            &layers,
-        )
-        .unwrap()
-        .pop()
-        .unwrap();
-    let mut f = vec![0f32; tokens.len() * layers.len() * h];
-    for (li, (_, rows)) in out.hidden.iter().enumerate() {
-        for r in 0..tokens.len() {
-            let dst = r * layers.len() * h + li * h;
-            f[dst..dst + h].copy_from_slice(&rows[r * h..(r + 1) * h]);
-        }
-    }
-    f
-}
-
 #[test]
 fn the_plugin_head_computes_what_training_optimised() {
     let (target, out) = trained();
@@ -422,7 +395,7 @@ fn the_plugin_head_computes_what_training_optimised() {
     let (h, v) = (model.config.hidden, model.config.vocab_size);
     let head = Head::load_with(out, h, v, model.config.layers, false).unwrap();
     let tokens: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % v as u32).collect();
-    let f = features(&model, &tokens);
+    let f = common::target_features(&model, &tokens, &feature_layers(model.config.layers));
     let reference = reference_logits(out, &model, &tokens, &f, 2).unwrap();
     let dv = head.cfg.draft_vocab;
     let embed = |ts: &[u32]| -> Vec<f32> {

@@ -22,6 +22,10 @@ pub enum DistillCmd {
     /// Train Medusa-1 heads for a frozen target by self-distillation
     /// (public Medusa tensor names; read out through the target's head).
     Medusa(MedusaArgs),
+    /// Train a DFlash block drafter for a target by self-distillation: a
+    /// few layers over the target's fused features draft a whole block in
+    /// one forward (written in z-lab's layout, for the `dflash` plugin).
+    Dflash(DflashArgs),
     /// Measure why a trained EAGLE-3 head or MTP module is (not) accepted:
     /// per TTT step of the training graph and through the plugin's
     /// inference path, on the training and validation texts a trainer
@@ -220,6 +224,64 @@ pub struct EagleArgs {
 }
 
 #[derive(Args)]
+pub struct DflashArgs {
+    /// Target model (default: the embedded SmolLM2).
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// Output directory: config.json and model.safetensors (the drafter),
+    /// train/ (samples, features, checkpoint; a `distill eagle` run's
+    /// train/ copied here serves when the layers match); training resumes
+    /// from a checkpoint found there.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Draft layers.
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub intermediate: usize,
+    /// Rows of a block: the anchor token and block_size - 1 masks (the
+    /// most tokens one forward drafts, minus one).
+    #[arg(long, default_value_t = 8)]
+    pub block_size: usize,
+    /// 0-based target layers whose outputs are fused, comma-separated
+    /// (default: those EAGLE-3 reads).
+    #[arg(long, value_delimiter = ',')]
+    pub target_layer_ids: Vec<usize>,
+    /// Rows of the drafter's output layer (most frequent response tokens).
+    #[arg(long, default_value_t = 4096)]
+    pub draft_vocab: usize,
+    /// Anchors (blocks) per sample and step.
+    #[arg(long, default_value_t = 24)]
+    pub anchors: usize,
+    /// Loss weight decay over block slots: exp(-(k - 1) / gamma).
+    #[arg(long, default_value_t = 4.0)]
+    pub gamma: f64,
+    #[arg(long, default_value_t = 2.0)]
+    pub epochs: f64,
+    #[arg(long, default_value_t = 6e-4)]
+    pub lr: f64,
+    /// Padded context tokens per training batch.
+    #[arg(long, default_value_t = 2048)]
+    pub batch_tokens: usize,
+    /// Target-generated response tokens to train on.
+    #[arg(long, default_value_t = 240000)]
+    pub gen_tokens: usize,
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: usize,
+    #[arg(long, default_value_t = 40)]
+    pub warmup: usize,
+    /// Stop after this many steps (the schedule stays that of --epochs).
+    #[arg(long, default_value_t = 0)]
+    pub stop_after: usize,
+    #[command(flatten)]
+    pub data: PromptArgs,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Args)]
 pub struct DistillArgs {
     /// Target model (default: the embedded SmolLM2).
     #[arg(long)]
@@ -389,6 +451,35 @@ pub fn run(what: DistillCmd) -> Result<()> {
             Ok(())
         }
         DistillCmd::Eagle(a) => run_eagle(a, false),
+        DistillCmd::Dflash(a) => {
+            let target = match a.target {
+                Some(t) => specd::fetch::resolve_model(&t)?,
+                None => specd::fetch::ensure_default_model()?,
+            };
+            let cfg = specd::distill::dflash::DflashTrainConfig {
+                layers: a.layers,
+                intermediate: a.intermediate,
+                block_size: a.block_size,
+                target_layer_ids: a.target_layer_ids,
+                draft_vocab: a.draft_vocab,
+                anchors: a.anchors,
+                gamma: a.gamma,
+                epochs: a.epochs,
+                lr: a.lr,
+                batch_tokens: a.batch_tokens,
+                gen_tokens: a.gen_tokens,
+                checkpoint_every: a.checkpoint_every,
+                warmup: a.warmup,
+                stop_after: a.stop_after,
+                seed: a.seed,
+                prompts: a.data.prompts,
+                corpus: a.data.corpus.clone(),
+                ..Default::default()
+            };
+            let threads = a.threads.unwrap_or_else(model::llama::default_threads);
+            specd::distill::dflash::distill_dflash(&target, &a.out, &cfg, threads)?;
+            print_weights(&a.out)
+        }
         DistillCmd::Mtp(a) => run_eagle(a, true),
         DistillCmd::Medusa(a) => {
             let target = match a.target {

@@ -41,10 +41,10 @@ use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::fused::{RmsNorm, Rope, SoftCrossEntropy, TttAttention};
 use super::train::{
-    cosine_lr, draft_vocab, extract_features, plan_batches, tensor_vec, truncate, var, AdamW,
-    Checkpoint, DraftVocab, Features, Schedule,
+    cosine_lr, plan_batches, prepare, target_head_rows, tensor_vec, var, AdamW, Checkpoint,
+    DraftVocab, Features, Prepared, Schedule,
 };
-use super::{training_data, DataConfig, Sample};
+use super::{DataConfig, Sample};
 use crate::error::{Result, SpecdError};
 use crate::model::eagle::feature_layers;
 use crate::model::tensor_file::{self, TensorData, TensorFile};
@@ -291,15 +291,15 @@ fn mtp_param_shapes(
         .collect()
 }
 
-const EPS: f64 = 1e-5;
+pub(super) const EPS: f64 = 1e-5;
 
-fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+pub(super) fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.contiguous()?.apply_op2(w, RmsNorm { eps: EPS as f32 })
 }
 
 /// `x W^T` over the last dimension of `x` (`(b, t, in)` or `(rows, in)`),
 /// as one 2-D matmul over every row.
-fn lin(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+pub(super) fn lin(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let dims = x.dims();
     let (last, rows) = (
         dims[dims.len() - 1],
@@ -408,6 +408,7 @@ impl Net {
             cos: self.cos.clone(),
             sin: self.sin.clone(),
             offset,
+            pos: None,
         })
     }
 
@@ -734,7 +735,11 @@ pub(super) fn embedding_table(target: &Model) -> Vec<f32> {
 }
 
 #[allow(clippy::type_complexity)]
-fn rope_tables(max_pos: usize, hd: usize, theta: f32) -> Result<(Arc<Vec<f32>>, Arc<Vec<f32>>)> {
+pub(super) fn rope_tables(
+    max_pos: usize,
+    hd: usize,
+    theta: f32,
+) -> Result<(Arc<Vec<f32>>, Arc<Vec<f32>>)> {
     let inv: Vec<f32> = (0..hd / 2)
         .map(|i| 1.0 / theta.powf(2.0 * i as f32 / hd as f32))
         .collect();
@@ -961,50 +966,32 @@ pub fn distill_eagle(
     if !recorded.contains(&tc.layers) {
         recorded.push(tc.layers);
     }
-    let data_cfg = cfg.data_config();
-    let t0 = std::time::Instant::now();
-    let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;
-    eprintln!(
-        "specd distill: samples ready in {:.0} s",
-        t0.elapsed().as_secs_f64()
-    );
-    let t0 = std::time::Instant::now();
-    truncate(&mut samples, cfg.max_len);
-    let features = extract_features(
+    let Prepared {
+        samples,
+        features,
+        vocab:
+            DraftVocab {
+                ids: vocab_ids,
+                t2d,
+                coverage,
+            },
+        train_idx,
+        val_idx,
+    } = prepare(
         &target,
-        &samples,
+        &tok,
+        &cfg.data_config(),
+        &train_dir,
+        cfg.max_len,
         &recorded,
-        &train_dir.join("features.safetensors"),
+        (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
     )?;
-    eprintln!(
-        "specd distill: features ready in {:.0} s",
-        t0.elapsed().as_secs_f64()
-    );
-    let DraftVocab {
-        ids: vocab_ids,
-        t2d,
-        coverage,
-    } = draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
     let dv = vocab_ids.len();
-
-    // Split: every sample whose seeded hash falls under val_fraction is held out.
-    let (train_idx, val_idx) = super::split(samples.len(), cfg.seed, cfg.val_fraction);
-    if train_idx.is_empty() {
-        return Err(serr("no training samples".into()));
-    }
 
     // Frozen target tensors.
     let dev = Device::Cpu;
     let emb = embedding_table(&target);
-    let head_w = target
-        .weights
-        .output
-        .as_ref()
-        .unwrap_or(&target.weights.embed);
-    let mut th = vec![0f32; dv * h];
-    for (i, &t) in vocab_ids.iter().enumerate() {
-        head_w.dequantize_row(t as usize, &mut th[i * h..(i + 1) * h]);
-    }
+    let th = target_head_rows(&target, &vocab_ids);
     let (nh, nkv, hd) = (tc.heads, tc.kv_heads, tc.head_dim);
     let shapes = if cfg.mtp {
         mtp_param_shapes(h, nh, nkv, hd, cfg.intermediate, dv)

@@ -453,22 +453,38 @@ pub(super) struct Rope {
     pub(super) cos: Arc<Vec<f32>>,
     pub(super) sin: Arc<Vec<f32>>,
     pub(super) offset: usize,
+    /// Per-row positions instead (`b * t` of them, shared by the heads):
+    /// rows at positions of their own (DFlash's blocks).
+    pub(super) pos: Option<Arc<Vec<u32>>>,
 }
 
 impl Rope {
     /// `x` rotated by the angle of each row's position, or back (`sign`
     /// -1: the transpose, which is the backward pass).
-    fn rotate(&self, x: &[f32], t: usize, hd: usize, sign: f32) -> Result<Vec<f32>> {
+    fn rotate(&self, x: &[f32], (n, t, hd): (usize, usize, usize), sign: f32) -> Result<Vec<f32>> {
         let half = hd / 2;
-        if !hd.is_multiple_of(2) || (self.offset + t) * half > self.cos.len() {
-            candle_core::bail!("rope: head dim {hd}, positions {}", self.offset + t);
+        let last = match &self.pos {
+            Some(p) => {
+                if p.len() * n * hd != x.len() {
+                    candle_core::bail!("rope: {} positions for {} rows", p.len(), x.len() / hd);
+                }
+                p.iter().map(|&q| q as usize + 1).max().unwrap_or(0)
+            }
+            None => self.offset + t,
+        };
+        if !hd.is_multiple_of(2) || last * half > self.cos.len() {
+            candle_core::bail!("rope: head dim {hd}, positions {last}");
         }
+        let at = |r: usize| match &self.pos {
+            Some(p) => p[(r / (n * t)) * t + r % t] as usize * half,
+            None => (self.offset + r % t) * half,
+        };
         let mut out = vec![0f32; x.len()];
         out.par_chunks_mut(hd)
             .zip(x.par_chunks(hd))
             .enumerate()
             .for_each(|(r, (o, xr))| {
-                let at = (self.offset + r % t) * half;
+                let at = at(r);
                 let (c, s) = (&self.cos[at..at + half], &self.sin[at..at + half]);
                 let (o1, o2) = o.split_at_mut(half);
                 let (x1, x2) = xr.split_at(half);
@@ -489,17 +505,17 @@ impl CustomOp1 for Rope {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = slice(s, l, "rope")?;
-        let (_, _, t, hd) = l.shape().dims4()?;
+        let (_, n, t, hd) = l.shape().dims4()?;
         Ok((
-            CpuStorage::F32(self.rotate(x, t, hd, 1.0)?),
+            CpuStorage::F32(self.rotate(x, (n, t, hd), 1.0)?),
             l.shape().clone(),
         ))
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let (_, _, t, hd) = x.dims4()?;
+        let (_, n, t, hd) = x.dims4()?;
         let g = grad_res.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let dx = self.rotate(&g, t, hd, -1.0)?;
+        let dx = self.rotate(&g, (n, t, hd), -1.0)?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
 }
@@ -671,12 +687,38 @@ mod tests {
         .unwrap();
         let got = xt
             .apply_op1(Rope {
-                cos: Arc::new(cos),
-                sin: Arc::new(sin),
+                cos: Arc::new(cos.clone()),
+                sin: Arc::new(sin.clone()),
                 offset,
+                pos: None,
             })
             .unwrap();
         close(&got, &want, 1e-6);
+        // Per-row positions: batch 0 at offset.., batch 1 at 0.. (each as
+        // a run with that offset alone).
+        let pos: Vec<u32> = (0..t)
+            .map(|p| (offset + p) as u32)
+            .chain((0..t).map(|p| p as u32))
+            .collect();
+        let at = |off: usize, pos: Option<Vec<u32>>, x: &Tensor| {
+            x.contiguous()
+                .unwrap()
+                .apply_op1(Rope {
+                    cos: Arc::new(cos.clone()),
+                    sin: Arc::new(sin.clone()),
+                    offset: off,
+                    pos: pos.map(Arc::new),
+                })
+                .unwrap()
+        };
+        let rows = at(0, Some(pos), xt);
+        close(
+            &rows.narrow(0, 0, 1).unwrap(),
+            &want.narrow(0, 0, 1).unwrap(),
+            1e-6,
+        );
+        let b1 = xt.narrow(0, 1, 1).unwrap();
+        close(&rows.narrow(0, 1, 1).unwrap(), &at(0, None, &b1), 1e-6);
         let wl = Tensor::from_vec(rand(b * n * t * hd, 11), (b, n, t, hd), &dev).unwrap();
         let loss = |o: &Tensor| (o * &wl).unwrap().sum_all().unwrap();
         let (gw, gg) = (

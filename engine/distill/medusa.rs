@@ -22,10 +22,10 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor, Var, D};
 
 use super::train::{
-    cosine_lr, draft_vocab, extract_features, plan_batches, tensor_vec, truncate, var, AdamW,
-    Checkpoint, DraftVocab, Features, Schedule,
+    cosine_lr, plan_batches, prepare, tensor_vec, var, AdamW, Checkpoint, DraftVocab, Features,
+    Prepared, Schedule,
 };
-use super::{training_data, DataConfig, Sample};
+use super::{DataConfig, Sample};
 use crate::error::{Result, SpecdError};
 use crate::model::tensor_file::{self, TensorData, TensorFile};
 use crate::model::Model;
@@ -294,20 +294,7 @@ fn export(
     Ok(weights)
 }
 
-/// The target's output head rows of `ids`, `ids.len() x h` f32.
-pub fn target_head_rows(target: &Model, ids: &[u32]) -> Vec<f32> {
-    let h = target.config.hidden;
-    let w = target
-        .weights
-        .output
-        .as_ref()
-        .unwrap_or(&target.weights.embed);
-    let mut th = vec![0f32; ids.len() * h];
-    for (i, &t) in ids.iter().enumerate() {
-        w.dequantize_row(t as usize, &mut th[i * h..(i + 1) * h]);
-    }
-    th
-}
+pub use super::train::target_head_rows;
 
 /// The training graph's logits of an exported head for final-normed
 /// states `x` (`rows x h`): `heads x rows x draft_vocab`. The reference
@@ -368,7 +355,7 @@ pub fn distill_medusa(
     let target = Arc::new(crate::model::load_model(target_path, threads)?);
     let tok = Arc::new(Tokenizer::for_model(target_path)?);
     let tc = target.config.clone();
-    let (h, vocab) = (tc.hidden, tc.vocab_size);
+    let h = tc.hidden;
     let data_cfg = DataConfig {
         gen_tokens: cfg.gen_tokens,
         gen_max_tokens: cfg.gen_max_tokens,
@@ -380,30 +367,28 @@ pub fn distill_medusa(
         mix: cfg.prompts,
         corpus: cfg.corpus.clone(),
     };
-    let t0 = std::time::Instant::now();
-    let mut samples = training_data(&target, &tok, &data_cfg, &train_dir)?;
-    truncate(&mut samples, cfg.max_len);
     let fin = tc.layers;
-    let features = extract_features(
+    let Prepared {
+        samples,
+        features,
+        vocab:
+            DraftVocab {
+                ids: vocab_ids,
+                t2d,
+                coverage,
+            },
+        train_idx,
+        val_idx,
+    } = prepare(
         &target,
-        &samples,
+        &tok,
+        &data_cfg,
+        &train_dir,
+        cfg.max_len,
         &[fin],
-        &train_dir.join("features.safetensors"),
+        (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
     )?;
-    eprintln!(
-        "specd distill: samples and final-normed states ready in {:.0} s",
-        t0.elapsed().as_secs_f64()
-    );
-    let DraftVocab {
-        ids: vocab_ids,
-        t2d,
-        coverage,
-    } = draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
     let dv = vocab_ids.len();
-    let (train_idx, val_idx) = super::split(samples.len(), cfg.seed, cfg.val_fraction);
-    if train_idx.is_empty() {
-        return Err(serr("no training samples".into()));
-    }
 
     let dev = Device::Cpu;
     let shapes = param_shapes(h, cfg.heads, cfg.layers);

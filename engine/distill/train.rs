@@ -18,12 +18,13 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Tensor, Var};
 
-use super::Sample;
+use super::{training_data, DataConfig, Sample};
 use crate::error::{Result, SpecdError};
 use crate::model::eagle::feature_layers;
 use crate::model::tensor_file::{self, TensorData, TensorFile};
 use crate::model::{ForwardInput, Logits, Model};
 use crate::sampler::Rng;
+use crate::tokenizer::Tokenizer;
 
 pub(super) fn cerr(e: candle_core::Error) -> SpecdError {
     SpecdError::InvalidRequest(format!("distill: {e}"))
@@ -607,4 +608,79 @@ pub(super) fn keep_freed_memory() {
         libc::mallopt(libc::M_MMAP_MAX, 0);
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
+}
+
+/// A trainer's data: its samples (cut to `max_len`), the target's
+/// recorded states of `layers`, the draft vocabulary and the seeded
+/// train/validation split.
+pub(super) struct Prepared {
+    pub(super) samples: Vec<Sample>,
+    pub(super) features: Features,
+    pub(super) vocab: DraftVocab,
+    pub(super) train_idx: Vec<usize>,
+    pub(super) val_idx: Vec<usize>,
+}
+
+/// How much data, and how it is split: (draft vocabulary rows, seed,
+/// validation fraction).
+pub(super) type Split = (usize, u64, f64);
+
+/// Samples (generated or read from a corpus, cached in `train_dir`), the
+/// target's states of `layers` (cached too), the draft vocabulary and the
+/// split: what every feature-reading trainer starts from.
+pub(super) fn prepare(
+    target: &std::sync::Arc<Model>,
+    tok: &std::sync::Arc<Tokenizer>,
+    data: &DataConfig,
+    train_dir: &Path,
+    max_len: usize,
+    layers: &[usize],
+    (dv, seed, val_fraction): Split,
+) -> Result<Prepared> {
+    let t0 = std::time::Instant::now();
+    let mut samples = training_data(target, tok, data, train_dir)?;
+    eprintln!(
+        "specd distill: samples ready in {:.0} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let t0 = std::time::Instant::now();
+    truncate(&mut samples, max_len);
+    let features = extract_features(
+        target,
+        &samples,
+        layers,
+        &train_dir.join("features.safetensors"),
+    )?;
+    eprintln!(
+        "specd distill: features ready in {:.0} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let tc = &target.config;
+    let vocab = draft_vocab(&samples, dv, tc.vocab_size, &tc.eos_token_ids);
+    let (train_idx, val_idx) = super::split(samples.len(), seed, val_fraction);
+    if train_idx.is_empty() {
+        return Err(serr("no training samples".into()));
+    }
+    Ok(Prepared {
+        samples,
+        features,
+        vocab,
+        train_idx,
+        val_idx,
+    })
+}
+
+/// The target's output head rows of `ids`, `ids.len() x h` f32.
+pub fn target_head_rows(target: &Model, ids: &[u32]) -> Vec<f32> {
+    let h = target.config.hidden;
+    let w = target
+        .weights
+        .output
+        .as_ref()
+        .unwrap_or(&target.weights.embed);
+    let mut th = vec![0f32; ids.len() * h];
+    for (i, &t) in ids.iter().enumerate() {
+        w.dequantize_row(t as usize, &mut th[i * h..(i + 1) * h]);
+    }
+    th
 }

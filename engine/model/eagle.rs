@@ -252,6 +252,51 @@ pub(crate) fn find_weights(dir: &Path, preferred: &[&str]) -> Result<std::path::
         .ok_or_else(|| format!("{}: no *.safetensors file", dir.display()))
 }
 
+/// A draft checkpoint's parts: its parsed config.json, the config's and
+/// the weights' paths (for errors) and the weights.
+pub(crate) type Parts = (
+    serde_json::Value,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Tensors,
+);
+
+/// A draft checkpoint from `dir`: config.json and the first of
+/// `preferred` present (else any `*.safetensors`); `quantize` as
+/// `Tensors::quantize`.
+pub(crate) fn read_checkpoint(
+    dir: &Path,
+    preferred: &[&str],
+    quantize: bool,
+) -> Result<Parts, String> {
+    let cfg_path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let cj: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let weights = find_weights(dir, preferred)?;
+    let t = Tensors::load(&weights, quantize)?;
+    Ok((cj, cfg_path, weights, t))
+}
+
+/// A draft checkpoint from in-memory config text and safetensors bytes
+/// (`label` names them in errors), quantised.
+pub(crate) fn checkpoint_from_bytes(
+    label: &str,
+    config: &str,
+    weights: &[u8],
+) -> Result<Parts, String> {
+    let cfg_path = Path::new(label).join("config.json");
+    let wpath = Path::new(label).join("model.safetensors");
+    let cj: serde_json::Value =
+        serde_json::from_str(config).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let t = Tensors {
+        file: TensorFile::from_bytes(&wpath, weights)?,
+        quantize: true,
+    };
+    Ok((cj, cfg_path, wpath, t))
+}
+
 /// Draft id -> target id from the `d2t` tensor (offsets: draft id `i` is
 /// target id `i + d2t[i]`); the identity when the draft vocabulary is the
 /// target's and the file has no `d2t`.
@@ -312,13 +357,11 @@ impl Head {
         target_layers: usize,
         quantize: bool,
     ) -> Result<Head, String> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path)
-            .map_err(|e| format!("{}: {e}", cfg_path.display()))?;
-        let cj: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
-        let weights = find_weights(dir, &["model.safetensors", "pytorch_model.safetensors"])?;
-        let t = Tensors::load(&weights, quantize)?;
+        let (cj, cfg_path, weights, t) = read_checkpoint(
+            dir,
+            &["model.safetensors", "pytorch_model.safetensors"],
+            quantize,
+        )?;
         Self::build(
             &cj,
             &cfg_path,
@@ -340,14 +383,7 @@ impl Head {
         target_vocab: usize,
         target_layers: usize,
     ) -> Result<Head, String> {
-        let cfg_path = Path::new(label).join("config.json");
-        let wpath = Path::new(label).join("model.safetensors");
-        let cj: serde_json::Value =
-            serde_json::from_str(config).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
-        let t = Tensors {
-            file: TensorFile::from_bytes(&wpath, weights)?,
-            quantize: true,
-        };
+        let (cj, cfg_path, wpath, t) = checkpoint_from_bytes(label, config, weights)?;
         Self::build(
             &cj,
             &cfg_path,
@@ -905,7 +941,7 @@ impl Head {
 }
 
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
@@ -976,12 +1012,12 @@ impl KvStore {
             .extend_from_slice(&other.v[rows.start * d..rows.end * d]);
     }
 
-    fn key(&self, i: usize, kvh: usize, hd: usize) -> &[f32] {
+    pub(crate) fn key(&self, i: usize, kvh: usize, hd: usize) -> &[f32] {
         let o = i * self.dim + kvh * hd;
         &self.k[o..o + hd]
     }
 
-    fn value(&self, i: usize, kvh: usize, hd: usize) -> &[f32] {
+    pub(crate) fn value(&self, i: usize, kvh: usize, hd: usize) -> &[f32] {
         let o = i * self.dim + kvh * hd;
         &self.v[o..o + hd]
     }

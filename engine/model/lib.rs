@@ -10,6 +10,7 @@
 //!   sequences share the forward (see `kernels`).
 
 mod attention;
+pub mod dflash;
 pub mod eagle;
 pub mod error;
 pub mod kernels;

@@ -411,6 +411,51 @@ impl Options {
     }
 }
 
+/// (position, features) rows: the declared layers' states of one
+/// position side by side.
+pub type FeatureRows = Vec<(usize, Vec<f32>)>;
+
+/// The feature rows of `s` ready for a head-based proposer: those of
+/// committed positions before the newest token (rows for later positions
+/// wait in `pending` until the sequence reaches past them), at most the
+/// newest `window` (0: all) plus the sequence's first `sink` positions.
+/// Rows the window drops are never copied.
+pub fn feature_rows(
+    s: &SeqView<'_>,
+    pending: &mut FeatureRows,
+    window: usize,
+    sink: usize,
+) -> FeatureRows {
+    let (n, h, start) = (s.tokens.len(), s.hidden_width, s.hidden_start as usize);
+    let first = if window > 0 {
+        n.saturating_sub(window + 1).saturating_sub(start)
+    } else {
+        0
+    };
+    for r in 0..s.hidden_rows {
+        if r < first && start + r >= sink {
+            continue;
+        }
+        let mut f = Vec::with_capacity(s.hidden_layers * h);
+        for l in 0..s.hidden_layers {
+            f.extend_from_slice(&s.layer(l)[r * h..(r + 1) * h]);
+        }
+        pending.push((start + r, f));
+    }
+    let (mut ready, later): (FeatureRows, FeatureRows) =
+        pending.drain(..).partition(|(p, _)| p + 1 < n);
+    *pending = later;
+    if window > 0 && ready.len() > window {
+        let cut = ready.len() - window;
+        let mut i = 0;
+        ready.retain(|(p, _)| {
+            i += 1;
+            i > cut || *p < sink
+        });
+    }
+    ready
+}
+
 /// A proposer plugin.
 pub trait Plugin: Sized + Send + 'static {
     /// The plugin's name (what configs refer to).

@@ -47,7 +47,8 @@
 use specd_model::eagle::{Head, KvStore, Src, Variant};
 use specd_model::sampler::{self, Rng, SamplingParams};
 use specd_plugin_sdk::{
-    abi, take_without_replacement, Caps, Host, Options, Proposal, SeqView, Siblings, Q,
+    abi, feature_rows, take_without_replacement, Caps, Host, Options, Proposal, SeqView, Siblings,
+    Q,
 };
 use std::collections::HashMap;
 
@@ -67,7 +68,7 @@ struct Root {
 }
 
 /// (position, features) rows waiting to become pairs.
-type Pending = Vec<(usize, Vec<f32>)>;
+type Pending = specd_plugin_sdk::FeatureRows;
 
 #[derive(Debug)]
 struct SeqState {
@@ -299,10 +300,6 @@ impl Eagle {
     fn ingest(&mut self, batch: &[SeqView<'_>], active: &[usize]) -> Result<(), String> {
         let h = self.head.cfg.hidden;
         let nl = self.head.cfg.feature_layers.len();
-        let fw = match self.head.cfg.variant {
-            Variant::Eagle3 => nl * h,
-            Variant::Eagle1 | Variant::Mtp => h,
-        };
         // Per sequence: the rows (position, features) that become pairs now.
         let mut rows: Vec<(usize, Pending)> = Vec::new();
         let window = self.window;
@@ -314,7 +311,6 @@ impl Eagle {
                     s.hidden_layers, s.hidden_width
                 ));
             }
-            let n = s.tokens.len();
             let st = self.state(s.seq, s.seed);
             let start = s.hidden_start as usize;
             if s.hidden_rows > 0 && start < st.pairs {
@@ -327,33 +323,7 @@ impl Eagle {
                 st.pending.clear();
                 st.root = None;
             }
-            // Rows the window will drop are not copied at all.
-            let first = if window > 0 {
-                (n.saturating_sub(window + 1)).saturating_sub(start)
-            } else {
-                0
-            };
-            for r in 0..s.hidden_rows {
-                if r < first && start + r >= SINK {
-                    continue;
-                }
-                let mut f = Vec::with_capacity(fw);
-                for l in 0..s.hidden_layers {
-                    f.extend_from_slice(&s.layer(l)[r * h..(r + 1) * h]);
-                }
-                st.pending.push((start + r, f));
-            }
-            let (mut ready, later): (Vec<_>, Vec<_>) =
-                st.pending.drain(..).partition(|(p, _)| p + 1 < n);
-            st.pending = later;
-            if window > 0 && ready.len() > window {
-                let cut = ready.len() - window;
-                let mut i = 0;
-                ready.retain(|(p, _)| {
-                    i += 1;
-                    i > cut || *p < SINK
-                });
-            }
+            let ready = feature_rows(s, &mut st.pending, window, SINK);
             if !ready.is_empty() {
                 rows.push((i, ready));
             }

@@ -182,3 +182,31 @@ pub fn shipped_is_lossless_and_accepted(
         );
     }
 }
+
+/// The target's features of `layers` (hidden indices) for `tokens`, row
+/// by row, layers side by side.
+pub fn target_features(model: &specd::model::Model, tokens: &[u32], layers: &[usize]) -> Vec<f32> {
+    let h = model.config.hidden;
+    let mut c = model.new_cache();
+    let out = model
+        .forward(
+            &mut [specd::model::ForwardInput {
+                cache: &mut c,
+                tokens,
+                logits: specd::model::Logits::None,
+                tree: None,
+            }],
+            layers,
+        )
+        .unwrap()
+        .pop()
+        .unwrap();
+    let mut f = vec![0f32; tokens.len() * layers.len() * h];
+    for (li, (_, rows)) in out.hidden.iter().enumerate() {
+        for r in 0..tokens.len() {
+            let dst = r * layers.len() * h + li * h;
+            f[dst..dst + h].copy_from_slice(&rows[r * h..(r + 1) * h]);
+        }
+    }
+    f
+}
