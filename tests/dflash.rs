@@ -217,6 +217,15 @@ fn zlab_checkpoints_load_and_name_their_errors() {
         vec![1, 1]
     );
 
+    // The last layer's output is the final-normed state (index L), as in
+    // Hugging Face's hidden states.
+    let last = write(&tmp.0.join("last"), &D, 1, false, |_, c| {
+        c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 3]);
+    });
+    assert_eq!(
+        Dflash::load(&last, 64, 96, 4).unwrap().cfg.feature_layers,
+        vec![1, 4]
+    );
     // Errors name the file, the tensor and the shape.
     let e = load_err(&write(&tmp.0.join("missing"), &D, 1, false, |t, _| {
         t.retain(|x| x.0 != "layers.1.self_attn.k_norm.weight")
@@ -237,7 +246,12 @@ fn zlab_checkpoints_load_and_name_their_errors() {
         "{e}"
     );
     type Case = (&'static str, fn(&mut serde_json::Value), &'static str);
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
+        (
+            "bias",
+            |c| c["attention_bias"] = true.into(),
+            "attention biases are not supported",
+        ),
         (
             "hidden",
             |c| c["hidden_size"] = 32.into(),
@@ -250,8 +264,8 @@ fn zlab_checkpoints_load_and_name_their_errors() {
         ),
         (
             "deep",
-            |c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 3]),
-            "layer 3 is not available from a 4-layer target",
+            |c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 4]),
+            "layer 4 is not available from a 4-layer target",
         ),
         (
             "block",

@@ -532,10 +532,10 @@ pub fn distill_dflash(
     let tc = target.config.clone();
     let (h, vocab) = (tc.hidden, tc.vocab_size);
     let ids = cfg.layer_ids(tc.layers);
-    if let Some(l) = ids.iter().find(|&&l| l + 2 > tc.layers) {
+    if let Some(l) = ids.iter().find(|&&l| l >= tc.layers) {
         return Err(serr(format!(
             "target layer {l}: outputs of layers 0 to {} can be read",
-            tc.layers.saturating_sub(2)
+            tc.layers.saturating_sub(1)
         )));
     }
     let layers: Vec<usize> = ids.iter().map(|&l| l + 1).collect();

@@ -30,7 +30,8 @@
 //!
 //! Invariants: every load error names the file, the tensor and the expected
 //! shape; a drafter whose hidden size, vocabulary or layers do not fit the
-//! target is refused; a row's outputs do not depend on the other blocks of
+//! target, or that needs what is not implemented (sliding-window layers,
+//! attention biases), is refused; a row's outputs do not depend on the other blocks of
 //! the same call (each block attends only to its own context and rows).
 
 use std::path::Path;
@@ -121,7 +122,10 @@ pub fn default_target_layer_ids(n: usize, draft_layers: usize) -> Vec<usize> {
     }
     let (start, end) = (1.0f64, n as f64 - 3.0);
     (0..draft_layers)
-        .map(|i| (start + i as f64 * (end - start) / (draft_layers - 1) as f64).round() as usize)
+        .map(|i| {
+            (start + i as f64 * (end - start) / (draft_layers - 1) as f64).round_ties_even()
+                as usize
+        })
         .collect()
 }
 
@@ -236,6 +240,11 @@ impl Dflash {
                 ));
             }
         }
+        if cj.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
+            return Err(format!(
+                "{file}: attention_bias: drafters with attention biases are not supported"
+            ));
+        }
         let dc = cj.get("dflash_config");
         let field = |k: &str| dc.and_then(|d| d.get(k)).or_else(|| cj.get(k));
         let block_size = field("block_size")
@@ -278,14 +287,14 @@ impl Dflash {
             return Err(format!("{file}: `target_layer_ids` is empty"));
         }
         // Our hidden index `l` is the residual stream entering layer `l`
-        // (the output of layer `l - 1`); the output of the target's last
-        // layer is not one of them (index L is the final-normed state).
+        // (the output of layer `l - 1`); index L, the last layer's output,
+        // is the final-normed state, as Hugging Face's last hidden state.
         for &id in &target_layer_ids {
-            if id + 2 > target_layers {
+            if id >= target_layers {
                 return Err(format!(
                     "{file}: target_layer_ids: layer {id} is not available from a {target_layers}-layer target \
                      (outputs of layers 0 to {} can be read)",
-                    target_layers.saturating_sub(2)
+                    target_layers.saturating_sub(1)
                 ));
             }
         }

@@ -419,14 +419,23 @@ pub type FeatureRows = Vec<(usize, Vec<f32>)>;
 /// committed positions before the newest token (rows for later positions
 /// wait in `pending` until the sequence reaches past them), at most the
 /// newest `window` (0: all) plus the sequence's first `sink` positions.
-/// Rows the window drops are never copied.
+/// Rows the window drops are never copied. A view whose `hidden` is
+/// shorter than its rows say is refused.
 pub fn feature_rows(
     s: &SeqView<'_>,
     pending: &mut FeatureRows,
     window: usize,
     sink: usize,
-) -> FeatureRows {
+) -> Result<FeatureRows, String> {
     let (n, h, start) = (s.tokens.len(), s.hidden_width, s.hidden_start as usize);
+    if s.hidden.len() < s.hidden_rows * s.hidden_layers * h {
+        return Err(format!(
+            "{} feature values delivered for {} rows of {} layers x {h}",
+            s.hidden.len(),
+            s.hidden_rows,
+            s.hidden_layers
+        ));
+    }
     let first = if window > 0 {
         n.saturating_sub(window + 1).saturating_sub(start)
     } else {
@@ -453,7 +462,7 @@ pub fn feature_rows(
             i > cut || *p < sink
         });
     }
-    ready
+    Ok(ready)
 }
 
 /// A proposer plugin.

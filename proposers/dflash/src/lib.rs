@@ -23,8 +23,10 @@
 //!   they are drawn, so rejection sampling stays lossless.
 //!
 //! Options: `model` (the drafter's directory: config.json and safetensors
-//! in z-lab's layout; required), `mode` ("chain" | "tree"), `max_draft`
-//! (tree nodes or chain length cap; default block_size - 1), `depth`
+//! in z-lab's layout; default: the drafter built into the plugin for
+//! SmolLM2-135M-Instruct), `mode` ("chain" | "tree"), `max_draft`
+//! (tree nodes or chain length cap; default 16 for trees, `depth` for
+//! chains), `depth`
 //! (most slots used, default block_size - 1), `top_k` (4), `seed`,
 //! `window` (most context positions one catch-up takes in besides the
 //! first 4, default 1024; 0: all the host delivered), `min_confidence`
@@ -121,14 +123,36 @@ fn params_of(s: &SeqView<'_>) -> SamplingParams {
     }
 }
 
+#[cfg(feature = "builtin-drafter")]
+mod builtin {
+    pub const CONFIG: &str = include_str!("../drafters/smollm2-135m-instruct/config.json");
+    pub const WEIGHTS: &[u8] =
+        include_bytes!("../drafters/smollm2-135m-instruct/model.safetensors");
+}
+
 fn load(o: &Options, host: &Host) -> Result<Dflash, String> {
     let raw = o.get("model", String::new())?;
-    if raw.is_empty() {
-        return Err("option `model`: path to the DFlash drafter's directory is required".into());
-    }
     let layers = host
         .n_layers()
         .ok_or("the host does not say how many layers the target has (ABI 2.1 or later needed)")?;
+    if raw.is_empty() {
+        #[cfg(feature = "builtin-drafter")]
+        {
+            return Dflash::from_bytes(
+                "builtin:smollm2-135m-instruct",
+                builtin::CONFIG,
+                builtin::WEIGHTS,
+                host.hidden_size(),
+                host.vocab_size(),
+                layers,
+            );
+        }
+        #[cfg(not(feature = "builtin-drafter"))]
+        return Err(
+            "option `model`: path to the DFlash drafter's directory is required (this build has no built-in drafter)"
+                .into(),
+        );
+    }
     let path = match (raw.strip_prefix("~/"), std::env::var_os("HOME")) {
         (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
         _ => PathBuf::from(&raw),
@@ -178,6 +202,15 @@ impl DflashPlugin {
                 rng: Rng::new(seed ^ s.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
             });
             let start = s.hidden_start as usize;
+            if s.tokens.len() < st.next + 1 {
+                // The sequence is shorter than its context: start over.
+                for c in &mut st.ctx {
+                    c.truncate(0);
+                }
+                st.pos.clear();
+                st.next = 0;
+                st.pending.clear();
+            }
             if s.hidden_rows > 0 && start < st.next {
                 // Positions seen again (the host recomputed them).
                 let keep = st.pos.partition_point(|&p| p < start);
@@ -188,7 +221,7 @@ impl DflashPlugin {
                 st.next = start;
                 st.pending.clear();
             }
-            let ready = feature_rows(s, &mut st.pending, window, SINK);
+            let ready = feature_rows(s, &mut st.pending, window, SINK)?;
             if !ready.is_empty() {
                 take.push((s.seq, ready));
             }
@@ -549,6 +582,7 @@ impl Plugin for DflashPlugin {
         let emb = self
             .host
             .embed(&newest)
+            .filter(|e| e.len() == newest.len() * h)
             .ok_or("the host offers no target embeddings")?;
         let mut e = Vec::with_capacity(active.len() * bs * h);
         let mut starts = Vec::with_capacity(active.len());

@@ -323,7 +323,7 @@ impl Eagle {
                 st.pending.clear();
                 st.root = None;
             }
-            let ready = feature_rows(s, &mut st.pending, window, SINK);
+            let ready = feature_rows(s, &mut st.pending, window, SINK)?;
             if !ready.is_empty() {
                 rows.push((i, ready));
             }
