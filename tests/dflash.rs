@@ -838,3 +838,20 @@ fn a_trained_drafter_is_accepted_and_lossless() {
         );
     }
 }
+
+// ------------------------------------------------------------ SmolLM2
+
+/// The shipped drafter on the default target, through `configs/dflash.toml`
+/// (the drafter built into the plugin): chains, trees and the hybrid
+/// batched with plain sequences reproduce plain decoding token for token
+/// (and the target's logprobs bit for bit), and the drafter is accepted
+/// (it was trained for this target).
+#[test]
+fn the_shipped_drafter_is_lossless_and_accepted_on_smollm2() {
+    common::shipped_is_lossless_and_accepted(
+        "configs/dflash.toml",
+        &["dflash", "dflash-tree", "hybrid"],
+        8,
+        |name| if name == "hybrid" { 1.05 } else { 1.1 },
+    );
+}

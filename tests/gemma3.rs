@@ -396,6 +396,10 @@ fn gemma3_270m_refuses_heads_trained_for_another_target() {
             "configs/mtp.toml",
             "vocab_size 49152 does not match the target's 262144",
         ),
+        (
+            "configs/dflash.toml",
+            "hidden_size 576 does not match the target's 640",
+        ),
         ("configs/draft.toml", "vocabulary mismatch"),
     ] {
         let cfg = Config::load(&root.join(config)).unwrap();
