@@ -436,10 +436,16 @@ impl Dflash {
     /// pairing `(i, i + d/2)`).
     fn rope(&self, x: &mut [f32], pos: usize) {
         let half = self.cfg.head_dim / 2;
+        let (sin, cos): (Vec<f32>, Vec<f32>) = self.freqs[..half]
+            .iter()
+            .map(|f| {
+                let (s, c) = (pos as f32 * f).sin_cos();
+                (s * self.mscale, c * self.mscale)
+            })
+            .unzip();
         for head in x.chunks_exact_mut(self.cfg.head_dim) {
             for i in 0..half {
-                let (s, c) = (pos as f32 * self.freqs[i]).sin_cos();
-                let (c, s) = (c * self.mscale, s * self.mscale);
+                let (c, s) = (cos[i], sin[i]);
                 let (a, b) = (head[i], head[i + half]);
                 head[i] = a * c - b * s;
                 head[i + half] = b * c + a * s;

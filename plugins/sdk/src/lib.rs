@@ -518,7 +518,48 @@ macro_rules! export_proposer {
 
 #[cfg(test)]
 mod tests {
-    use super::take_without_replacement;
+    use super::{feature_rows, take_without_replacement, FeatureRows, SeqView};
+
+    fn view<'a>(tokens: &'a [u32], hidden: &'a [f32], start: u64, rows: usize) -> SeqView<'a> {
+        SeqView {
+            seq: 1,
+            tokens,
+            max_draft: 4,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            hidden,
+            hidden_rows: rows,
+            hidden_width: 2,
+            hidden_layers: 1,
+            hidden_start: start,
+        }
+    }
+
+    #[test]
+    fn feature_rows_keep_the_window_the_sink_and_wait_for_the_next_token() {
+        // 12 tokens, features of positions 0..12 (value = position).
+        let tokens: Vec<u32> = (0..12).collect();
+        let hidden: Vec<f32> = (0..12).flat_map(|p| [p as f32, -(p as f32)]).collect();
+        let mut pending = FeatureRows::new();
+        let ready = feature_rows(&view(&tokens, &hidden, 0, 12), &mut pending, 3, 2).unwrap();
+        // Positions before the newest token only; the newest 3 and the
+        // first 2 (the sink).
+        let pos: Vec<usize> = ready.iter().map(|r| r.0).collect();
+        assert_eq!(pos, vec![0, 1, 8, 9, 10]);
+        assert_eq!(ready[2].1, vec![8.0, -8.0]);
+        // Position 11 waits until the sequence has a token after it.
+        assert_eq!(pending.len(), 1);
+        let longer: Vec<u32> = (0..13).collect();
+        let ready = feature_rows(&view(&longer, &[], 12, 0), &mut pending, 3, 2).unwrap();
+        assert_eq!(ready.iter().map(|r| r.0).collect::<Vec<_>>(), vec![11]);
+        assert!(pending.is_empty());
+        // A view shorter than its rows say is refused, not sliced.
+        let e = feature_rows(&view(&tokens, &hidden[..5], 0, 12), &mut pending, 0, 2).unwrap_err();
+        assert!(e.contains("5 feature values"), "{e}");
+    }
 
     #[test]
     fn draws_follow_the_weights_and_never_repeat() {

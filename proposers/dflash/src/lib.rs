@@ -598,8 +598,14 @@ impl Plugin for DflashPlugin {
             .map(|&i| self.seqs[&batch[i].seq].ctx.as_slice())
             .collect();
         let y = self.model.block(&ctx, &e, &starts);
-        // Output rows: slots 1..=depth of each block.
-        let depth = self.depth;
+        // Output rows: slots 1..=depth of each block, no deeper than the
+        // largest budget asked (a draft of k nodes is at most k deep).
+        let most = active
+            .iter()
+            .map(|&i| batch[i].max_draft.min(self.max_draft))
+            .max()
+            .unwrap_or(1);
+        let depth = self.depth.min(most);
         let mut rows = Vec::with_capacity(active.len() * depth * h);
         for b in 0..active.len() {
             rows.extend_from_slice(&y[(b * bs + 1) * h..(b * bs + 1 + depth) * h]);
