@@ -270,6 +270,63 @@ fn compact_distill_learns_the_target_and_its_draft_is_lossless() {
     assert!(drafted > 0 && accepted > 0, "{accepted}/{drafted}");
 }
 
+/// `--parallel`: the compact draft learns a mask embedding and every mask
+/// depth (its config and tensors say so); `--init` warm-starts from
+/// another compact draft (its weights and draft vocabulary), refusing one
+/// of another shape.
+#[test]
+fn parallel_distill_warm_starts_and_writes_the_mask_embedding() {
+    let dir = TempDir::new("distill-pard");
+    let target = dir.0.join("target.gguf");
+    common::write_tiny_gguf(&target, &TINY, 4, GgmlDType::Q8_0, "llama");
+    let base = dir.0.join("base");
+    let st0 = common::train_tiny_compact(&target, &base, 48, 40);
+    let out = dir.0.join("pard");
+    let cfg = specd::distill::DistillConfig {
+        parallel: 3,
+        init: Some(base.clone()),
+        ..common::tiny_distill_config(30, 48)
+    };
+    specd::distill::distill(&target, &out, &cfg, 2).unwrap();
+    let st: specd::distill::State =
+        serde_json::from_str(&std::fs::read_to_string(out.join("state.json")).unwrap()).unwrap();
+    assert_eq!(st.step, 30);
+    assert!(st.loss < st.first_loss, "{} -> {}", st.first_loss, st.loss);
+    // Warm: the first loss of the parallel run (which averages the mask
+    // depths, harder than next-token) starts below the base's from
+    // scratch.
+    assert!(
+        st.first_loss < st0.first_loss,
+        "a warm start must begin below a cold one: {} vs {}",
+        st.first_loss,
+        st0.first_loss
+    );
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(c["parallel_draft"], 3);
+    let f = specd::model::tensor_file::TensorFile::read(&out.join("model.safetensors")).unwrap();
+    assert_eq!(f.shape("model.mask_embedding"), Some(&[32][..]));
+    // The draft vocabulary is the base's.
+    let b = specd::model::tensor_file::TensorFile::read(&base.join("model.safetensors")).unwrap();
+    assert_eq!(f.i64("d2t").unwrap(), b.i64("d2t").unwrap());
+    // Another shape is refused, naming the key.
+    let e = specd::distill::distill(
+        &target,
+        &dir.0.join("wide"),
+        &specd::distill::DistillConfig {
+            hidden: 64,
+            ..cfg.clone()
+        },
+        2,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("--init") && e.contains("hidden_size") && e.contains("64"),
+        "{e}"
+    );
+}
+
 #[test]
 fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
     // The target's greedy answer to a prompt, made an "evaluation text":

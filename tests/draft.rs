@@ -144,9 +144,19 @@ fn assert_sampling_is_lossless(
     draft: &std::path::Path,
     label: &str,
 ) {
+    assert_sampling_is_lossless_with(target_path, draft, label, "");
+}
+
+/// `assert_sampling_is_lossless` with `extra` plugin options.
+fn assert_sampling_is_lossless_with(
+    target_path: &std::path::Path,
+    draft: &std::path::Path,
+    label: &str,
+    extra: &str,
+) {
     let model = Arc::new(load_model(target_path, 2).unwrap());
     let tok = Arc::new(Tokenizer::for_model(target_path).unwrap());
-    let cfg = draft_config(draft, 3);
+    let cfg = draft_config_with(draft, 3, extra);
     let params = SamplingParams {
         temperature: 1.0,
         ..Default::default()
@@ -380,6 +390,120 @@ fn sampling_with_a_compact_draft_is_lossless() {
     let out = dir.0.join("compact");
     common::train_tiny_compact(&target_path, &out, 8, 20);
     assert_sampling_is_lossless(&target_path, &out, "compact draft");
+}
+
+/// A compact draft trained for parallel drafting (`--parallel 3`) on the
+/// tiny target.
+fn tiny_parallel(
+    dir: &TempDir,
+    spec: &TinySpec,
+    dv: usize,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let target_path = tiny(dir, "target.gguf", spec, 8, "t");
+    let out = dir.0.join("pard");
+    let cfg = specd::distill::DistillConfig {
+        parallel: 3,
+        ..common::tiny_distill_config(30, dv)
+    };
+    specd::distill::distill(&target_path, &out, &cfg, 2).unwrap();
+    (target_path, out)
+}
+
+/// PARD mode: greedy output is plain decoding's, batched with the same
+/// draft in chain mode and with plain requests, and the draft drafts
+/// whole blocks (up to 3 tokens per step from one forward).
+#[test]
+fn a_parallel_draft_is_lossless_under_greedy_batched_with_chain_mode() {
+    let dir = TempDir::new("draft-pard-greedy");
+    let (target_path, out) = tiny_parallel(&dir, &TINY, 48);
+    let model = Arc::new(load_model(&target_path, 2).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&target_path).unwrap());
+    let cfg = Config::parse(
+        &format!(
+            "[[proposer]]\nname = \"draft\"\nplugin = \"draft\"\nmax_draft = 3\n[proposer.options]\nmodel = \"{0}\"\n\n[[proposer]]\nname = \"pard\"\nplugin = \"draft\"\nmax_draft = 3\n[proposer.options]\nmodel = \"{0}\"\nmode = \"parallel\"\n",
+            out.display()
+        ),
+        None,
+    )
+    .unwrap();
+    let mut e = engine(&model, tok, &cfg, 16);
+    let prompts = [vec![5u32, 9, 3], vec![4, 1, 2, 3], vec![11, 40, 2], vec![7]];
+    let mut reqs = Vec::new();
+    for p in &prompts {
+        for name in ["pard", "draft", "none"] {
+            reqs.push(Request {
+                proposer: Some(name.into()),
+                ignore_eos: true,
+                ..Request::greedy(p.clone(), 30)
+            });
+        }
+    }
+    let done = run(&mut e, reqs);
+    let (mut drafted, mut accepted, mut steps) = (0, 0, 0);
+    for (i, p) in prompts.iter().enumerate() {
+        let want = generate(
+            &model,
+            None,
+            &Request {
+                ignore_eos: true,
+                ..Request::greedy(p.clone(), 30)
+            },
+            |_| {},
+        )
+        .unwrap()
+        .tokens;
+        for (j, name) in ["pard", "draft", "none"].iter().enumerate() {
+            assert_eq!(done[3 * i + j].tokens, want, "{name}, prompt {i}");
+        }
+        drafted += done[3 * i].stats.drafted;
+        accepted += done[3 * i].stats.accepted;
+        steps += done[3 * i].stats.verify_steps;
+    }
+    assert!(e.drafter.poisoned("pard").is_none());
+    // Every step drafts a block of 3 (minus the tail of a request).
+    assert!(drafted >= 2 * steps, "{drafted} drafted in {steps} steps");
+    assert!(accepted > 0, "{accepted}/{drafted}");
+}
+
+/// PARD mode under sampling: each position's q is its own row's, and the
+/// joint law of the first two tokens is the target's (with the lossy
+/// control caught).
+#[test]
+fn sampling_with_a_parallel_draft_is_lossless() {
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let dir = TempDir::new("draft-pard-stat");
+    let (target_path, out) = tiny_parallel(&dir, &spec, 8);
+    assert_sampling_is_lossless_with(&target_path, &out, "parallel draft", "mode = \"parallel\"");
+}
+
+#[test]
+fn parallel_mode_needs_a_draft_trained_for_it() {
+    let dir = TempDir::new("draft-pard-errors");
+    let target_path = tiny(&dir, "target.gguf", &TINY, 4, "t");
+    let plain = dir.0.join("compact");
+    common::train_tiny_compact(&target_path, &plain, 40, 10);
+    let model = Arc::new(load_model(&target_path, 1).unwrap());
+    let tok = Arc::new(Tokenizer::for_model(&target_path).unwrap());
+    let err = |draft: &std::path::Path, extra: &str| match draft_config_with(draft, 3, extra)
+        .build_drafter(&model, Some(tok.clone()))
+    {
+        Ok(_) => panic!("{extra} loaded"),
+        Err(e) => e.to_string(),
+    };
+    let e = err(&plain, "mode = \"parallel\"");
+    assert!(
+        e.contains("was not trained for parallel drafting") && e.contains("--parallel"),
+        "{e}"
+    );
+    let e = err(&plain, "mode = \"blocks\"");
+    assert!(
+        e.contains("option `mode`") && e.contains("\"blocks\""),
+        "{e}"
+    );
+    // A plain (non-compact) draft has no mask embedding either.
+    let gguf = tiny(&dir, "draft.gguf", &TINY, 9, "t");
+    let e = err(&gguf, "mode = \"parallel\"");
+    assert!(e.contains("was not trained for parallel drafting"), "{e}");
 }
 
 /// The compact draft shipped for SmolLM2 (built into the plugin, loaded

@@ -324,6 +324,16 @@ pub struct DistillArgs {
     /// Compact drafts: loss weight of positions inside the prompt.
     #[arg(long, default_value_t = 0.5)]
     pub prompt_weight: f32,
+    /// Compact drafts: PARD-style parallel drafting of up to K tokens per
+    /// forward (a learned mask embedding; every mask depth trains beside
+    /// the next-token objective). The draft plugin uses it with
+    /// `mode = "parallel"`. 0: autoregressive only.
+    #[arg(long, default_value_t = 0)]
+    pub parallel: usize,
+    /// Compact drafts: start from this compact draft's weights and draft
+    /// vocabulary (e.g. proposers/draft/models/smollm2-135m-instruct).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     #[command(flatten)]
     pub data: PromptArgs,
     #[arg(long, default_value_t = 0)]
@@ -421,6 +431,8 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 checkpoint_every: a.checkpoint_every,
                 draft_vocab: a.draft_vocab,
                 prompt_weight: a.prompt_weight,
+                parallel: a.parallel,
+                init: a.init.clone(),
                 seed: a.seed,
                 prompts: a.data.prompts,
                 corpus: a.data.corpus.clone(),

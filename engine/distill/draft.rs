@@ -87,6 +87,20 @@ pub struct DistillConfig {
     /// Requests decoded together while generating the data.
     #[serde(default = "default_concurrency")]
     pub concurrency: usize,
+    /// Compact drafts: PARD-style parallel drafting, the most tokens one
+    /// forward drafts (the last real token and `parallel - 1` mask
+    /// positions); 0 or 1: autoregressive only. The draft learns a mask
+    /// embedding (`model.mask_embedding`) and, beside the usual next-token
+    /// objective, to predict the token `d + 1` ahead from a mask at depth
+    /// `d`, every depth of every position in one forward (attention masks
+    /// as PARD's training).
+    #[serde(default)]
+    pub parallel: usize,
+    /// Compact drafts: start from this compact draft's weights and draft
+    /// vocabulary (a directory `distill draft` wrote, e.g. the shipped
+    /// one) instead of from scratch; its shape must match.
+    #[serde(default)]
+    pub init: Option<PathBuf>,
 }
 
 fn default_sampled_fraction() -> f32 {
@@ -129,6 +143,8 @@ impl Default for DistillConfig {
             prompt_weight: default_prompt_weight(),
             sampled_fraction: default_sampled_fraction(),
             concurrency: default_concurrency(),
+            parallel: 0,
+            init: None,
         }
     }
 }
@@ -147,6 +163,8 @@ struct Net {
     head: Option<Tensor>,
     layers: Vec<[Tensor; 9]>,
     norm: Tensor,
+    /// Parallel drafting: the mask position's input embedding.
+    mask: Option<Tensor>,
     cos: Tensor,
     sin: Tensor,
 }
@@ -174,6 +192,7 @@ impl Net {
     ) -> candle_core::Result<Self> {
         let (h, f) = (cfg.hidden, cfg.intermediate);
         let init = candle_nn::init::DEFAULT_KAIMING_NORMAL;
+        let is_compact = compact.is_some();
         let (input, head) = match compact {
             None => (
                 Input::Tied(vb.get_with_hints((vocab, h), "model.embed_tokens.weight", init)?),
@@ -203,6 +222,18 @@ impl Net {
             ]);
         }
         let norm = vb.get_with_hints(h, "model.norm.weight", candle_nn::Init::Const(1.0))?;
+        let mask = if cfg.parallel > 1 && is_compact {
+            Some(vb.get_with_hints(
+                h,
+                "model.mask_embedding",
+                candle_nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: 0.02,
+                },
+            )?)
+        } else {
+            None
+        };
         let hd = h / cfg.heads;
         let theta: Vec<f32> = (0..hd / 2)
             .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32))
@@ -219,37 +250,75 @@ impl Net {
             head,
             layers,
             norm,
+            mask,
             cos: ang.cos()?,
             sin: ang.sin()?,
         })
     }
 
-    fn rope(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    fn rope(&self, x: &Tensor, pos: &Tensor) -> candle_core::Result<Tensor> {
         // x: (b, heads, t, hd); NeoX pairing (i, i + hd/2) as HF Llama.
-        let (_, _, t, hd) = x.dims4()?;
+        let (_, _, _, hd) = x.dims4()?;
         let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
         let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
         let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        let cos = self.cos.narrow(0, 0, t)?;
-        let sin = self.sin.narrow(0, 0, t)?;
+        let cos = self.cos.index_select(pos, 0)?;
+        let sin = self.sin.index_select(pos, 0)?;
         x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?
     }
 
-    /// Logits (b * t, vocab) for token ids (b, t).
-    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+    /// The input embedding of token ids (b, t): (b, t, hidden).
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let (h, nh) = (self.cfg.hidden, self.cfg.heads);
-        let hd = h / nh;
         let flat = ids.flatten_all()?;
-        let mut x = match &self.input {
+        match &self.input {
             Input::Tied(e) => e.index_select(&flat, 0)?,
             Input::Projected(table, proj) => table.index_select(&flat, 0)?.matmul(&proj.t()?)?,
         }
-        .reshape((b, t, h))?;
+        .reshape((b, t, self.cfg.hidden))
+    }
+
+    /// Logits (b * t, vocab) for token ids (b, t), causal.
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let t = ids.dim(1)?;
+        let pos = Tensor::arange(0u32, t as u32, &Device::Cpu)?;
         let mask: Vec<f32> = (0..t)
             .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
             .collect();
         let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+        self.run(self.embed(ids)?, &pos, &mask)
+    }
+
+    /// PARD's training forward: token ids (b, t) followed by `k - 1`
+    /// segments of t mask positions; the mask of segment d at position i
+    /// stands where the draft, having seen the real tokens up to i - d,
+    /// drafts position i + 1 (see `parallel_mask`). Logits (b * k * t,
+    /// vocab), segment by segment within each sequence.
+    fn forward_parallel(&self, ids: &Tensor, k: usize) -> candle_core::Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let mask_emb = self
+            .mask
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("parallel drafting needs a mask".into()))?;
+        let x0 = self.embed(ids)?;
+        let m = mask_emb.reshape((1, 1, self.cfg.hidden))?.broadcast_as((
+            b,
+            t * (k - 1),
+            self.cfg.hidden,
+        ))?;
+        let x = Tensor::cat(&[&x0, &m], 1)?;
+        let pos: Vec<u32> = (0..k).flat_map(|_| 0..t as u32).collect();
+        let pos = Tensor::from_vec(pos, k * t, &Device::Cpu)?;
+        let mask = Tensor::from_vec(parallel_mask(t, k), (k * t, k * t), &Device::Cpu)?;
+        self.run(x, &pos, &mask)
+    }
+
+    /// The blocks, the final norm and the head over input embeddings
+    /// (b, n, hidden) at positions `pos` (n) under the additive mask (n, n).
+    fn run(&self, mut x: Tensor, pos: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, nh) = (self.cfg.hidden, self.cfg.heads);
+        let hd = h / nh;
         for [an, wq, wk, wv, wo, fnorm, wg, wu, wd] in &self.layers {
             let hn = rms(&x, an)?;
             let split = |w: &Tensor| -> candle_core::Result<Tensor> {
@@ -258,10 +327,10 @@ impl Net {
                     .transpose(1, 2)?
                     .contiguous()
             };
-            let q = self.rope(&split(wq)?)?;
-            let k = self.rope(&split(wk)?)?;
+            let q = self.rope(&split(wq)?, pos)?;
+            let k = self.rope(&split(wk)?, pos)?;
             let v = split(wv)?;
-            let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
+            let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(mask)?;
             let att = candle_nn::ops::softmax(&att, D::Minus1)?;
             let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h))?;
             x = (x + o.broadcast_matmul(&wo.t()?)?)?;
@@ -278,6 +347,35 @@ impl Net {
             )),
         }
     }
+}
+
+/// PARD's attention mask (additive, `k t x k t`) over a window of `t` real
+/// tokens (segment 0) and `k - 1` segments of mask positions: segment 0
+/// is causal; the mask of segment d at position i sees the real tokens up
+/// to i - d and the masks of segments 1..=d at positions i - d + 1..=i
+/// (the masks an inference forward puts before it), so every depth of
+/// every position trains in one forward exactly as it drafts.
+pub fn parallel_mask(t: usize, k: usize) -> Vec<f32> {
+    let n = k * t;
+    let mut m = vec![f32::NEG_INFINITY; n * n];
+    for d in 0..k {
+        for i in 0..t {
+            let row = (d * t + i) * n;
+            let Some(last_real) = i.checked_sub(d) else {
+                // No real token before it: attend to itself only (the row
+                // carries no loss; this keeps its softmax finite).
+                m[row + d * t + i] = 0.0;
+                continue;
+            };
+            for c in 0..=last_real {
+                m[row + c] = 0.0;
+            }
+            for e in 1..=d {
+                m[row + e * t + last_real + e] = 0.0;
+            }
+        }
+    }
+    m
 }
 
 /// Training progress, next to each checkpoint.
@@ -333,6 +431,17 @@ pub fn distill(
         return Err(SpecdError::InvalidRequest(
             "distill: hidden / heads must be an even integer".into(),
         ));
+    }
+    if cfg.draft_vocab == 0 && (cfg.parallel > 1 || cfg.init.is_some()) {
+        return Err(SpecdError::InvalidRequest(
+            "distill: --parallel and --init need a compact draft (--draft-vocab > 0)".into(),
+        ));
+    }
+    if cfg.parallel > cfg.seq_len {
+        return Err(SpecdError::InvalidRequest(format!(
+            "distill: --parallel {} exceeds the training window ({} tokens)",
+            cfg.parallel, cfg.seq_len
+        )));
     }
     if cfg.draft_vocab > 0 {
         return distill_compact(&target, &tok, out, cfg);
@@ -572,11 +681,62 @@ fn write_compact(
         "target_hidden_size": target.config.hidden,
         "target_vocab_fingerprint": fingerprint,
     });
+    let mut c = c;
+    if cfg.parallel > 1 {
+        c["parallel_draft"] = serde_json::json!(cfg.parallel);
+    }
     std::fs::write(
         out.join("config.json"),
         serde_json::to_string_pretty(&c).unwrap_or_default(),
     )?;
     Ok(())
+}
+
+/// A compact draft to start from (`cfg.init`): its draft vocabulary (target
+/// ids, from `d2t`) and its tensors, after checking that its shape is the
+/// one `cfg` trains.
+fn read_init(
+    dir: &Path,
+    cfg: &DistillConfig,
+) -> Result<(Vec<u32>, std::collections::HashMap<String, Tensor>)> {
+    let bad = |what: String| {
+        SpecdError::InvalidRequest(format!("distill: --init {}: {what}", dir.display()))
+    };
+    let text = std::fs::read_to_string(dir.join("config.json"))
+        .map_err(|e| bad(format!("config.json: {e}")))?;
+    let c: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("config.json: {e}")))?;
+    for (key, want) in [
+        ("num_hidden_layers", cfg.layers),
+        ("hidden_size", cfg.hidden),
+        ("num_attention_heads", cfg.heads),
+        ("intermediate_size", cfg.intermediate),
+    ] {
+        let got = c.get(key).and_then(|v| v.as_u64());
+        if got != Some(want as u64) {
+            return Err(bad(format!(
+                "config.json has {key} {got:?}, this run trains {want}"
+            )));
+        }
+    }
+    if c.get("embed_from_target").and_then(|v| v.as_bool()) != Some(true) {
+        return Err(bad("not a compact draft (no `embed_from_target`)".into()));
+    }
+    let file = dir.join("model.safetensors");
+    let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
+        .map_err(|e| bad(format!("model.safetensors: {e}")))?;
+    let d2t = tensors
+        .get("d2t")
+        .ok_or_else(|| bad("model.safetensors lacks d2t".into()))?
+        .to_dtype(DType::I64)
+        .and_then(|t| t.to_vec1::<i64>())
+        .map_err(cerr)?;
+    let ids = d2t
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (i as i64 + d) as u32)
+        .collect();
+    Ok((ids, tensors))
 }
 
 /// The compact draft (`cfg.draft_vocab > 0`): the target's embedding
@@ -615,8 +775,13 @@ fn distill_compact(
         &train_dir.join("features.safetensors"),
     )?;
     let fin = feats.layer(tc.layers);
-    let vocab_ids =
-        super::train::choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids);
+    let init = cfg.init.as_deref().map(|d| read_init(d, cfg)).transpose()?;
+    let vocab_ids = match &init {
+        Some((ids, _)) => ids.clone(),
+        None => {
+            super::train::choose_draft_vocab(&samples, cfg.draft_vocab, vocab, &tc.eos_token_ids)
+        }
+    };
     let dv = vocab_ids.len();
     // The stream of every sample, and each row's loss weight: the row at
     // position p learns the target's distribution there (which predicts
@@ -659,6 +824,27 @@ fn distill_compact(
     if let Some(st) = resume(&mut varmap, &ckpt, &state_path)? {
         start = st.step;
         first_loss = st.first_loss;
+    } else if let Some((_, weights)) = &init {
+        // A warm start: every tensor the initial draft has (the mask
+        // embedding of a first parallel run starts fresh).
+        let data = varmap.data().lock().unwrap_or_else(|x| x.into_inner());
+        for (name, var) in data.iter() {
+            if let Some(t) = weights.get(name) {
+                if t.dims() != var.dims() {
+                    return Err(SpecdError::InvalidRequest(format!(
+                        "distill: --init tensor {name} has shape {:?}, this draft's is {:?}",
+                        t.dims(),
+                        var.dims()
+                    )));
+                }
+                var.set(&t.to_dtype(DType::F32).map_err(cerr)?)
+                    .map_err(cerr)?;
+            } else if name != "model.mask_embedding" {
+                return Err(SpecdError::InvalidRequest(format!(
+                    "distill: --init lacks tensor {name}"
+                )));
+            }
+        }
     } else {
         // The projection starts as a fixed random Gaussian map (norms
         // roughly preserved) and the head as the target's head rows seen
@@ -691,7 +877,10 @@ fn distill_compact(
     let (mut opt, bar) = optimizer(&varmap, cfg, start)?;
     let mut rng = Rng::new(cfg.seed.wrapping_add(start as u64));
     let mut last = f32::NAN;
-    let mut agree = (0usize, 0usize);
+    // Segments per window: the real tokens, then one per mask depth.
+    let k = if net.mask.is_some() { cfg.parallel } else { 1 };
+    // Top-1 agreement with the target on response rows, by depth.
+    let mut agree = vec![(0usize, 0usize); k];
     for step in start..cfg.steps {
         let n = cfg.batch * t;
         let mut inp = Vec::with_capacity(n);
@@ -708,7 +897,6 @@ fn distill_compact(
             continue;
         }
         let ids = Tensor::from_vec(inp, (cfg.batch, t), &dev).map_err(cerr)?;
-        let wt = Tensor::from_vec(w.clone(), (n, 1), &dev).map_err(cerr)?;
         let f = Tensor::from_vec(f, (n, th), &dev).map_err(cerr)?;
         // The target's distribution on the draft vocabulary (renormalised).
         let p = candle_nn::ops::softmax(
@@ -716,8 +904,34 @@ fn distill_compact(
             D::Minus1,
         )
         .map_err(cerr)?;
+        // Every segment learns the distribution at its position; the mask
+        // of depth d at position i only where a real token precedes it.
+        let (p, w, wsum) = if k > 1 {
+            let p = p
+                .reshape((cfg.batch, 1, t, dv))
+                .and_then(|p| p.broadcast_as((cfg.batch, k, t, dv)))
+                .and_then(|p| p.contiguous())
+                .and_then(|p| p.reshape((cfg.batch * k * t, dv)))
+                .map_err(cerr)?;
+            let mut wk = Vec::with_capacity(n * k);
+            for b in 0..cfg.batch {
+                for d in 0..k {
+                    wk.extend((0..t).map(|i| if i >= d { w[b * t + i] } else { 0.0 }));
+                }
+            }
+            let wsum: f32 = wk.iter().sum();
+            (p, wk, wsum)
+        } else {
+            (p, w, wsum)
+        };
+        let wt = Tensor::from_vec(w.clone(), (w.len(), 1), &dev).map_err(cerr)?;
         opt.set_learning_rate(lr_at(cfg, step));
-        let logits = net.forward(&ids).map_err(cerr)?;
+        let logits = if k > 1 {
+            net.forward_parallel(&ids, k)
+        } else {
+            net.forward(&ids)
+        }
+        .map_err(cerr)?;
         let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1).map_err(cerr)?;
         let loss = ((p.clone() * lsm)
             .map_err(cerr)?
@@ -742,27 +956,29 @@ fn distill_compact(
                 .and_then(|x| x.to_vec1::<u32>())
                 .map_err(cerr)?,
         );
-        for r in 0..n {
+        for r in 0..w.len() {
             if w[r] >= 1.0 {
-                agree.1 += 1;
-                agree.0 += usize::from(a[r] == b[r]);
+                let d = (r / t) % k;
+                agree[d].1 += 1;
+                agree[d].0 += usize::from(a[r] == b[r]);
             }
         }
         if first_loss.is_nan() {
             first_loss = last;
         }
-        bar.set_message(format!(
-            "loss {last:.3}, top-1 agreement {:.3}",
-            agree.0 as f64 / agree.1.max(1) as f64
-        ));
+        let by_depth = agree
+            .iter()
+            .map(|(a, n)| format!("{:.3}", *a as f64 / (*n).max(1) as f64))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        bar.set_message(format!("loss {last:.3}, top-1 agreement {by_depth}"));
         bar.inc(1);
         let done = step + 1;
         if done % cfg.checkpoint_every.max(1) == 0 || done == cfg.steps {
             eprintln!(
-                "specd distill: step {done}: loss {last:.3}, top-1 agreement since the last checkpoint {:.3}",
-                agree.0 as f64 / agree.1.max(1) as f64
+                "specd distill: step {done}: loss {last:.3}, top-1 agreement since the last checkpoint (by mask depth) {by_depth}"
             );
-            agree = (0, 0);
+            agree.iter_mut().for_each(|a| *a = (0, 0));
             write_compact(out, cfg, &varmap, &vocab_ids, target, &fingerprint)?;
             checkpoint(&varmap, &ckpt, &state_path, cfg, done, last, first_loss)?;
         }
@@ -779,4 +995,38 @@ fn distill_compact(
         cfg.hidden,
     );
     Ok(out.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parallel_mask;
+
+    /// The rows an inference forward sees: real tokens up to `i - d`, then
+    /// the masks of depths 1..=d, each at its own position.
+    #[test]
+    fn the_parallel_mask_sees_what_an_inference_forward_sees() {
+        let (t, k) = (4, 3);
+        let m = parallel_mask(t, k);
+        let n = t * k;
+        let sees = |d: usize, i: usize| -> Vec<(usize, usize)> {
+            (0..n)
+                .filter(|c| m[(d * t + i) * n + c] == 0.0)
+                .map(|c| (c / t, c % t))
+                .collect()
+        };
+        // Segment 0 is causal.
+        assert_eq!(sees(0, 2), vec![(0, 0), (0, 1), (0, 2)]);
+        // Depth 1 at position 2: real 0..=1, then itself.
+        assert_eq!(sees(1, 2), vec![(0, 0), (0, 1), (1, 2)]);
+        // Depth 2 at position 3: real 0..=1, the depth-1 mask at 2, itself.
+        assert_eq!(sees(2, 3), vec![(0, 0), (0, 1), (1, 2), (2, 3)]);
+        // A depth with no real token before it sees only itself.
+        assert_eq!(sees(2, 1), vec![(2, 1)]);
+        // No row sees a later position or another row's future.
+        for d in 0..k {
+            for i in 0..t {
+                assert!(sees(d, i).iter().all(|&(_, c)| c <= i));
+            }
+        }
+    }
 }

@@ -6,7 +6,11 @@
 //! `draft_vocab_size`, `embed_from_target`, `target_hidden_size`,
 //! `target_vocab_fingerprint`) and `model.safetensors` (the blocks,
 //! `model.norm.weight`, `model.embed_proj.weight` `hidden x H`,
-//! `lm_head.weight` `draft_vocab_size x hidden`, `d2t` I64).
+//! `lm_head.weight` `draft_vocab_size x hidden`, `d2t` I64). A draft
+//! trained for parallel drafting (`--parallel K`) also has
+//! `parallel_draft` = K in its config and `model.mask_embedding`
+//! (`hidden`), loaded as one more embedding row after the target's
+//! vocabulary: the mask token.
 //!
 //! Invariant: a loaded compact draft is paired with a target of the same
 //! vocabulary (fingerprint of every token string) and hidden width; every
@@ -27,6 +31,10 @@ pub struct Head {
     hidden: usize,
     /// Target id of each row.
     ids: Vec<u32>,
+    /// Parallel drafting (PARD): the most tokens one forward drafts (the
+    /// config's `parallel_draft`), and the model's token id of the mask
+    /// position (an extra embedding row); `None` without a mask embedding.
+    parallel: Option<(usize, u32)>,
 }
 
 impl Head {
@@ -41,6 +49,12 @@ impl Head {
             .chunks_exact(self.hidden)
             .map(|row| dot(row, x))
             .collect()
+    }
+
+    /// Parallel drafting: the most tokens one forward drafts and the mask
+    /// token's id in the draft model (one past the target's vocabulary).
+    pub fn parallel(&self) -> Option<(usize, u32)> {
+        self.parallel
     }
 
     /// The target id of draft row `i`.
@@ -234,11 +248,29 @@ pub fn load(
             .map_err(|e| format!("draft model {origin}: {e}"))?;
         embed.extend(part);
     }
-    let embed = Tensor::from_vec(embed, (vocab, hidden), &Device::Cpu)
+    // Parallel drafting: the mask embedding becomes one more row, the
+    // token id `vocab` (never a target token).
+    let parallel = match c.get("parallel_draft").and_then(|v| v.as_u64()) {
+        Some(k) if k > 1 => {
+            let m = f32s(
+                take("model.mask_embedding", &[hidden])?,
+                "model.mask_embedding",
+            )?;
+            embed.extend(m);
+            Some((k as usize, vocab as u32))
+        }
+        _ => {
+            tensors.remove("model.mask_embedding");
+            None
+        }
+    };
+    let rows = vocab + usize::from(parallel.is_some());
+    let embed = Tensor::from_vec(embed, (rows, hidden), &Device::Cpu)
         .map_err(|e| format!("draft model {origin}: {e}"))?;
     tensors.insert("model.embed_tokens.weight".into(), embed);
     // The model itself: a plain Llama whose (tied) output is never used.
     c["tie_word_embeddings"] = serde_json::Value::Bool(true);
+    c["vocab_size"] = serde_json::json!(rows);
     let model =
         specd_model::load::model_from_tensors(Path::new(origin), &c.to_string(), tensors, threads)
             .map_err(|e| format!("draft model: {e}"))?;
@@ -248,6 +280,7 @@ pub fn load(
             w: head,
             hidden,
             ids,
+            parallel,
         },
     ))
 }

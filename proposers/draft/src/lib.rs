@@ -19,10 +19,23 @@
 //!   (`target = i + d2t[i]`). Tokens outside the draft vocabulary get
 //!   q = 0 and are never drafted, which rejection sampling allows.
 //!
+//! Two modes (`mode`):
+//! - `chain` (default): autoregressive, one draft forward per drafted
+//!   token;
+//! - `parallel` (PARD): a compact draft trained with `--parallel K` drafts
+//!   up to K tokens in one forward, the last real token followed by K - 1
+//!   mask tokens (the draft's learned mask embedding); the masks' cache
+//!   entries are dropped by the next catch-up, which feeds the accepted
+//!   tokens instead. Each position's q is its own row's distribution
+//!   (independent of the tokens drafted before it, which rejection
+//!   sampling allows). Configure it as a second `[[proposer]]` beside the
+//!   chain one, and requests pick either by name.
+//!
 //! Options: `model` (path; `~/` is expanded; unset: the compact draft
-//! trained for SmolLM2-135M-Instruct, compiled in), `threads` (2),
-//! `max_draft` (4), `quantize` (true: F32 matrices to Q8_0 at load),
-//! `window` (the most tokens one catch-up feeds, default 256; 0: all).
+//! trained for SmolLM2-135M-Instruct, compiled in), `mode` (`chain`),
+//! `threads` (2), `max_draft` (4), `quantize` (true: F32 matrices to Q8_0
+//! at load), `window` (the most tokens one catch-up feeds, default 256; 0:
+//! all).
 //!
 //! Invariant: the draft shares the target's vocabulary: same size and the
 //! same token string for every id (checked at creation: id by id against a
@@ -137,6 +150,11 @@ pub struct DraftModel {
     model: Model,
     /// A compact draft's head over its draft vocabulary.
     head: Option<compact::Head>,
+    /// Parallel mode: the mask token's id (the head says how far).
+    parallel: Option<u32>,
+    /// The target's vocabulary size (a parallel draft's model has one
+    /// more row, the mask).
+    vocab: usize,
     max_draft: usize,
     window: usize,
     seqs: HashMap<u64, SeqState>,
@@ -184,6 +202,100 @@ impl DraftModel {
     }
 }
 
+impl DraftModel {
+    /// PARD: one forward per batch; each sequence feeds its catch-up and
+    /// `want - 1` mask tokens, and the last `want` rows (the newest real
+    /// token's and the masks') draft its `want` tokens. The masks' cache
+    /// entries stay past `cached`, so the next catch-up truncates them.
+    fn propose_parallel(
+        &mut self,
+        batch: &[SeqView<'_>],
+        want: &[usize],
+        active: &[usize],
+        mut feeds: Vec<Vec<u32>>,
+        mask: u32,
+        drafts: &mut [Proposal],
+    ) -> Result<(), String> {
+        let head = self
+            .head
+            .as_ref()
+            .ok_or("parallel drafting needs a compact draft")?;
+        for (j, &i) in active.iter().enumerate() {
+            feeds[j].extend(std::iter::repeat_n(mask, want[i] - 1));
+        }
+        let mut caches: Vec<KvCache> = Vec::with_capacity(active.len());
+        for &i in active {
+            let st = self
+                .seqs
+                .get_mut(&batch[i].seq)
+                .expect("state created above");
+            let layout = st.cache.layout();
+            caches.push(std::mem::replace(&mut st.cache, KvCache::new(layout, 0)));
+        }
+        let out = {
+            let mut inputs: Vec<ForwardInput<'_>> = caches
+                .iter_mut()
+                .zip(&feeds)
+                .map(|(c, f)| ForwardInput {
+                    cache: c,
+                    tokens: f,
+                    logits: Logits::None,
+                    tree: None,
+                })
+                .collect();
+            self.model.forward(&mut inputs, &[self.model.config.layers])
+        };
+        for (&i, c) in active.iter().zip(caches) {
+            self.seqs.get_mut(&batch[i].seq).expect("state").cache = c;
+        }
+        let out = out.map_err(|e| format!("draft forward: {e}"))?;
+        let h = self.model.config.hidden;
+        for ((&i, o), f) in active.iter().zip(out).zip(&feeds) {
+            let s = &batch[i];
+            let params = params_of(s);
+            let st = self.seqs.get_mut(&s.seq).expect("state");
+            let rows = o.hidden.first().map(|(_, r)| r.as_slice()).unwrap_or(&[]);
+            if rows.len() != f.len() * h {
+                return Err("draft forward returned no final state".into());
+            }
+            let first = f.len() - want[i];
+            for r in first..f.len() {
+                let (tok, q) = draw(
+                    head,
+                    &rows[r * h..(r + 1) * h],
+                    &params,
+                    &mut st.rng,
+                    self.vocab,
+                );
+                drafts[i].tokens.push(tok);
+                drafts[i].q.push(q);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One drafted token from a compact draft's final-normed state: the
+/// argmax under greedy, else a sample with its full q (over the target's
+/// `vocab`, zero outside the draft vocabulary).
+fn draw(
+    head: &compact::Head,
+    state: &[f32],
+    params: &SamplingParams,
+    rng: &mut Rng,
+    vocab: usize,
+) -> (u32, Q) {
+    let logits = head.logits(state);
+    if params.is_greedy() {
+        (head.target_id(sampler::argmax(&logits)), Q::OneHot)
+    } else {
+        let d = sampler::distribution(&logits, params);
+        let i = d.sample(rng);
+        let dense = d.dense(logits.len());
+        (head.target_id(i), Q::Full(head.scatter(&dense, vocab)))
+    }
+}
+
 fn params_of(s: &SeqView<'_>) -> SamplingParams {
     SamplingParams {
         temperature: s.temperature,
@@ -207,7 +319,20 @@ impl Plugin for DraftModel {
     }
 
     fn create(o: &Options, host: Host) -> Result<Self, String> {
-        o.reject_unknown(&["model", "threads", "max_draft", "quantize", "window"])?;
+        o.reject_unknown(&[
+            "model",
+            "mode",
+            "threads",
+            "max_draft",
+            "quantize",
+            "window",
+        ])?;
+        let mode = o.get("mode", "chain".to_string())?;
+        if mode != "chain" && mode != "parallel" {
+            return Err(format!(
+                "option `mode`: {mode:?} is not a mode (\"chain\" or \"parallel\")"
+            ));
+        }
         let raw = o.get("model", String::new())?;
         let threads = o.get("threads", 2usize)?;
         let (mut model, head, what) = if raw.is_empty() {
@@ -234,13 +359,26 @@ impl Plugin for DraftModel {
                 (model, None, format!("draft model {}", path.display()))
             }
         };
+        let mut max_draft = o.get("max_draft", 4usize)?;
+        let parallel = if mode == "parallel" {
+            let Some((k, mask)) = head.as_ref().and_then(|h| h.parallel()) else {
+                return Err(format!(
+                    "option `mode = \"parallel\"`: the {what} was not trained for parallel drafting (no `parallel_draft` / `model.mask_embedding`; train one with `specd distill draft --parallel K`)"
+                ));
+            };
+            // One forward drafts at most what the draft was trained for.
+            max_draft = max_draft.min(k);
+            Some(mask)
+        } else {
+            None
+        };
         if o.get("quantize", true)? {
             model.quantize_f32_to_q8_0();
         }
         host.log(
             2,
             &format!(
-                "{what} loaded: {} layers, hidden {}{}",
+                "{what} loaded: {} layers, hidden {}{}, {mode} drafting",
                 model.config.layers,
                 model.config.hidden,
                 head.as_ref()
@@ -251,7 +389,9 @@ impl Plugin for DraftModel {
         Ok(Self {
             model,
             head,
-            max_draft: o.get("max_draft", 4usize)?,
+            parallel,
+            vocab: host.vocab_size(),
+            max_draft,
             window: o.get("window", DEFAULT_WINDOW)?,
             seqs: HashMap::new(),
         })
@@ -290,8 +430,12 @@ impl Plugin for DraftModel {
             let st = self.state(s.seq, s.seed);
             feeds.push(st.catch_up(s.tokens, window)?);
         }
+        if let Some(mask) = self.parallel {
+            self.propose_parallel(batch, &want, &active, feeds, mask, &mut drafts)?;
+            return Ok(drafts);
+        }
         let max_k = active.iter().map(|&i| want[i]).max().unwrap_or(0);
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.vocab;
         for step in 0..max_k {
             let mut caches: Vec<(usize, KvCache)> = Vec::new();
             for (j, &i) in active.iter().enumerate() {
@@ -343,15 +487,7 @@ impl Plugin for DraftModel {
                         if rows.len() < h {
                             return Err("draft forward returned no final state".into());
                         }
-                        let logits = head.logits(&rows[rows.len() - h..]);
-                        if params.is_greedy() {
-                            (head.target_id(sampler::argmax(&logits)), Q::OneHot)
-                        } else {
-                            let d = sampler::distribution(&logits, &params);
-                            let i = d.sample(&mut st.rng);
-                            let dense = d.dense(logits.len());
-                            (head.target_id(i), Q::Full(head.scatter(&dense, vocab)))
-                        }
+                        draw(head, &rows[rows.len() - h..], &params, &mut st.rng, vocab)
                     }
                     None if params.is_greedy() => (sampler::argmax(&o.logits), Q::OneHot),
                     None => {
