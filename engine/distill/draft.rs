@@ -698,6 +698,7 @@ fn write_compact(
 fn read_init(
     dir: &Path,
     cfg: &DistillConfig,
+    vocab: usize,
 ) -> Result<(Vec<u32>, std::collections::HashMap<String, Tensor>)> {
     let bad = |what: String| {
         SpecdError::InvalidRequest(format!("distill: --init {}: {what}", dir.display()))
@@ -731,11 +732,18 @@ fn read_init(
         .to_dtype(DType::I64)
         .and_then(|t| t.to_vec1::<i64>())
         .map_err(cerr)?;
-    let ids = d2t
-        .iter()
-        .enumerate()
-        .map(|(i, d)| (i as i64 + d) as u32)
-        .collect();
+    let mut seen = vec![false; vocab];
+    let mut ids = Vec::with_capacity(d2t.len());
+    for (i, d) in d2t.iter().enumerate() {
+        let id = i as i64 + d;
+        if id < 0 || id as usize >= vocab || seen[id as usize] {
+            return Err(bad(format!(
+                "d2t row {i} maps to {id}, not a distinct id below {vocab}"
+            )));
+        }
+        seen[id as usize] = true;
+        ids.push(id as u32);
+    }
     Ok((ids, tensors))
 }
 
@@ -775,7 +783,11 @@ fn distill_compact(
         &train_dir.join("features.safetensors"),
     )?;
     let fin = feats.layer(tc.layers);
-    let init = cfg.init.as_deref().map(|d| read_init(d, cfg)).transpose()?;
+    let init = cfg
+        .init
+        .as_deref()
+        .map(|d| read_init(d, cfg, vocab))
+        .transpose()?;
     let vocab_ids = match &init {
         Some((ids, _)) => ids.clone(),
         None => {

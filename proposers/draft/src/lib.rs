@@ -150,8 +150,8 @@ pub struct DraftModel {
     model: Model,
     /// A compact draft's head over its draft vocabulary.
     head: Option<compact::Head>,
-    /// Parallel mode: the mask token's id (the head says how far).
-    parallel: Option<u32>,
+    /// Parallel mode (the head holds the mask token and how far).
+    parallel: bool,
     /// The target's vocabulary size (a parallel draft's model has one
     /// more row, the mask).
     vocab: usize,
@@ -200,9 +200,7 @@ impl DraftModel {
             rng: Rng::new(seed ^ 0xD1A5_7D1A_5700),
         })
     }
-}
 
-impl DraftModel {
     /// PARD: one forward per batch; each sequence feeds its catch-up and
     /// `want - 1` mask tokens, and the last `want` rows (the newest real
     /// token's and the masks') draft its `want` tokens. The masks' cache
@@ -213,13 +211,13 @@ impl DraftModel {
         want: &[usize],
         active: &[usize],
         mut feeds: Vec<Vec<u32>>,
-        mask: u32,
         drafts: &mut [Proposal],
     ) -> Result<(), String> {
-        let head = self
+        let (head, mask) = self
             .head
             .as_ref()
-            .ok_or("parallel drafting needs a compact draft")?;
+            .and_then(|h| Some((h, h.parallel()?.1)))
+            .ok_or("parallel drafting needs a compact draft with a mask embedding")?;
         for (j, &i) in active.iter().enumerate() {
             feeds[j].extend(std::iter::repeat_n(mask, want[i] - 1));
         }
@@ -361,16 +359,16 @@ impl Plugin for DraftModel {
         };
         let mut max_draft = o.get("max_draft", 4usize)?;
         let parallel = if mode == "parallel" {
-            let Some((k, mask)) = head.as_ref().and_then(|h| h.parallel()) else {
+            let Some((k, _)) = head.as_ref().and_then(|h| h.parallel()) else {
                 return Err(format!(
                     "option `mode = \"parallel\"`: the {what} was not trained for parallel drafting (no `parallel_draft` / `model.mask_embedding`; train one with `specd distill draft --parallel K`)"
                 ));
             };
             // One forward drafts at most what the draft was trained for.
             max_draft = max_draft.min(k);
-            Some(mask)
+            true
         } else {
-            None
+            false
         };
         if o.get("quantize", true)? {
             model.quantize_f32_to_q8_0();
@@ -430,8 +428,8 @@ impl Plugin for DraftModel {
             let st = self.state(s.seq, s.seed);
             feeds.push(st.catch_up(s.tokens, window)?);
         }
-        if let Some(mask) = self.parallel {
-            self.propose_parallel(batch, &want, &active, feeds, mask, &mut drafts)?;
+        if self.parallel {
+            self.propose_parallel(batch, &want, &active, feeds, &mut drafts)?;
             return Ok(drafts);
         }
         let max_k = active.iter().map(|&i| want[i]).max().unwrap_or(0);
