@@ -238,7 +238,7 @@ struct Corpus<'a> {
 
 impl Corpus<'_> {
     /// The batch of samples `idx`; anchors drawn from `seed`.
-    fn batch(&self, idx: &[usize], max_len: usize, seed: u64) -> Batch {
+    fn batch(&self, idx: &[usize], max_len: usize, seed: u64) -> Result<Batch> {
         let (h, nl, bs) = (self.h, self.layers.len(), self.block);
         let t = idx
             .iter()
@@ -254,18 +254,21 @@ impl Corpus<'_> {
         let mut pos = vec![0u32; b * rows];
         let mut mask = vec![f32::NEG_INFINITY; b * rows * keys];
         let mut labels = Vec::new();
-        let fin = self.f.layer(self.fin);
+        let (mut src, mut fin) = (Vec::new(), Vec::new());
         for (bi, &si) in idx.iter().enumerate() {
             let s = &self.samples[si];
             let len = s.tokens.len().min(max_len);
             let o = self.f.offsets[si];
             for (li, &l) in self.layers.iter().enumerate() {
-                let src = self.f.layer(l);
+                src.clear();
+                self.f.extend(l, o, len, &mut src)?;
                 for r in 0..len {
                     let dst = (bi * t + r) * nl * h + li * h;
-                    feats[dst..dst + h].copy_from_slice(&src[(o + r) * h..(o + r + 1) * h]);
+                    feats[dst..dst + h].copy_from_slice(&src[r * h..(r + 1) * h]);
                 }
             }
+            fin.clear();
+            self.f.extend(self.fin, o, len, &mut fin)?;
             // Anchors: response positions with at least one token after
             // them (the block's first mask predicts a response token), a
             // context of at least one position; distinct, drawn without
@@ -303,12 +306,12 @@ impl Corpus<'_> {
                     }
                     let w = (-((k - 1) as f64) / self.gamma).exp() as f32;
                     let am = self.t2d[self.f.argmax[o + q - 1] as usize];
-                    let row = fin[(o + q - 1) * h..(o + q) * h].to_vec();
+                    let row = fin[(q - 1) * h..q * h].to_vec();
                     labels.push(((base + k) as u32, k, w, row, am));
                 }
             }
         }
-        Batch {
+        Ok(Batch {
             b,
             t,
             rows,
@@ -318,7 +321,7 @@ impl Corpus<'_> {
             pos,
             mask,
             labels,
-        }
+        })
     }
 }
 
@@ -664,7 +667,7 @@ pub fn distill_dflash(
             .enumerate()
         {
             let (_, st) = net
-                .forward(&corpus.batch(b, cfg.max_len, 0xA11 + i as u64), slots)
+                .forward(&corpus.batch(b, cfg.max_len, 0xA11 + i as u64)?, slots)
                 .map_err(cerr)?;
             for (a, s) in acc.iter_mut().zip(st) {
                 a.0 += s.0;
@@ -695,7 +698,7 @@ pub fn distill_dflash(
     while state.step < sched.limit {
         let step = state.step;
         let seed = cfg.seed ^ (step as u64).wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let batch = corpus.batch(sched.batch(step), cfg.max_len, seed);
+        let batch = corpus.batch(sched.batch(step), cfg.max_len, seed)?;
         let (loss, st) = net.forward(&batch, slots).map_err(cerr)?;
         if !batch.labels.is_empty() {
             let grads = loss.backward().map_err(cerr)?;

@@ -185,7 +185,7 @@ pub fn diagnose(
     let graph = |idx: &[usize]| -> Result<Vec<StepRow>> {
         let mut acc = vec![Acc::default(); cfg.ttt];
         for b in plan_batches(&samples, idx, tcfg.batch_tokens, tcfg.max_len, 1) {
-            let batch = corpus.batch(&b, cfg.ttt, tcfg.max_len);
+            let batch = corpus.batch(&b, cfg.ttt, tcfg.max_len)?;
             let (pred, probe) = net.probe(&batch)?;
             for r in 0..batch.b * batch.t {
                 // Chains start at response positions (step 0 in the loss).
@@ -252,7 +252,7 @@ pub fn diagnose(
                     &val_idx
                 };
                 let take: Vec<usize> = idx.iter().take(cfg.chain_samples).copied().collect();
-                let mut row = chains(&head, &emb, &samples, &corpus, &take, (window, sink), &t2d);
+                let mut row = chains(&head, &emb, &samples, &corpus, &take, (window, sink), &t2d)?;
                 row.split = split.into();
                 row.quantized = quantized;
                 report.chains.push(row);
@@ -309,7 +309,7 @@ fn chains(
     idx: &[usize],
     (window, sink): (usize, usize),
     t2d: &[i64],
-) -> ChainRow {
+) -> Result<ChainRow> {
     let h = head.cfg.hidden;
     let nl = corpus.nl;
     let mut cond = [(0usize, 0usize); DEPTH];
@@ -331,10 +331,14 @@ fn chains(
         let o = corpus.f.offsets[si];
         let argmax = |q: usize| t2d[corpus.f.argmax[o + q] as usize];
         let n = len - 1;
-        let mut feats = Vec::with_capacity(n * nl * h);
-        for r in 0..n {
-            for &l in &corpus.feature_layers {
-                feats.extend_from_slice(&corpus.f.layer(l)[(o + r) * h..(o + r + 1) * h]);
+        let mut feats = vec![0f32; n * nl * h];
+        let mut src = Vec::with_capacity(n * h);
+        for (li, &l) in corpus.feature_layers.iter().enumerate() {
+            src.clear();
+            corpus.f.extend(l, o, n, &mut src)?;
+            for r in 0..n {
+                feats[(r * nl + li) * h..(r * nl + li + 1) * h]
+                    .copy_from_slice(&src[r * h..(r + 1) * h]);
             }
         }
         let g = head.fuse(&feats, n);
@@ -427,7 +431,7 @@ fn chains(
             own_prev = Some(own);
         }
     }
-    ChainRow {
+    Ok(ChainRow {
         split: String::new(),
         quantized: false,
         window,
@@ -441,7 +445,7 @@ fn chains(
             .map(|d| repeats[d] as f64 / cond[d].0.max(1) as f64)
             .collect(),
         mean_accepted: accepted as f64 / roots.max(1) as f64,
-    }
+    })
 }
 
 impl Report {

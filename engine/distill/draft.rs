@@ -782,7 +782,6 @@ fn distill_compact(
         &[tc.layers],
         &train_dir.join("features.safetensors"),
     )?;
-    let fin = feats.layer(tc.layers);
     let init = cfg
         .init
         .as_deref()
@@ -814,7 +813,7 @@ fn distill_compact(
         }));
     }
     let t = cfg.seq_len;
-    if stream.len() < t + 2 || fin.len() != stream.len() * th {
+    if stream.len() < t + 2 || feats.argmax.len() != stream.len() || !feats.has(tc.layers) {
         return Err(SpecdError::InvalidRequest(
             "distill: not enough training text".into(),
         ));
@@ -902,7 +901,7 @@ fn distill_compact(
             let o = (rng.next_u64() % (stream.len() - t) as u64) as usize;
             inp.extend_from_slice(&stream[o..o + t]);
             w.extend_from_slice(&weight[o..o + t]);
-            f.extend_from_slice(&fin[o * th..(o + t) * th]);
+            feats.extend(tc.layers, o, t, &mut f)?;
         }
         let wsum: f32 = w.iter().sum();
         if wsum <= 0.0 {

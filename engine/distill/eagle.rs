@@ -704,21 +704,22 @@ impl Net {
 
 /// RMS of the recorded states of `layers` over (a spread of) the rows of
 /// samples `idx`.
-fn feature_rms(f: &Features, layers: &[usize], idx: &[usize], samples: &[Sample]) -> f32 {
+fn feature_rms(f: &Features, layers: &[usize], idx: &[usize], samples: &[Sample]) -> Result<f32> {
     let (mut sq, mut n) = (0f64, 0usize);
     let stride = (idx.len() / 200).max(1);
+    let mut rows = Vec::new();
     for &i in idx.iter().step_by(stride) {
         let (o, len) = (f.offsets[i], samples[i].tokens.len());
         for &l in layers {
-            let src = f.layer(l);
-            let h = src.len() / f.argmax.len().max(1);
-            for &x in &src[o * h..(o + len) * h] {
+            rows.clear();
+            f.extend(l, o, len, &mut rows)?;
+            for &x in &rows {
                 sq += f64::from(x) * f64::from(x);
                 n += 1;
             }
         }
     }
-    ((sq / n.max(1) as f64).sqrt() as f32).max(1e-6)
+    Ok(((sq / n.max(1) as f64).sqrt() as f32).max(1e-6))
 }
 
 /// The target's token embeddings, `vocab x hidden` f32 (frozen).
@@ -769,7 +770,7 @@ pub(super) struct Corpus<'a> {
 }
 
 impl Corpus<'_> {
-    pub(super) fn batch(&self, idx: &[usize], ttt: usize, max_len: usize) -> Batch {
+    pub(super) fn batch(&self, idx: &[usize], ttt: usize, max_len: usize) -> Result<Batch> {
         let (h, nl) = (self.h, self.nl);
         let t = idx
             .iter()
@@ -787,20 +788,22 @@ impl Corpus<'_> {
                 argmax: vec![-1; b * t],
             })
             .collect();
+        let mut src = Vec::new();
         for (bi, &si) in idx.iter().enumerate() {
             let s = &self.samples[si];
             let len = s.tokens.len().min(max_len);
             let o = self.f.offsets[si];
             let r0 = bi * t;
             for (li, &l) in self.feature_layers.iter().enumerate() {
-                let src = self.f.layer(l);
+                src.clear();
+                self.f.extend(l, o, len, &mut src)?;
                 for r in 0..len {
                     let dst = (r0 + r) * nl * h + li * h;
-                    feats[dst..dst + h].copy_from_slice(&src[(o + r) * h..(o + r + 1) * h]);
+                    feats[dst..dst + h].copy_from_slice(&src[r * h..(r + 1) * h]);
                 }
             }
-            let fin = self.f.layer(self.fin);
-            fin_all[r0 * h..(r0 + len) * h].copy_from_slice(&fin[o * h..(o + len) * h]);
+            self.f
+                .rows(self.fin, o, &mut fin_all[r0 * h..(r0 + len) * h])?;
             for (k, sd) in steps.iter_mut().enumerate() {
                 for p in 0..len {
                     // Row p at step k: token x_{p+1+k}; learns the target's
@@ -819,13 +822,13 @@ impl Corpus<'_> {
                 }
             }
         }
-        Batch {
+        Ok(Batch {
             b,
             t,
             feats,
             fin: fin_all,
             steps,
-        }
+        })
     }
 }
 
@@ -1007,13 +1010,21 @@ pub fn distill_eagle(
     let resumed: Option<(EagleState, TensorFile)> = ckpt.resume()?;
     let mut rng = Rng::new(cfg.seed ^ 0x5EED);
     let mut gauss = |n: usize, std: f32| super::train::gauss(&mut rng, n, std);
-    if cfg.fc_unit && !cfg.mtp {
+    // RMS of the features (all layers, the highest alone) for fc's unit
+    // start; 1 where the start is not scaled.
+    let (rms_all, rms_top) = if cfg.fc_unit && !cfg.mtp {
+        let r = (
+            feature_rms(&features, &layers, &train_idx, &samples)?,
+            feature_rms(&features, &layers[nl - 1..], &train_idx, &samples)?,
+        );
         eprintln!(
             "specd distill: feature RMS {:.3} (highest layer {:.3}); fc starts scaled to unit RMS",
-            feature_rms(&features, &layers, &train_idx, &samples),
-            feature_rms(&features, &layers[nl - 1..], &train_idx, &samples)
+            r.0, r.1
         );
-    }
+        r
+    } else {
+        (1.0, 1.0)
+    };
     // The shared projection of the self-focused attention start (kv rows
     // x h, entries of variance 1/h, times the gain).
     let self_proj: Vec<f32> = if cfg.self_attn_init > 0.0 && !cfg.mtp {
@@ -1042,11 +1053,7 @@ pub fn distill_eagle(
                 "shared_head.head.weight" => th.clone(),
                 "self_attn.o_proj.weight" | "mlp.down_proj.weight" => gauss(n, cfg.out_std),
                 "fc.weight" if cfg.fc_identity => {
-                    let s = if cfg.fc_unit {
-                        1.0 / feature_rms(&features, &layers[nl - 1..], &train_idx, &samples)
-                    } else {
-                        1.0
-                    };
+                    let s = 1.0 / rms_top;
                     let mut w = gauss(n, 0.0005 * s);
                     // Identity on the last (highest) feature layer.
                     for r in 0..h {
@@ -1055,11 +1062,7 @@ pub fn distill_eagle(
                     w
                 }
                 "fc.weight" => {
-                    let s = if cfg.fc_unit {
-                        1.0 / feature_rms(&features, &layers, &train_idx, &samples)
-                    } else {
-                        1.0
-                    };
+                    let s = 1.0 / rms_all;
                     gauss(n, (1.0 / (nl * h) as f64).sqrt() as f32 * s)
                 }
                 "lm_head.weight" => th.clone(),
@@ -1159,7 +1162,7 @@ pub fn distill_eagle(
         let (mut first, mut last) = ((0.0, 0.0), (0.0, 0.0));
         for b in plan_batches(&samples, &val_idx, cfg.batch_tokens, cfg.max_len, 1) {
             let (_, st) = net
-                .forward(&val_corpus.batch(&b, cfg.ttt_steps, cfg.max_len))
+                .forward(&val_corpus.batch(&b, cfg.ttt_steps, cfg.max_len)?)
                 .map_err(cerr)?;
             first.0 += st[0].0;
             first.1 += st[0].1;
@@ -1186,7 +1189,7 @@ pub fn distill_eagle(
     let (mut hits, mut counted) = (0.0, 0.0);
     while state.step < sched.limit {
         let step = state.step;
-        let batch = corpus.batch(sched.batch(step), cfg.ttt_steps, cfg.max_len);
+        let batch = corpus.batch(sched.batch(step), cfg.ttt_steps, cfg.max_len)?;
         let (loss, st) = net.forward(&batch).map_err(cerr)?;
         let grads = loss.backward().map_err(cerr)?;
         opt.step(

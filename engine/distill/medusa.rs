@@ -201,16 +201,14 @@ fn make_batch(
     t2d: &[i64],
     heads: usize,
     idx: &[usize],
-) -> Batch {
-    let rows_of = f.layer(fin);
-    let h = rows_of.len() / f.argmax.len().max(1);
+) -> Result<Batch> {
     let mut x = Vec::new();
     let mut pairs: Vec<(Vec<u32>, Vec<u32>, Vec<i64>)> = vec![Default::default(); heads];
     let mut base = 0usize;
     for &si in idx {
         let s = &samples[si];
         let (o, len) = (f.offsets[si], s.tokens.len());
-        x.extend_from_slice(&rows_of[o * h..(o + len) * h]);
+        f.extend(fin, o, len, &mut x)?;
         for (k, (src, lab, am)) in pairs.iter_mut().enumerate() {
             for p in 0..len {
                 // Head k at row p learns the distribution at q = p + k + 1
@@ -230,11 +228,11 @@ fn make_batch(
         }
         base += len;
     }
-    Batch {
+    Ok(Batch {
         x,
         rows: base,
         pairs,
-    }
+    })
 }
 
 /// Training progress, next to each checkpoint.
@@ -451,7 +449,7 @@ pub fn distill_medusa(
         let mut acc = vec![(0.0, 0.0); cfg.heads];
         let (mut loss, mut batches) = (0.0, 0.0);
         for b in plan_batches(&samples, &val_idx, cfg.batch_tokens, cfg.max_len, 1) {
-            let (l, st) = net.forward(&batch_of(&b)).map_err(cerr)?;
+            let (l, st) = net.forward(&batch_of(&b)?).map_err(cerr)?;
             loss += f64::from(l.to_scalar::<f32>().map_err(cerr)?);
             batches += 1.0;
             for (a, s) in acc.iter_mut().zip(st) {
@@ -485,7 +483,7 @@ pub fn distill_medusa(
     }
     while state.step < sched.limit {
         let step = state.step;
-        let batch = batch_of(sched.batch(step));
+        let batch = batch_of(sched.batch(step))?;
         let (loss, _) = net.forward(&batch).map_err(cerr)?;
         let grads = loss.backward().map_err(cerr)?;
         opt.step(

@@ -20,8 +20,7 @@ use candle_core::{DType, Tensor, Var};
 
 use super::{training_data, DataConfig, Sample};
 use crate::error::{Result, SpecdError};
-use crate::model::eagle::feature_layers;
-use crate::model::tensor_file::{self, TensorData, TensorFile};
+use crate::model::tensor_file::{self, Dtype, RowFile, TensorData, TensorFile};
 use crate::model::{ForwardInput, Logits, Model};
 use crate::sampler::Rng;
 use crate::tokenizer::Tokenizer;
@@ -42,11 +41,14 @@ pub(super) fn truncate(samples: &mut [Sample], max_len: usize) {
     }
 }
 
-/// Recorded target hidden states of every sample, row per token.
+/// Recorded target hidden states of every sample, row per token, read
+/// from their cache file a range of rows at a time: a corpus's states
+/// (rows x hidden x recorded layers, f16) are far larger than memory, so
+/// batches read what they need and the page cache keeps what fits.
 pub(super) struct Features {
-    /// Hidden index -> `rows x h` (the final-normed state under the
-    /// target's layer count).
-    pub(super) layers: HashMap<usize, Vec<f32>>,
+    file: RowFile,
+    /// Hidden size (values per row).
+    pub(super) h: usize,
     /// Target argmax per row (the token the target predicts next).
     pub(super) argmax: Vec<u32>,
     /// First row of each sample.
@@ -54,22 +56,32 @@ pub(super) struct Features {
 }
 
 impl Features {
-    pub(super) fn layer(&self, l: usize) -> &[f32] {
-        self.layers.get(&l).map(Vec::as_slice).unwrap_or(&[])
+    /// Rows `r0..r0 + dst.len() / h` of the recorded state `l` (a hidden
+    /// index; the final-normed state under the target's layer count).
+    pub(super) fn rows(&self, l: usize, r0: usize, dst: &mut [f32]) -> Result<()> {
+        self.file
+            .read_rows(&format!("layer.{l}"), r0, dst)
+            .map_err(serr)
+    }
+
+    /// [`Features::rows`] appended to `out`.
+    pub(super) fn extend(&self, l: usize, r0: usize, n: usize, out: &mut Vec<f32>) -> Result<()> {
+        let at = out.len();
+        out.resize(at + n * self.h, 0.0);
+        self.rows(l, r0, &mut out[at..])
+    }
+
+    /// Every row of the recorded state `l` were recorded.
+    pub(super) fn has(&self, l: usize) -> bool {
+        self.file
+            .shape(&format!("layer.{l}"))
+            .is_some_and(|s| s == [self.argmax.len(), self.h])
     }
 }
 
-/// The target's greedy token at every position of a features file.
-fn argmax_of(f: &TensorFile) -> Result<Vec<u32>> {
-    Ok(f.i64("argmax")
-        .map_err(serr)?
-        .into_iter()
-        .map(|x| x as u32)
-        .collect())
-}
-
 /// Run every sample through the target once, recording the hidden states
-/// of `layers` (cached at `path`; a cache holding them is reused).
+/// of `layers` (cached at `path`, written as they come; a cache holding
+/// them is reused).
 pub(super) fn extract_features(
     target: &Model,
     samples: &[Sample],
@@ -84,57 +96,43 @@ pub(super) fn extract_features(
         offsets.push(acc);
         acc += s.tokens.len();
     }
-    if let Ok(f) = TensorFile::read(path) {
-        // The first format: EAGLE-3's three layers side by side, and the
-        // final-normed state.
-        let old = feature_layers(target.config.layers);
-        if f.shape("feats") == Some(&[total, old.len() * h][..])
-            && f.shape("fin") == Some(&[total, h][..])
-        {
-            let feats = f.f32("feats").map_err(serr)?;
-            let mut m: HashMap<usize, Vec<f32>> = HashMap::new();
-            for (li, &l) in old.iter().enumerate() {
-                let mut v = vec![0f32; total * h];
-                for r in 0..total {
-                    let src = r * old.len() * h + li * h;
-                    v[r * h..(r + 1) * h].copy_from_slice(&feats[src..src + h]);
-                }
-                m.insert(l, v);
-            }
-            m.insert(target.config.layers, f.f32("fin").map_err(serr)?);
-            if layers.iter().all(|l| m.contains_key(l)) {
+    if let Ok(file) = RowFile::open(path) {
+        if file.shape("argmax") == Some(&[total][..]) {
+            let argmax = file
+                .read_i64("argmax")
+                .map_err(serr)?
+                .into_iter()
+                .map(|x| x as u32)
+                .collect();
+            let f = Features {
+                file,
+                h,
+                argmax,
+                offsets: offsets.clone(),
+            };
+            if layers.iter().all(|&l| f.has(l)) {
                 eprintln!(
                     "specd distill: reusing target features from {}",
                     path.display()
                 );
-                m.retain(|l, _| layers.contains(l));
-                return Ok(Features {
-                    layers: m,
-                    argmax: argmax_of(&f)?,
-                    offsets,
-                });
+                return Ok(f);
             }
-        }
-        if layers
-            .iter()
-            .all(|l| f.shape(&format!("layer.{l}")) == Some(&[total, h][..]))
-        {
-            eprintln!(
-                "specd distill: reusing target features from {}",
-                path.display()
-            );
-            let mut m = HashMap::new();
-            for &l in layers {
-                m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
-            }
-            return Ok(Features {
-                layers: m,
-                argmax: argmax_of(&f)?,
-                offsets,
-            });
         }
     }
-    let mut rec: Vec<Vec<f32>> = layers.iter().map(|_| vec![0f32; total * h]).collect();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut layers = layers.to_vec();
+    layers.sort_unstable();
+    layers.dedup();
+    let names: Vec<String> = layers.iter().map(|l| format!("layer.{l}")).collect();
+    let mut spec: Vec<(&str, Dtype, Vec<usize>)> = vec![("argmax", Dtype::I64, vec![total])];
+    spec.extend(
+        names
+            .iter()
+            .map(|n| (n.as_str(), Dtype::F16, vec![total, h])),
+    );
+    let file = RowFile::create(path, &spec).map_err(serr)?;
     let mut argmax = vec![0u32; total];
     let bar = indicatif::ProgressBar::new(total as u64);
     bar.set_style(
@@ -164,12 +162,19 @@ pub(super) fn extract_features(
                 tree: None,
             })
             .collect();
-        let outs = target.forward(&mut inputs, layers)?;
+        let outs = target.forward(&mut inputs, &layers)?;
         for (k, out) in outs.iter().enumerate() {
             let s = i + k;
             let (o, len) = (offsets[s], samples[s].tokens.len());
-            for (li, (_, rows)) in out.hidden.iter().enumerate() {
-                rec[li][o * h..(o + len) * h].copy_from_slice(rows);
+            for (l, rows) in &out.hidden {
+                if rows.len() != len * h {
+                    return Err(serr(format!(
+                        "layer {l}: {} values recorded for {len} tokens of width {h}",
+                        rows.len()
+                    )));
+                }
+                file.write_f16_rows(&format!("layer.{l}"), o, rows)
+                    .map_err(serr)?;
             }
             for r in 0..len {
                 let row = &out.logits[r * vocab..(r + 1) * vocab];
@@ -180,28 +185,12 @@ pub(super) fn extract_features(
         i = j;
     }
     bar.finish_and_clear();
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let mut tensors: Vec<(String, Vec<usize>, TensorData)> = layers
-        .iter()
-        .zip(rec)
-        .map(|(l, v)| (format!("layer.{l}"), vec![total, h], TensorData::F16(v)))
-        .collect();
-    tensors.push((
-        "argmax".into(),
-        vec![total],
-        TensorData::I64(argmax.iter().map(|&x| i64::from(x)).collect()),
-    ));
-    tensor_file::write(path, &tensors).map_err(serr)?;
+    let am: Vec<i64> = argmax.iter().map(|&x| i64::from(x)).collect();
+    file.write_i64("argmax", &am).map_err(serr)?;
     // Train on what the cache holds (f16), so a resumed run sees the same.
-    let f = TensorFile::read(path).map_err(serr)?;
-    let mut m = HashMap::new();
-    for &l in layers {
-        m.insert(l, f.f32(&format!("layer.{l}")).map_err(serr)?);
-    }
     Ok(Features {
-        layers: m,
+        file: file.finish().map_err(serr)?,
+        h,
         argmax,
         offsets,
     })

@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors};
+pub use safetensors::Dtype;
+use safetensors::SafeTensors;
 
 /// One tensor's raw little-endian bytes.
 #[derive(Debug, Clone)]
@@ -215,6 +216,388 @@ pub fn write(path: &Path, tensors: &[(String, Vec<usize>, TensorData)]) -> Resul
     std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// Where one tensor of a [`RowFile`] lies.
+#[derive(Debug, Clone)]
+struct RowInfo {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Absolute byte offset of the tensor's first element.
+    start: u64,
+    /// Bytes of one row (the product of every dimension but the first).
+    row_bytes: usize,
+}
+
+fn dtype_size(d: Dtype) -> Option<usize> {
+    Some(match d {
+        Dtype::F32 | Dtype::I32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        Dtype::I64 => 8,
+        Dtype::BOOL | Dtype::U8 => 1,
+        _ => return None,
+    })
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::F32 => "F32",
+        Dtype::I32 => "I32",
+        Dtype::F16 => "F16",
+        Dtype::BF16 => "BF16",
+        Dtype::I64 => "I64",
+        Dtype::BOOL => "BOOL",
+        _ => "U8",
+    }
+}
+
+fn dtype_of(name: &str) -> Option<Dtype> {
+    Some(match name {
+        "F32" => Dtype::F32,
+        "I32" => Dtype::I32,
+        "F16" => Dtype::F16,
+        "BF16" => Dtype::BF16,
+        "I64" => Dtype::I64,
+        "BOOL" => Dtype::BOOL,
+        "U8" => Dtype::U8,
+        _ => return None,
+    })
+}
+
+/// A safetensors file read and written a range of rows at a time, for
+/// tensors larger than memory (a trainer's recorded target states: one row
+/// per token of a corpus). The file is a plain safetensors file; nothing
+/// of it is held in memory but its header.
+///
+/// Invariants: a file being written lives under a `.tmp` name until
+/// [`RowFile::finish`] renames it into place, so a crash never leaves a
+/// complete-looking file with unwritten rows; every read and write is
+/// bounds-checked against the header, and every error names the file and
+/// the tensor.
+#[derive(Debug)]
+pub struct RowFile {
+    path: PathBuf,
+    file: std::fs::File,
+    tensors: HashMap<String, RowInfo>,
+    writing: Option<PathBuf>,
+}
+
+impl RowFile {
+    /// Start writing `path`: every tensor (name, dtype, shape) laid out in
+    /// this order, their bytes zero until written.
+    pub fn create(path: &Path, tensors: &[(&str, Dtype, Vec<usize>)]) -> Result<Self, String> {
+        let mut header = serde_json::Map::new();
+        let mut infos = HashMap::new();
+        let mut off = 0usize;
+        let mut layout = Vec::new();
+        for (name, dtype, shape) in tensors {
+            if header.contains_key(*name) {
+                return Err(format!("{}: tensor `{name}` named twice", path.display()));
+            }
+            let size = dtype_size(*dtype).ok_or_else(|| {
+                format!(
+                    "{}: tensor `{name}`: dtype {dtype:?} is not supported",
+                    path.display()
+                )
+            })?;
+            let row = shape.iter().skip(1).product::<usize>() * size;
+            let bytes = shape.iter().product::<usize>() * size;
+            header.insert(
+                (*name).to_string(),
+                serde_json::json!({
+                    "dtype": dtype_name(*dtype),
+                    "shape": shape,
+                    "data_offsets": [off, off + bytes],
+                }),
+            );
+            layout.push((name.to_string(), *dtype, shape.clone(), off, row));
+            off += bytes;
+        }
+        let mut json = serde_json::Value::Object(header).to_string().into_bytes();
+        // The data starts 8-byte aligned, as safetensors writers pad it.
+        while !(8 + json.len()).is_multiple_of(8) {
+            json.push(b' ');
+        }
+        let base = (8 + json.len()) as u64;
+        for (name, dtype, shape, o, row_bytes) in layout {
+            infos.insert(
+                name,
+                RowInfo {
+                    dtype,
+                    shape,
+                    start: base + o as u64,
+                    row_bytes,
+                },
+            );
+        }
+        let tmp = path.with_extension("safetensors.tmp");
+        let io = |e: std::io::Error| format!("{}: {e}", tmp.display());
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(io)?;
+        use std::os::unix::fs::FileExt;
+        file.write_all_at(&(json.len() as u64).to_le_bytes(), 0)
+            .map_err(io)?;
+        file.write_all_at(&json, 8).map_err(io)?;
+        file.set_len(base + off as u64).map_err(io)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            tensors: infos,
+            writing: Some(tmp),
+        })
+    }
+
+    /// Open a complete file for reading (its header checked against its
+    /// length).
+    pub fn open(path: &Path) -> Result<Self, String> {
+        use std::os::unix::fs::FileExt;
+        let io = |e: std::io::Error| format!("{}: {e}", path.display());
+        let bad = |what: &str| format!("{}: not a safetensors file: {what}", path.display());
+        let file = std::fs::File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0).map_err(io)?;
+        let n = u64::from_le_bytes(n);
+        if n > 100 << 20 || 8 + n > len {
+            return Err(bad("header length past the end"));
+        }
+        let mut json = vec![0u8; n as usize];
+        file.read_exact_at(&mut json, 8).map_err(io)?;
+        let header: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&json).map_err(|e| bad(&e.to_string()))?;
+        let base = 8 + n;
+        let mut tensors = HashMap::new();
+        for (name, v) in header {
+            if name == "__metadata__" {
+                continue;
+            }
+            let dtype = v["dtype"]
+                .as_str()
+                .and_then(dtype_of)
+                .ok_or_else(|| bad(&format!("tensor `{name}`: unknown dtype")))?;
+            let dims = v["shape"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+            let shape: Vec<usize> = dims
+                .iter()
+                .filter_map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
+                .collect();
+            if shape.len() != dims.len() || v["shape"].as_array().is_none() {
+                return Err(bad(&format!("tensor `{name}`: a malformed shape")));
+            }
+            let offs: Vec<u64> = v["data_offsets"]
+                .as_array()
+                .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+                .unwrap_or_default();
+            let size = dtype_size(dtype).unwrap_or(1);
+            let bytes = shape
+                .iter()
+                .try_fold(size as u64, |a, &d| a.checked_mul(d as u64));
+            let fits = match (bytes, offs.as_slice()) {
+                (Some(bytes), &[a, b]) => {
+                    b.checked_sub(a) == Some(bytes) && base.checked_add(b).is_some_and(|e| e <= len)
+                }
+                _ => false,
+            };
+            if !fits {
+                return Err(bad(&format!(
+                    "tensor `{name}`: data offsets do not match its shape and the file"
+                )));
+            }
+            tensors.insert(
+                name,
+                RowInfo {
+                    dtype,
+                    row_bytes: shape.iter().skip(1).product::<usize>() * size,
+                    shape,
+                    start: base + offs[0],
+                },
+            );
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            tensors,
+            writing: None,
+        })
+    }
+
+    /// Rename a file being written into place; it reads on as before.
+    pub fn finish(mut self) -> Result<Self, String> {
+        if let Some(tmp) = self.writing.take() {
+            self.file
+                .sync_data()
+                .map_err(|e| format!("{}: {e}", tmp.display()))?;
+            std::fs::rename(&tmp, &self.path)
+                .map_err(|e| format!("{}: {e}", self.path.display()))?;
+        }
+        Ok(self)
+    }
+
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|r| r.shape.as_slice())
+    }
+
+    fn shown(&self) -> String {
+        self.writing
+            .as_deref()
+            .unwrap_or(&self.path)
+            .display()
+            .to_string()
+    }
+
+    /// The byte range of rows `r0..r0 + n` of `name`, checked.
+    fn span(&self, name: &str, r0: usize, n: usize) -> Result<(&RowInfo, u64, usize), String> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| format!("{}: missing tensor `{name}`", self.shown()))?;
+        let rows = info.shape.first().copied().unwrap_or(1);
+        if r0 + n > rows {
+            return Err(format!(
+                "{}: tensor `{name}`: rows {r0}..{} past its {rows}",
+                self.shown(),
+                r0 + n
+            ));
+        }
+        Ok((
+            info,
+            info.start + (r0 * info.row_bytes) as u64,
+            n * info.row_bytes,
+        ))
+    }
+
+    /// Write rows `r0..` of an F16 tensor from f32 values (a whole number
+    /// of rows).
+    pub fn write_f16_rows(&self, name: &str, r0: usize, data: &[f32]) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let row = self
+            .tensors
+            .get(name)
+            .map_or(1, |i| (i.row_bytes / 2).max(1));
+        let (info, at, len) = self.span(name, r0, data.len() / row)?;
+        if info.dtype != Dtype::F16 || len != data.len() * 2 {
+            return Err(format!(
+                "{}: tensor `{name}`: {} values are not whole F16 rows of it",
+                self.shown(),
+                data.len()
+            ));
+        }
+        let bytes: Vec<u8> = data
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect();
+        self.file
+            .write_all_at(&bytes, at)
+            .map_err(|e| format!("{}: tensor `{name}`: {e}", self.shown()))
+    }
+
+    /// Write a whole I64 tensor.
+    pub fn write_i64(&self, name: &str, data: &[i64]) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let (info, at, len) = self.span(
+            name,
+            0,
+            self.tensors
+                .get(name)
+                .map_or(0, |i| i.shape.first().copied().unwrap_or(1)),
+        )?;
+        if info.dtype != Dtype::I64 || len != data.len() * 8 {
+            return Err(format!(
+                "{}: tensor `{name}`: not an I64 tensor of {} values",
+                self.shown(),
+                data.len()
+            ));
+        }
+        let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.file
+            .write_all_at(&bytes, at)
+            .map_err(|e| format!("{}: tensor `{name}`: {e}", self.shown()))
+    }
+
+    /// Read rows `r0..` of a float tensor (F32, F16 or BF16) into `dst`
+    /// (a whole number of rows) as f32.
+    pub fn read_rows(&self, name: &str, r0: usize, dst: &mut [f32]) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let size = self
+            .tensors
+            .get(name)
+            .and_then(|i| dtype_size(i.dtype))
+            .unwrap_or(4);
+        let per_row = self
+            .tensors
+            .get(name)
+            .map_or(1, |i| (i.row_bytes / size).max(1));
+        let (info, at, len) = self.span(name, r0, dst.len() / per_row)?;
+        if len != dst.len() * size {
+            return Err(format!(
+                "{}: tensor `{name}`: {} values are not whole rows of it",
+                self.shown(),
+                dst.len()
+            ));
+        }
+        let mut bytes = vec![0u8; len];
+        self.file
+            .read_exact_at(&mut bytes, at)
+            .map_err(|e| format!("{}: tensor `{name}`: {e}", self.shown()))?;
+        match info.dtype {
+            Dtype::F32 => {
+                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Dtype::F16 => {
+                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            Dtype::BF16 => {
+                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *d = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            d => {
+                return Err(format!(
+                    "{}: tensor `{name}` has dtype {d:?}, expected F32, F16 or BF16",
+                    self.shown()
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// A whole I64 or I32 tensor.
+    pub fn read_i64(&self, name: &str) -> Result<Vec<i64>, String> {
+        use std::os::unix::fs::FileExt;
+        let rows = self
+            .tensors
+            .get(name)
+            .map_or(0, |i| i.shape.first().copied().unwrap_or(1));
+        let (info, at, len) = self.span(name, 0, rows)?;
+        let mut bytes = vec![0u8; len];
+        self.file
+            .read_exact_at(&mut bytes, at)
+            .map_err(|e| format!("{}: tensor `{name}`: {e}", self.shown()))?;
+        Ok(match info.dtype {
+            Dtype::I64 => bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect(),
+            Dtype::I32 => bytes
+                .chunks_exact(4)
+                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+            d => {
+                return Err(format!(
+                    "{}: tensor `{name}` has dtype {d:?}, expected I64 or I32",
+                    self.shown()
+                ))
+            }
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +638,80 @@ mod tests {
             e.contains("missing tensor `nope`") && e.contains("t.safetensors"),
             "{e}"
         );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn row_files_write_and_read_row_ranges_as_safetensors() {
+        let dir = std::env::temp_dir().join(format!("specd-rf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("rows.safetensors");
+        let w = RowFile::create(
+            &p,
+            &[
+                ("ids", Dtype::I64, vec![3]),
+                ("x", Dtype::F16, vec![3, 2]),
+                ("y", Dtype::F16, vec![3, 1]),
+            ],
+        )
+        .unwrap();
+        assert!(
+            !p.exists(),
+            "the file is not in place before it is finished"
+        );
+        w.write_f16_rows("x", 1, &[1.5, -2.0, 0.25, 8.0]).unwrap();
+        w.write_f16_rows("x", 0, &[3.0, 4.0]).unwrap();
+        w.write_f16_rows("y", 0, &[1.0, 2.0, 3.0]).unwrap();
+        w.write_i64("ids", &[7, -1, 1 << 40]).unwrap();
+        let e = w.write_f16_rows("x", 2, &[1.0, 2.0, 3.0, 4.0]).unwrap_err();
+        assert!(e.contains("`x`") && e.contains("past"), "{e}");
+        let e = w.write_f16_rows("x", 0, &[1.0]).unwrap_err();
+        assert!(e.contains("whole F16 rows"), "{e}");
+        w.finish().unwrap();
+        // A standard safetensors reader sees the same tensors.
+        let f = TensorFile::read(&p).unwrap();
+        assert_eq!(f.f32("x").unwrap(), vec![3.0, 4.0, 1.5, -2.0, 0.25, 8.0]);
+        assert_eq!(f.i64("ids").unwrap(), vec![7, -1, 1 << 40]);
+        let r = RowFile::open(&p).unwrap();
+        assert_eq!(r.shape("x"), Some(&[3usize, 2][..]));
+        let mut two = [0f32; 4];
+        r.read_rows("x", 1, &mut two).unwrap();
+        assert_eq!(two, [1.5, -2.0, 0.25, 8.0]);
+        let mut one = [0f32; 1];
+        r.read_rows("y", 2, &mut one).unwrap();
+        assert_eq!(one, [3.0]);
+        assert_eq!(r.read_i64("ids").unwrap(), vec![7, -1, 1 << 40]);
+        let e = r.read_rows("x", 3, &mut [0f32; 2]).unwrap_err();
+        assert!(e.contains("rows.safetensors") && e.contains("past"), "{e}");
+        let e = r.read_rows("nope", 0, &mut [0f32; 2]).unwrap_err();
+        assert!(e.contains("missing tensor `nope`"), "{e}");
+        // A file written by the standard writer opens too; a truncated one
+        // is refused by name.
+        write(
+            &p,
+            &[(
+                "z".into(),
+                vec![2, 2],
+                TensorData::F32(vec![1.0, 2.0, 3.0, 4.0]),
+            )],
+        )
+        .unwrap();
+        let mut z = [0f32; 2];
+        RowFile::open(&p)
+            .unwrap()
+            .read_rows("z", 1, &mut z)
+            .unwrap();
+        assert_eq!(z, [3.0, 4.0]);
+        let bytes = std::fs::read(&p).unwrap();
+        let e = RowFile::create(
+            &dir.join("twice.safetensors"),
+            &[("a", Dtype::F16, vec![1, 1]), ("a", Dtype::F16, vec![1, 1])],
+        )
+        .unwrap_err();
+        assert!(e.contains("`a` named twice"), "{e}");
+        std::fs::write(&p, &bytes[..bytes.len() - 4]).unwrap();
+        let e = RowFile::open(&p).unwrap_err();
+        assert!(e.contains("`z`") && e.contains("rows.safetensors"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 }
