@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use safetensors::tensor::TensorInfo;
 pub use safetensors::Dtype;
 use safetensors::SafeTensors;
 
@@ -115,39 +116,16 @@ impl TensorFile {
     /// A float tensor (F32, F16 or BF16) as f32.
     pub fn f32(&self, name: &str) -> Result<Vec<f32>, String> {
         let r = self.raw(name)?;
-        let b = &r.bytes;
-        Ok(match r.dtype {
-            Dtype::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            d => return Err(self.bad_dtype(name, d, "F32, F16 or BF16")),
-        })
+        let mut v = vec![0f32; r.bytes.len() / dtype_size(r.dtype).unwrap_or(1)];
+        floats_into(r.dtype, &r.bytes, &mut v)
+            .map_err(|d| self.bad_dtype(name, d, "F32, F16 or BF16"))?;
+        Ok(v)
     }
 
     /// An integer tensor (I64 or I32) as i64.
     pub fn i64(&self, name: &str) -> Result<Vec<i64>, String> {
         let r = self.raw(name)?;
-        let b = &r.bytes;
-        Ok(match r.dtype {
-            Dtype::I64 => b
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                .collect(),
-            Dtype::I32 => b
-                .chunks_exact(4)
-                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect(),
-            d => return Err(self.bad_dtype(name, d, "I64 or I32")),
-        })
+        ints(r.dtype, &r.bytes).map_err(|d| self.bad_dtype(name, d, "I64 or I32"))
     }
 
     /// A BOOL (or U8) tensor.
@@ -158,6 +136,46 @@ impl TensorFile {
             d => Err(self.bad_dtype(name, d, "BOOL")),
         }
     }
+}
+
+/// Little-endian F32, F16 or BF16 `bytes` decoded into `dst` (Err: the
+/// dtype, when it is none of those).
+fn floats_into(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), Dtype> {
+    match dtype {
+        Dtype::F32 => {
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Dtype::F16 => {
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        Dtype::BF16 => {
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        d => return Err(d),
+    }
+    Ok(())
+}
+
+/// Little-endian I64 or I32 `bytes` as i64 (Err: the dtype, when it is
+/// neither).
+fn ints(dtype: Dtype, bytes: &[u8]) -> Result<Vec<i64>, Dtype> {
+    Ok(match dtype {
+        Dtype::I64 => bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect(),
+        Dtype::I32 => bytes
+            .chunks_exact(4)
+            .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect(),
+        d => return Err(d),
+    })
 }
 
 /// Data of a tensor to write.
@@ -227,39 +245,10 @@ struct RowInfo {
     row_bytes: usize,
 }
 
+/// Bytes per element (`None` for dtypes narrower than a byte).
 fn dtype_size(d: Dtype) -> Option<usize> {
-    Some(match d {
-        Dtype::F32 | Dtype::I32 => 4,
-        Dtype::F16 | Dtype::BF16 => 2,
-        Dtype::I64 => 8,
-        Dtype::BOOL | Dtype::U8 => 1,
-        _ => return None,
-    })
-}
-
-fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::F32 => "F32",
-        Dtype::I32 => "I32",
-        Dtype::F16 => "F16",
-        Dtype::BF16 => "BF16",
-        Dtype::I64 => "I64",
-        Dtype::BOOL => "BOOL",
-        _ => "U8",
-    }
-}
-
-fn dtype_of(name: &str) -> Option<Dtype> {
-    Some(match name {
-        "F32" => Dtype::F32,
-        "I32" => Dtype::I32,
-        "F16" => Dtype::F16,
-        "BF16" => Dtype::BF16,
-        "I64" => Dtype::I64,
-        "BOOL" => Dtype::BOOL,
-        "U8" => Dtype::U8,
-        _ => return None,
-    })
+    let bits = d.bitsize();
+    bits.is_multiple_of(8).then_some(bits / 8)
 }
 
 /// A safetensors file read and written a range of rows at a time, for
@@ -300,13 +289,14 @@ impl RowFile {
             })?;
             let row = shape.iter().skip(1).product::<usize>() * size;
             let bytes = shape.iter().product::<usize>() * size;
+            let info = TensorInfo {
+                dtype: *dtype,
+                shape: shape.clone(),
+                data_offsets: (off, off + bytes),
+            };
             header.insert(
                 (*name).to_string(),
-                serde_json::json!({
-                    "dtype": dtype_name(*dtype),
-                    "shape": shape,
-                    "data_offsets": [off, off + bytes],
-                }),
+                serde_json::to_value(info).map_err(|e| format!("{}: {e}", path.display()))?,
             );
             layout.push((name.to_string(), *dtype, shape.clone(), off, row));
             off += bytes;
@@ -374,32 +364,23 @@ impl RowFile {
             if name == "__metadata__" {
                 continue;
             }
-            let dtype = v["dtype"]
-                .as_str()
-                .and_then(dtype_of)
-                .ok_or_else(|| bad(&format!("tensor `{name}`: unknown dtype")))?;
-            let dims = v["shape"].as_array().map(Vec::as_slice).unwrap_or(&[]);
-            let shape: Vec<usize> = dims
-                .iter()
-                .filter_map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
-                .collect();
-            if shape.len() != dims.len() || v["shape"].as_array().is_none() {
-                return Err(bad(&format!("tensor `{name}`: a malformed shape")));
-            }
-            let offs: Vec<u64> = v["data_offsets"]
-                .as_array()
-                .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
-                .unwrap_or_default();
-            let size = dtype_size(dtype).unwrap_or(1);
+            let TensorInfo {
+                dtype,
+                shape,
+                data_offsets: (a, b),
+            } = serde_json::from_value(v).map_err(|e| bad(&format!("tensor `{name}`: {e}")))?;
+            let (a, b) = (a as u64, b as u64);
+            let size = dtype_size(dtype).ok_or_else(|| {
+                bad(&format!(
+                    "tensor `{name}`: dtype {dtype:?} is narrower than a byte"
+                ))
+            })?;
             let bytes = shape
                 .iter()
                 .try_fold(size as u64, |a, &d| a.checked_mul(d as u64));
-            let fits = match (bytes, offs.as_slice()) {
-                (Some(bytes), &[a, b]) => {
-                    b.checked_sub(a) == Some(bytes) && base.checked_add(b).is_some_and(|e| e <= len)
-                }
-                _ => false,
-            };
+            let fits = bytes.is_some_and(|bytes| {
+                b.checked_sub(a) == Some(bytes) && base.checked_add(b).is_some_and(|e| e <= len)
+            });
             if !fits {
                 return Err(bad(&format!(
                     "tensor `{name}`: data offsets do not match its shape and the file"
@@ -411,7 +392,7 @@ impl RowFile {
                     dtype,
                     row_bytes: shape.iter().skip(1).product::<usize>() * size,
                     shape,
-                    start: base + offs[0],
+                    start: base + a,
                 },
             );
         }
@@ -541,29 +522,12 @@ impl RowFile {
         self.file
             .read_exact_at(&mut bytes, at)
             .map_err(|e| format!("{}: tensor `{name}`: {e}", self.shown()))?;
-        match info.dtype {
-            Dtype::F32 => {
-                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-            }
-            Dtype::F16 => {
-                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
-                }
-            }
-            Dtype::BF16 => {
-                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *d = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
-                }
-            }
-            d => {
-                return Err(format!(
-                    "{}: tensor `{name}` has dtype {d:?}, expected F32, F16 or BF16",
-                    self.shown()
-                ))
-            }
-        }
+        floats_into(info.dtype, &bytes, dst).map_err(|d| {
+            format!(
+                "{}: tensor `{name}` has dtype {d:?}, expected F32, F16 or BF16",
+                self.shown()
+            )
+        })?;
         Ok(())
     }
 
@@ -579,21 +543,11 @@ impl RowFile {
         self.file
             .read_exact_at(&mut bytes, at)
             .map_err(|e| format!("{}: tensor `{name}`: {e}", self.shown()))?;
-        Ok(match info.dtype {
-            Dtype::I64 => bytes
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                .collect(),
-            Dtype::I32 => bytes
-                .chunks_exact(4)
-                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect(),
-            d => {
-                return Err(format!(
-                    "{}: tensor `{name}` has dtype {d:?}, expected I64 or I32",
-                    self.shown()
-                ))
-            }
+        ints(info.dtype, &bytes).map_err(|d| {
+            format!(
+                "{}: tensor `{name}` has dtype {d:?}, expected I64 or I32",
+                self.shown()
+            )
         })
     }
 }
