@@ -655,7 +655,7 @@ impl Config {
     ) -> Result<Box<dyn Proposer>> {
         let inner = self.build_bare_proposer(p, model, tokenizer)?;
         Ok(match p.token_cost {
-            Some(c) if c > 0.0 => Box::new(crate::speculative::proposer::Priced {
+            Some(c) => Box::new(crate::speculative::proposer::Priced {
                 inner,
                 token_cost: c,
             }),

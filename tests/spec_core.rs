@@ -233,6 +233,48 @@ fn a_costly_proposer_stops_drafting_where_its_acceptance_does_not_pay() {
     );
 }
 
+/// A proposer without a configured `token_cost` is priced by its measured
+/// calls in a batch (`draft_pricing = "measured"`): the same drafts,
+/// accepted 70% of the time, keep paying from a fast proposer and stop
+/// (bar the first calls, which measure it, and rare probes) when every call
+/// takes 100 ms, many target forwards. Output is plain decoding's either
+/// way.
+#[test]
+fn a_slow_proposer_is_priced_by_its_measured_calls() {
+    let n = 48;
+    let (model, tok, ps, want, answers) =
+        smollm_answers(&["def fibonacci(n):", "The three primary colors are"], n);
+    let drafted = |delay_ms: u64| {
+        let oracle = OracleProposer::new(answers.clone(), 0.3, 4, model.config.vocab_size as u32)
+            .with_delay(std::time::Duration::from_millis(delay_ms));
+        // Both prompts decode together: a batch, whose prices are measured.
+        let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 2, None);
+        e.scheduler.config.adaptive_draft = true;
+        e.scheduler.config.measured_pricing = true;
+        e.scheduler.config.draft_cost = 0.10;
+        let done = run_all(&mut e, oracle_requests(&ps, n));
+        for (c, w) in done.iter().zip(&want) {
+            assert_eq!(&c.tokens, w);
+        }
+        let own = e.scheduler.own_cost("oracle", 2).expect("measured");
+        (done.iter().map(|c| c.stats.drafted).sum::<u64>(), own)
+    };
+    let ((fast, fast_cost), (slow, slow_cost)) = (drafted(0), drafted(100));
+    assert!(
+        fast_cost < 0.2,
+        "a lookup costs next to nothing: {fast_cost}"
+    );
+    assert!(
+        slow_cost > 1.0,
+        "100 ms a call is many forwards: {slow_cost}"
+    );
+    assert!(fast >= 40, "free drafts at 0.7 acceptance pay: {fast}");
+    assert!(
+        slow * 4 <= fast,
+        "a slow proposer must mostly stop drafting: {slow} vs {fast}"
+    );
+}
+
 /// A costly proposer that is never right: once its acceptance estimate
 /// has fallen, the policy only probes, and each rejected probe doubles the
 /// wait before the next, so 96 more tokens cost it only a handful of drafts

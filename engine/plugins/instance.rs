@@ -322,7 +322,7 @@ impl Proposer for PluginProposer {
                 SiblingMode::WithoutReplacement
             },
             // Set by the host's configuration (`speculative::proposer::Priced`).
-            token_cost: 0.0,
+            token_cost: None,
         }
     }
 

@@ -242,7 +242,7 @@ impl<'a> Reader<'a> {
                 SiblingMode::WithoutReplacement
             },
             // The host's configuration, not the plugin's to declare.
-            token_cost: 0.0,
+            token_cost: None,
         })
     }
 
@@ -374,7 +374,7 @@ mod tests {
             tree: true,
             max_depth: 5,
             siblings: SiblingMode::Iid,
-            token_cost: 0.0,
+            token_cost: None,
         };
         let mut w = Writer::default();
         w.caps(&caps);

@@ -110,6 +110,19 @@ pub struct Drafter {
     shadows: Vec<Shadow>,
     /// The target's vocabulary size (drafted ids must fall below it).
     vocab: Option<usize>,
+    /// What each proposer's propose calls cost since `take_spent`.
+    spent: Vec<DraftSpent>,
+}
+
+/// One proposer's propose call in a step: its wall time, the tokens it
+/// drafted and the sequences it drafted for (the scheduler prices the
+/// proposer's own drafting from these, `Scheduler::record_drafting`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftSpent {
+    pub proposer: String,
+    pub seconds: f64,
+    pub drafted: usize,
+    pub seqs: Vec<SeqId>,
 }
 
 impl std::fmt::Debug for Drafter {
@@ -143,7 +156,13 @@ impl Drafter {
             seqs: HashMap::new(),
             shadows: Vec::new(),
             vocab: None,
+            spent: Vec::new(),
         }
+    }
+
+    /// The propose calls made since the last call, with what they cost.
+    pub fn take_spent(&mut self) -> Vec<DraftSpent> {
+        std::mem::take(&mut self.spent)
     }
 
     /// The target's vocabulary size; drafts with ids at or above it are
@@ -419,7 +438,10 @@ impl Drafter {
                     hidden_start: inputs[i].hidden_start,
                 })
                 .collect();
-            match catch_unwind(AssertUnwindSafe(|| slot.proposer.propose(&batch))) {
+            let started = std::time::Instant::now();
+            let result = catch_unwind(AssertUnwindSafe(|| slot.proposer.propose(&batch)));
+            let seconds = started.elapsed().as_secs_f64();
+            match result {
                 Ok(Ok(drafts)) if drafts.len() == batch.len() => {
                     let mut checked = Vec::with_capacity(drafts.len());
                     let mut bad = None;
@@ -442,6 +464,12 @@ impl Drafter {
                     match bad {
                         Some(why) => Self::poison(slot, &name, format!("invalid draft: {why}")),
                         None => {
+                            self.spent.push(DraftSpent {
+                                proposer: name.clone(),
+                                seconds,
+                                drafted: checked.iter().map(|d| d.tokens.len()).sum(),
+                                seqs: batch.iter().map(|b| b.seq).collect(),
+                            });
                             for (&i, d) in idx.iter().zip(checked) {
                                 out[i] = d;
                             }

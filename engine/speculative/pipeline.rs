@@ -31,7 +31,7 @@ use super::accept::{AcceptItem, Acceptor};
 pub use super::verify::VerifyResponse;
 use super::verify::{Verifier, VerifyItem, VerifyOut};
 
-use super::drafter::Drafter;
+use super::drafter::{DraftSpent, Drafter};
 use super::hidden::HiddenRows;
 use super::kv_manager::{self, Grant, KvManager, Pool, Want};
 use super::proposer::{Capabilities, Draft, ProposeInput};
@@ -82,6 +82,8 @@ pub struct DraftRequest {
 #[derive(Debug, Clone, Default)]
 pub struct DraftResponse {
     pub drafts: Vec<(SeqId, Draft)>,
+    /// What each proposer's call cost (the scheduler prices drafting by it).
+    pub spent: Vec<DraftSpent>,
 }
 
 /// Stage 4 input: drop the caches of `release`, then one forward.
@@ -140,6 +142,8 @@ pub struct Step {
     label: String,
     span: tracing::Span,
     drafts: HashMap<SeqId, Draft>,
+    /// What the proposers' calls cost this step.
+    spent: Vec<DraftSpent>,
     /// Each decode item's deepest drafted node.
     depths: HashMap<SeqId, usize>,
     /// Each decode item's drafting member (composed proposers).
@@ -189,6 +193,7 @@ impl Step {
             label: String::new(),
             span: tracing::Span::none(),
             drafts: HashMap::new(),
+            spent: Vec::new(),
             depths: HashMap::new(),
             sources: HashMap::new(),
             forced: HashMap::new(),
@@ -294,6 +299,7 @@ impl Step {
     /// appended to its last token.
     pub fn drafted(&mut self, resp: DraftResponse) -> VerifyRequest {
         self.drafts = resp.drafts.into_iter().collect();
+        self.spent = resp.spent;
         let items: Vec<VerifyItem> = self
             .items
             .iter()
@@ -400,6 +406,7 @@ impl Step {
             .count();
         let decode_only = self.decode_only() && resp.failed.is_empty();
         sched.record_verify(self.report.batch_tokens, decodes, resp.seconds, decode_only);
+        sched.record_drafting(&self.spent);
         self.outs = resp.outs.into_iter().map(|o| (o.seq, o)).collect();
         let mut items = Vec::new();
         for it in &self.items {
@@ -588,6 +595,7 @@ impl Drafter {
         };
         let resp = DraftResponse {
             drafts: req.inputs.iter().map(|i| i.seq).zip(drafts).collect(),
+            spent: self.take_spent(),
         };
         metrics::histogram!("specd_draft_seconds", "proposer" => req.label)
             .record(t.elapsed().as_secs_f64());

@@ -36,12 +36,14 @@ impl Scheduler {
 
     /// Tokens `s` drafts this step, at most `room`: the cap (request,
     /// proposer, max_tokens, context), then what recent acceptance pays
-    /// for at `price` a drafted token, with a probe now and then.
+    /// for at `price` a drafted token's verify plus the proposer's own
+    /// cost (configured, or measured where `measured` allows: see
+    /// `Capabilities::token_cost`), with a probe now and then.
     pub(super) fn draft_len(
         &self,
         s: &Sequence,
         pcaps: Option<&Capabilities>,
-        price: f64,
+        (price, measured, batch): (f64, bool, usize),
         room: usize,
     ) -> usize {
         let mut k = self
@@ -51,7 +53,15 @@ impl Scheduler {
         if self.config.adaptive_draft && k > 0 {
             // A drafted token costs its share of the verify plus what
             // the proposer spends drafting it.
-            let own = pcaps.map_or(0.0, |c| c.token_cost);
+            let own = match pcaps.and_then(|c| c.token_cost) {
+                Some(c) => c,
+                None if measured => s
+                    .proposer
+                    .as_deref()
+                    .and_then(|n| self.own_cost(n, batch))
+                    .unwrap_or(0.0),
+                None => 0.0,
+            };
             let cost = price + own;
             let tree = pcaps.is_some_and(|c| c.tree);
             k = s
@@ -109,6 +119,13 @@ impl Scheduler {
             })
             .count();
         let price = self.draft_price(decoding);
+        // Measured own costs where the verify price is measured too: in a
+        // batch (`draft_price`).
+        let pricing = (
+            price,
+            self.config.measured_pricing && decoding >= 2,
+            decoding,
+        );
         if self.config.adaptive_draft && decoding > 0 {
             metrics::gauge!("specd_draft_token_price").set(price);
             self.prices.0 += price;
@@ -125,7 +142,7 @@ impl Scheduler {
                 continue;
             };
             let pcaps = s.proposer.as_deref().and_then(&caps);
-            let k = self.draft_len(s, pcaps, price, budget - 1);
+            let k = self.draft_len(s, pcaps, pricing, budget - 1);
             budget -= 1 + k;
             items.push(PlanItem {
                 seq: id,
@@ -228,7 +245,7 @@ impl Scheduler {
                     continue;
                 };
                 let pcaps = s.proposer.as_deref().and_then(&caps);
-                let k = self.draft_len(s, pcaps, price, batch_left);
+                let k = self.draft_len(s, pcaps, pricing, batch_left);
                 batch_left -= k;
                 items.push(PlanItem {
                     seq: id,

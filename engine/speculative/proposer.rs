@@ -55,13 +55,15 @@ pub struct Capabilities {
     /// How siblings are drawn (trees only).
     pub siblings: SiblingMode,
     /// What drafting one token costs the proposer itself, relative to a
-    /// one-token target forward (`[[proposer]] token_cost`; 0 for lookup
-    /// proposers). The adaptive policy adds it to a drafted token's verify
-    /// cost, so a proposer whose own model costs more than its acceptance
-    /// earns stops drafting. A configured constant, not a measurement: a
-    /// seeded request's draft lengths, and so its tokens, must not depend
-    /// on timing.
-    pub token_cost: f64,
+    /// one-token target forward (`[[proposer]] token_cost`). The adaptive
+    /// policy adds it to a drafted token's verify cost, so a proposer whose
+    /// own model costs more than its acceptance earns stops drafting.
+    /// `None` (not configured): in a batch, where the verify price is
+    /// measured too, the scheduler measures it from the proposer's calls
+    /// (`Scheduler::own_cost`); a sequence decoding alone prices it at 0,
+    /// so its draft lengths (and a seeded request's tokens, and an A/B
+    /// run's drafting) do not depend on timing.
+    pub token_cost: Option<f64>,
 }
 
 impl Default for Capabilities {
@@ -73,7 +75,7 @@ impl Default for Capabilities {
             tree: false,
             max_depth: 16,
             siblings: SiblingMode::default(),
-            token_cost: 0.0,
+            token_cost: None,
         }
     }
 }
@@ -258,7 +260,7 @@ impl Proposer for Priced {
     }
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            token_cost: self.token_cost,
+            token_cost: Some(self.token_cost),
             ..self.inner.capabilities()
         }
     }

@@ -258,6 +258,10 @@ pub struct Scheduler {
     pub(super) last_extra: usize,
     /// Sum and count of the draft prices of planned steps.
     pub(super) prices: (f64, u64),
+    /// Per proposer without a configured `token_cost`: seconds its calls
+    /// took and tokens they drafted, each call's weight decaying by
+    /// `OWN_DECAY` per later call (see `own_cost`).
+    pub(super) own: HashMap<String, (f64, f64)>,
     /// The verifier's prefix cache, read to plan cached prompt blocks as
     /// free (`None`: no prefix cache).
     pub(super) prefix: Option<PrefixProbe>,
@@ -282,6 +286,7 @@ impl Scheduler {
             cost: VerifyCostModel::new(config.max_batch_tokens),
             last_extra: 0,
             prices: (0.0, 0),
+            own: HashMap::new(),
             prefix: None,
             windowed: false,
             config,
@@ -315,6 +320,49 @@ impl Scheduler {
             self.cost.record(tokens, seconds);
             self.last_extra = tokens.saturating_sub(decodes);
         }
+    }
+
+    /// A call's weight in `own` after each later call.
+    const OWN_DECAY: f64 = 0.9;
+
+    /// The proposers' calls of a step (`Drafter::take_spent`): a call
+    /// teaches `own_cost` when every sequence it drafted for had drafted
+    /// on its previous decode step too. After a pause a call also catches
+    /// the proposer up on every token committed meanwhile (a head's or
+    /// draft model's forward over them), work that belongs to the steps
+    /// that did not draft; counting it per drafted token would price a
+    /// paused proposer higher the longer it pauses, and keep it paused.
+    pub fn record_drafting(&mut self, spent: &[super::drafter::DraftSpent]) {
+        for sp in spent {
+            if sp.drafted == 0 || !sp.seconds.is_finite() || sp.seconds < 0.0 {
+                continue;
+            }
+            let steady = sp.seqs.iter().all(|id| {
+                self.seqs
+                    .get(id)
+                    .is_some_and(|s| s.policy.tested > 0.0 && s.policy.steps_without_draft == 0)
+            });
+            if !steady {
+                continue;
+            }
+            let e = self.own.entry(sp.proposer.clone()).or_insert((0.0, 0.0));
+            e.0 = e.0 * Self::OWN_DECAY + sp.seconds;
+            e.1 = e.1 * Self::OWN_DECAY + sp.drafted as f64;
+        }
+    }
+
+    /// What drafting one token costs `proposer` itself, measured from its
+    /// steady calls, relative to a sequence's share of a step of `batch`
+    /// decoding sequences (the unit `draft_price` uses; at batch 1 a
+    /// one-token forward), from the verify cost model's measured step;
+    /// `None` before both are measured.
+    pub fn own_cost(&self, proposer: &str, batch: usize) -> Option<f64> {
+        let &(secs, toks) = self.own.get(proposer)?;
+        let b = batch.max(1);
+        // A sequence that drafts on every step never measures a step of
+        // `b` tokens; the nearest size it did stands in.
+        let share = self.cost.time_or_nearest(b)? / b as f64;
+        (toks > 0.0 && share > 0.0).then(|| secs / toks / share)
     }
 
     /// Mean price of a drafted token over the steps planned so far.

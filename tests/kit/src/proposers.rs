@@ -12,9 +12,18 @@ pub struct OracleProposer {
     pub vocab: u32,
     prompts: std::collections::HashMap<SeqId, usize>,
     rng: Rng,
+    /// Wall time every propose call spends before drafting (a slow
+    /// proposer's own model, for pricing tests).
+    delay: Option<std::time::Duration>,
 }
 
 impl OracleProposer {
+    /// The same oracle, spending `delay` in every propose call.
+    pub fn with_delay(mut self, delay: std::time::Duration) -> Self {
+        self.delay = Some(delay);
+        self
+    }
+
     pub fn new(
         answers: Vec<(Vec<u32>, Vec<u32>)>,
         error_rate: f64,
@@ -28,6 +37,7 @@ impl OracleProposer {
             vocab,
             prompts: Default::default(),
             rng: Rng::new(99),
+            delay: None,
         }
     }
 }
@@ -56,6 +66,9 @@ impl Proposer for OracleProposer {
         Ok(())
     }
     fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+        if let Some(d) = self.delay {
+            std::thread::sleep(d);
+        }
         let mut out = Vec::new();
         for b in batch {
             let plen = self.prompts[&b.seq];
