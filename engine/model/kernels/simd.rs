@@ -361,6 +361,9 @@ pub mod vnni {
     /// vector registers.
     const MAX_ROWS: usize = 8;
 
+    /// Up to this many rows a pass keeps two integer chains per row.
+    const SPLIT_ROWS: usize = 8;
+
     /// How far ahead (in weight bytes) the kernel prefetches: the stream
     /// comes from DRAM (the model is larger than the caches).
     const PREFETCH_BYTES: usize = 8192;
@@ -445,10 +448,21 @@ pub mod vnni {
         let nb = w.nb;
         let rec = tile_record_bytes(w.kind);
         let cb = TILE * w.kind.block_bytes();
-        let split = R <= 2;
+        let split = R <= SPLIT_ROWS;
         let base = w.qs.as_ptr().wrapping_add(t * nb * rec);
         let mask4 = _mm512_set1_epi8(0x0f);
         let zero = _mm512_setzero_si512();
+        // Activation rows i0..i0 + R through raw pointers, so the block
+        // loop carries no bounds checks (and no index array spilled to the
+        // stack): the caller guarantees `nb` blocks for every row, as
+        // `drive_tiles` asserts.
+        let xm = i0 * nb;
+        let (xq, qd, qsum, isum) = (
+            x.qs.as_ptr().wrapping_add(xm * QK),
+            x.qd.as_ptr().wrapping_add(xm),
+            x.qsum.as_ptr().wrapping_add(xm),
+            x.isum.as_ptr().wrapping_add(xm),
+        );
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
             let blk = base.wrapping_add(b * rec);
@@ -456,9 +470,9 @@ pub mod vnni {
                 // A prefetch never faults, whatever the address.
                 _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_BYTES + off) as *const i8);
             }
-            let xb: [usize; R] = core::array::from_fn(|j| (i0 + j) * nb + b);
             let mut ia: [__m512i; R] = core::array::from_fn(|j| {
-                let s = x.isum[xb[j]];
+                // SAFETY: block b of activation row i0 + j exists.
+                let s = unsafe { *isum.add(j * nb + b) };
                 match K {
                     Q4_0 => _mm512_set1_epi32(-(s << 3)),
                     Q5_0 => _mm512_set1_epi32(-(s << 4)),
@@ -497,9 +511,10 @@ pub mod vnni {
                     }
                 };
                 for j in 0..R {
-                    // SAFETY: bytes 8u..8u + 8 of activation block xb[j].
+                    // SAFETY: bytes 8u..8u + 8 of block b of activation
+                    // row i0 + j.
                     let (e, o) = unsafe {
-                        let p = x.qs.as_ptr().add(xb[j] * QK + 8 * u);
+                        let p = xq.add((j * nb + b) * QK + 8 * u);
                         (
                             (p as *const i32).read_unaligned(),
                             (p.add(4) as *const i32).read_unaligned(),
@@ -527,10 +542,12 @@ pub mod vnni {
                 } else {
                     ia[j]
                 };
-                let sc = _mm512_mul_ps(dw, _mm512_set1_ps(x.qd[xb[j]]));
+                // SAFETY: block b of activation row i0 + j exists.
+                let (d, m) = unsafe { (*qd.add(j * nb + b), *qsum.add(j * nb + b)) };
+                let sc = _mm512_mul_ps(dw, _mm512_set1_ps(d));
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), sc, acc[j]);
                 if K == Q4_1 || K == Q5_1 {
-                    acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.qsum[xb[j]]), acc[j]);
+                    acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(m), acc[j]);
                 }
             }
         }

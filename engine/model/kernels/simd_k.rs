@@ -69,6 +69,18 @@ unsafe fn avx2_go<const K: u8>(
 
 /// 4 activation bytes of step `s` of block `xb`, as an i32.
 ///
+/// Block `xb`'s entry of one of `x`'s per-block arrays, read without a
+/// bounds check (the kernels' inner loops).
+///
+/// # Safety
+/// Block `xb` exists in `x`, as `drive_tiles` checks.
+#[inline]
+pub(crate) unsafe fn meta<T: Copy>(v: &[T], xb: usize) -> T {
+    debug_assert!(xb < v.len());
+    // SAFETY: the caller's guarantee.
+    unsafe { *v.get_unchecked(xb) }
+}
+
 /// # Safety
 /// Block `xb` exists in `x` (as `drive_tiles` checks) and `s < 8`.
 #[inline]
@@ -307,8 +319,8 @@ unsafe fn vnni_go<const K: u8>(
 /// per sub-block, each 64-byte step pair is unpacked once (Q6_K with its
 /// high bits) and met by every row's 4 activation bytes broadcast in
 /// `vpdpbusd`, into two integer chains (Q6_K: the two half blocks, each
-/// started from its offset correction; Q4_K: split for R <= 2 to shorten
-/// the dependency chain); then `kquant`'s float accumulates.
+/// started from its offset correction; Q4_K and Q5_K: even and odd steps,
+/// which halves each chain's latency); then `kquant`'s float accumulates.
 ///
 /// # Safety
 /// AVX-512F/BW/VL/VNNI and F16C are available; tile `t` and activation
@@ -324,7 +336,6 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
     let nb = w.nb;
     let nsb = nb / SUBS;
     let rec = tile_record_bytes(w.kind);
-    let split = R <= 2;
     let base = w.qs.as_ptr().wrapping_add(t * nsb * rec);
     let mask4 = _mm512_set1_epi8(0x0f);
     let zero = _mm512_setzero_si512();
@@ -352,14 +363,16 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
             let lo = blk.wrapping_add(256 * j);
             let mut ia: [__m512i; R] = core::array::from_fn(|r| {
                 if K == Q6K {
-                    _mm512_set1_epi32(-32 * x.hsum[xb[r]])
+                    // SAFETY: block xb[r] exists (the caller's guarantee).
+                    _mm512_set1_epi32(-32 * unsafe { meta(x.hsum, xb[r]) })
                 } else {
                     zero
                 }
             });
             let mut ib: [__m512i; R] = core::array::from_fn(|r| {
                 if K == Q6K {
-                    _mm512_set1_epi32(-32 * (x.isum[xb[r]] - x.hsum[xb[r]]))
+                    // SAFETY: block xb[r] exists (the caller's guarantee).
+                    _mm512_set1_epi32(-32 * unsafe { meta(x.isum, xb[r]) - meta(x.hsum, xb[r]) })
                 } else {
                     zero
                 }
@@ -412,11 +425,7 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
                         }
                     } else {
                         ia[r] = _mm512_dpbusd_epi32(ia[r], we, e);
-                        if split {
-                            ib[r] = _mm512_dpbusd_epi32(ib[r], wo, o);
-                        } else {
-                            ia[r] = _mm512_dpbusd_epi32(ia[r], wo, o);
-                        }
+                        ib[r] = _mm512_dpbusd_epi32(ib[r], wo, o);
                     }
                 }
             }
@@ -433,8 +442,10 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
                 let sc = scales(Q4K_SC + TILE * j, false);
                 let m = scales(Q4K_M + TILE * j, false);
                 for r in 0..R {
-                    let dx = _mm512_set1_ps(x.qd[xb[r]]);
-                    let sx = _mm512_set1_ps(x.isum[xb[r]] as f32);
+                    // SAFETY: block xb[r] exists (the caller's guarantee).
+                    let (dq, sq) = unsafe { (meta(x.qd, xb[r]), meta(x.isum, xb[r])) };
+                    let dx = _mm512_set1_ps(dq);
+                    let sx = _mm512_set1_ps(sq as f32);
                     let ip = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])));
                     acc[r] = _mm512_fmadd_ps(ip, _mm512_mul_ps(d, dx), acc[r]);
                     acc[r] =
@@ -444,7 +455,8 @@ unsafe fn vnni_tile<const R: usize, const K: u8>(
                 let slo = scales(Q6K_SC + TILE * (2 * j), true);
                 let shi = scales(Q6K_SC + TILE * (2 * j + 1), true);
                 for r in 0..R {
-                    let dx = _mm512_set1_ps(x.qd[xb[r]]);
+                    // SAFETY: block xb[r] exists (the caller's guarantee).
+                    let dx = _mm512_set1_ps(unsafe { meta(x.qd, xb[r]) });
                     let isc = _mm512_fmadd_ps(
                         shi,
                         _mm512_cvtepi32_ps(ib[r]),
