@@ -58,6 +58,11 @@ pub struct LoadRun {
     pub throughput_tok_s: f64,
     pub wall_s: f64,
     pub preemptions: u64,
+    /// Token positions the target computed (recompute after preemption
+    /// included) and the steps it took: what separates policies'
+    /// throughput.
+    pub computed_tokens: u64,
+    pub steps: u64,
 }
 
 struct Tracked {
@@ -164,6 +169,8 @@ fn run_once(
     let mut bg_seen = 0usize;
     let start = Instant::now();
     let mut preemptions = 0u64;
+    let mut steps = 0u64;
+    let computed_before = d.verifier.forwarded_tokens();
     loop {
         let now = start.elapsed();
         while next < arrivals.len() && arrivals[next].0 <= now {
@@ -198,6 +205,7 @@ fn run_once(
             continue;
         }
         let report = d.step()?;
+        steps += 1;
         preemptions += report
             .finished
             .iter()
@@ -248,6 +256,8 @@ fn run_once(
         throughput_tok_s: total_tokens as f64 / wall.max(1e-9),
         wall_s: wall,
         preemptions,
+        computed_tokens: d.verifier.forwarded_tokens() - computed_before,
+        steps,
     })
 }
 

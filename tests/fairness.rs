@@ -536,3 +536,82 @@ fn planned_cache_blocks_survive_their_last_holder_ending_in_that_step() {
     assert!(e.verifier.prefix_cached_blocks() <= 1);
     assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
 }
+
+/// While no other request decodes, a batch request's prompts take ever
+/// larger chunks (the prefill cap doubles each quiet step up to the whole
+/// batch budget); once a chat decodes beside it, every step is back at
+/// `max_prefill_tokens`, so the chat's time per output token stays bounded.
+/// Outputs are plain decoding's either way.
+#[test]
+fn the_prefill_cap_opens_while_no_other_request_decodes() {
+    let (_d, model) = tiny_model();
+    let mut e = engine(&model, Scheduling::Fair, vec![]);
+    e.scheduler.config.max_batch_tokens = 256;
+    e.scheduler.config.max_prefill_tokens = 32;
+    // Short answers: batch prompts keep arriving in the slots.
+    let proto = greedy(2);
+    let _big = big_batch(&mut e, &proto);
+    // Prompt tokens per step (no proposer: a decoding sequence feeds one).
+    let prefilled = |r: &specd::speculative::pipeline::StepReport| r.batch_tokens - r.decode_seqs;
+    let mut alone = Vec::new();
+    let mut done = Vec::new();
+    for _ in 0..4 {
+        let r = e.step().unwrap();
+        alone.push(prefilled(&r));
+        done.extend(r.finished);
+    }
+    // Each step's cap, less a token per sequence whose last prompt token
+    // rode as its first decode (a prompt that ends in the step).
+    for (n, cap) in alone.iter().zip([32, 64, 128, 256]) {
+        assert!(
+            *n <= cap && *n + 4 >= cap,
+            "chunks of the batch alone: {alone:?}"
+        );
+    }
+    let (tx, mut rx) = unbounded_channel();
+    let chat = e
+        .add(
+            Request {
+                prompt: prompt(99, 6),
+                ..greedy(48)
+            },
+            Some(tx),
+        )
+        .unwrap();
+    let mut steps = 0;
+    while !first_token(&mut rx) {
+        done.extend(e.step().unwrap().finished);
+        steps += 1;
+        assert!(steps < 10, "the chat never started");
+    }
+    // The chat decodes: the batch's chunks are back at the cap.
+    let mut beside = Vec::new();
+    for _ in 0..20 {
+        let r = e.step().unwrap();
+        beside.push(prefilled(&r));
+        done.extend(r.finished);
+    }
+    assert!(beside.iter().all(|&n| n <= 32), "{beside:?}");
+    assert!(beside.iter().any(|&n| n > 0), "{beside:?}");
+    done.extend(e.run_to_completion().unwrap());
+    assert_eq!(done.len(), 13);
+    for c in &done {
+        let p = if c.id == chat {
+            prompt(99, 6)
+        } else {
+            prompt(c.id - 1, 200)
+        };
+        let plain = generate(
+            &model,
+            None,
+            &Request {
+                prompt: p,
+                ..greedy(if c.id == chat { 48 } else { 2 })
+            },
+            |_| {},
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(c.tokens, plain, "sequence {}", c.id);
+    }
+}

@@ -117,13 +117,23 @@ pub fn run(a: BenchLoadArgs) -> Result<()> {
         a.proposer
     );
     println!(
-        "  {:<10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12} {:>8}",
-        "run", "ttft p50", "p95", "p99", "tpot p50", "p95", "p95 x", "tok/s", "preempt"
+        "  {:<10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12} {:>8} {:>9} {:>6}",
+        "run",
+        "ttft p50",
+        "p95",
+        "p99",
+        "tpot p50",
+        "p95",
+        "p95 x",
+        "tok/s",
+        "preempt",
+        "computed",
+        "steps"
     );
     let base = runs.first().map(|r| r.ttft_p95_ms).unwrap_or(0.0);
     for r in &runs {
         println!(
-            "  {:<10} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.1}ms {:>8.1}ms {:>9.1} {:>12.0} {:>8}",
+            "  {:<10} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.1}ms {:>8.1}ms {:>9.1} {:>12.0} {:>8} {:>9} {:>6}",
             r.name,
             r.ttft_p50_ms,
             r.ttft_p95_ms,
@@ -132,7 +142,9 @@ pub fn run(a: BenchLoadArgs) -> Result<()> {
             r.tpot_p95_ms,
             r.ttft_p95_ms / base.max(1e-9),
             r.throughput_tok_s,
-            r.preemptions
+            r.preemptions,
+            r.computed_tokens,
+            r.steps
         );
     }
     if let Some(fcfs) = runs.iter().find(|r| r.name == "fcfs") {

@@ -20,13 +20,16 @@
 //!   so slots cannot ping-pong between requests.
 //! - Prefill budget, within a priority: groups whose whole remaining
 //!   prefill fits go first, smallest first, within three quarters of the
-//!   step's budget (a chat's prompt is prefilled, and its first token
+//!   step's budget (all of it when the step before brought no first
+//!   token; a chat's prompt is prefilled, and its first token
 //!   drawn, in the step after it arrives); the rest is water-filled, each
 //!   group an equal share capped at what it still needs, what one leaves
 //!   going to the others (so a long prompt gets at least a quarter of the
-//!   budget shared among the long ones every step: it cannot starve). In a
-//!   step where some group fits whole, the others share only that quarter,
-//!   so the step that brings a first token is short.
+//!   budget shared among the long ones every other step: it cannot
+//!   starve). In a step where some group fits whole, the others share only
+//!   that quarter, or nothing when the step before brought no first token
+//!   (then the groups that fit may take the whole budget), so the step that
+//!   brings a first token is short.
 //!   Within a group, sequences are served in admission order (its first
 //!   prompt finishes first).
 
@@ -111,12 +114,19 @@ pub fn victim(cand: &Slot, running: &[Slot], counts: &HashMap<u64, usize>) -> Op
 
 /// Share `budget` prefill tokens among `needs` (`(slot, tokens it still
 /// needs)`, in admission order): tokens granted to each, in the same
-/// order. Better priorities are served first; within one, groups that
-/// fit whole go first, then the others are water-filled (see the
-/// module's invariants).
-pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
+/// order, and whether some group's whole prefill was granted (the step
+/// brings a first token). Better priorities are served first; within one,
+/// groups that fit whole go first, then the others are water-filled (see
+/// the module's invariants). `light`: the previous step did not bring a
+/// first token, so this one may give groups that fit whole the entire
+/// budget and the others nothing (the step that brings a first token is
+/// as short as it can be); otherwise groups that fit whole get three
+/// quarters and the others share the quarter, so a stream of short
+/// prompts leaves a long one a share at least every other step.
+pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)], light: bool) -> (Vec<usize>, bool) {
     let mut out = vec![0; needs.len()];
     let mut left = budget;
+    let mut first = false;
     let mut prios: Vec<i32> = needs.iter().map(|(s, _)| s.priority).collect();
     prios.sort_unstable();
     prios.dedup();
@@ -138,7 +148,7 @@ pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
         // quarters of what is left.
         let mut order: Vec<usize> = (0..groups.len()).collect();
         order.sort_by_key(|&i| groups[i].1);
-        let quarter = left / 4;
+        let quarter = if light { 0 } else { left / 4 };
         let mut pool = left - quarter;
         let mut whole = false;
         for i in order {
@@ -150,10 +160,12 @@ pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
             }
         }
         // A step that brings a group's first token stays light: the
-        // groups that do not fit share only their guaranteed quarter
-        // (the step in flight plus this one is that group's wait).
+        // groups that do not fit share only their guaranteed quarter, or
+        // nothing when the step before brought none (the step in flight
+        // plus this one is that group's wait).
         if whole {
             left = left.min(quarter);
+            first = true;
         }
         loop {
             let open: Vec<usize> = (0..groups.len())
@@ -188,7 +200,38 @@ pub fn prefill_shares(budget: usize, needs: &[(Slot, usize)]) -> Vec<usize> {
             }
         }
     }
-    out
+    (out, first)
+}
+
+/// The prefill cap of the next step under fair scheduling: `cap`
+/// (`max_prefill_tokens`) while some request waits on the engine's
+/// latency, else doubling with each `quiet` step before it, up to `ceiling`
+/// (`max_batch_tokens`). A step is quiet when every decoding sequence
+/// belongs to a request that still has prompt tokens to prefill (a batch
+/// request's own finished prompts): no other request's time per output
+/// token rides on the step's length, so long prompts may take bigger,
+/// cheaper chunks. A request that arrives then waits for at most the step
+/// in flight (as under FCFS with chunked prefill); once it decodes, the
+/// next step is back at `cap`.
+pub fn prefill_cap(cap: usize, ceiling: usize, quiet: u32) -> usize {
+    let cap = cap.max(1);
+    cap.checked_shl(quiet.min(16))
+        .unwrap_or(usize::MAX)
+        .min(ceiling.max(cap))
+}
+
+/// Whether a step with these sequences is quiet (see `prefill_cap`):
+/// `(group, decoding)` for every running and waiting sequence.
+pub fn quiet(seqs: &[(u64, bool)]) -> bool {
+    let prefilling: std::collections::HashSet<u64> = seqs
+        .iter()
+        .filter(|(_, decoding)| !decoding)
+        .map(|(g, _)| *g)
+        .collect();
+    !prefilling.is_empty()
+        && seqs
+            .iter()
+            .all(|(g, decoding)| !decoding || prefilling.contains(g))
 }
 
 /// Label value for a priority in metrics: the number from -10 to 10,
@@ -294,11 +337,41 @@ mod tests {
             (slot(5, 3, 0, 0), 400),
         ];
         // Group 2 fits whole; the other two share the quarter (128).
-        assert_eq!(prefill_shares(512, &needs), vec![64, 0, 0, 30, 64]);
+        assert_eq!(prefill_shares(512, &needs, false).0, vec![64, 0, 0, 30, 64]);
         // Without a group that fits whole, everything is water-filled.
-        assert_eq!(prefill_shares(512, &needs[..3]), vec![512, 0, 0]);
+        assert_eq!(prefill_shares(512, &needs[..3], false).0, vec![512, 0, 0]);
         let no_chat = [needs[0], needs[4]];
-        assert_eq!(prefill_shares(512, &no_chat), vec![256, 256]);
+        assert_eq!(prefill_shares(512, &no_chat, false).0, vec![256, 256]);
+        // Marked as a step that brings a first token; with the step before
+        // bringing none, the chat takes what it needs and the long ones
+        // get nothing (the step is as short as it can be).
+        assert!(prefill_shares(512, &needs, false).1);
+        assert_eq!(
+            prefill_shares(512, &needs, true),
+            (vec![0, 0, 0, 30, 400], true)
+        );
+        // A chat arriving at every step cannot starve a long prompt: the
+        // step after one that brought a first token gives it its quarter.
+        let mut light = true;
+        let mut long = 0;
+        for step in 0..10 {
+            let needs = [
+                (slot(1, 1, 0, 0), 900),
+                (slot(2 + step, 2 + step, 0, 0), 30),
+            ];
+            let (got, first) = prefill_shares(64, &needs, light);
+            assert!(first);
+            if !light {
+                assert!(got[0] >= 16, "step {step}: {got:?}");
+            }
+            long += got[0];
+            light = !first;
+        }
+        assert!(long >= 5 * 16, "{long}");
+        assert_eq!(
+            prefill_shares(512, &needs[..3], true),
+            (vec![512, 0, 0], false)
+        );
         // A 40-token chat beside two long requests in a 64-token step: it
         // fits whole (within 48) and goes first; the long ones share the
         // quarter, 16.
@@ -307,7 +380,7 @@ mod tests {
             (slot(2, 2, 0, 0), 900),
             (slot(3, 3, 0, 0), 40),
         ];
-        assert_eq!(prefill_shares(64, &needs), vec![8, 8, 40]);
+        assert_eq!(prefill_shares(64, &needs, false).0, vec![8, 8, 40]);
         // Never more than three quarters to groups that fit whole: the
         // second chat does not fit in what is left of the 48 and shares
         // the quarter with the long one.
@@ -316,30 +389,30 @@ mod tests {
             (slot(2, 2, 0, 0), 30),
             (slot(3, 3, 0, 0), 30),
         ];
-        assert_eq!(prefill_shares(64, &needs), vec![8, 30, 8]);
+        assert_eq!(prefill_shares(64, &needs, false).0, vec![8, 30, 8]);
         // A better priority takes what it needs first; its first token's
         // step stays light for the worse one too (the quarter).
         let needs = [(slot(1, 1, 0, 0), 2000), (slot(2, 2, -1, 0), 100)];
-        assert_eq!(prefill_shares(512, &needs), vec![128, 100]);
+        assert_eq!(prefill_shares(512, &needs, false).0, vec![128, 100]);
         let needs = [(slot(1, 1, 0, 0), 2000), (slot(2, 2, -1, 0), 1000)];
-        assert_eq!(prefill_shares(512, &needs), vec![0, 512]);
+        assert_eq!(prefill_shares(512, &needs, false).0, vec![0, 512]);
         // Enough for everyone: everyone's need.
         let needs = [(slot(1, 1, 0, 0), 10), (slot(2, 1, 0, 0), 20)];
-        assert_eq!(prefill_shares(512, &needs), vec![10, 20]);
+        assert_eq!(prefill_shares(512, &needs, false).0, vec![10, 20]);
         // Fewer tokens than groups: one each, oldest groups first.
         let needs = [
             (slot(1, 1, 0, 0), 10),
             (slot(2, 2, 0, 0), 10),
             (slot(3, 3, 0, 0), 10),
         ];
-        assert_eq!(prefill_shares(2, &needs), vec![1, 1, 0]);
-        assert_eq!(prefill_shares(0, &needs), vec![0, 0, 0]);
+        assert_eq!(prefill_shares(2, &needs, false).0, vec![1, 1, 0]);
+        assert_eq!(prefill_shares(0, &needs, false).0, vec![0, 0, 0]);
         // Never more than the budget, never more than a need.
         let needs: Vec<_> = (0..7)
             .map(|i| (slot(i, i % 3, (i % 2) as i32, 0), 37 * i as usize + 1))
             .collect();
         for budget in [0, 1, 5, 64, 100, 512, 4096] {
-            let got = prefill_shares(budget, &needs);
+            let got = prefill_shares(budget, &needs, false).0;
             let want: usize = needs.iter().map(|(_, n)| n).sum();
             assert!(got.iter().sum::<usize>() <= budget.min(want), "{budget}");
             assert!(got.iter().zip(&needs).all(|(g, (_, n))| g <= n));
@@ -351,9 +424,29 @@ mod tests {
             .map(|i| (slot(i, i, 0, 0), 37 * i as usize + 1))
             .collect();
         for budget in [28, 64, 100, 512] {
-            let got = prefill_shares(budget, &needs);
+            let got = prefill_shares(budget, &needs, false).0;
             assert!(got.iter().all(|&g| g > 0), "{budget}: {got:?}");
         }
+    }
+
+    #[test]
+    fn the_prefill_cap_opens_only_while_no_other_request_decodes() {
+        // A batch request (group 1) prefilling while its finished prompts
+        // decode: quiet. A chat (group 2) decoding: not. Nothing to
+        // prefill: not (the cap does not matter then).
+        assert!(quiet(&[(1, false), (1, true), (1, false)]));
+        assert!(!quiet(&[(1, false), (1, true), (2, true)]));
+        assert!(quiet(&[(1, false), (2, false)]));
+        assert!(!quiet(&[(1, true)]));
+        assert!(!quiet(&[]));
+        // The cap doubles per quiet step up to the ceiling.
+        assert_eq!(prefill_cap(64, 512, 0), 64);
+        assert_eq!(prefill_cap(64, 512, 1), 128);
+        assert_eq!(prefill_cap(64, 512, 3), 512);
+        assert_eq!(prefill_cap(64, 512, 40), 512);
+        // A ceiling below the cap never lowers it.
+        assert_eq!(prefill_cap(64, 32, 2), 64);
+        assert_eq!(prefill_cap(0, 512, 0), 1);
     }
 
     #[test]

@@ -166,12 +166,37 @@ impl Scheduler {
             });
         }
         // Prefill chunks from what the decodes left (at most
-        // `max_prefill_tokens`): in admission order (FCFS), or shared
+        // `max_prefill_tokens`, or more while the step is quiet:
+        // `fairness::prefill_cap`): in admission order (FCFS), or shared
         // fairly across requests (`fairness`). A sequence that can also feed its last
         // token this step asks for it: its first token then comes from
         // this step (`Work::Decode` with a prefix).
         let mut batch_left = budget;
-        budget = budget.min(self.config.max_prefill_tokens.max(1));
+        let cap = match self.config.scheduling {
+            Scheduling::Fair => {
+                let seqs: Vec<(u64, bool)> = self
+                    .running
+                    .iter()
+                    .chain(&self.waiting)
+                    .filter_map(|id| self.seqs.get(id))
+                    .map(|s| (s.group, s.status == SeqStatus::Decoding))
+                    .collect();
+                if fairness::quiet(&seqs) {
+                    let cap = fairness::prefill_cap(
+                        self.config.max_prefill_tokens,
+                        self.config.max_batch_tokens,
+                        self.quiet_steps,
+                    );
+                    self.quiet_steps = self.quiet_steps.saturating_add(1);
+                    cap
+                } else {
+                    self.quiet_steps = 0;
+                    self.config.max_prefill_tokens.max(1)
+                }
+            }
+            Scheduling::Fcfs => self.config.max_prefill_tokens.max(1),
+        };
+        budget = budget.min(cap);
         let bs = crate::model::DEFAULT_BLOCK_SIZE;
         // (slot, prompt tokens to compute (+1 for the last token), whether
         // the last token comes along, prompt tokens the prefix cache holds
@@ -222,7 +247,12 @@ impl Scheduler {
             .collect();
         let needs: Vec<(Slot, usize)> = prefilling.iter().map(|(s, n, _, _)| (*s, *n)).collect();
         let shares = match self.config.scheduling {
-            Scheduling::Fair => fairness::prefill_shares(budget, &needs),
+            Scheduling::Fair => {
+                let (shares, first) =
+                    fairness::prefill_shares(budget, &needs, !self.first_token_step);
+                self.first_token_step = first;
+                shares
+            }
             Scheduling::Fcfs => needs
                 .iter()
                 .map(|(_, need)| {

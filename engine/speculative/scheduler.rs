@@ -258,6 +258,12 @@ pub struct Scheduler {
     pub(super) last_extra: usize,
     /// Sum and count of the draft prices of planned steps.
     pub(super) prices: (f64, u64),
+    /// Consecutive quiet steps (`fairness::prefill_cap`).
+    pub(super) quiet_steps: u32,
+    /// The last planned step gave some request its whole prefill (its
+    /// first token): the next may not starve long prompts
+    /// (`fairness::prefill_shares`).
+    pub(super) first_token_step: bool,
     /// Per proposer without a configured `token_cost`: seconds its calls
     /// took and tokens they drafted, each call's weight decaying by
     /// `OWN_DECAY` per later call (see `own_cost`).
@@ -286,6 +292,8 @@ impl Scheduler {
             cost: VerifyCostModel::new(config.max_batch_tokens),
             last_extra: 0,
             prices: (0.0, 0),
+            quiet_steps: 0,
+            first_token_step: false,
             own: HashMap::new(),
             prefix: None,
             windowed: false,
