@@ -399,13 +399,14 @@ impl Step {
         }
         // Decode-only steps teach the scheduler what a forward of this
         // many tokens costs here.
-        let decodes = self
+        let (ctx, decodes) = self
             .items
             .iter()
             .filter(|i| matches!(&i.work, Work::Decode { prefix, .. } if prefix.is_empty()))
-            .count();
+            .fold((0usize, 0usize), |(c, n), i| (c + i.cache_len, n + 1));
+        let ctx = ctx as f64 / decodes.max(1) as f64;
         let decode_only = self.decode_only() && resp.failed.is_empty();
-        sched.record_verify(self.report.batch_tokens, decodes, resp.seconds, decode_only);
+        sched.record_verify(self.report.batch_tokens, ctx, resp.seconds, decode_only);
         sched.record_drafting(&self.spent);
         self.outs = resp.outs.into_iter().map(|o| (o.seq, o)).collect();
         let mut items = Vec::new();

@@ -36,6 +36,91 @@ pub struct VerifyCostModel {
     /// seen (a running mean for the first `WINDOW` steps, then an EMA that
     /// follows the machine); `None`: never seen.
     times: Vec<Option<(f64, u32)>>,
+    /// The step line `t = m + n (c + a ctx)`: decayed sums of x x^T and
+    /// x t over decode steps, x = (1, n, n ctx / 1024) (see `StepLine`).
+    line: StepLine,
+}
+
+/// A least-squares line through recent decode steps: a step of `n` tokens
+/// whose sequences hold `ctx` positions on average costs
+/// `m + n (c + a ctx / 1024)` seconds (`m`: what every step pays, reading
+/// the weights; `c`: a token's rows; `a`: its attention per 1,024
+/// positions of context). Keyed by the tokens alone, a step's time mixes
+/// up batches of short and long contexts (a run's last sequences are its
+/// longest prompts), and a few noisy sizes next to each other gave slopes
+/// near zero or below; the line uses every step, decayed by `DECAY` per
+/// step so it follows the machine.
+#[derive(Debug, Clone, PartialEq, Default)]
+struct StepLine {
+    xx: [[f64; 3]; 3],
+    xt: [f64; 3],
+}
+
+impl StepLine {
+    /// Weight a step keeps per later step (a memory of about 200 steps).
+    const DECAY: f64 = 0.995;
+
+    fn features(n: f64, ctx: f64) -> [f64; 3] {
+        [1.0, n, n * ctx / 1024.0]
+    }
+
+    fn record(&mut self, n: usize, ctx: f64, seconds: f64) {
+        let x = Self::features(n as f64, ctx);
+        for i in 0..3 {
+            for j in 0..3 {
+                self.xx[i][j] = self.xx[i][j] * Self::DECAY + x[i] * x[j];
+            }
+            self.xt[i] = self.xt[i] * Self::DECAY + x[i] * seconds;
+        }
+    }
+
+    /// The fitted `(m, c, a)`, when the steps seen vary enough in size to
+    /// tell a token's cost from the step's (a spread of at least one token
+    /// either way) and the fit is sane (`c` > 0, every time positive).
+    fn fit(&self) -> Option<[f64; 3]> {
+        let w = self.xx[0][0];
+        if w < 8.0 {
+            return None;
+        }
+        let mean = self.xx[0][1] / w;
+        if self.xx[1][1] / w - mean * mean < 1.0 {
+            return None;
+        }
+        // A small ridge keeps the attention term determined when every
+        // step's context is alike (n and n ctx nearly collinear); the
+        // prediction at such steps is unaffected.
+        let mut a = self.xx;
+        let ridge = 1e-6 * (a[1][1] + a[2][2]).max(1e-12);
+        a[2][2] += ridge;
+        let th = solve3(a, self.xt)?;
+        (th[1] > 0.0 && th.iter().all(|v| v.is_finite())).then_some(th)
+    }
+}
+
+/// `a x = b` for a 3x3 system (Gaussian elimination with partial
+/// pivoting); `None` when singular.
+fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
+    for col in 0..3 {
+        let piv = (col..3).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[piv][col].abs() < 1e-300 {
+            return None;
+        }
+        a.swap(col, piv);
+        b.swap(col, piv);
+        for r in col + 1..3 {
+            let f = a[r][col] / a[col][col];
+            for k in col..3 {
+                a[r][k] -= f * a[col][k];
+            }
+            b[r] -= f * b[col];
+        }
+    }
+    let mut x = [0.0; 3];
+    for r in (0..3).rev() {
+        let s: f64 = (r + 1..3).map(|k| a[r][k] * x[k]).sum();
+        x[r] = (b[r] - s) / a[r][r];
+    }
+    Some(x)
 }
 
 impl VerifyCostModel {
@@ -46,13 +131,18 @@ impl VerifyCostModel {
     pub fn new(max_tokens: usize) -> Self {
         Self {
             times: vec![None; max_tokens.max(1) + 1],
+            line: StepLine::default(),
         }
     }
 
-    /// A decode-only step that fed `tokens` took `seconds`.
-    pub fn record(&mut self, tokens: usize, seconds: f64) {
-        if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
+    /// A decode-only step that fed `tokens` to sequences holding `ctx`
+    /// positions on average took `seconds`.
+    pub fn record(&mut self, tokens: usize, ctx: f64, seconds: f64) {
+        if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 || !ctx.is_finite() || ctx < 0.0 {
             return;
+        }
+        if tokens < self.times.len() {
+            self.line.record(tokens, ctx, seconds);
         }
         let Some(slot) = self.times.get_mut(tokens) else {
             return;
@@ -113,43 +203,24 @@ impl VerifyCostModel {
     }
 
     /// The verify cost of one drafted token in a step of `batch` decoding
-    /// sequences that drafts `extra` tokens in all, relative to one
-    /// sequence's share of the step without drafts: slope / (t(batch) /
-    /// batch). Slope and t(batch) come from a least-squares line through
-    /// the measured sizes around the step (`batch - w ..= batch + extra +
-    /// w`, `w = max(4, batch / 2)`), each weighted by its steps (up to
-    /// `WINDOW`), so no single noisy size swings the price. `None` until
-    /// two sizes there are known (the caller falls back to a fixed prior).
-    pub fn draft_cost(&self, batch: usize, extra: usize) -> Option<f64> {
-        let (b, e) = (batch.max(1), extra.max(1));
-        let last = self.times.len() - 1;
-        let w = (b / 2).max(4);
-        let (lo, hi) = (b.saturating_sub(w).max(1).min(last), (b + e + w).min(last));
-        let pts: Vec<(f64, f64, f64)> = (lo..=hi)
-            .filter_map(|n| {
-                self.times[n].map(|(t, c)| (n as f64, t, f64::from(c.min(Self::WINDOW))))
-            })
-            .collect();
-        if pts.len() < 2 {
-            return None;
-        }
-        let sw: f64 = pts.iter().map(|p| p.2).sum();
-        let mx = pts.iter().map(|p| p.2 * p.0).sum::<f64>() / sw;
-        let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / sw;
-        let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 - mx).powi(2)).sum();
-        if sxx <= 0.0 {
-            return None;
-        }
-        let slope = pts
-            .iter()
-            .map(|p| p.2 * (p.0 - mx) * (p.1 - my))
-            .sum::<f64>()
-            / sxx;
-        let base = my + slope * (b as f64 - mx);
-        if base <= 0.0 || !base.is_finite() {
-            return None;
-        }
-        Some((slope.max(0.0) / (base / b as f64)).max(0.0))
+    /// sequences holding `ctx` positions on average, relative to one
+    /// sequence's share of the step without drafts: from the step line,
+    /// `(c + a ctx) / (t(batch) / batch)`. `None` until the steps seen
+    /// vary enough in size to tell (the caller falls back to a prior).
+    pub fn draft_cost(&self, batch: usize, ctx: f64) -> Option<f64> {
+        let [m, c, a] = self.line.fit()?;
+        let b = batch.max(1) as f64;
+        let per_token = c + a * ctx.max(0.0) / 1024.0;
+        let step = m + b * per_token;
+        (per_token > 0.0 && step > 0.0).then(|| per_token / (step / b))
+    }
+
+    /// A step of `batch` tokens at `ctx` positions of context, in seconds,
+    /// from the step line (`None`: not fitted yet).
+    pub fn line_time(&self, batch: usize, ctx: f64) -> Option<f64> {
+        let [m, c, a] = self.line.fit()?;
+        let t = m + batch as f64 * (c + a * ctx.max(0.0) / 1024.0);
+        (t > 0.0).then_some(t)
     }
 }
 
@@ -417,9 +488,9 @@ mod tests {
     #[test]
     fn verify_costs_are_learned_interpolated_and_priced_by_batch() {
         let mut m = VerifyCostModel::new(128);
-        assert_eq!(m.draft_cost(1, 4), None, "nothing measured yet");
-        // A machine where a step costs 10 ms + 0.5 ms per token up to 8
-        // tokens (memory-bound), then 1.5 ms per token (compute-bound).
+        assert_eq!(m.draft_cost(1, 0.0), None, "nothing measured yet");
+        // Per size: a machine where a step costs 10 ms + 0.5 ms per token
+        // up to 8 tokens, then 1.5 ms per token.
         let t = |n: usize| {
             if n <= 8 {
                 0.010 + 0.0005 * n as f64
@@ -429,7 +500,7 @@ mod tests {
         };
         for n in [1, 2, 3, 5, 8, 16, 20, 32, 48, 64] {
             for _ in 0..5 {
-                m.record(n, t(n));
+                m.record(n, 0.0, t(n));
             }
         }
         // Measured sizes are exact; others interpolate; past the data they
@@ -438,34 +509,69 @@ mod tests {
         assert!((m.time(4).unwrap() - t(4)).abs() < 1e-9);
         assert!((m.time(40).unwrap() - t(40)).abs() < 1e-9);
         assert!((m.time(80).unwrap() - t(80)).abs() < 1e-9);
-        // Alone, a drafted token costs 0.5 / 10.5 of the step.
-        let alone = m.draft_cost(1, 4).unwrap();
-        assert!((alone - 0.0005 / 0.0105).abs() < 1e-6, "{alone}");
-        // Sixteen sequences drafting 16 tokens: each token adds 1.5 ms to
-        // a step whose per-sequence share is 26 / 16 ms.
-        let loaded = m.draft_cost(16, 16).unwrap();
-        assert!((loaded - 0.0015 / (0.026 / 16.0)).abs() < 1e-6, "{loaded}");
-        assert!(loaded > 15.0 * alone);
-        // At that price only near-certain drafts pay.
-        assert_eq!(choose_draft_len(0.6, 8, loaded), 0);
-        assert!(choose_draft_len(0.6, 8, alone) >= 3);
-        // One noisy size does not swing the price: the line fits them all.
-        let mut noisy = m.clone();
-        noisy.record(24, t(24) * 1.3);
-        let p = noisy.draft_cost(16, 16).unwrap();
-        assert!((p / loaded - 1.0).abs() < 0.25, "{p} vs {loaded}");
         // A size's mean follows the machine, slowly.
         let mut drift = m.clone();
         for _ in 0..200 {
-            drift.record(16, t(16) * 2.0);
+            drift.record(16, 0.0, t(16) * 2.0);
         }
         assert!((drift.time(16).unwrap() / t(16) - 2.0).abs() < 0.01);
         // Garbage is ignored.
-        m.record(0, 1.0);
-        m.record(4, f64::NAN);
-        m.record(4, -1.0);
-        m.record(1000, 1.0);
+        m.record(0, 0.0, 1.0);
+        m.record(4, 0.0, f64::NAN);
+        m.record(4, 0.0, -1.0);
+        m.record(4, f64::NAN, 1.0);
+        m.record(1000, 0.0, 1.0);
         assert!((m.time(4).unwrap() - t(4)).abs() < 1e-9);
+    }
+
+    /// The step line: a machine where a step costs 4 ms plus, per token,
+    /// 0.6 ms and 0.4 ms per 1,024 positions of context. A run whose big
+    /// batches are short contexts and whose small ones are long (its last
+    /// sequences are its longest prompts) has step times that fall more
+    /// slowly with the batch than a token costs; keyed by tokens alone
+    /// that read as cheap drafts. The line prices a drafted token at what
+    /// it costs, relative to a sequence's share of the step.
+    #[test]
+    fn drafts_are_priced_from_a_line_through_steps_and_contexts() {
+        let step = |n: usize, ctx: f64| 0.004 + n as f64 * (0.0006 + 0.0004 * ctx / 1024.0);
+        let mut m = VerifyCostModel::new(512);
+        // A few steps of nearly one size say nothing about a token's cost:
+        // no price (the caller's prior), never a slope read from noise.
+        for (i, n) in [20, 21, 20, 21, 20, 21, 20, 21, 20].into_iter().enumerate() {
+            let noise = if i % 2 == 0 { 1.03 } else { 0.97 };
+            m.record(n, 100.0, step(n, 100.0) * noise);
+        }
+        assert_eq!(m.draft_cost(20, 100.0), None);
+        // A run draining from 24 sequences at 100 positions to 1 at 2,000,
+        // with drafts on some steps, noise of a few percent.
+        let mut m = VerifyCostModel::new(512);
+        let mut seed = 11u64;
+        for i in 0..400 {
+            let batch = 24 - (i * 23 / 399);
+            let ctx = 100.0 + 1900.0 * i as f64 / 399.0;
+            let extra = (i * 7) % 3 * batch / 2;
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            let noise = 1.0 + 0.04 * ((seed >> 33) as f64 / (1u64 << 31) as f64 - 0.5);
+            m.record(batch + extra, ctx, step(batch + extra, ctx) * noise);
+        }
+        for (batch, ctx) in [(20, 300.0), (4, 1500.0), (2, 100.0)] {
+            let share = step(batch, ctx) / batch as f64;
+            let want = (0.0006 + 0.0004 * ctx / 1024.0) / share;
+            let got = m.draft_cost(batch, ctx).unwrap();
+            assert!(
+                (got / want - 1.0).abs() < 0.1,
+                "{batch} at {ctx}: {got} vs {want}"
+            );
+        }
+        // A busy batch's drafted token costs most of a sequence's share:
+        // only near-certain drafts pay there, while a pair drafts freely.
+        let busy = m.draft_cost(20, 300.0).unwrap();
+        assert!(busy > 0.6, "{busy}");
+        assert_eq!(choose_draft_len(0.6, 8, busy), 0);
+        assert!(choose_draft_len(0.6, 8, m.draft_cost(2, 100.0).unwrap()) >= 1);
+        // The line's step times follow the machine.
+        let t = m.line_time(10, 500.0).unwrap();
+        assert!((t / step(10, 500.0) - 1.0).abs() < 0.05, "{t}");
     }
 
     #[test]

@@ -255,7 +255,6 @@ pub struct Scheduler {
     pub(super) cost: VerifyCostModel,
     /// Tokens drafted in the last decode-only step (the next one's
     /// estimate).
-    pub(super) last_extra: usize,
     /// Sum and count of the draft prices of planned steps.
     pub(super) prices: (f64, u64),
     /// Consecutive quiet steps (`fairness::prefill_cap`).
@@ -290,7 +289,6 @@ impl Scheduler {
             deferred_aborts: Vec::new(),
             arms: Default::default(),
             cost: VerifyCostModel::new(config.max_batch_tokens),
-            last_extra: 0,
             prices: (0.0, 0),
             quiet_steps: 0,
             first_token_step: false,
@@ -317,16 +315,9 @@ impl Scheduler {
     /// A verify forward fed `tokens` tokens for `decodes` decoding
     /// sequences in `seconds`; `decode_only`: no prefill chunk shared it
     /// (every fed position computed logits), so it calibrates the model.
-    pub fn record_verify(
-        &mut self,
-        tokens: usize,
-        decodes: usize,
-        seconds: f64,
-        decode_only: bool,
-    ) {
+    pub fn record_verify(&mut self, tokens: usize, ctx: f64, seconds: f64, decode_only: bool) {
         if decode_only {
-            self.cost.record(tokens, seconds);
-            self.last_extra = tokens.saturating_sub(decodes);
+            self.cost.record(tokens, ctx, seconds);
         }
     }
 
@@ -368,8 +359,13 @@ impl Scheduler {
         let &(secs, toks) = self.own.get(proposer)?;
         let b = batch.max(1);
         // A sequence that drafts on every step never measures a step of
-        // `b` tokens; the nearest size it did stands in.
-        let share = self.cost.time_or_nearest(b)? / b as f64;
+        // `b` tokens: the step line, else the nearest size measured,
+        // stands in.
+        let share = self
+            .cost
+            .line_time(b, self.decoding_ctx())
+            .or_else(|| self.cost.time_or_nearest(b))?
+            / b as f64;
         (toks > 0.0 && share > 0.0).then(|| secs / toks / share)
     }
 
@@ -385,13 +381,35 @@ impl Scheduler {
     /// A sequence decoding alone is priced at the constant: its draft
     /// lengths then depend only on its own acceptance, so a seeded sampled
     /// request gives the same tokens run after run (measured times vary).
+    ///
+    /// Until the step line is fitted, a batch's drafts are priced at
+    /// `draft_cost` per sequence in the batch, at most 1: verification
+    /// turns compute-bound as the batch grows, where a drafted token costs
+    /// about what a sequence's own token does (erring high only delays
+    /// drafting until the line is measured; erring low, as a price of zero
+    /// from a few noisy sizes did, made a busy server draft at a loss).
     pub fn draft_price(&self, batch: usize) -> f64 {
         if !self.config.measured_pricing || batch < 2 {
             return self.config.draft_cost;
         }
         self.cost
-            .draft_cost(batch, self.last_extra.max(1))
-            .unwrap_or(self.config.draft_cost)
+            .draft_cost(batch, self.decoding_ctx())
+            .unwrap_or((self.config.draft_cost * batch as f64).min(1.0))
+    }
+
+    /// Mean cached positions of the decoding sequences (0 with none).
+    pub(super) fn decoding_ctx(&self) -> f64 {
+        let (sum, n) = self
+            .running
+            .iter()
+            .filter_map(|id| self.seqs.get(id))
+            .filter(|s| s.status == SeqStatus::Decoding)
+            .fold((0usize, 0usize), |(a, n), s| (a + s.cached, n + 1));
+        if n == 0 {
+            0.0
+        } else {
+            sum as f64 / n as f64
+        }
     }
 
     /// Validate and queue a request. `known` tells whether a proposer name
