@@ -314,23 +314,8 @@ impl Model {
         seqs: &mut [ForwardInput<'_>],
         hidden_layers: &[usize],
     ) -> Result<Vec<ForwardOutput>> {
-        self.pool.install(|| {
-            let helpers = self.pool.current_num_threads().saturating_sub(1);
-            if helpers == 0 || IN_FORWARD.with(|f| f.get()) {
-                return self.forward_inner(seqs, hidden_layers);
-            }
-            let done = AtomicBool::new(false);
-            let mut out = None;
-            rayon::scope(|s| {
-                for _ in 0..helpers {
-                    s.spawn(|_| keep_helping(&done));
-                }
-                let _running = InForward::enter();
-                out = Some(self.forward_inner(seqs, hidden_layers));
-                done.store(true, Ordering::Release);
-            });
-            out.unwrap_or_else(|| Err(SpecdError::InvalidRequest("forward did not run".into())))
-        })
+        self.pool
+            .install(|| with_helpers(|| self.forward_inner(seqs, hidden_layers)))
     }
 
     fn forward_inner(
@@ -772,6 +757,42 @@ impl Drop for InForward {
     fn drop(&mut self) {
         IN_FORWARD.with(|f| f.set(false));
     }
+}
+
+/// Run `f` on this thread (inside a rayon pool, or outside one: then in
+/// rayon's global pool) with the pool's other threads helping: each takes
+/// `f`'s parallel tasks as soon as they exist instead of sleeping between
+/// them (see `keep_helping`). A model's forward runs this way, and so may
+/// a proposer plugin's head, whose products are a few hundred
+/// microseconds each: handed to sleeping workers one by one, each paid
+/// their wake-up. Nested calls (a helper already inside a forward) run
+/// `f` plainly.
+pub fn with_helpers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_none() {
+        // Outside any pool: into the global one, so `f` and its helpers
+        // share it.
+        return rayon::scope(|_| helped(f));
+    }
+    helped(f)
+}
+
+/// `with_helpers` on a pool thread.
+fn helped<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let helpers = rayon::current_num_threads().saturating_sub(1);
+    if helpers == 0 || IN_FORWARD.with(|x| x.get()) {
+        return f();
+    }
+    let done = AtomicBool::new(false);
+    let mut out = None;
+    rayon::scope(|s| {
+        for _ in 0..helpers {
+            s.spawn(|_| keep_helping(&done));
+        }
+        let _running = InForward::enter();
+        out = Some(f());
+        done.store(true, Ordering::Release);
+    });
+    out.expect("the scope ran f")
 }
 
 /// How long a helper waits without finding a task before it leaves the

@@ -528,7 +528,15 @@ impl Eagle {
         Ok(())
     }
 
+    /// Drafts for `batch`, computed on the plugin's compute threads with
+    /// the idle ones helping (`with_helpers`): the head's products are a
+    /// few hundred microseconds each, and handed to rayon's sleeping
+    /// workers one by one each paid their wake-up.
     pub fn propose_batch(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
+        specd_model::llama::with_helpers(|| self.propose_inner(batch))
+    }
+
+    fn propose_inner(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
         let mut drafts: Vec<Proposal> = vec![Proposal::default(); batch.len()];
         // Features are taken in for every sequence (a zero-length call
         // only feeds the cache); drafts only where asked.
