@@ -38,6 +38,41 @@ fn truncated_model_file() {
     assert!(err.contains("past the end of the file"), "{err}");
 }
 
+/// The header is parsed from a prefix of the file that grows until it
+/// holds it: a header far past the first read (12 MB of metadata) loads,
+/// and one cut short names the file.
+#[test]
+fn large_and_truncated_gguf_headers() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = TempDir::new("bighead");
+    let p = dir.0.join("big.gguf");
+    let blob = Value::Array((0..3_000_000u32).map(Value::U32).collect());
+    common::write_tiny_gguf_with(
+        &p,
+        &TINY,
+        1,
+        GgmlDType::Q8_0,
+        "llama",
+        "t",
+        Vec::new(),
+        vec![("specd.test.blob".into(), blob)],
+    );
+    let big = load_model(&p, 1).expect("a 12 MB header loads");
+    let dir2 = TempDir::new("smallhead");
+    let q = dir2.0.join("small.gguf");
+    common::write_tiny_gguf(&q, &TINY, 1, GgmlDType::Q8_0, "llama");
+    let small = load_model(&q, 1).unwrap();
+    assert_eq!(big.config.vocab_size, small.config.vocab_size);
+    // Cut inside the metadata.
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..9 << 20]).unwrap();
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("not a valid GGUF") && err.contains("big.gguf"),
+        "{err}"
+    );
+}
+
 #[test]
 fn unsupported_architecture() {
     let dir = TempDir::new("arch");

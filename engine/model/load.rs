@@ -32,9 +32,42 @@ pub fn load_model(path: &Path, threads: usize) -> Result<Model> {
 
 /// Read the GGUF header (metadata and tensor index) of `path`.
 pub fn read_gguf_header(path: &Path) -> Result<Content> {
+    use std::io::Read;
     let mut f = std::fs::File::open(path).map_err(|e| SpecdError::bad_model(path, e))?;
-    Content::read(&mut f)
-        .map_err(|e| SpecdError::bad_model(path, format!("not a valid GGUF file ({e})")))
+    // The header is hundreds of thousands of small fields (the tokenizer's
+    // vocabulary and merges), read with a position query each: parsed from
+    // memory, a prefix of the file that grows until the header fits, not
+    // from the file (two system calls a field, a third of a second).
+    let mut head = Vec::new();
+    let mut want = 8usize << 20;
+    loop {
+        let have = head.len();
+        (&mut f)
+            .take((want - have) as u64)
+            .read_to_end(&mut head)
+            .map_err(|e| SpecdError::bad_model(path, e))?;
+        let complete = head.len() < want;
+        match Content::read(&mut std::io::Cursor::new(&head)) {
+            Ok(c) => return Ok(c),
+            // Not a GGUF at all: no need to read further.
+            Err(e) if !head.starts_with(b"GGUF") => {
+                return Err(SpecdError::bad_model(
+                    path,
+                    format!("not a valid GGUF file ({e})"),
+                ))
+            }
+            // A header the prefix cuts short fails in several ways (an
+            // end of input, an array longer than what remains): more of
+            // the file, until it is all read.
+            Err(_) if !complete => want *= 4,
+            Err(e) => {
+                return Err(SpecdError::bad_model(
+                    path,
+                    format!("not a valid GGUF file ({e})"),
+                ))
+            }
+        }
+    }
 }
 
 fn md_u32(md: &HashMap<String, Value>, key: &str) -> Option<u32> {
