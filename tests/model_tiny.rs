@@ -474,6 +474,52 @@ fn a_large_tree_after_a_long_context_equals_its_linear_paths() {
     }
 }
 
+/// A prompt's last chunk with a tree drafted after it (the step that
+/// ends a prefill): 70 rows forming a chain off a 130-token context, then
+/// a ternary tree hanging off the last of them. The chain rows take the
+/// plain attention path, the tree rows the tree path; every row's logits
+/// equal plain decoding of its path, bit for bit.
+#[test]
+fn a_prompt_chunk_with_a_tree_after_it_equals_its_linear_paths() {
+    let (_d, model) = tiny_q();
+    let ctx: Vec<u32> = (0..130u32).map(|i| 3 + (i * 5 + i * i) % 60).collect();
+    let chain = 70usize;
+    let parents: Vec<Option<usize>> = (0..chain + 13)
+        .map(|i| {
+            if i < chain {
+                i.checked_sub(1)
+            } else {
+                // A ternary heap below the chain's last row.
+                let k = i - chain;
+                Some(if k == 0 {
+                    chain - 1
+                } else {
+                    chain + (k - 1) / 3
+                })
+            }
+        })
+        .collect();
+    let tokens: Vec<u32> = (0..parents.len() as u32)
+        .map(|i| 4 + (i * 13) % 55)
+        .collect();
+    let tree = TreeMask {
+        parents: parents.clone(),
+    };
+    let out = tree_forward(&model, &ctx, &tokens, &tree);
+    for node in (0..tokens.len()).filter(|&i| i % 9 == 0 || i >= chain - 1) {
+        let mut path = vec![node];
+        while let Some(p) = parents[*path.last().unwrap()] {
+            path.push(p);
+        }
+        path.reverse();
+        let ids: Vec<u32> = path.iter().map(|&i| tokens[i]).collect();
+        let mut c = model.new_cache();
+        model.forward_one(&mut c, &ctx, Logits::None).unwrap();
+        let lin = model.forward_one(&mut c, &ids, Logits::All).unwrap();
+        assert_eq!(out.row(node), lin.row(ids.len() - 1), "node {node}");
+    }
+}
+
 #[test]
 fn hidden_states_of_requested_layers() {
     let (_d, model) = tiny_q();
