@@ -60,7 +60,7 @@ impl Activations {
             );
             match self.path {
                 #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2 | KernelPath::Vnni | KernelPath::Amx => {
+                KernelPath::Avx2 | KernelPath::AvxVnni | KernelPath::Vnni | KernelPath::Amx => {
                     super::simd::quantize_blocks(x, out)
                 }
                 _ => quantize_q8(x, out),

@@ -157,6 +157,8 @@ pub(crate) fn matmul_rows(a: &Activations, w: &QMatrix, r0: usize, r1: usize, ou
             }
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2 => super::simd::rows16(q, &a.plain(), r0, r1, out),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::AvxVnni => super::simd::avxvnni::rows16(q, &a.plain(), r0, r1, out),
             _ => quant_rows_portable(q, &a.plain(), r0, r1, out),
         },
         WeightData::Quant(_) => {

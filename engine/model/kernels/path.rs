@@ -8,6 +8,10 @@ pub enum KernelPath {
     Portable,
     /// AVX2 + FMA + F16C: a tile as two 8-row halves, `vpmaddubsw`.
     Avx2,
+    /// AVX2 with AVX-VNNI (256-bit `vpdpbusd`, Intel client CPUs from
+    /// Alder Lake on, which have no AVX-512): the AVX2 layout, one
+    /// instruction per step half instead of three. K-quants run AVX2's.
+    AvxVnni,
     /// AVX-512 VNNI on the row-tile layout: 16 rows per vector, one
     /// `vpdpbusd` per 4-byte step of a block.
     Vnni,
@@ -18,7 +22,8 @@ pub enum KernelPath {
 
 impl KernelPath {
     /// The fastest path this CPU supports (`SPECD_NO_SIMD` /
-    /// `SPECD_NO_AVX512` / `SPECD_NO_AMX` turn the SIMD paths off).
+    /// `SPECD_NO_AVX512` / `SPECD_NO_AVXVNNI` / `SPECD_NO_AMX` turn the
+    /// SIMD paths off).
     pub fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
@@ -27,6 +32,9 @@ impl KernelPath {
             }
             if super::simd::vnni::available() {
                 return Self::Vnni;
+            }
+            if super::simd::avxvnni::available() {
+                return Self::AvxVnni;
             }
             if super::simd::available() {
                 return Self::Avx2;
@@ -42,6 +50,9 @@ impl KernelPath {
         {
             if super::simd::available() {
                 v.push(Self::Avx2);
+            }
+            if super::simd::avxvnni::available() {
+                v.push(Self::AvxVnni);
             }
             if super::simd::vnni::available() {
                 v.push(Self::Vnni);

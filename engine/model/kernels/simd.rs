@@ -336,6 +336,227 @@ pub(crate) fn fifth_bits_avx2(plane: __m256i, s: usize) -> __m256i {
 /// How far ahead (bytes) the row-tile kernels prefetch the tile stream.
 const PREFETCH16: usize = 8192;
 
+/// AVX-VNNI kernel on row tiles (256-bit `vpdpbusd`, VEX-encoded: Intel
+/// Alder Lake and later client CPUs have it without AVX-512): the AVX2
+/// kernel's two 8-row halves, with each 32-byte step half met by every
+/// activation row's 4 bytes broadcast in one `vpdpbusd` into exact int32
+/// sums, where AVX2 needs `vpmaddubsw`, `vpmaddwd` and an add. Offsets are
+/// removed as the AVX-512 VNNI kernel removes them (each row's chain
+/// starts from minus the weights' offset times the block's activation
+/// sum; Q8_0 codes stay stored + 128), and the float epilogue is the
+/// AVX2 kernel's, per lane and in the same order, so every path gives a
+/// row the same bits.
+pub mod avxvnni {
+    use super::super::layout::{tile_record_bytes, PlainActs, TILE};
+    use super::{
+        drive_tiles, fifth_bits_avx2, QuantKind, QuantWeights, Q4_0, Q4_1, Q5_0, Q5_1, Q5_HIGH,
+        Q8_0, QK,
+    };
+    use std::arch::x86_64::*;
+
+    /// Whether this path runs here: the AVX2 path is on, the CPU has
+    /// AVX-VNNI, and `SPECD_NO_AVXVNNI` is unset.
+    pub fn available() -> bool {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            super::available()
+                && std::env::var_os("SPECD_NO_AVXVNNI").is_none()
+                && is_x86_feature_detected!("avxvnni")
+        })
+    }
+
+    /// Most activation rows one pass over a tile half serves: an integer
+    /// and a float accumulator per row, plus the unpacked step, fit the 16
+    /// vector registers.
+    const MAX_ROWS: usize = 4;
+
+    /// Rows `r0..r1` of `w` (row tiles) against every activation row,
+    /// written activation-row-major: `out[i * (r1 - r0) + (r - r0)]`.
+    /// K-quants run the AVX2 kernel (the same bits).
+    pub fn rows16(w: &QuantWeights, x: &PlainActs<'_>, r0: usize, r1: usize, out: &mut [f32]) {
+        assert!(available());
+        if w.kind.is_k() {
+            return super::super::simd_k::rows16_avx2(w, x, r0, r1, out);
+        }
+        drive_tiles(w, x, r0, r1, out, MAX_ROWS, |t, i0, rr, put| {
+            // SAFETY: `available()` confirmed AVX2, FMA, F16C and
+            // AVX-VNNI; `drive_tiles` checked that tile t and activation
+            // rows i0..i0 + rr exist.
+            unsafe {
+                match w.kind {
+                    QuantKind::Q4_0 => go::<Q4_0>(w, x, t, i0, rr, put),
+                    QuantKind::Q5_0 => go::<Q5_0>(w, x, t, i0, rr, put),
+                    QuantKind::Q5_1 => go::<Q5_1>(w, x, t, i0, rr, put),
+                    QuantKind::Q4_1 => go::<Q4_1>(w, x, t, i0, rr, put),
+                    QuantKind::Q8_0 => go::<Q8_0>(w, x, t, i0, rr, put),
+                    QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
+                        unreachable!("K-quants go to simd_k")
+                    }
+                }
+            }
+        });
+    }
+
+    /// Tile `t` against activation rows `i0..i0 + rr` (`1 <= rr <=
+    /// MAX_ROWS`), handed to `put`.
+    ///
+    /// # Safety
+    /// As `tile`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn go<const K: u8>(
+        w: &QuantWeights,
+        x: &PlainActs<'_>,
+        t: usize,
+        i0: usize,
+        rr: usize,
+        put: &mut dyn FnMut(&[[f32; TILE]]),
+    ) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            match rr {
+                1 => put(&tile::<1, K>(w, x, t, i0)),
+                2 => put(&tile::<2, K>(w, x, t, i0)),
+                3 => put(&tile::<3, K>(w, x, t, i0)),
+                _ => put(&tile::<4, K>(w, x, t, i0)),
+            }
+        }
+    }
+
+    /// The 16 rows of tile `t` against activation rows `i0..i0 + R`, as
+    /// two halves of 8 rows (the 32-byte halves of every 64-byte step);
+    /// lane l of half h is row 16t + 8h + l.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-VNNI are available; tile `t` and activation
+    /// rows `i0..i0 + R` exist (as `drive_tiles` checks).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn tile<const R: usize, const K: u8>(
+        w: &QuantWeights,
+        x: &PlainActs<'_>,
+        t: usize,
+        i0: usize,
+    ) -> [[f32; TILE]; R] {
+        let nb = w.nb;
+        let rec = tile_record_bytes(w.kind);
+        let cb = TILE * w.kind.block_bytes();
+        let base = w.qs.as_ptr().wrapping_add(t * nb * rec);
+        let mask4 = _mm256_set1_epi8(0x0f);
+        // Activation rows i0..i0 + R through raw pointers: the caller
+        // guarantees `nb` blocks for every row.
+        let xm = i0 * nb;
+        let (xq, qd, qsum, isum) = (
+            x.qs.as_ptr().wrapping_add(xm * QK),
+            x.qd.as_ptr().wrapping_add(xm),
+            x.qsum.as_ptr().wrapping_add(xm),
+            x.isum.as_ptr().wrapping_add(xm),
+        );
+        let mut o = [[0f32; TILE]; R];
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let blk = base.wrapping_add(b * rec);
+                if h == 0 {
+                    for off in (0..rec).step_by(64) {
+                        // A prefetch never faults, whatever the address.
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            blk.wrapping_add(super::PREFETCH16 + off) as *const i8
+                        );
+                    }
+                }
+                // 4 activation bytes of step s of row j, broadcast.
+                let xs = |j: usize, s: usize| {
+                    // SAFETY: bytes 4s..4s + 4 of block b of activation row
+                    // i0 + j, which exists (the caller's guarantee).
+                    let v = unsafe {
+                        (xq.add((j * nb + b) * QK + 4 * s) as *const i32).read_unaligned()
+                    };
+                    _mm256_set1_epi32(v)
+                };
+                // Each row's chain starts from the offset correction.
+                let mut ia: [__m256i; R] = core::array::from_fn(|j| {
+                    // SAFETY: block b of activation row i0 + j exists.
+                    let s = unsafe { *isum.add(j * nb + b) };
+                    match K {
+                        Q4_0 => _mm256_set1_epi32(-(s << 3)),
+                        Q5_0 => _mm256_set1_epi32(-(s << 4)),
+                        Q8_0 => _mm256_set1_epi32(-(s << 7)),
+                        _ => _mm256_setzero_si256(),
+                    }
+                });
+                let mut ib = [_mm256_setzero_si256(); R];
+                let plane = if K == Q5_0 || K == Q5_1 {
+                    // SAFETY: half h of the fifth-bit plane, which follows
+                    // the record's nibbles.
+                    unsafe { _mm256_loadu_si256(blk.add(Q5_HIGH + 32 * h) as *const __m256i) }
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for u in 0..4 {
+                    let (we, wo) = if K == Q8_0 {
+                        // SAFETY: half h of steps 2u and 2u + 1 lies in the
+                        // record's 512 code bytes.
+                        unsafe {
+                            (
+                                _mm256_loadu_si256(blk.add(128 * u + 32 * h) as *const __m256i),
+                                _mm256_loadu_si256(blk.add(128 * u + 64 + 32 * h) as *const __m256i),
+                            )
+                        }
+                    } else {
+                        // SAFETY: half h of packed steps 2u, 2u + 1 lies in
+                        // the record's codes.
+                        let raw = unsafe {
+                            _mm256_loadu_si256(blk.add(64 * u + 32 * h) as *const __m256i)
+                        };
+                        let mut we = _mm256_and_si256(raw, mask4);
+                        let mut wo = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask4);
+                        if K == Q5_0 || K == Q5_1 {
+                            we = _mm256_or_si256(we, fifth_bits_avx2(plane, 2 * u));
+                            wo = _mm256_or_si256(wo, fifth_bits_avx2(plane, 2 * u + 1));
+                        }
+                        (we, wo)
+                    };
+                    for j in 0..R {
+                        ia[j] = _mm256_dpbusd_avx_epi32(ia[j], we, xs(j, 2 * u));
+                        ib[j] = _mm256_dpbusd_avx_epi32(ib[j], wo, xs(j, 2 * u + 1));
+                    }
+                }
+                // SAFETY: the record's 16 scales follow its codes; half h
+                // is 8 of them.
+                let dw = unsafe {
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i))
+                };
+                let mw = if K == Q4_1 || K == Q5_1 {
+                    // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
+                    unsafe {
+                        _mm256_cvtph_ps(
+                            _mm_loadu_si128(blk.add(cb + 32 + 16 * h) as *const __m128i),
+                        )
+                    }
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for j in 0..R {
+                    // SAFETY: block b of activation row i0 + j exists.
+                    let (d, m) = unsafe { (*qd.add(j * nb + b), *qsum.add(j * nb + b)) };
+                    let ip = _mm256_add_epi32(ia[j], ib[j]);
+                    let sc = _mm256_mul_ps(dw, _mm256_set1_ps(d));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip), sc, acc[j]);
+                    if K == Q4_1 || K == Q5_1 {
+                        acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), acc[j]);
+                    }
+                }
+            }
+            for j in 0..R {
+                // SAFETY: 8 floats at lanes 8h..8h + 8 of `o[j]`.
+                unsafe { _mm256_storeu_ps(o[j].as_mut_ptr().add(8 * h), acc[j]) };
+            }
+        }
+        o
+    }
+}
+
 /// AVX-512 VNNI kernel on row tiles: one 512-bit `vpdpbusd` per 4-byte
 /// step of a block adds to 16 output rows at once; up to 8 activation rows
 /// per pass over a tile.
