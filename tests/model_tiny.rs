@@ -405,6 +405,36 @@ fn tree_forward(
         .remove(0)
 }
 
+/// Asserts that row `node` of `got` (a tree forward of `tokens` with
+/// `parents` after `ctx`) equals the last row of plain decoding of the
+/// node's path after `ctx`, bit for bit, for each of `nodes`.
+fn assert_rows_are_their_paths(
+    model: &Model,
+    ctx: &[u32],
+    tokens: &[u32],
+    parents: &[Option<usize>],
+    got: &specd::model::ForwardOutput,
+    nodes: impl Iterator<Item = usize>,
+) {
+    for node in nodes {
+        let mut path = vec![node];
+        while let Some(p) = parents[*path.last().unwrap()] {
+            path.push(p);
+        }
+        path.reverse();
+        let ids: Vec<u32> = path.iter().map(|&i| tokens[i]).collect();
+        let mut c = model.new_cache();
+        model.forward_one(&mut c, ctx, Logits::None).unwrap();
+        let lin = model.forward_one(&mut c, &ids, Logits::All).unwrap();
+        assert_eq!(
+            got.row(node),
+            lin.row(ids.len() - 1),
+            "node {node} after {}",
+            ctx.len()
+        );
+    }
+}
+
 #[test]
 fn tree_mask_branches_equal_their_linear_paths() {
     let (_d, model) = tiny_q();
@@ -460,18 +490,7 @@ fn a_large_tree_after_a_long_context_equals_its_linear_paths() {
         parents: parents.clone(),
     };
     let out = tree_forward(&model, &ctx, &tokens, &tree);
-    for node in 0..tokens.len() {
-        let mut path = vec![node];
-        while let Some(p) = parents[*path.last().unwrap()] {
-            path.push(p);
-        }
-        path.reverse();
-        let ids: Vec<u32> = path.iter().map(|&i| tokens[i]).collect();
-        let mut c = model.new_cache();
-        model.forward_one(&mut c, &ctx, Logits::None).unwrap();
-        let lin = model.forward_one(&mut c, &ids, Logits::All).unwrap();
-        assert_eq!(out.row(node), lin.row(ids.len() - 1), "node {node}");
-    }
+    assert_rows_are_their_paths(&model, &ctx, &tokens, &parents, &out, 0..tokens.len());
 }
 
 /// A prompt's last chunk with a tree drafted after it (the step that
@@ -506,18 +525,85 @@ fn a_prompt_chunk_with_a_tree_after_it_equals_its_linear_paths() {
         parents: parents.clone(),
     };
     let out = tree_forward(&model, &ctx, &tokens, &tree);
-    for node in (0..tokens.len()).filter(|&i| i % 9 == 0 || i >= chain - 1) {
-        let mut path = vec![node];
-        while let Some(p) = parents[*path.last().unwrap()] {
-            path.push(p);
-        }
-        path.reverse();
-        let ids: Vec<u32> = path.iter().map(|&i| tokens[i]).collect();
-        let mut c = model.new_cache();
-        model.forward_one(&mut c, &ctx, Logits::None).unwrap();
-        let lin = model.forward_one(&mut c, &ids, Logits::All).unwrap();
-        assert_eq!(out.row(node), lin.row(ids.len() - 1), "node {node}");
-    }
+    let nodes = (0..tokens.len()).filter(|&i| i % 9 == 0 || i >= chain - 1);
+    assert_rows_are_their_paths(&model, &ctx, &tokens, &parents, &out, nodes);
+}
+
+/// Trees batched with each other and with a chain: a deep, wide tree
+/// after a context of three 128-slot ranges (its rows split over several
+/// tail tasks, the context read once for all of them), a small tree after
+/// a short context, and a plain verify chain. Every row's logits equal
+/// plain decoding of its path alone, bit for bit.
+#[test]
+fn batched_trees_and_a_chain_equal_their_linear_paths() {
+    let spec = common::TinySpec {
+        max_seq: 512,
+        ..TINY
+    };
+    let dir = TempDir::new("batchtrees");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &spec, 3, GgmlDType::Q4_1, "llama");
+    let model = load_model(&path, 2).unwrap();
+    let ctx_a: Vec<u32> = (0..300u32).map(|i| 3 + (i * 7 + i * i) % 60).collect();
+    let ctx_b: Vec<u32> = (0..40u32).map(|i| 5 + (i * 3) % 50).collect();
+    let ctx_c: Vec<u32> = (0..170u32).map(|i| 4 + (i * 11) % 57).collect();
+    // A: a ternary heap of 40 tokens (depth 3); B: root, two branches of
+    // two; C: a chain of 5.
+    let pa: Vec<Option<usize>> = (0..40usize)
+        .map(|i| i.checked_sub(1).map(|j| j / 3))
+        .collect();
+    let pb = vec![None, Some(0), Some(1), Some(0), Some(3)];
+    let ta: Vec<u32> = (0..40u32).map(|i| 6 + (i * 13) % 53).collect();
+    let tb: Vec<u32> = vec![21, 22, 23, 31, 32];
+    let tc: Vec<u32> = vec![41, 42, 43, 44, 45];
+    let (tree_a, tree_b) = (
+        TreeMask {
+            parents: pa.clone(),
+        },
+        TreeMask {
+            parents: pb.clone(),
+        },
+    );
+    let mut caches: Vec<_> = [&ctx_a, &ctx_b, &ctx_c]
+        .iter()
+        .map(|ctx| {
+            let mut c = model.new_cache();
+            model.forward_one(&mut c, ctx, Logits::None).unwrap();
+            c
+        })
+        .collect();
+    let mut it = caches.iter_mut();
+    let (ca, cb, cc) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+    let out = model
+        .forward(
+            &mut [
+                ForwardInput {
+                    cache: ca,
+                    tokens: &ta,
+                    logits: Logits::All,
+                    tree: Some(&tree_a),
+                },
+                ForwardInput {
+                    cache: cc,
+                    tokens: &tc,
+                    logits: Logits::All,
+                    tree: None,
+                },
+                ForwardInput {
+                    cache: cb,
+                    tokens: &tb,
+                    logits: Logits::All,
+                    tree: Some(&tree_b),
+                },
+            ],
+            &[],
+        )
+        .unwrap();
+    let all = |t: &[u32]| 0..t.len();
+    assert_rows_are_their_paths(&model, &ctx_a, &ta, &pa, &out[0], all(&ta));
+    let pc: Vec<Option<usize>> = (0..5usize).map(|i| i.checked_sub(1)).collect();
+    assert_rows_are_their_paths(&model, &ctx_c, &tc, &pc, &out[1], all(&tc));
+    assert_rows_are_their_paths(&model, &ctx_b, &tb, &pb, &out[2], all(&tb));
 }
 
 #[test]

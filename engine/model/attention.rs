@@ -7,7 +7,11 @@
 //! read once; a prefill chunk's tasks take 4 tokens each and walk their
 //! ranges in turn. A task widens each cache block once, the query heads of
 //! a token share every K/V load, and the per-range partials (max, sum,
-//! weighted values) are merged in range order.
+//! weighted values) are merged in range order. A tree's rows share one
+//! task per context range below the range holding the tree (`Context`),
+//! read once for all of them like a chain's; from that range on each row
+//! is computed per query in the layout plain decoding would give its path
+//! (`Tail`), and its partials merge after the context's.
 //!
 //! Invariant: neither the token chunking nor the slot split depends on the
 //! batch, so a token's attention output is bit-identical alone or batched.
@@ -141,15 +145,42 @@ pub(super) struct Dims {
     pub scale: f32,
 }
 
+/// What an attention task computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TaskKind {
+    /// Chain rows over cache blocks `c0..c1` in place (`attend`; several
+    /// ranges are merged inside the task): one partial per query.
+    Chain,
+    /// A tree's rows over one context range below the tail (the range
+    /// holding the tree's first slot), which every row sees whole: one
+    /// partial per query, for the row's `Tail` task to merge.
+    Context,
+    /// Tree rows from the tail on, each in the layout plain decoding
+    /// would use (`attend_tree_tail`): a fixed number of partials per
+    /// query, padded with empty ones.
+    Tail,
+}
+
+/// One attention task: (sequence, kv head, tokens t0..t1, cache blocks
+/// c0..c1, kind).
+#[derive(Debug, Clone, Copy)]
+struct Task {
+    seq: usize,
+    kv: usize,
+    t0: usize,
+    t1: usize,
+    c0: usize,
+    c1: usize,
+    kind: TaskKind,
+}
+
 /// The attention tasks of one forward (the same for every layer).
 #[derive(Debug)]
 pub(super) struct AttentionPlan {
-    /// (sequence, kv head, tokens t0..t1, cache blocks c0..c1).
-    tasks: Vec<(usize, usize, usize, usize, usize, usize)>,
-    /// Per sequence, its leading rows planned as a chain (all rows without
-    /// a tree): tasks of rows below it take `attend`, the rest
-    /// `attend_tree`.
-    chains: Vec<usize>,
+    /// Per sequence and kv head, contiguous: its `Chain` tasks (by tokens,
+    /// then range), then its `Context` tasks (by range), then its `Tail`
+    /// tasks (by tokens).
+    tasks: Vec<Task>,
     /// Sliding window (positions a token sees, itself included), if any.
     window: Option<usize>,
 }
@@ -172,21 +203,30 @@ impl AttentionPlan {
         // absolute position, so the split never depends on the batch) whose
         // partial softmax sums are merged in order afterwards.
         let mut tasks = Vec::new();
-        let mut chains = Vec::with_capacity(metas.len());
         for (si, m) in metas.iter().enumerate() {
+            let layout = caches[si].layout();
+            let bs = layout.block_size;
+            let rs = range_slots(caches[si]);
             // Rows planned as a chain: all of them without a tree; with
             // one, the leading rows that form a chain off the context (a
             // prompt's last chunk before the tree drafted after it), which
-            // need no tree mask and, through `attend_tree`'s per-query
-            // path, made a long prompt's first step with a tree 20-35%
-            // slower. A row's bits are the same on either path.
+            // need no tree mask and, through `attend_tree_tail`'s
+            // per-query path, made a long prompt's first step with a tree
+            // 20-35% slower. A short leading chain (a verify tree's root
+            // and first nodes) joins the tree rows instead, so the context
+            // is read once for all rows. A row's bits are the same on
+            // either path.
             let chain = m.ancestors.as_deref().map_or(m.n, leading_chain);
-            chains.push(chain);
-            if chain > 0 {
-                let nblocks = caches[si].layout().blocks_for(m.base + chain);
-                // A decode or verify forward keeps all its tokens in one
-                // task (the cache is read once) and spreads over the slot
-                // ranges.
+            let chain = if chain < m.n && chain <= ATTN_TREE_TOKENS_PER_TASK {
+                0
+            } else {
+                chain
+            };
+            // Chain rows: a decode or verify forward keeps all its tokens
+            // in one task (the cache is read once) and spreads over the
+            // slot ranges.
+            let chain_plan = (chain > 0).then(|| {
+                let nblocks = layout.blocks_for(m.base + chain);
                 let per_task = if chain <= ATTN_VERIFY_TOKENS {
                     chain
                 } else {
@@ -203,58 +243,87 @@ impl AttentionPlan {
                 } else {
                     nblocks.max(1)
                 };
-                for g in 0..nkv {
-                    let mut t0 = 0;
-                    while t0 < chain {
-                        let t1 = (t0 + per).min(chain);
-                        // The first range any of these tokens sees (the
-                        // first token's window starts lowest).
-                        let rs = range_slots(caches[si]);
-                        let lo = window_start(window, m.base + t0) / rs * rs;
-                        let mut c0 = lo / caches[si].layout().block_size;
-                        while c0 < nblocks {
-                            let c1 = (c0 + range).min(nblocks);
-                            tasks.push((si, g, t0, t1, c0, c1));
-                            c0 = c1;
-                        }
-                        t0 = t1;
-                    }
-                }
-            }
-            if chain < m.n {
-                // Tree tokens: each task covers whole rows (every range),
-                // computed in the layout plain decoding would use
-                // (`attend_tree`).
-                // Balanced chunks of at most ATTN_TREE_TOKENS_PER_TASK,
-                // and at least two tasks per thread over the kv heads (a
-                // small tree's three tasks on two threads left one idle
-                // half the time). (`per` >= 1 whenever the loop runs.)
-                let nblocks = caches[si].layout().blocks_for(m.base + m.n);
+                (nblocks, per, range)
+            });
+            // Tree rows: the context ranges below the tail once for all of
+            // them (those before every row's window are left out), then
+            // balanced chunks of at most ATTN_TREE_TOKENS_PER_TASK rows for
+            // the tail, at least two tasks per thread over the kv heads.
+            // (`per` >= 1 whenever the loop runs.)
+            let tree_plan = (chain < m.n).then(|| {
+                let tail_block = m.base / rs * rs / bs;
+                let lo_min = (chain..m.n)
+                    .map(|t| {
+                        let depth = m.ancestors.as_deref().map_or(t, |a| a[t].len() - 1);
+                        window_start(window, m.base + depth)
+                    })
+                    .min()
+                    .unwrap_or(0);
+                let ctx_block = lo_min / rs * rs / bs;
                 let rows = m.n - chain;
                 let spread = (2 * rayon::current_num_threads()).div_ceil(nkv.max(1));
                 let chunks = rows
                     .div_ceil(ATTN_TREE_TOKENS_PER_TASK)
                     .max(spread)
                     .clamp(1, rows);
-                let per = rows.div_ceil(chunks);
-                for g in 0..nkv {
+                (ctx_block.min(tail_block), tail_block, rows.div_ceil(chunks))
+            });
+            for g in 0..nkv {
+                if let Some((nblocks, per, range)) = chain_plan {
+                    let mut t0 = 0;
+                    while t0 < chain {
+                        let t1 = (t0 + per).min(chain);
+                        // The first range any of these tokens sees (the
+                        // first token's window starts lowest).
+                        let lo = window_start(window, m.base + t0) / rs * rs;
+                        let mut c0 = lo / bs;
+                        while c0 < nblocks {
+                            let c1 = (c0 + range).min(nblocks);
+                            tasks.push(Task {
+                                seq: si,
+                                kv: g,
+                                t0,
+                                t1,
+                                c0,
+                                c1,
+                                kind: TaskKind::Chain,
+                            });
+                            c0 = c1;
+                        }
+                        t0 = t1;
+                    }
+                }
+                if let Some((ctx0, tail_block, per)) = tree_plan {
+                    for c0 in (ctx0..tail_block).step_by(ATTN_BLOCKS_PER_RANGE) {
+                        tasks.push(Task {
+                            seq: si,
+                            kv: g,
+                            t0: chain,
+                            t1: m.n,
+                            c0,
+                            c1: c0 + ATTN_BLOCKS_PER_RANGE,
+                            kind: TaskKind::Context,
+                        });
+                    }
                     let mut t0 = chain;
                     while t0 < m.n {
                         let t1 = (t0 + per).min(m.n);
-                        // `attend_tree` skips the context ranges before
-                        // the shallowest token's window itself.
-                        tasks.push((si, g, t0, t1, 0, nblocks.max(1)));
+                        tasks.push(Task {
+                            seq: si,
+                            kv: g,
+                            t0,
+                            t1,
+                            c0: tail_block,
+                            c1: layout.blocks_for(m.base + m.n).max(tail_block),
+                            kind: TaskKind::Tail,
+                        });
                         t0 = t1;
                     }
                 }
             }
         }
 
-        Self {
-            tasks,
-            chains,
-            window,
-        }
+        Self { tasks, window }
     }
 
     /// Attention of layer `li` for every query row of `q` into `attn`
@@ -275,95 +344,130 @@ impl AttentionPlan {
             group,
             scale,
         } = d;
-        let attn_tasks = &self.tasks;
-        // Attention: one task per (sequence, kv head, chunk of tokens),
-        // covering the query heads that share the kv head; each reads
-        // only its own sequence's cache, in slot order, and every
-        // (token, head) result is computed the same way whatever else
-        // shares the task, so results do not depend on the batch.
-        {
-            let q = &q;
-            let metas = &metas;
-            let outs: Vec<Vec<f32>> = attn_tasks
-                .par_iter()
-                .map(|&(si, g, t0, t1, c0, c1)| {
-                    let m = &metas[si];
-                    // Rows of a tree's leading chain see the context and
-                    // the rows before them: no mask.
-                    let tree_rows = t0 >= self.chains[si];
-                    let aq = AttnQuery {
-                        q,
-                        dim,
-                        group,
-                        row0: m.start,
-                        base: m.base,
-                        tree: m.allowed.as_deref().filter(|_| tree_rows),
-                        ancestors: m.ancestors.as_deref().filter(|_| tree_rows),
-                        window: self.window,
-                    };
-                    let mut out = Vec::new();
-                    if let Some(anc) = aq.ancestors {
-                        attend_tree(caches[si], li, g, &aq, anc, t0..t1, scale, &mut out);
-                        return out;
-                    }
-                    if c1 - c0 <= ATTN_BLOCKS_PER_RANGE {
-                        attend(caches[si], li, g, &aq, t0..t1, c0..c1, scale, &mut out);
-                        return out;
-                    }
-                    // Several ranges in one task: merge them here, in
-                    // order, and hand back (0, 1, result), which the
-                    // merge below passes through unchanged.
-                    let parts: Vec<Vec<f32>> = (c0..c1)
-                        .step_by(ATTN_BLOCKS_PER_RANGE)
-                        .map(|r| {
-                            let mut p = Vec::new();
-                            let r1 = (r + ATTN_BLOCKS_PER_RANGE).min(c1);
-                            attend(caches[si], li, g, &aq, t0..t1, r..r1, scale, &mut p);
-                            p
-                        })
-                        .collect();
-                    let nq = (t1 - t0) * group;
-                    out.resize(nq * (hd + 2), 0.0);
-                    for qi in 0..nq {
-                        let part = &mut out[qi * (hd + 2)..(qi + 1) * (hd + 2)];
-                        part[0] = 0.0;
-                        part[1] = 1.0;
-                        merge_partials(
-                            parts.iter().map(|p| &p[qi * (hd + 2)..(qi + 1) * (hd + 2)]),
-                            &mut part[2..],
-                        );
-                    }
-                    out
-                })
-                .collect();
-            // Merge each (token, head)'s slot ranges in order.
-            let w = group * hd;
-            let mut i = 0;
-            while i < attn_tasks.len() {
-                let (si, g, t0, t1, _, _) = attn_tasks[i];
-                let mut j = i;
-                while j < attn_tasks.len()
-                    && attn_tasks[j].0 == si
-                    && attn_tasks[j].1 == g
-                    && attn_tasks[j].2 == t0
-                {
-                    j += 1;
+        let tasks = &self.tasks;
+        let stride = hd + 2;
+        // Attention: each task covers the query heads that share its kv
+        // head; each reads only its own sequence's cache, in slot order,
+        // and every (token, head) result is computed the same way whatever
+        // else shares the task, so results do not depend on the batch.
+        // A task hands back its partials, `per` for each query.
+        let outs: Vec<(Vec<f32>, usize)> = tasks
+            .par_iter()
+            .map(|task| {
+                let m = &metas[task.seq];
+                let tree_rows = task.kind != TaskKind::Chain;
+                let aq = AttnQuery {
+                    q,
+                    dim,
+                    group,
+                    row0: m.start,
+                    base: m.base,
+                    tree: m.allowed.as_deref().filter(|_| tree_rows),
+                    ancestors: m.ancestors.as_deref().filter(|_| tree_rows),
+                    window: self.window,
+                };
+                let cache = caches[task.seq];
+                let ts = task.t0..task.t1;
+                let mut out = Vec::new();
+                if task.kind == TaskKind::Tail {
+                    let anc = aq.ancestors.expect("tree rows have ancestors");
+                    let per = attend_tree_tail(cache, li, task.kv, &aq, anc, ts, scale, &mut out);
+                    return (out, per);
                 }
-                for t in t0..t1 {
-                    let r = metas[si].start + t;
-                    let dst = &mut attn[r * dim + g * w..r * dim + (g + 1) * w];
-                    for h in 0..group {
-                        let qi = (t - t0) * group + h;
-                        merge_partials(
-                            outs[i..j]
-                                .iter()
-                                .map(|o| &o[qi * (hd + 2)..(qi + 1) * (hd + 2)]),
-                            &mut dst[h * hd..(h + 1) * hd],
-                        );
-                    }
+                if task.c1 - task.c0 <= ATTN_BLOCKS_PER_RANGE {
+                    attend(
+                        cache,
+                        li,
+                        task.kv,
+                        &aq,
+                        ts,
+                        task.c0..task.c1,
+                        scale,
+                        &mut out,
+                    );
+                    return (out, 1);
                 }
-                i = j;
+                // Several ranges in one task: merge them here, in order,
+                // and hand back (0, 1, result), which the merge below
+                // passes through unchanged.
+                let parts: Vec<Vec<f32>> = (task.c0..task.c1)
+                    .step_by(ATTN_BLOCKS_PER_RANGE)
+                    .map(|r| {
+                        let mut p = Vec::new();
+                        let r1 = (r + ATTN_BLOCKS_PER_RANGE).min(task.c1);
+                        attend(cache, li, task.kv, &aq, ts.clone(), r..r1, scale, &mut p);
+                        p
+                    })
+                    .collect();
+                let nq = ts.len() * group;
+                out.resize(nq * stride, 0.0);
+                for qi in 0..nq {
+                    let part = &mut out[qi * stride..(qi + 1) * stride];
+                    part[0] = 0.0;
+                    part[1] = 1.0;
+                    merge_partials(
+                        parts.iter().map(|p| &p[qi * stride..(qi + 1) * stride]),
+                        &mut part[2..],
+                    );
+                }
+                (out, 1)
+            })
+            .collect();
+        // Merge each (token, head)'s slot ranges in order: a chain row's
+        // from the tasks of its tokens (consecutive, one per range); a
+        // tree row's from its sequence and kv head's `Context` tasks, then
+        // its `Tail` task's.
+        let w = group * hd;
+        let partial = |k: usize, t: usize, h: usize, p: usize| {
+            let qi = (t - tasks[k].t0) * group + h;
+            let at = (qi * outs[k].1 + p) * stride;
+            &outs[k].0[at..at + stride]
+        };
+        let mut i = 0;
+        while i < tasks.len() {
+            let Task { seq, kv, .. } = tasks[i];
+            let mut end = i;
+            while end < tasks.len() && tasks[end].seq == seq && tasks[end].kv == kv {
+                end += 1;
             }
+            let context: Vec<usize> = (i..end)
+                .filter(|&k| tasks[k].kind == TaskKind::Context)
+                .collect();
+            let mut k = i;
+            while k < end {
+                let Task { t0, t1, kind, .. } = tasks[k];
+                let mut j = k + 1;
+                if kind == TaskKind::Chain {
+                    while j < end
+                        && tasks[j].kind == TaskKind::Chain
+                        && (tasks[j].t0, tasks[j].t1) == (t0, t1)
+                    {
+                        j += 1;
+                    }
+                }
+                if kind != TaskKind::Context {
+                    for t in t0..t1 {
+                        let r = metas[seq].start + t;
+                        let dst = &mut attn[r * dim + kv * w..r * dim + (kv + 1) * w];
+                        for h in 0..group {
+                            let dst = &mut dst[h * hd..(h + 1) * hd];
+                            if kind == TaskKind::Chain {
+                                merge_partials((k..j).map(|x| partial(x, t, h, 0)), dst);
+                            } else {
+                                merge_partials(
+                                    context
+                                        .iter()
+                                        .map(|&x| partial(x, t, h, 0))
+                                        .chain((0..outs[k].1).map(|p| partial(k, t, h, p))),
+                                    dst,
+                                );
+                            }
+                        }
+                    }
+                }
+                k = j;
+            }
+            i = end;
         }
     }
 }
@@ -382,9 +486,9 @@ fn leading_chain(ancestors: &[Vec<usize>]) -> usize {
 /// once for all its tokens).
 const ATTN_TOKENS_PER_TASK: usize = 4;
 
-/// Tree tokens per attention task: each task reads the whole context for
-/// its tokens, so fewer, larger tasks read it fewer times (a token's result
-/// does not depend on which others share its task).
+/// Tree rows per `Tail` task (a row's result does not depend on which
+/// others share its task); a leading chain of at most this many rows joins
+/// the tree rows.
 const ATTN_TREE_TOKENS_PER_TASK: usize = 8;
 
 /// Forwards of at most this many tokens per sequence (decode, verify) keep
@@ -788,16 +892,17 @@ fn value_sum(p: &[f32], v: &[f32], hd: usize, o: &mut [f32]) {
     }
 }
 
-/// Attention of tree tokens `ts` (ancestors `anc`), each computed exactly
-/// as plain decoding computes it: over the committed context and its
-/// ancestors at consecutive slots from `base` (where plain decoding puts
-/// them), with the same 128-slot ranges, the same lane sums and the same
-/// merge order. Ranges below the one holding `base` are read in place;
-/// from that range on, a token's scores and values are gathered into that
-/// virtual layout. `out` holds `(0, 1, o)` per query: already merged, as a
-/// whole-row task hands its result to the plan's merge.
+/// Attention of tree tokens `ts` (ancestors `anc`) from the tail on (the
+/// 128-slot range holding `base`), each computed exactly as plain decoding
+/// computes it: over the committed context and its ancestors at
+/// consecutive slots from `base` (where plain decoding puts them), with the
+/// same ranges and lane sums; the ranges below the tail are the plan's
+/// `Context` tasks. A token's scores and values are gathered into that
+/// virtual layout. `out` holds, per query, the returned number of partials
+/// `[max, sum, o]` (the most any of these tokens has), in range order,
+/// padded with empty ones (`max = -inf`) that the merge skips.
 #[allow(clippy::too_many_arguments)]
-fn attend_tree(
+fn attend_tree_tail(
     cache: &KvCache,
     layer: usize,
     kv_head: usize,
@@ -806,32 +911,19 @@ fn attend_tree(
     ts: std::ops::Range<usize>,
     scale: f32,
     out: &mut Vec<f32>,
-) {
+) -> usize {
     let l = cache.layout();
     let (hd, bs, group) = (l.head_dim, l.block_size, aq.group);
     let range = ATTN_BLOCKS_PER_RANGE * bs;
     let base = aq.base;
     let tail = base / range * range;
-    // Ranges wholly below `tail` are context for every token; those
-    // before every token's window are left out (exact no-ops).
-    let lo_min = ts.clone().map(|t| aq.lo(t)).min().unwrap_or(0);
-    let parts: Vec<Vec<f32>> = (lo_min / range * range / bs..tail / bs)
-        .step_by(ATTN_BLOCKS_PER_RANGE)
-        .map(|b| {
-            let mut p = Vec::new();
-            attend(
-                cache,
-                layer,
-                kv_head,
-                aq,
-                ts.clone(),
-                b..b + ATTN_BLOCKS_PER_RANGE,
-                scale,
-                &mut p,
-            );
-            p
-        })
-        .collect();
+    let stride = hd + 2;
+    // Partials per query: the ranges of the deepest token's layout.
+    let per = ts
+        .clone()
+        .map(|t| (base + anc[t].len() - tail).div_ceil(range))
+        .max()
+        .unwrap_or(0);
     // Physical blocks from `tail` up to the last slot these tokens see.
     let (tb0, tb1) = (tail / bs, l.blocks_for(base + ts.end));
     // The tail blocks widened once, into one buffer each for keys and
@@ -852,12 +944,13 @@ fn attend_tree(
     let vbufs: Vec<&[f32]> = vwide.chunks(blk).collect();
     let nq = ts.len() * group;
     out.clear();
-    out.resize(nq * (hd + 2), 0.0);
+    out.resize(nq * per * stride, 0.0);
+    for part in out.chunks_mut(stride) {
+        part[0] = f32::NEG_INFINITY;
+    }
     let mut phys = vec![0f32; (tb1 - tb0) * bs];
     let mut virt: Vec<f32> = Vec::new();
     let mut gathered: Vec<f32> = Vec::new();
-    // A query's tail ranges' partials, `hd + 2` each.
-    let mut ranges: Vec<f32> = Vec::new();
     for qi in 0..nq {
         let t = ts.start + qi / group;
         let h = qi % group;
@@ -878,7 +971,7 @@ fn attend_tree(
         virt.clear();
         virt.extend_from_slice(&phys[..base - tail]);
         virt.extend(a.iter().map(|&i| phys[base + i - tail]));
-        ranges.clear();
+        let ranges = &mut out[qi * per * stride..(qi + 1) * per * stride];
         let mut r0 = tail;
         while r0 < vend {
             let r1 = (r0 + range).min(vend);
@@ -892,9 +985,7 @@ fn attend_tree(
                 };
             }
             let (mx, sum) = kernels::exp_shifted(sc);
-            let at = ranges.len();
-            ranges.resize(at + hd + 2, 0.0);
-            let part = &mut ranges[at..];
+            let part = &mut ranges[(r0 - tail) / range * stride..][..stride];
             part[0] = mx;
             part[1] = sum;
             // Context slots of this range, block by block, in place.
@@ -923,17 +1014,8 @@ fn attend_tree(
             }
             r0 = r1;
         }
-        let dst = &mut out[qi * (hd + 2)..(qi + 1) * (hd + 2)];
-        dst[0] = 0.0;
-        dst[1] = 1.0;
-        merge_partials(
-            parts
-                .iter()
-                .map(|p| &p[qi * (hd + 2)..(qi + 1) * (hd + 2)])
-                .chain(ranges.chunks(hd + 2)),
-            &mut dst[2..],
-        );
     }
+    per
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
