@@ -507,14 +507,15 @@ fn parallel_mode_needs_a_draft_trained_for_it() {
 }
 
 /// The compact draft shipped for SmolLM2 (built into the plugin, loaded
-/// through configs/draft.toml with no path): tokens and logprobs equal
-/// plain decoding, and its drafts are accepted well above chance (a draft
-/// that is not loaded, or fed the wrong embedding, stays near 1.0).
+/// through configs/draft.toml with no path), in chain and in parallel
+/// mode: tokens and logprobs equal plain decoding, and its drafts are
+/// accepted well above chance (a draft that is not loaded, or fed the
+/// wrong embedding, stays near 1.0).
 #[test]
 fn the_shipped_compact_draft_is_lossless_and_accepted_on_smollm2() {
     common::shipped_is_lossless_and_accepted(
         "configs/draft.toml",
-        &["draft", "hybrid"],
+        &["draft", "draft-parallel", "hybrid"],
         4,
         |name| {
             if name == "hybrid" {
