@@ -285,27 +285,9 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
                     ip[j] = _mm256_add_epi32(ip[j], _mm256_set1_epi32(corr));
                 }
             }
-            // SAFETY: the record's 16 scales follow its codes; half h is
-            // 8 of them.
-            let dw =
-                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i)) };
-            let mw = if K == Q4_1 || K == Q5_1 {
-                // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
-                unsafe {
-                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 32 + 16 * h) as *const __m128i))
-                }
-            } else {
-                _mm256_setzero_ps()
-            };
-            for j in 0..R {
-                // SAFETY: block b of activation row i0 + j exists.
-                let (d, m) = unsafe { (*qd.add(j * nb + b), *qsum.add(j * nb + b)) };
-                let sc = _mm256_mul_ps(dw, _mm256_set1_ps(d));
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[j]), sc, acc[j]);
-                if K == Q4_1 || K == Q5_1 {
-                    acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), acc[j]);
-                }
-            }
+            // SAFETY: `blk` is block b's record of tile t; rows i0..i0 + R
+            // and their block b exist (the caller's guarantee).
+            unsafe { block_epilogue_avx2::<R, K>(blk, cb, h, &ip, qd, qsum, nb, b, &mut acc) };
         }
         for j in 0..R {
             // SAFETY: 8 floats at lanes 8h..8h + 8 of `o[j]`.
@@ -313,6 +295,49 @@ unsafe fn avx2_tile<const R: usize, const K: u8>(
         }
     }
     o
+}
+
+/// The float accumulate of one block and tile half, shared by the AVX2 and
+/// AVX-VNNI kernels (so both give a row the same bits): per activation row
+/// j, `acc[j] += float(ip[j]) * (d_w * d_x)`, then for Q4_1 and Q5_1
+/// `acc[j] += m_w * s_x`, in that order.
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `blk` is a row-tile block record of
+/// `K` whose scales (and minimums) start at `cb`; `qd` and `qsum` hold
+/// block `b` of `R` activation rows of `nb` blocks each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_epilogue_avx2<const R: usize, const K: u8>(
+    blk: *const u8,
+    cb: usize,
+    h: usize,
+    ip: &[__m256i; R],
+    qd: *const f32,
+    qsum: *const f32,
+    nb: usize,
+    b: usize,
+    acc: &mut [__m256; R],
+) {
+    // SAFETY: the record's 16 scales follow its codes; half h is 8 of them.
+    let dw = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i)) };
+    let mw = if K == Q4_1 || K == Q5_1 {
+        // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 32 + 16 * h) as *const __m128i)) }
+    } else {
+        _mm256_setzero_ps()
+    };
+    for j in 0..R {
+        // SAFETY: block b of activation row j exists (the caller's
+        // guarantee).
+        let (d, m) = unsafe { (*qd.add(j * nb + b), *qsum.add(j * nb + b)) };
+        let sc = _mm256_mul_ps(dw, _mm256_set1_ps(d));
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[j]), sc, acc[j]);
+        if K == Q4_1 || K == Q5_1 {
+            acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), acc[j]);
+        }
+    }
 }
 
 /// Q5_0's fifth bits of step `s` from (half of) its bit plane, at bit 4
@@ -522,31 +547,12 @@ pub mod avxvnni {
                         ib[j] = _mm256_dpbusd_avx_epi32(ib[j], wo, xs(j, 2 * u + 1));
                     }
                 }
-                // SAFETY: the record's 16 scales follow its codes; half h
-                // is 8 of them.
-                let dw = unsafe {
-                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i))
+                let ip: [__m256i; R] = core::array::from_fn(|j| _mm256_add_epi32(ia[j], ib[j]));
+                // SAFETY: `blk` is block b's record of tile t; rows i0..i0 +
+                // R and their block b exist (the caller's guarantee).
+                unsafe {
+                    super::block_epilogue_avx2::<R, K>(blk, cb, h, &ip, qd, qsum, nb, b, &mut acc)
                 };
-                let mw = if K == Q4_1 || K == Q5_1 {
-                    // SAFETY: Q4_1 and Q5_1 records end with the 16 minimums.
-                    unsafe {
-                        _mm256_cvtph_ps(
-                            _mm_loadu_si128(blk.add(cb + 32 + 16 * h) as *const __m128i),
-                        )
-                    }
-                } else {
-                    _mm256_setzero_ps()
-                };
-                for j in 0..R {
-                    // SAFETY: block b of activation row i0 + j exists.
-                    let (d, m) = unsafe { (*qd.add(j * nb + b), *qsum.add(j * nb + b)) };
-                    let ip = _mm256_add_epi32(ia[j], ib[j]);
-                    let sc = _mm256_mul_ps(dw, _mm256_set1_ps(d));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip), sc, acc[j]);
-                    if K == Q4_1 || K == Q5_1 {
-                        acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), acc[j]);
-                    }
-                }
             }
             for j in 0..R {
                 // SAFETY: 8 floats at lanes 8h..8h + 8 of `o[j]`.
