@@ -98,6 +98,18 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
 /// fixed lanes folded in a fixed order. All -inf gives `(-inf, 0)` and
 /// zeros; -inf entries become exact 0.
 pub fn exp_shifted(x: &mut [f32]) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::attn::available() {
+        if let Some(r) = super::simd::attn::exp_shifted(x) {
+            return r;
+        }
+    }
+    exp_shifted_portable(x)
+}
+
+/// `exp_shifted` in portable code (the reference every SIMD path equals
+/// bit for bit).
+pub fn exp_shifted_portable(x: &mut [f32]) -> (f32, f32) {
     let mut m = [f32::NEG_INFINITY; 16];
     let chunks = x.chunks_exact(16);
     let rem = chunks.remainder();

@@ -957,8 +957,138 @@ pub mod attn {
     pub fn widen(src: &[half::f16], dst: &mut [f32]) {
         assert!(available());
         assert_eq!(src.len(), dst.len());
+        if wide() {
+            // SAFETY: AVX-512F is available; the loop bounds every access.
+            return unsafe { widen_avx512(src, dst) };
+        }
         // SAFETY: F16C and AVX are available; the loop bounds every access.
         unsafe { widen_f16c(src, dst) }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn widen_avx512(src: &[half::f16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: `src[i..]` holds 16 f16 (32 bytes), `dst[i..]` 16
+            // floats.
+            unsafe {
+                let h = _mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i);
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+            }
+            i += 16;
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
+        }
+    }
+
+    /// `kernels::exp_shifted` in 16-lane vectors where AVX-512 runs: the
+    /// same operations per element as `exp_f32` (no contraction the scalar
+    /// code does not make), the same 16 lane sums folded in the same
+    /// order, the exponentials and their sum in one pass; `None` where
+    /// AVX-512 is off (the portable loop then runs).
+    pub fn exp_shifted(x: &mut [f32]) -> Option<(f32, f32)> {
+        if !wide() {
+            return None;
+        }
+        // SAFETY: AVX-512F is available; every access is bounded by the
+        // loops inside.
+        Some(unsafe { exp_shifted_avx512(x) })
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn exp_shifted_avx512(x: &mut [f32]) -> (f32, f32) {
+        let n = x.len();
+        let full = n / 16 * 16;
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i < full {
+            // SAFETY: `i + 16 <= n`.
+            let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) };
+            m = _mm512_max_ps(v, m);
+            i += 16;
+        }
+        let mut lanes = [0f32; 16];
+        // SAFETY: `lanes` is 16 floats.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), m) };
+        let max = x[full..]
+            .iter()
+            .chain(&lanes)
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        if max == f32::NEG_INFINITY {
+            x.fill(0.0);
+            return (max, 0.0);
+        }
+        let mx = _mm512_set1_ps(max);
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < full {
+            // SAFETY: `i + 16 <= n`.
+            unsafe {
+                let p = x.as_mut_ptr().add(i);
+                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p), mx));
+                _mm512_storeu_ps(p, e);
+                acc = _mm512_add_ps(acc, e);
+            }
+            i += 16;
+        }
+        for v in &mut x[full..] {
+            *v = crate::kernels::exp_f32(*v - max);
+        }
+        // SAFETY: `lanes` is 16 floats.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+        let sum = x[full..]
+            .iter()
+            .fold(crate::kernels::fold16(lanes), |s, &v| s + v);
+        (max, sum)
+    }
+
+    /// `exp_f32` on 16 lanes, operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exp16(x: __m512) -> __m512 {
+        const LOG2E: f32 = std::f32::consts::LOG2_E;
+        const C1: f32 = 0.693_359_4;
+        const C2: f32 = -2.121_944_4e-4;
+        const MAGIC: f32 = 12_582_912.0;
+        // max/min return their second operand for a NaN: put x second so
+        // a NaN stays NaN, as `clamp` keeps it.
+        let xc = _mm512_min_ps(
+            _mm512_set1_ps(88.3),
+            _mm512_max_ps(_mm512_set1_ps(-87.3), x),
+        );
+        let t = _mm512_add_ps(
+            _mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
+            _mm512_set1_ps(MAGIC),
+        );
+        let nf = _mm512_sub_ps(t, _mm512_set1_ps(MAGIC));
+        let ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B40_0000));
+        let r = _mm512_fmadd_ps(
+            nf,
+            _mm512_set1_ps(-C2),
+            _mm512_fmadd_ps(nf, _mm512_set1_ps(-C1), xc),
+        );
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.398_2e-3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.333_452e-3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166_579_6e-2));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_666_65));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
+        let e = _mm512_fmadd_ps(
+            p,
+            _mm512_mul_ps(r, r),
+            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+        );
+        let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+            ni,
+            _mm512_set1_epi32(127),
+        )));
+        let v = _mm512_mul_ps(e, scale);
+        let low = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.3));
+        let high = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(88.7));
+        let v = _mm512_mask_mov_ps(v, high, _mm512_set1_ps(f32::INFINITY));
+        _mm512_mask_mov_ps(v, low, _mm512_setzero_ps())
     }
 
     #[target_feature(enable = "avx2,f16c")]

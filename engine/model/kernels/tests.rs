@@ -333,6 +333,40 @@ fn exp_shifted_normalizes_to_softmax_and_zeroes_masked_entries() {
 }
 
 #[test]
+fn exp_shifted_gives_the_portable_bits_on_every_length_and_mask() {
+    // The dispatching version (16-lane AVX-512 where it runs) against the
+    // portable loop: prefill, verify and decode attention must agree bit
+    // for bit whatever path a row takes.
+    let mut seed = 9u64;
+    for len in (0usize..70).chain([127, 128, 129, 300, 1024]) {
+        for pattern in 0..4 {
+            let mut x: Vec<f32> = (0..len)
+                .map(|i| match (pattern, i % 7) {
+                    (1, 3) => f32::NEG_INFINITY,
+                    (2, _) => f32::NEG_INFINITY,
+                    (3, 0) => lcg(&mut seed) * 300.0,
+                    _ => lcg(&mut seed) * 40.0,
+                })
+                .collect();
+            if pattern == 2 && len > 5 {
+                x[len / 2] = lcg(&mut seed);
+            }
+            let mut want = x.clone();
+            let w = exp_shifted_portable(&mut want);
+            let g = exp_shifted(&mut x);
+            assert_eq!(
+                (g.0.to_bits(), g.1.to_bits()),
+                (w.0.to_bits(), w.1.to_bits()),
+                "len {len} pattern {pattern}"
+            );
+            let gb: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+            let wb: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(gb, wb, "len {len} pattern {pattern}");
+        }
+    }
+}
+
+#[test]
 fn fused_swiglu_equals_matmul_then_silu() {
     let mut seed = 21u64;
     let (rows, cols, n) = (150usize, 96usize, 5usize);
