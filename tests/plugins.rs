@@ -72,7 +72,7 @@ fn plain(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
 }
 
 #[test]
-fn ngram_and_suffix_are_lossless_on_20_humaneval_prompts() {
+fn ngram_suffix_and_the_corpus_are_lossless_on_20_humaneval_prompts() {
     let path = common::smollm_path();
     let model = Arc::new(load_model(&path, 2).unwrap());
     let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
@@ -91,18 +91,129 @@ fn ngram_and_suffix_are_lossless_on_20_humaneval_prompts() {
     assert_eq!(prompts.len(), 20);
     let n = 48;
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| plain(&model, p, n)).collect();
-    let cfg = Config::builtin();
-    for proposer in ["ngram", "suffix", "suffix-tree", "ngram-tree"] {
-        let (_, done) = run(&model, &cfg, proposer, &prompts, n, Some(tok.clone()));
-        let mut drafted = 0;
+    // Suffix drafting from the built-in corpus of SmolLM2's own outputs:
+    // without the per-request and global trees every draft is the corpus's.
+    let corpus = Config::parse(
+        "[[proposer]]\nname = \"corpus\"\nplugin = \"suffix\"\nmax_draft = 8\n\
+         [proposer.options]\ncorpus = \"builtin\"\nglobal = false\nmin_match = 1000\n\
+         [[proposer]]\nname = \"corpus-tree\"\nplugin = \"suffix\"\nmax_draft = 16\n\
+         [proposer.options]\ncorpus = \"auto\"\ntree = true\n",
+        None,
+    )
+    .unwrap();
+    let builtin = Config::builtin();
+    for (cfg, proposer) in [
+        (&builtin, "ngram"),
+        (&builtin, "suffix"),
+        (&builtin, "suffix-tree"),
+        (&builtin, "ngram-tree"),
+        (&corpus, "corpus"),
+        (&corpus, "corpus-tree"),
+    ] {
+        let (_, done) = run(&model, cfg, proposer, &prompts, n, Some(tok.clone()));
+        let (mut drafted, mut accepted) = (0, 0);
         for (i, (c, w)) in done.iter().zip(&want).enumerate() {
             assert_eq!(
                 &c.tokens, w,
                 "{proposer}: HumanEval/{i} differs from plain decoding"
             );
             drafted += c.stats.drafted;
+            accepted += c.stats.accepted;
         }
-        assert!(drafted > 0, "{proposer} never drafted");
+        assert!(
+            accepted > 0,
+            "{proposer}: drafted {drafted}, accepted {accepted}"
+        );
+    }
+}
+
+/// A specd corpus directory holding `docs` as responses (empty prompts),
+/// in the shard format `specd distill corpus` writes.
+fn write_corpus(dir: &Path, docs: &[Vec<u32>]) {
+    use std::io::Write;
+    std::fs::create_dir_all(dir).unwrap();
+    let mut raw = b"SPECDCORPUS1".to_vec();
+    for d in docs {
+        raw.push(0);
+        raw.extend_from_slice(&1.0f32.to_le_bytes());
+        raw.extend_from_slice(&0u64.to_le_bytes());
+        raw.extend_from_slice(&0u32.to_le_bytes());
+        raw.extend_from_slice(&0u32.to_le_bytes());
+        raw.extend_from_slice(&(d.len() as u32).to_le_bytes());
+        for t in d {
+            raw.extend_from_slice(&t.to_le_bytes());
+        }
+    }
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    e.write_all(&raw).unwrap();
+    std::fs::write(dir.join("shard-0000.bin.gz"), e.finish().unwrap()).unwrap();
+}
+
+#[test]
+fn the_built_in_corpus_is_refused_for_another_vocabulary() {
+    // The built-in corpus is SmolLM2's: refused by name for another
+    // vocabulary, skipped under `auto`.
+    let (_d, tiny) = tiny();
+    let bad = Config::parse(
+        "[[proposer]]\nname = \"c\"\nplugin = \"suffix\"\n[proposer.options]\ncorpus = \"builtin\"\n",
+        None,
+    )
+    .unwrap();
+    let Err(e) = bad.build_drafter(&tiny, None) else {
+        panic!("the built-in corpus was accepted for another vocabulary")
+    };
+    let e = e.to_string();
+    assert!(e.contains("vocabulary differs"), "{e}");
+    let auto = Config::parse(
+        "[[proposer]]\nname = \"c\"\nplugin = \"suffix\"\n[proposer.options]\ncorpus = \"auto\"\n",
+        None,
+    )
+    .unwrap();
+    assert!(auto.build_drafter(&tiny, None).is_ok());
+}
+
+#[test]
+fn suffix_drafting_from_a_corpus_keeps_the_sampled_distribution() {
+    let spec = common::TinySpec { vocab: 12, ..TINY };
+    let dir = TempDir::new("plugins-corpus-stat");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &spec, 8, GgmlDType::Q4_1, "llama");
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    // The prompt never repeats and the global tree is off: only the corpus
+    // can draft, and it continues the prompt's last tokens several ways.
+    let prompt = [3u32, 7, 1, 9, 2];
+    let corpus = dir.0.join("corpus");
+    write_corpus(
+        &corpus,
+        &[
+            vec![1, 9, 2, 5, 6, 4],
+            vec![9, 2, 5, 6, 8],
+            vec![4, 1, 9, 2, 5, 0, 11],
+            vec![9, 2, 10, 3],
+        ],
+    );
+    let missing = Config::parse(
+        "[[proposer]]\nname = \"c\"\nplugin = \"suffix\"\n[proposer.options]\ncorpus = \"/no/such/corpus\"\n",
+        None,
+    )
+    .unwrap();
+    let Err(e) = missing.build_drafter(&model, None) else {
+        panic!("a missing corpus was accepted")
+    };
+    let e = e.to_string();
+    assert!(e.contains("/no/such/corpus"), "{e}");
+    for (name, tree) in [("corpus", false), ("corpus-tree", true)] {
+        let cfg = Config::parse(
+            &format!(
+                "[[proposer]]\nname = \"{name}\"\nplugin = \"suffix\"\nmax_draft = 8\n\
+                 [proposer.options]\ncorpus = \"{}\"\nglobal = false\ntree = {tree}\n\
+                 corpus_min_prob = 0.2\n",
+                corpus.display()
+            ),
+            None,
+        )
+        .unwrap();
+        assert_keeps_first_two(&model, &cfg, name, &prompt, 91_000, 15_000);
     }
 }
 
@@ -237,13 +348,78 @@ fn plugin_options_are_checked_with_the_key_named() {
     assert!(e.contains("option `max_n`: expected an integer"), "{e}");
 }
 
+/// Sample the first two tokens of `prompt` 20,000 times (temperature 1,
+/// seeds from `seed0`) with `proposer` drafting at least `min_drafted`
+/// tokens: their distribution equals the target's (chi-square), and the
+/// same test rejects a lossy residual (resampled from p).
+fn assert_keeps_first_two(
+    model: &Arc<Model>,
+    cfg: &Config,
+    proposer: &str,
+    prompt: &[u32],
+    seed0: u64,
+    min_drafted: u64,
+) {
+    use specd::sampler::SamplingParams;
+    use specd::speculative::accept::Acceptance;
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = common::exact_first_two(model, prompt, &params);
+    let v = model.config.vocab_size;
+    let sample = |acceptance: Acceptance| {
+        let drafter = cfg.build_drafter(model, None).unwrap();
+        let mut ec = EngineConfig::for_model(model);
+        ec.scheduler.max_running = 64;
+        ec.scheduler.max_waiting = usize::MAX;
+        ec.scheduler.adaptive_draft = false;
+        let mut e = SyncDriver::new(model.clone(), None, ec, drafter);
+        e.acceptor.acceptance = acceptance;
+        for i in 0..20_000u64 {
+            e.add(
+                Request {
+                    params: SamplingParams {
+                        seed: seed0 + i,
+                        ..params.clone()
+                    },
+                    proposer: Some(proposer.into()),
+                    ignore_eos: true,
+                    ..Request::greedy(prompt.to_vec(), 3)
+                },
+                None,
+            )
+            .unwrap();
+        }
+        let done = e.run_to_completion().unwrap();
+        let mut counts = vec![0u64; v * v];
+        let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
+        assert!(drafted > min_drafted, "{proposer} must draft: {drafted}");
+        for c in &done {
+            counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+        }
+        counts
+    };
+    let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
+    let crit = common::chi2_crit_999(df);
+    eprintln!("{proposer}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
+    assert!(
+        stat < crit,
+        "{proposer}: sampled distribution differs: {stat} > {crit}"
+    );
+    let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
+    eprintln!("{proposer}: residual from p: chi2 {bad:.1} (df {bdf})");
+    assert!(
+        bad > common::chi2_crit_999(bdf),
+        "{proposer}: a lossy residual went unnoticed: {bad}"
+    );
+}
+
 /// The sampled distribution of the first two tokens with each built-in
 /// (one-hot) proposer equals the target's, and the same test catches a
 /// residual that resamples from p.
 #[test]
 fn ngram_and_suffix_keep_the_sampled_distribution() {
-    use specd::sampler::SamplingParams;
-    use specd::speculative::accept::Acceptance;
     let spec = common::TinySpec { vocab: 12, ..TINY };
     let dir = TempDir::new("plugins-stat");
     let path = dir.0.join("tiny.gguf");
@@ -251,59 +427,9 @@ fn ngram_and_suffix_keep_the_sampled_distribution() {
     let model = Arc::new(load_model(&path, 2).unwrap());
     // The prompt repeats, so both proposers draft from the first step on.
     let prompt = [3u32, 7, 1, 9, 3, 7, 1, 9, 3, 7];
-    let params = SamplingParams {
-        temperature: 1.0,
-        ..Default::default()
-    };
-    let exact = common::exact_first_two(&model, &prompt, &params);
     let cfg = Config::builtin();
     for proposer in ["ngram", "suffix", "suffix-tree", "ngram-tree"] {
-        let sample = |acceptance: Acceptance| {
-            let drafter = cfg.build_drafter(&model, None).unwrap();
-            let mut ec = EngineConfig::for_model(&model);
-            ec.scheduler.max_running = 64;
-            ec.scheduler.max_waiting = usize::MAX;
-            ec.scheduler.adaptive_draft = false;
-            let mut e = SyncDriver::new(model.clone(), None, ec, drafter);
-            e.acceptor.acceptance = acceptance;
-            for i in 0..20_000u64 {
-                e.add(
-                    Request {
-                        params: SamplingParams {
-                            seed: 77_000 + i,
-                            ..params.clone()
-                        },
-                        proposer: Some(proposer.into()),
-                        ignore_eos: true,
-                        ..Request::greedy(prompt.to_vec(), 3)
-                    },
-                    None,
-                )
-                .unwrap();
-            }
-            let done = e.run_to_completion().unwrap();
-            let v = spec.vocab;
-            let mut counts = vec![0u64; v * v];
-            let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
-            assert!(drafted > 10_000, "{proposer} must draft: {drafted}");
-            for c in &done {
-                counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
-            }
-            counts
-        };
-        let (stat, df) = common::chi_square(&sample(Acceptance::Exact), &exact);
-        let crit = common::chi2_crit_999(df);
-        eprintln!("{proposer}: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
-        assert!(
-            stat < crit,
-            "{proposer}: sampled distribution differs: {stat} > {crit}"
-        );
-        let (bad, bdf) = common::chi_square(&sample(Acceptance::ResidualFromP), &exact);
-        eprintln!("{proposer}: residual from p: chi2 {bad:.1} (df {bdf})");
-        assert!(
-            bad > common::chi2_crit_999(bdf),
-            "{proposer}: a lossy residual went unnoticed: {bad}"
-        );
+        assert_keeps_first_two(&model, &cfg, proposer, &prompt, 77_000, 10_000);
     }
 }
 

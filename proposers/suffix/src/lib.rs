@@ -18,11 +18,23 @@
 //! expected accepted length is drafted. Siblings are distinct tokens, each
 //! a one-hot candidate the engine tries in turn, so sampling stays exact.
 //!
+//! With `corpus` set, a third source joins them: a static datastore of the
+//! target's own earlier outputs (`datastore`, read by `corpus`), walked
+//! through the same [`Walk`] trait; it drafts where its match (at least
+//! `corpus_min_match` tokens) is the longer one (chains, which stop below
+//! the path probability `corpus_min_prob`) or its tree expects more.
+//!
 //! Options: `max_depth` (32), `factor` (1.0), `min_match` (1),
 //! `max_draft` (8 chain tokens; 16 tree nodes), `max_global_nodes`
-//! (200000), `global` (true), `tree` (false), `min_prob` (0.1).
+//! (200000), `global` (true), `tree` (false), `min_prob` (0.1), `corpus`
+//! (off; `builtin`, `auto` or a corpus directory), `corpus_min_match` (2),
+//! `corpus_min_prob` (0.5).
 
 use std::collections::{HashMap, VecDeque};
+
+mod corpus;
+pub mod datastore;
+pub use datastore::Datastore;
 
 use specd_plugin_sdk::{Caps, Host, Options, Plugin, Proposal, SeqView};
 
@@ -183,39 +195,11 @@ impl SuffixTree {
 
     /// Follow the most frequent child (lowest token on ties) for up to `k`
     /// steps.
-    pub fn continuation(&self, mut node: u32, k: usize) -> Vec<u32> {
-        let mut out = Vec::with_capacity(k);
-        while out.len() < k {
-            let best = self.nodes[node as usize]
-                .children
-                .iter()
-                .max_by(|a, b| {
-                    self.nodes[a.1 as usize]
-                        .count
-                        .cmp(&self.nodes[b.1 as usize].count)
-                        .then(b.0.cmp(&a.0))
-                })
-                .copied();
-            match best {
-                Some((t, c)) => {
-                    out.push(t);
-                    node = c;
-                }
-                None => break,
-            }
-        }
-        out
+    pub fn continuation(&self, node: u32, k: usize) -> Vec<u32> {
+        continuation(self, node, k, 0.0)
     }
 
-    /// A speculation tree from `node` (SuffixDecoding's): candidates are
-    /// scored by their empirical path probability (the product, along the
-    /// path, of each child's count over the sum of its siblings' counts);
-    /// the best-scoring candidate joins the tree next (best first, so a
-    /// parent always precedes its children and the kept nodes are the
-    /// `budget` most probable paths' nodes), until `budget` nodes, depth
-    /// `depth`, or no candidate whose step probability is at least
-    /// `min_prob`. Returns (tokens, parents, scores), parents as indices
-    /// into the returned nodes (-1: a child of the context).
+    /// A speculation tree from `node` (SuffixDecoding's): see [`speculate`].
     pub fn speculate(
         &self,
         node: u32,
@@ -223,53 +207,16 @@ impl SuffixTree {
         depth: usize,
         min_prob: f64,
     ) -> (Vec<u32>, Vec<i32>, Vec<f64>) {
-        // (score, tree node, parent index, depth); a max-heap by score,
-        // ties to the earlier-pushed candidate so the result is stable.
-        let mut heap: std::collections::BinaryHeap<Candidate> = Default::default();
-        let mut seq = 0u64;
-        let mut push_children = |heap: &mut std::collections::BinaryHeap<Candidate>,
-                                 at: u32,
-                                 score: f64,
-                                 parent: i32,
-                                 d: usize| {
-            if d >= depth {
-                return;
-            }
-            let kids = &self.nodes[at as usize].children;
-            let total: u64 = kids
-                .iter()
-                .map(|&(_, c)| u64::from(self.nodes[c as usize].count))
-                .sum();
-            if total == 0 {
-                return;
-            }
-            for &(tok, c) in kids {
-                let p = f64::from(self.nodes[c as usize].count) / total as f64;
-                if p < min_prob {
-                    continue;
-                }
-                seq += 1;
-                heap.push(Candidate {
-                    score: score * p,
-                    seq,
-                    tok,
-                    node: c,
-                    parent,
-                    depth: d + 1,
-                });
-            }
-        };
-        push_children(&mut heap, node, 1.0, -1, 0);
-        let (mut tokens, mut parents, mut scores) = (Vec::new(), Vec::new(), Vec::new());
-        while tokens.len() < budget {
-            let Some(c) = heap.pop() else { break };
-            let me = tokens.len() as i32;
-            tokens.push(c.tok);
-            parents.push(c.parent);
-            scores.push(c.score);
-            push_children(&mut heap, c.node, c.score, me, c.depth);
-        }
-        (tokens, parents, scores)
+        speculate(self, node, budget, depth, min_prob)
+    }
+
+    /// `(token, count)` of each child of `node`, in token order.
+    pub fn children_of(&self, node: u32) -> Vec<(u32, u32)> {
+        self.nodes[node as usize]
+            .children
+            .iter()
+            .map(|&(t, c)| (t, self.nodes[c as usize].count))
+            .collect()
     }
 
     /// Occurrence count of the path `tokens` (0 if absent).
@@ -285,30 +232,146 @@ impl SuffixTree {
     }
 }
 
+/// What drafting walks: the suffix trees and the corpus datastore.
+pub trait Walk {
+    type Node: Copy;
+    /// The children of `n` whose step probability (count over `total`) is
+    /// at least `min_prob` (others may be returned too), as `(token,
+    /// count, child)` in token order, and `total`, the sum of all
+    /// children's counts.
+    fn kids(&self, n: Self::Node, min_prob: f64) -> (Vec<(u32, u32, Self::Node)>, u64);
+}
+
+impl Walk for SuffixTree {
+    type Node = u32;
+    fn kids(&self, n: u32, _min_prob: f64) -> (Vec<(u32, u32, u32)>, u64) {
+        let kids: Vec<(u32, u32, u32)> = self.nodes[n as usize]
+            .children
+            .iter()
+            .map(|&(t, c)| (t, self.nodes[c as usize].count, c))
+            .collect();
+        let total = kids.iter().map(|k| u64::from(k.1)).sum();
+        (kids, total)
+    }
+}
+
+impl Walk for Datastore {
+    type Node = datastore::Span;
+    fn kids(&self, n: Self::Node, min_prob: f64) -> (Vec<(u32, u32, Self::Node)>, u64) {
+        let (kids, total) = self.children(n, min_prob);
+        (kids, u64::from(total))
+    }
+}
+
+/// Follow the most frequent child (lowest token on ties) for up to `k`
+/// steps, stopping before the path's empirical probability (the product of
+/// its steps' count over their siblings' total) falls below `min_path`.
+pub fn continuation<W: Walk>(w: &W, mut node: W::Node, k: usize, min_path: f64) -> Vec<u32> {
+    let mut out = Vec::with_capacity(k);
+    let mut path = 1.0;
+    while out.len() < k {
+        let (kids, total) = w.kids(node, min_path / path);
+        let best = kids
+            .iter()
+            .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))
+            .copied();
+        match best {
+            Some((t, c, n)) if total > 0 && path * (c as f64 / total as f64) >= min_path => {
+                path *= c as f64 / total as f64;
+                out.push(t);
+                node = n;
+            }
+            _ => break,
+        }
+    }
+    out
+}
+
+/// A speculation tree from `node` (SuffixDecoding's): candidates are
+/// scored by their empirical path probability (the product, along the
+/// path, of each child's count over the sum of its siblings' counts);
+/// the best-scoring candidate joins the tree next (best first, so a
+/// parent always precedes its children and the kept nodes are the
+/// `budget` most probable paths' nodes), until `budget` nodes, depth
+/// `depth`, or no candidate whose step probability is at least
+/// `min_prob`. Returns (tokens, parents, scores), parents as indices
+/// into the returned nodes (-1: a child of the context).
+pub fn speculate<W: Walk>(
+    w: &W,
+    node: W::Node,
+    budget: usize,
+    depth: usize,
+    min_prob: f64,
+) -> (Vec<u32>, Vec<i32>, Vec<f64>) {
+    // A max-heap by score, ties to the earlier-pushed candidate so the
+    // result is stable.
+    let mut heap: std::collections::BinaryHeap<Candidate<W::Node>> = Default::default();
+    let mut seq = 0u64;
+    let mut push_children = |heap: &mut std::collections::BinaryHeap<Candidate<W::Node>>,
+                             at: W::Node,
+                             score: f64,
+                             parent: i32,
+                             d: usize| {
+        if d >= depth {
+            return;
+        }
+        let (kids, total) = w.kids(at, min_prob);
+        if total == 0 {
+            return;
+        }
+        for (tok, count, c) in kids {
+            let p = f64::from(count) / total as f64;
+            if p < min_prob {
+                continue;
+            }
+            seq += 1;
+            heap.push(Candidate {
+                score: score * p,
+                seq,
+                tok,
+                node: c,
+                parent,
+                depth: d + 1,
+            });
+        }
+    };
+    push_children(&mut heap, node, 1.0, -1, 0);
+    let (mut tokens, mut parents, mut scores) = (Vec::new(), Vec::new(), Vec::new());
+    while tokens.len() < budget {
+        let Some(c) = heap.pop() else { break };
+        let me = tokens.len() as i32;
+        tokens.push(c.tok);
+        parents.push(c.parent);
+        scores.push(c.score);
+        push_children(&mut heap, c.node, c.score, me, c.depth);
+    }
+    (tokens, parents, scores)
+}
+
 /// A node waiting to join a speculation tree.
 #[derive(Debug, Clone, Copy)]
-struct Candidate {
+struct Candidate<N> {
     score: f64,
     /// Push order: among equal scores the earlier candidate wins.
     seq: u64,
     tok: u32,
-    node: u32,
+    node: N,
     parent: i32,
     depth: usize,
 }
 
-impl PartialEq for Candidate {
+impl<N> PartialEq for Candidate<N> {
     fn eq(&self, o: &Self) -> bool {
         self.cmp(o) == std::cmp::Ordering::Equal
     }
 }
-impl Eq for Candidate {}
-impl PartialOrd for Candidate {
+impl<N> Eq for Candidate<N> {}
+impl<N> PartialOrd for Candidate<N> {
     fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
         Some(self.cmp(o))
     }
 }
-impl Ord for Candidate {
+impl<N> Ord for Candidate<N> {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
         self.score
             .total_cmp(&o.score)
@@ -370,6 +433,11 @@ pub struct Suffix {
     /// Least step probability of a tree node.
     min_prob: f64,
     global: GlobalTree,
+    /// The target's earlier outputs (`corpus`), with the shortest match and
+    /// the least step probability it drafts from.
+    corpus: Option<Datastore>,
+    corpus_min_match: usize,
+    corpus_min_prob: f64,
     seqs: HashMap<u64, SeqState>,
     host: Host,
 }
@@ -403,6 +471,19 @@ impl Suffix {
                 best = Some((value, tokens, parents));
             }
         }
+        if let Some((ds, (span, len))) = self.corpus_match(context) {
+            if budget > 0 {
+                let depth = ((self.factor * len as f64).floor() as usize)
+                    .max(1)
+                    .min(self.max_depth);
+                let min_prob = self.min_prob.max(self.corpus_min_prob);
+                let (tokens, parents, scores) = speculate(ds, span, budget, depth, min_prob);
+                let value: f64 = scores.iter().sum();
+                if !tokens.is_empty() && best.as_ref().is_none_or(|b| value > b.0) {
+                    best = Some((value, tokens, parents));
+                }
+            }
+        }
         match best {
             Some((_, tokens, parents)) => Proposal {
                 tokens,
@@ -431,17 +512,30 @@ impl Suffix {
             (Some(l), Some(g)) => Some(if g.1 .1 > l.1 .1 { g } else { l }),
             (l, g) => l.or(g),
         };
+        let k = |len: usize| {
+            ((self.factor * len as f64).floor() as usize)
+                .max(1)
+                .min(cap)
+                .min(self.max_draft)
+        };
+        let best = best.filter(|b| b.1 .1 >= self.min_match);
+        // The corpus drafts where its match is the longer one.
+        if let Some((ds, (span, len))) = self.corpus_match(context) {
+            if best.is_none_or(|b| len > b.1 .1) {
+                return continuation(ds, span, k(len), self.corpus_min_prob);
+            }
+        }
         let Some((tree, (node, len))) = best else {
             return Vec::new();
         };
-        if len < self.min_match {
-            return Vec::new();
-        }
-        let k = ((self.factor * len as f64).floor() as usize)
-            .max(1)
-            .min(cap)
-            .min(self.max_draft);
-        tree.continuation(node, k)
+        tree.continuation(node, k(len))
+    }
+
+    /// The corpus's longest match, if at least `corpus_min_match` long.
+    fn corpus_match(&self, context: &[u32]) -> Option<(&Datastore, (datastore::Span, usize))> {
+        let ds = self.corpus.as_ref()?;
+        let m = ds.longest_match(context)?;
+        (m.1 >= self.corpus_min_match).then_some((ds, m))
     }
 }
 
@@ -477,6 +571,9 @@ impl Plugin for Suffix {
             "global",
             "tree",
             "min_prob",
+            "corpus",
+            "corpus_min_match",
+            "corpus_min_prob",
         ])?;
         let max_depth = o.get("max_depth", 32usize)?;
         let factor = o.get("factor", 1.0f64)?;
@@ -490,7 +587,17 @@ impl Plugin for Suffix {
                 "option `min_prob` must be in [0, 1], got {min_prob}"
             ));
         }
+        let corpus_min_prob = o.get("corpus_min_prob", 0.5f64)?;
+        if !(0.0..=1.0).contains(&corpus_min_prob) {
+            return Err(format!(
+                "option `corpus_min_prob` must be in [0, 1], got {corpus_min_prob}"
+            ));
+        }
+        let corpus = corpus::load(&o.get("corpus", String::new())?, &host, max_depth)?;
         Ok(Self {
+            corpus,
+            corpus_min_match: o.get("corpus_min_match", 2usize)?,
+            corpus_min_prob,
             max_depth,
             factor,
             min_match: o.get("min_match", 1usize)?,
