@@ -26,7 +26,8 @@
 //!
 //! Options: `max_depth` (32), `factor` (1.0), `min_match` (1),
 //! `max_draft` (8 chain tokens; 16 tree nodes), `max_global_nodes`
-//! (200000), `global` (true), `tree` (false), `min_prob` (0.1), `corpus`
+//! (200000), `global` (true), `tree` (false), `min_prob` (0.1),
+//! `min_score` (0: a tree node's least path probability), `corpus`
 //! (off; `builtin`, `auto` or a corpus directory), `corpus_min_match` (2),
 //! `corpus_min_prob` (0.5).
 
@@ -348,6 +349,20 @@ pub fn speculate<W: Walk>(
     (tokens, parents, scores)
 }
 
+/// The nodes of a speculation tree (as `speculate` returns it: best first,
+/// so scores never rise and parents precede children) whose path
+/// probability is at least `min_score`: a prefix, itself a tree.
+pub fn prune_by_score(
+    (mut tokens, mut parents, mut scores): (Vec<u32>, Vec<i32>, Vec<f64>),
+    min_score: f64,
+) -> (Vec<u32>, Vec<i32>, Vec<f64>) {
+    let keep = scores.iter().take_while(|&&x| x >= min_score).count();
+    tokens.truncate(keep);
+    parents.truncate(keep);
+    scores.truncate(keep);
+    (tokens, parents, scores)
+}
+
 /// A node waiting to join a speculation tree.
 #[derive(Debug, Clone, Copy)]
 struct Candidate<N> {
@@ -432,6 +447,8 @@ pub struct Suffix {
     tree: bool,
     /// Least step probability of a tree node.
     min_prob: f64,
+    /// Least path probability (score) of a tree node.
+    min_score: f64,
     global: GlobalTree,
     /// The target's earlier outputs (`corpus`), with the shortest match and
     /// the least step probability it drafts from.
@@ -453,36 +470,36 @@ impl Suffix {
         }
         let budget = cap.min(self.max_draft);
         let mut best: Option<(f64, Vec<u32>, Vec<i32>)> = None;
+        // Nodes join best first, so their scores never rise: the nodes at
+        // or above `min_score` are a prefix, parents before children.
+        let mut consider = |tree: (Vec<u32>, Vec<i32>, Vec<f64>)| {
+            let (tokens, parents, scores) = prune_by_score(tree, self.min_score);
+            let value: f64 = scores.iter().sum();
+            if !tokens.is_empty() && best.as_ref().is_none_or(|b| value > b.0) {
+                best = Some((value, tokens, parents));
+            }
+        };
+        let depth = |len: usize| {
+            ((self.factor * len as f64).floor() as usize)
+                .max(1)
+                .min(self.max_depth)
+        };
+        if budget == 0 {
+            return Proposal::one_hot(Vec::new());
+        }
         let local = self.seqs.get(&seq).map(|s| &s.tree);
         let global = self.use_global.then_some(&self.global.tree);
         for tree in [local, global].into_iter().flatten() {
             let Some((node, len)) = tree.longest_match(context) else {
                 continue;
             };
-            if len < self.min_match || budget == 0 {
-                continue;
-            }
-            let depth = ((self.factor * len as f64).floor() as usize)
-                .max(1)
-                .min(self.max_depth);
-            let (tokens, parents, scores) = tree.speculate(node, budget, depth, self.min_prob);
-            let value: f64 = scores.iter().sum();
-            if !tokens.is_empty() && best.as_ref().is_none_or(|b| value > b.0) {
-                best = Some((value, tokens, parents));
+            if len >= self.min_match {
+                consider(tree.speculate(node, budget, depth(len), self.min_prob));
             }
         }
         if let Some((ds, (span, len))) = self.corpus_match(context) {
-            if budget > 0 {
-                let depth = ((self.factor * len as f64).floor() as usize)
-                    .max(1)
-                    .min(self.max_depth);
-                let min_prob = self.min_prob.max(self.corpus_min_prob);
-                let (tokens, parents, scores) = speculate(ds, span, budget, depth, min_prob);
-                let value: f64 = scores.iter().sum();
-                if !tokens.is_empty() && best.as_ref().is_none_or(|b| value > b.0) {
-                    best = Some((value, tokens, parents));
-                }
-            }
+            let min_prob = self.min_prob.max(self.corpus_min_prob);
+            consider(speculate(ds, span, budget, depth(len), min_prob));
         }
         match best {
             Some((_, tokens, parents)) => Proposal {
@@ -571,6 +588,7 @@ impl Plugin for Suffix {
             "global",
             "tree",
             "min_prob",
+            "min_score",
             "corpus",
             "corpus_min_match",
             "corpus_min_prob",
@@ -585,6 +603,12 @@ impl Plugin for Suffix {
         if !(0.0..=1.0).contains(&min_prob) {
             return Err(format!(
                 "option `min_prob` must be in [0, 1], got {min_prob}"
+            ));
+        }
+        let min_score = o.get("min_score", 0.0f64)?;
+        if !(0.0..=1.0).contains(&min_score) {
+            return Err(format!(
+                "option `min_score` must be in [0, 1], got {min_score}"
             ));
         }
         let corpus_min_prob = o.get("corpus_min_prob", 0.5f64)?;
@@ -605,6 +629,7 @@ impl Plugin for Suffix {
             use_global: o.get("global", true)?,
             tree,
             min_prob,
+            min_score,
             global: GlobalTree::new(max_depth, o.get("max_global_nodes", 200_000usize)?),
             seqs: HashMap::new(),
             host,
@@ -780,5 +805,16 @@ mod tests {
         }
         let (_, parents, _) = t.speculate(node, 64, 1, 0.0);
         assert!(parents.iter().all(|&p| p == -1));
+        // A score floor keeps the most probable paths only: 2 (3/4) and
+        // 2 -> 3 (1/2) and on to 9 and 1 (1/2), not 5 or 2 -> 4 (1/4).
+        let (tokens, parents, scores) = prune_by_score(t.speculate(node, 64, 8, 0.0), 0.4);
+        assert!(scores.iter().all(|&x| x >= 0.4) && !scores.is_empty());
+        assert_eq!(tokens[..3], [2, 3, 9]);
+        assert!(!tokens.contains(&5) && !tokens.contains(&4), "{tokens:?}");
+        for (i, &p) in parents.iter().enumerate() {
+            assert!(p < i as i32);
+        }
+        let (tokens, _, _) = prune_by_score(t.speculate(node, 64, 8, 0.0), 0.9);
+        assert!(tokens.is_empty());
     }
 }
