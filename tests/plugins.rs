@@ -150,6 +150,53 @@ fn write_corpus(dir: &Path, docs: &[Vec<u32>]) {
 }
 
 #[test]
+fn a_suffix_tree_below_its_score_floor_is_not_drafted() {
+    // Every token of a 12-token vocabulary is followed by three others in
+    // the prompt (counts 2, 1, 1), so a one-token match's first nodes score
+    // at most 0.5: a floor of 0.6 leaves out what no floor drafts, and the
+    // output stays plain decoding's either way.
+    let spec = common::TinySpec { vocab: 12, ..TINY };
+    let dir = TempDir::new("plugins-floor");
+    let path = dir.0.join("tiny.gguf");
+    common::write_tiny_gguf(&path, &spec, 8, GgmlDType::Q4_1, "llama");
+    let model = Arc::new(load_model(&path, 2).unwrap());
+    let prompt: Vec<u32> = (0..12u32)
+        .flat_map(|x| [x, (x + 1) % 12, x, (x + 2) % 12])
+        .collect();
+    let n = 24;
+    let want = plain(&model, &prompt, n);
+    let drafted = |floor: f64| {
+        let cfg = Config::parse(
+            &format!(
+                "[[proposer]]\nname = \"t\"\nplugin = \"suffix\"\nmax_draft = 8\n\
+                 [proposer.options]\ntree = true\nglobal = false\nmin_score = {floor}\n"
+            ),
+            None,
+        )
+        .unwrap();
+        let mut ec = EngineConfig::for_model(&model);
+        ec.scheduler.adaptive_draft = false;
+        let drafter = cfg.build_drafter(&model, None).unwrap();
+        let mut e = SyncDriver::new(model.clone(), None, ec, drafter);
+        e.add(
+            Request {
+                proposer: Some("t".into()),
+                ignore_eos: true,
+                ..Request::greedy(prompt.clone(), n)
+            },
+            None,
+        )
+        .unwrap();
+        let done = e.run_to_completion().unwrap();
+        assert_eq!(done[0].tokens, want, "min_score {floor}");
+        done[0].stats.drafted
+    };
+    let (all, floored) = (drafted(0.0), drafted(0.6));
+    eprintln!("drafted without a floor {all}, with 0.6 {floored}");
+    assert!(all > 0 && floored < all, "{all} vs {floored}");
+}
+
+#[test]
 fn the_built_in_corpus_is_refused_for_another_vocabulary() {
     // The built-in corpus is SmolLM2's: refused by name for another
     // vocabulary, skipped under `auto`.

@@ -61,13 +61,6 @@ impl Datastore {
         self.sa.len()
     }
 
-    /// The token `d` places into suffix `sa[k]` (`SEP` past a response).
-    #[inline]
-    fn at(&self, k: usize, d: usize) -> u32 {
-        let i = self.sa[k] as usize + d;
-        self.text.get(i).copied().unwrap_or(SEP)
-    }
-
     /// The child of `s` by token `t`, if any suffix continues so.
     fn child(&self, s: Span, t: u32) -> Option<Span> {
         let d = s.depth as usize;
@@ -84,6 +77,8 @@ impl Datastore {
         })
     }
 
+    /// The token `d` places into the suffix starting at `i` (`SEP` past a
+    /// response).
     #[inline]
     fn tok(&self, i: u32, d: usize) -> u32 {
         self.text.get(i as usize + d).copied().unwrap_or(SEP)
@@ -153,7 +148,7 @@ impl Datastore {
         let end = lo + total as usize;
         let mut k = lo;
         while k < end {
-            let t = self.at(k, d);
+            let t = self.tok(self.sa[k], d);
             let c = self.child(s, t).expect("a probed token has a child");
             let count = c.hi - c.lo;
             if f64::from(count) / f64::from(total) >= min_prob {
@@ -267,7 +262,11 @@ mod tests {
             };
             // Every child with its count, as the trie holds them.
             let (kids, total) = ds.children(s, 0.0);
-            let want = tree.children_of(node);
+            let want: Vec<(u32, u32)> = crate::Walk::kids(&tree, node, 0.0)
+                .0
+                .iter()
+                .map(|k| (k.0, k.1))
+                .collect();
             let got: Vec<(u32, u32)> = kids.iter().map(|k| (k.0, k.1)).collect();
             assert_eq!(got, want, "{ctx:?}");
             assert_eq!(total, want.iter().map(|k| k.1).sum::<u32>());

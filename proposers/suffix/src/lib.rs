@@ -211,15 +211,6 @@ impl SuffixTree {
         speculate(self, node, budget, depth, min_prob)
     }
 
-    /// `(token, count)` of each child of `node`, in token order.
-    pub fn children_of(&self, node: u32) -> Vec<(u32, u32)> {
-        self.nodes[node as usize]
-            .children
-            .iter()
-            .map(|&(t, c)| (t, self.nodes[c as usize].count))
-            .collect()
-    }
-
     /// Occurrence count of the path `tokens` (0 if absent).
     pub fn count(&self, tokens: &[u32]) -> u32 {
         let mut node = ROOT;
@@ -469,9 +460,10 @@ impl Suffix {
             return Proposal::one_hot(self.draft_chain(seq, context, cap));
         }
         let budget = cap.min(self.max_draft);
+        if budget == 0 {
+            return Proposal::one_hot(Vec::new());
+        }
         let mut best: Option<(f64, Vec<u32>, Vec<i32>)> = None;
-        // Nodes join best first, so their scores never rise: the nodes at
-        // or above `min_score` are a prefix, parents before children.
         let mut consider = |tree: (Vec<u32>, Vec<i32>, Vec<f64>)| {
             let (tokens, parents, scores) = prune_by_score(tree, self.min_score);
             let value: f64 = scores.iter().sum();
@@ -484,9 +476,6 @@ impl Suffix {
                 .max(1)
                 .min(self.max_depth)
         };
-        if budget == 0 {
-            return Proposal::one_hot(Vec::new());
-        }
         let local = self.seqs.get(&seq).map(|s| &s.tree);
         let global = self.use_global.then_some(&self.global.tree);
         for tree in [local, global].into_iter().flatten() {
@@ -599,24 +588,17 @@ impl Plugin for Suffix {
             return Err("option `max_depth` must be >= 1 and `factor` > 0".into());
         }
         let tree = o.get("tree", false)?;
-        let min_prob = o.get("min_prob", 0.1f64)?;
-        if !(0.0..=1.0).contains(&min_prob) {
-            return Err(format!(
-                "option `min_prob` must be in [0, 1], got {min_prob}"
-            ));
-        }
-        let min_score = o.get("min_score", 0.0f64)?;
-        if !(0.0..=1.0).contains(&min_score) {
-            return Err(format!(
-                "option `min_score` must be in [0, 1], got {min_score}"
-            ));
-        }
-        let corpus_min_prob = o.get("corpus_min_prob", 0.5f64)?;
-        if !(0.0..=1.0).contains(&corpus_min_prob) {
-            return Err(format!(
-                "option `corpus_min_prob` must be in [0, 1], got {corpus_min_prob}"
-            ));
-        }
+        // A probability option, refused by name outside [0, 1].
+        let probability = |key: &str, default: f64| -> Result<f64, String> {
+            let v = o.get(key, default)?;
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("option `{key}` must be in [0, 1], got {v}"));
+            }
+            Ok(v)
+        };
+        let min_prob = probability("min_prob", 0.1)?;
+        let min_score = probability("min_score", 0.0)?;
+        let corpus_min_prob = probability("corpus_min_prob", 0.5)?;
         let corpus = corpus::load(&o.get("corpus", String::new())?, &host, max_depth)?;
         Ok(Self {
             corpus,
