@@ -69,6 +69,99 @@ pub fn available() -> bool {
     })
 }
 
+/// Whether AMX beats VNNI here, where both run: `SPECD_AMX=1` says yes
+/// without measuring; otherwise, once per process, one 576x1536 Q4_1
+/// product of 64 activation rows (a prefill's shape, SmolLM2's FFN down
+/// projection) is timed on one thread both ways, alternately, five times
+/// each, and AMX must take under 90% of VNNI's median time. The tile unit
+/// is shared and its speed varies with the machine and its load (measured
+/// on the same Xeon model: 0.7x VNNI's prefill on one day, 1.2-1.5x on
+/// another), so a constant cannot decide it. Both paths give the same
+/// bits, so the choice changes speed only. `calibration` reports the
+/// timings.
+pub fn pays() -> bool {
+    calibration()
+        .map(|c| c.amx_us < 0.9 * c.vnni_us)
+        .unwrap_or(true)
+}
+
+/// `pays`'s measurement: median microseconds of one product each way
+/// (`None` where `SPECD_AMX=1` skipped it or AMX is unavailable).
+#[derive(Debug, Clone, Copy)]
+pub struct Calibration {
+    pub amx_us: f64,
+    pub vnni_us: f64,
+}
+
+/// The measurement `pays` decides on (run on first use).
+pub fn calibration() -> Option<Calibration> {
+    static CAL: std::sync::OnceLock<Option<Calibration>> = std::sync::OnceLock::new();
+    *CAL.get_or_init(|| {
+        if !available() || std::env::var_os("SPECD_AMX").is_some_and(|v| v == "1") {
+            return None;
+        }
+        Some(measure())
+    })
+}
+
+fn measure() -> Calibration {
+    use super::activations::Activations;
+    use super::layout::{QMatrix, WeightData, WeightFormat};
+    use super::path::KernelPath;
+    let (rows, cols, n) = (1536usize, 576usize, 64usize);
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // Q4_1 blocks: f16 scale 1/64, f16 minimum -1/8, 16 code bytes.
+    let mut raw = Vec::with_capacity(rows * cols / QK * 20);
+    for _ in 0..rows * cols / QK {
+        raw.extend_from_slice(&0x2400u16.to_le_bytes());
+        raw.extend_from_slice(&0xb000u16.to_le_bytes());
+        raw.extend((0..16).map(|_| next() as u8));
+    }
+    let qm = QMatrix::from_ggml_blocks(WeightFormat::Q4_1, rows, cols, &raw)
+        .expect("a well-formed Q4_1 matrix");
+    let WeightData::Quant(q) = &qm.data else {
+        unreachable!("Q4_1 is quantized")
+    };
+    let x: Vec<f32> = (0..n * cols)
+        .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let mut a = Activations::new(KernelPath::Amx);
+    a.prepare(&x, n, cols, true);
+    let plain = a.plain();
+    let mut out = vec![0f32; n * rows];
+    let mut time = |amx: bool| {
+        let t = std::time::Instant::now();
+        if amx {
+            rows16(q, &plain, 0, rows, &mut out);
+        } else {
+            super::simd::vnni::rows16(q, &plain, 0, rows, &mut out);
+        }
+        t.elapsed().as_secs_f64() * 1e6
+    };
+    // One untimed call each warms the caches and the tile configuration.
+    time(true);
+    time(false);
+    let (mut am, mut vn) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        am.push(time(true));
+        vn.push(time(false));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Calibration {
+        amx_us: median(&mut am),
+        vnni_us: median(&mut vn),
+    }
+}
+
 /// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25).
 fn cpu_has_amx_int8() -> bool {
     if __cpuid(0).eax < 7 {

@@ -23,11 +23,12 @@ pub enum KernelPath {
 impl KernelPath {
     /// The fastest path this CPU supports (`SPECD_NO_SIMD` /
     /// `SPECD_NO_AVX512` / `SPECD_NO_AVXVNNI` / `SPECD_NO_AMX` turn the
-    /// SIMD paths off).
+    /// SIMD paths off). AMX runs only where it measures faster than VNNI
+    /// on this machine (`amx::pays`).
     pub fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if super::amx::available() {
+            if super::amx::available() && super::amx::pays() {
                 return Self::Amx;
             }
             if super::simd::vnni::available() {
@@ -62,6 +63,20 @@ impl KernelPath {
             }
         }
         v
+    }
+}
+
+/// The timing `KernelPath::best` decided AMX on: median microseconds of
+/// one 64-row product on AMX and on VNNI (`amx::pays`), where it was
+/// measured (AMX present, permitted and not forced by `SPECD_AMX=1`).
+pub fn amx_calibration() -> Option<(f64, f64)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::amx::calibration().map(|c| (c.amx_us, c.vnni_us))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
     }
 }
 

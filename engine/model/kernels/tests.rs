@@ -801,10 +801,16 @@ fn amx_gives_every_path_the_same_bits_for_1_to_64_rows() {
         WeightFormat::Q6K,
     ];
     // 72 rows: a task of 64 and a partial tile; 512 columns: 16 blocks,
-    // two K-quant super-blocks.
-    let (rows, cols, total) = (72usize, 512usize, 64usize);
-    let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed) * 3.0).collect();
-    for format in all {
+    // two K-quant super-blocks; 544: 17 blocks, so the last 64-code step
+    // holds one block (the kernel pairs blocks).
+    let (rows, total) = (72usize, 64usize);
+    let shapes = all.iter().flat_map(|&f| {
+        let k = matches!(f, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K);
+        let odd = (!k).then_some((f, 544usize));
+        std::iter::once((f, 512usize)).chain(odd)
+    });
+    for (format, cols) in shapes {
+        let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed) * 3.0).collect();
         let raw = if matches!(
             format,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K
@@ -856,4 +862,23 @@ fn amx_gives_every_path_the_same_bits_for_1_to_64_rows() {
             }
         }
     }
+}
+
+#[test]
+fn amx_runs_only_where_it_measured_faster_than_vnni() {
+    if !KernelPath::supported().contains(&KernelPath::Amx) {
+        eprintln!("SKIPPED amx_runs_only_where_it_measured_faster_than_vnni: no AMX here");
+        return;
+    }
+    if std::env::var_os("SPECD_AMX").is_some() {
+        eprintln!("SKIPPED amx_runs_only_where_it_measured_faster_than_vnni: SPECD_AMX forces it");
+        return;
+    }
+    let (amx, vnni) = super::amx_calibration().expect("AMX is present, so it was timed");
+    assert!(amx.is_finite() && vnni.is_finite() && amx > 0.0 && vnni > 0.0);
+    assert_eq!(
+        KernelPath::best() == KernelPath::Amx,
+        amx < 0.9 * vnni,
+        "AMX {amx} us, VNNI {vnni} us"
+    );
 }
