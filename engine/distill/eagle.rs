@@ -298,7 +298,9 @@ pub(super) fn rms(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `x W^T` over the last dimension of `x` (`(b, t, in)` or `(rows, in)`),
-/// as one 2-D matmul over every row.
+/// as one 2-D matmul over every row: in bf16 tile products with f32 sums
+/// where the CPU has AMX-BF16 and the product is large (`bf16_products`),
+/// else candle's f32 matmul.
 pub(super) fn lin(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let dims = x.dims();
     let (last, rows) = (
@@ -307,7 +309,26 @@ pub(super) fn lin(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     );
     let mut out = dims.to_vec();
     *out.last_mut().unwrap_or(&mut 0) = w.dim(0)?;
-    x.reshape((rows, last))?.matmul(&w.t()?)?.reshape(out)
+    let x2 = x.reshape((rows, last))?;
+    let y = if bf16_products(rows, last, w.dim(0)?) {
+        x2.apply_op2(w, super::fused::MatmulWt)?
+    } else {
+        x2.matmul(&w.t()?)?
+    };
+    y.reshape(out)
+}
+
+/// Whether a training product of `m x k` by `k x n` runs in bf16 on AMX
+/// tiles: the CPU has them (`SPECD_NO_AMX=1` turns them off, and with
+/// them every training product is f32), `SPECD_TRAIN_F32` is unset, and
+/// the product has at least 2^20 multiply-adds (smaller ones cost more to
+/// pack than they save).
+pub(super) fn bf16_products(m: usize, k: usize, n: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| {
+        crate::model::kernels::bf16::available() && std::env::var_os("SPECD_TRAIN_F32").is_none()
+    });
+    on && m * k * n >= 1 << 20
 }
 
 /// The TTT attention composed from candle ops, with its weights: `keys`
@@ -535,7 +556,7 @@ impl Net {
         } else {
             "lm_head.weight"
         };
-        normed.matmul(&self.w(head).t()?)
+        lin(normed, self.w(head))
     }
 
     /// The TTT-unrolled loss; returns (loss, per-step (correct, counted)).
@@ -546,7 +567,7 @@ impl Net {
         // The target's logits at every position, once; step k's rows learn
         // those of positions k + 1 further on.
         let fin = Tensor::from_slice(&batch.fin, (b * t, h), &dev)?;
-        let target = fin.matmul(&self.target_head.t()?)?;
+        let target = lin(&fin, &self.target_head)?;
         let mut total: Option<Tensor> = None;
         let mut stats = Vec::new();
         for (k, (sd, normed)) in batch

@@ -27,6 +27,71 @@ fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     }
 }
 
+/// `x W^T` for 2-D `x` (rows x in) and `w` (out x in) in bf16 tile
+/// products with f32 sums (`kernels::bf16`, AMX), its backward the same
+/// way: `dx = g W`, `dw = g^T x`, each read through transposed views
+/// without copies. Only where `kernels::bf16::available()`.
+pub(super) struct MatmulWt;
+
+fn strided<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<(usize, usize, crate::model::kernels::bf16::Strided<'a>)> {
+    let CpuStorage::F32(v) = s else {
+        candle_core::bail!("{what}: f32 expected");
+    };
+    let (dims, st) = (l.dims(), l.stride());
+    if dims.len() != 2 {
+        candle_core::bail!("{what}: 2-D expected, got {:?}", l.shape());
+    }
+    let data = &v[l.start_offset()..];
+    Ok((
+        dims[0],
+        dims[1],
+        crate::model::kernels::bf16::Strided {
+            data,
+            rs: st[0],
+            cs: st[1],
+        },
+    ))
+}
+
+impl CustomOp2 for MatmulWt {
+    fn name(&self) -> &'static str {
+        "matmul-wt-bf16"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k, a) = strided(sx, lx, "matmul x")?;
+        let (n, k2, b) = strided(sw, lw, "matmul w")?;
+        if k != k2 {
+            candle_core::bail!("matmul: x {:?} against w {:?}", lx.shape(), lw.shape());
+        }
+        let mut out = vec![0f32; m * n];
+        crate::model::kernels::bf16::gemm(m, n, k, a, b, &mut out);
+        Ok((CpuStorage::F32(out), Shape::from((m, n))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = grad_res.apply_op2_no_bwd(&w.t()?, &MatmulWt)?;
+        let dw = grad_res.t()?.apply_op2_no_bwd(&x.t()?, &MatmulWt)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
@@ -542,6 +607,23 @@ mod tests {
         }
     }
 
+    /// The gradients of `sum(o * wl)` for `vars` through `got` are within
+    /// `tol` of those through `want`.
+    fn same_grads(want: &Tensor, got: &Tensor, wl: &Tensor, vars: &[&Var], tol: f32) {
+        let loss = |o: &Tensor| (o * wl).unwrap().sum_all().unwrap();
+        let (gw, gg) = (
+            loss(want).backward().unwrap(),
+            loss(got).backward().unwrap(),
+        );
+        for v in vars {
+            close(
+                gg.get(v.as_tensor()).unwrap(),
+                gw.get(v.as_tensor()).unwrap(),
+                tol,
+            );
+        }
+    }
+
     #[test]
     fn soft_cross_entropy_matches_its_composition_and_gradient() {
         let dev = Device::Cpu;
@@ -632,6 +714,45 @@ mod tests {
     }
 
     #[test]
+    fn bf16_matmul_matches_f32_and_its_gradients() {
+        if !crate::model::kernels::bf16::available() {
+            eprintln!("SKIPPED bf16_matmul_matches_f32_and_its_gradients: no AMX-BF16 here");
+            return;
+        }
+        let dev = Device::Cpu;
+        // Off every tile edge (33 rows, 70 inputs, 19 outputs).
+        let x = Var::from_vec(rand(33 * 70, 11), (33, 70), &dev).unwrap();
+        let w = Var::from_vec(rand(19 * 70, 12), (19, 70), &dev).unwrap();
+        let want = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+        let got = x.as_tensor().apply_op2(w.as_tensor(), MatmulWt).unwrap();
+        // bf16 inputs: 8 significant bits, so about 2^-8 of the largest
+        // term per element; sums of 70 terms of both signs.
+        close(&got, &want, 2e-2);
+        let wl = Tensor::from_vec(rand(33 * 19, 13), (33, 19), &dev).unwrap();
+        same_grads(&want, &got, &wl, &[&x, &w], 2e-2);
+        // The tolerance tells a bf16 product from a wrong one: dropping
+        // the last input column is already far outside it.
+        let short = x
+            .as_tensor()
+            .narrow(1, 0, 69)
+            .unwrap()
+            .matmul(&w.as_tensor().narrow(1, 0, 69).unwrap().t().unwrap())
+            .unwrap();
+        let worst = |a: &Tensor| {
+            let (a, b) = (
+                a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            a.iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+                / scale
+        };
+        assert!(worst(&short) > 2e-2 && worst(&got) < 2e-2 && worst(&got) > 0.0);
+    }
+
+    #[test]
     fn rms_norm_matches_its_composition_and_gradients() {
         let dev = Device::Cpu;
         let x = Var::from_vec(rand(3 * 4 * 40, 7), (3, 4, 40), &dev).unwrap();
@@ -646,18 +767,7 @@ mod tests {
         let got = xt.apply_op2(w.as_tensor(), RmsNorm { eps: 1e-5 }).unwrap();
         close(&got, &want, 1e-5);
         let wl = Tensor::from_vec(rand(3 * 4 * 40, 9), (3, 4, 40), &dev).unwrap();
-        let loss = |o: &Tensor| (o * &wl).unwrap().sum_all().unwrap();
-        let (gw, gg) = (
-            loss(&want).backward().unwrap(),
-            loss(&got).backward().unwrap(),
-        );
-        for v in [&x, &w] {
-            close(
-                gg.get(v.as_tensor()).unwrap(),
-                gw.get(v.as_tensor()).unwrap(),
-                1e-4,
-            );
-        }
+        same_grads(&want, &got, &wl, &[&x, &w], 1e-4);
     }
 
     #[test]

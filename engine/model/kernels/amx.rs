@@ -439,9 +439,6 @@ struct WideBuffers {
 /// small tile product, and a forward makes thousands of calls. Nothing
 /// else on a thread uses the tiles.
 fn configure(rows: usize, halves: bool) {
-    thread_local! {
-        static CONFIGURED: std::cell::Cell<(usize, bool)> = const { std::cell::Cell::new((0, false)) };
-    }
     CONFIGURED.with(|c| {
         if c.get() != (rows, halves) {
             assert!(available() && (1..=MAX_ROWS).contains(&rows));
@@ -450,6 +447,25 @@ fn configure(rows: usize, halves: bool) {
             c.set((rows, halves));
         }
     });
+}
+
+thread_local! {
+    /// The (rows, halves) this thread's tiles are configured for; (0, _)
+    /// when unknown (never configured, or another tile user ran since).
+    static CONFIGURED: std::cell::Cell<(usize, bool)> = const { std::cell::Cell::new((0, false)) };
+}
+
+/// Tell `configure` that this thread's tile configuration was replaced
+/// (the bf16 GEMM loads its own), so its next call loads it again.
+pub(super) fn forget_config() {
+    CONFIGURED.with(|c| c.set((0, false)));
+}
+
+/// Whether the bf16 tile products (`TDPBF16PS`) run here: `available()`
+/// (so the tile state was granted, and `SPECD_NO_AMX` is unset) and the
+/// CPU reports AMX-BF16 (CPUID leaf 7, EDX bit 22).
+pub fn bf16_available() -> bool {
+    available() && __cpuid_count(7, 0).edx & (1 << 22) != 0
 }
 
 /// C tiles per group of products (tmm4-tmm7).

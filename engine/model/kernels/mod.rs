@@ -18,11 +18,13 @@
 //! (the portable kernel and the rayon split), `path` (which path runs), `elementwise` (norms, exp, SiLU),
 //! `simd` and `simd_k` (the x86-64 paths, which depend on `layout` and
 //! `kquant`'s record offsets only), `amx` (Intel AMX tile products for
-//! many activation rows, on the same layout and epilogue).
+//! many activation rows, on the same layout and epilogue), `bf16` (AMX
+//! bf16 GEMMs for training, not bit-identical: never on inference).
 
 mod activations;
 #[cfg(target_arch = "x86_64")]
 mod amx;
+pub mod bf16;
 mod elementwise;
 mod kquant;
 mod layout;
