@@ -51,11 +51,6 @@ pub fn to_bf16(x: f32) -> u16 {
     ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
-/// bf16 bits to f32 (exact).
-pub fn from_bf16(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
-}
-
 /// Rows and columns of C one block of tile products computes.
 const BLOCK: usize = 32;
 /// Elements of K per tile step (a 64-byte row of bf16).
@@ -240,6 +235,11 @@ unsafe fn block(a0: &[u16], b0: &[u16], kp: usize, chunks: usize, c: &mut [[f32;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// bf16 bits to f32 (exact).
+    fn from_bf16(h: u16) -> f32 {
+        f32::from_bits((h as u32) << 16)
+    }
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
