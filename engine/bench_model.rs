@@ -23,7 +23,10 @@ pub struct ModelBench {
     pub threads: usize,
     pub kernel: String,
     pub prefill_tokens: usize,
+    /// Median over `PREFILL_RUNS` timed prefills, each into a new cache.
     pub prefill_tok_s: f64,
+    /// The slowest and fastest of those prefills (tok/s).
+    pub prefill_range: (f64, f64),
     pub decode_tokens: usize,
     pub decode_tok_s: f64,
     pub context: usize,
@@ -129,6 +132,10 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// Timed prefills per run (one alone moved 10-20% between runs on the
+/// 2-core hosts; the median of a few is what a change is judged by).
+const PREFILL_RUNS: usize = 5;
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -186,10 +193,18 @@ pub fn bench_model(
         let mut c = model.new_cache();
         model.forward_one(&mut c, &prompt[..prefill.min(32)], Logits::Last)?;
     }
-    let mut c = model.new_cache();
-    let t = Instant::now();
-    model.forward_one(&mut c, &prompt, Logits::Last)?;
-    let prefill_tok_s = prefill as f64 / t.elapsed().as_secs_f64();
+    let mut rates = Vec::with_capacity(PREFILL_RUNS);
+    for _ in 0..PREFILL_RUNS {
+        let mut c = model.new_cache();
+        let t = Instant::now();
+        model.forward_one(&mut c, &prompt, Logits::Last)?;
+        rates.push(prefill as f64 / t.elapsed().as_secs_f64());
+    }
+    let prefill_range = (
+        rates.iter().copied().fold(f64::INFINITY, f64::min),
+        rates.iter().copied().fold(0.0, f64::max),
+    );
+    let prefill_tok_s = median(rates);
 
     // Decode: one token at a time after a short prompt.
     let mut c = model.new_cache();
@@ -319,6 +334,7 @@ pub fn bench_model(
         kernel: kernel_name(model.kernel_path()),
         prefill_tokens: prefill,
         prefill_tok_s,
+        prefill_range,
         decode_tokens: decode,
         decode_tok_s,
         context,

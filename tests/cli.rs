@@ -208,7 +208,8 @@ fn quantize_writes_a_q4_k_m_model_that_loads_natively_and_generates() {
 /// `bench-model --cold` times forwards that stream the weights from memory
 /// and prices decode against the streaming bandwidth; without it, decode
 /// is priced against re-reading a buffer the size of the weights. Either
-/// way the peak RSS leaves out the bandwidth probe's buffer.
+/// way the peak RSS leaves out the bandwidth probe's buffer, and prefill
+/// reports the median of its timed runs with their range.
 #[test]
 fn bench_model_cold_streams_the_weights_and_says_so() {
     use candle_core::quantized::GgmlDType;
@@ -256,6 +257,15 @@ fn bench_model_cold_streams_the_weights_and_says_so() {
         let limit = gb_s * 1e9 / f("weight_bytes");
         assert!((f("decode_limit_tok_s") / limit - 1.0).abs() < 1e-9, "{m}");
         assert!(f("decode_tok_s") > 0.0, "{m}");
+        // Prefill is the median of several timed runs, inside their range.
+        let (lo, hi) = (
+            m["prefill_range"][0].as_f64().unwrap(),
+            m["prefill_range"][1].as_f64().unwrap(),
+        );
+        assert!(
+            0.0 < lo && lo <= f("prefill_tok_s") && f("prefill_tok_s") <= hi,
+            "{m}"
+        );
         let verify = m["verify"].as_array().unwrap();
         assert_eq!(verify.len(), 2, "{m}");
         assert!(verify.iter().all(|r| r[1].as_f64().unwrap() > 0.0), "{m}");
