@@ -279,3 +279,27 @@ fn bench_model_cold_streams_the_weights_and_says_so() {
         }
     }
 }
+
+/// `distill eagle|mtp --corpus-shards` takes `A..B` with `B > A`, and
+/// needs `--corpus`; each refusal names what is wrong.
+#[test]
+fn distill_corpus_shards_are_checked() {
+    let dir = common::TempDir::new("cli-corpus-shards");
+    let out = dir.0.join("out");
+    let out = out.to_str().unwrap();
+    for (arg, want) in [
+        ("5..3", "holds no shard"),
+        ("x..3", "`x` is not a shard index"),
+        ("6", "expected A..B"),
+    ] {
+        let o = specd(&["distill", "mtp", "--out", out, "--corpus-shards", arg]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{arg}: {err}");
+    }
+    let o = specd(&["distill", "mtp", "--out", out, "--corpus-shards", "0..1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--corpus-shards needs --corpus"),
+        "{err}"
+    );
+}

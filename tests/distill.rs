@@ -155,6 +155,7 @@ fn the_varied_mix_builds_its_second_stage_from_the_targets_own_answers() {
         prompt_ids: Vec::new(),
         mix: PromptMix::Varied,
         corpus: None,
+        corpus_shards: None,
     };
     let data = training_data(&model, &tok, &cfg, &dir.0).unwrap();
     let response =
@@ -358,6 +359,7 @@ fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
         ],
         mix: specd::distill::prompts::PromptMix::Templated,
         corpus: None,
+        corpus_shards: None,
     };
     let response = |s: &specd::distill::Sample| s.tokens[s.prompt_len..].to_vec();
     let all = training_data(&model, &tok, &cfg, &dir.0.join("a")).unwrap();
@@ -394,7 +396,9 @@ fn responses_that_overlap_an_evaluation_text_are_not_trained_on() {
 /// refused, and a trainer reads the corpus instead of generating.
 #[test]
 fn a_corpus_builds_in_resumable_checked_shards_that_trainers_read() {
-    use specd::distill::corpus::{build, load, CorpusConfig, CorpusSettings, FOLLOW_UPS, SOURCES};
+    use specd::distill::corpus::{
+        build, load, load_shards, CorpusConfig, CorpusSettings, FOLLOW_UPS, SOURCES,
+    };
     use specd::distill::{training_data, DataConfig};
     let path = common::smollm_path();
     let model = Arc::new(load_model(&path, 2).unwrap());
@@ -491,9 +495,10 @@ fn a_corpus_builds_in_resumable_checked_shards_that_trainers_read() {
         prompt_ids: Vec::new(),
         mix: specd::distill::prompts::PromptMix::Templated,
         corpus: Some(dir.0.clone()),
+        corpus_shards: None,
     };
     let data = training_data(&model, &tok, &data_cfg, &dir.0.join("train")).unwrap();
-    let (_, all) = load(&dir.0, &tok).unwrap();
+    let (man, all) = load(&dir.0, &tok).unwrap();
     let got: usize = data.iter().map(|s| s.tokens.len() - s.prompt_len).sum();
     assert!(
         got >= 500 && data.len() < all.len(),
@@ -501,4 +506,34 @@ fn a_corpus_builds_in_resumable_checked_shards_that_trainers_read() {
         data.len()
     );
     assert!(data.iter().zip(&all).all(|(d, c)| *d == c.sample));
+    // Only shard 1 (e.g. shards a shipped head has not seen): exactly its
+    // samples, none of shard 0's.
+    let n = man.shards.len();
+    let shards: Vec<_> = (0..n)
+        .map(|k| load_shards(&dir.0, &tok, Some(k..k + 1)).unwrap().1)
+        .collect();
+    assert_eq!(shards.iter().map(Vec::len).sum::<usize>(), all.len());
+    let (first, second) = (&shards[0], &shards[1]);
+    let shard1 = DataConfig {
+        gen_tokens: 0,
+        corpus_shards: Some(1..2),
+        ..data_cfg.clone()
+    };
+    let data = training_data(&model, &tok, &shard1, &dir.0.join("train1")).unwrap();
+    let want: Vec<_> = second.iter().map(|c| c.sample.clone()).collect();
+    assert_eq!(data, want);
+    assert!(first.iter().all(|c| !data.contains(&c.sample)));
+    // A range past the corpus is refused, naming both.
+    let past = DataConfig {
+        corpus_shards: Some(1..n + 1),
+        ..shard1
+    };
+    let err = training_data(&model, &tok, &past, &dir.0.join("train2"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("shards 1..{} asked for", n + 1))
+            && err.contains(&format!("holds shards 0..{n}")),
+        "{err}"
+    );
 }

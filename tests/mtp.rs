@@ -385,7 +385,7 @@ fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
                 .collect()
         })
         .collect();
-    let cfg = EagleConfig {
+    let train_cfg = EagleConfig {
         mtp: true,
         draft_vocab: 64,
         intermediate: 96,
@@ -403,7 +403,7 @@ fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
         prompt_ids: prompts,
         ..Default::default()
     };
-    let st = distill_eagle(&target, &out, &cfg, 2).unwrap();
+    let st = distill_eagle(&target, &out, &train_cfg, 2).unwrap();
     assert!(st.loss < st.first_loss, "{} -> {}", st.first_loss, st.loss);
     let f = TensorFile::read(&out.join("model.safetensors")).unwrap();
     let h = deep.hidden;
@@ -503,6 +503,75 @@ fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
     );
     assert_eq!(done[0].tokens, want);
     assert!(done[0].stats.drafted > 0);
+
+    // `init`: a run started from the written module continues it. Its
+    // first step's loss is near where the first run ended, far under a
+    // fresh start's (the same data: the same prompts, seed and target),
+    // and it keeps the module's draft vocabulary even where this run's
+    // data would choose another (a smaller `draft_vocab` asked for).
+    let out2 = tmp.0.join("continued");
+    let cont = EagleConfig {
+        init: Some(out.clone()),
+        epochs: 1.0,
+        draft_vocab: 32,
+        ..train_cfg.clone()
+    };
+    let st2 = distill_eagle(&target, &out2, &cont, 2).unwrap();
+    eprintln!(
+        "fresh start {} -> {}; continued from it: {} -> {}",
+        st.first_loss, st.loss, st2.first_loss, st2.loss
+    );
+    assert!(
+        st2.first_loss < st.loss + 0.5 * (st.first_loss - st.loss),
+        "{} {} {}",
+        st.first_loss,
+        st.loss,
+        st2.first_loss
+    );
+    let f2 = TensorFile::read(&out2.join("model.safetensors")).unwrap();
+    assert_eq!(f2.i64("d2t").unwrap(), f.i64("d2t").unwrap());
+    // Bad starts are refused before any data is made, naming the file and
+    // the tensor: another MLP width, an EAGLE-3 run given an MTP module,
+    // a directory without a head.
+    let err = |c: EagleConfig, dir: &str| {
+        distill_eagle(&target, &tmp.0.join(dir), &c, 2)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err(
+        EagleConfig {
+            intermediate: 64,
+            ..cont.clone()
+        },
+        "bad-width",
+    );
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("model.layers.8.mlp.gate_proj.weight")
+            && e.contains("[96, ")
+            && e.contains("[64, "),
+        "{e}"
+    );
+    let e = err(
+        EagleConfig {
+            mtp: false,
+            feature_layers: vec![2, 4, 8],
+            ..cont.clone()
+        },
+        "bad-kind",
+    );
+    assert!(e.contains("no tensor `fc.weight`"), "{e}");
+    let e = err(
+        EagleConfig {
+            init: Some(tmp.0.join("nowhere")),
+            ..cont
+        },
+        "bad-dir",
+    );
+    assert!(
+        e.contains("nowhere") && e.contains("model.safetensors"),
+        "{e}"
+    );
 }
 
 // ------------------------------------------------------------ SmolLM2

@@ -110,6 +110,21 @@ pub struct PromptArgs {
     /// `--gen-tokens` response tokens (0: all of them).
     #[arg(long)]
     pub corpus: Option<PathBuf>,
+    /// With `--corpus`: train on its shards A..B only (A included, B not;
+    /// e.g. 0..6, the shards the shipped heads were trained on, or shards
+    /// a head has not seen, with `distill eagle|mtp --init`).
+    #[arg(long, value_parser = parse_shard_range)]
+    pub corpus_shards: Option<std::ops::Range<usize>>,
+}
+
+impl PromptArgs {
+    /// `--corpus-shards` only with `--corpus`.
+    fn check(&self) -> Result<()> {
+        if self.corpus_shards.is_some() && self.corpus.is_none() {
+            anyhow::bail!("--corpus-shards needs --corpus (the corpus whose shards to read)");
+        }
+        Ok(())
+    }
 }
 
 #[derive(Args)]
@@ -217,10 +232,33 @@ pub struct EagleArgs {
     pub feature_layers: Vec<usize>,
     #[command(flatten)]
     pub data: PromptArgs,
+    /// Start from the head (or MTP module) in this directory, its weights
+    /// and its draft vocabulary, instead of a fresh start: training
+    /// continues it on this run's data (e.g.
+    /// proposers/mtp/modules/smollm2-135m-instruct).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
     pub threads: Option<usize>,
+}
+
+/// `A..B` (B > A) as a range of shard indices.
+fn parse_shard_range(s: &str) -> std::result::Result<std::ops::Range<usize>, String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("`{s}`: expected A..B, e.g. 6..12"))?;
+    let parse = |x: &str| {
+        x.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("`{s}`: `{x}` is not a shard index"))
+    };
+    let (a, b) = (parse(a)?, parse(b)?);
+    if b <= a {
+        return Err(format!("`{s}`: the range holds no shard (B must exceed A)"));
+    }
+    Ok(a..b)
 }
 
 #[derive(Args)]
@@ -390,6 +428,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
             Ok(())
         }
         DistillCmd::Draft(a) => {
+            a.data.check()?;
             let target = match a.target {
                 Some(t) => specd::fetch::resolve_model(&t)?,
                 None => specd::fetch::ensure_default_model()?,
@@ -436,6 +475,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 seed: a.seed,
                 prompts: a.data.prompts,
                 corpus: a.data.corpus.clone(),
+                corpus_shards: a.data.corpus_shards.clone(),
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
@@ -464,6 +504,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
         }
         DistillCmd::Eagle(a) => run_eagle(a, false),
         DistillCmd::Dflash(a) => {
+            a.data.check()?;
             let target = match a.target {
                 Some(t) => specd::fetch::resolve_model(&t)?,
                 None => specd::fetch::ensure_default_model()?,
@@ -486,6 +527,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 seed: a.seed,
                 prompts: a.data.prompts,
                 corpus: a.data.corpus.clone(),
+                corpus_shards: a.data.corpus_shards.clone(),
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
@@ -494,6 +536,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
         }
         DistillCmd::Mtp(a) => run_eagle(a, true),
         DistillCmd::Medusa(a) => {
+            a.data.check()?;
             let target = match a.target {
                 Some(t) => specd::fetch::resolve_model(&t)?,
                 None => specd::fetch::ensure_default_model()?,
@@ -512,6 +555,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 seed: a.seed,
                 prompts: a.data.prompts,
                 corpus: a.data.corpus.clone(),
+                corpus_shards: a.data.corpus_shards.clone(),
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
@@ -535,6 +579,7 @@ fn print_weights(out: &std::path::Path) -> Result<()> {
 /// `distill eagle`, or `distill mtp` (`mtp`: the same trainer and options,
 /// an MTP module instead of an EAGLE-3 head).
 fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
+    a.data.check()?;
     let target = match a.target {
         Some(t) => specd::fetch::resolve_model(&t)?,
         None => specd::fetch::ensure_default_model()?,
@@ -559,6 +604,8 @@ fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
         seed: a.seed,
         prompts: a.data.prompts,
         corpus: a.data.corpus.clone(),
+        corpus_shards: a.data.corpus_shards.clone(),
+        init: a.init.clone(),
         mtp,
         ..Default::default()
     };

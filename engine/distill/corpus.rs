@@ -255,6 +255,17 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// The corpus in `dir`, every shard checked against its digest and the
 /// manifest against `tok`'s vocabulary.
 pub fn load(dir: &Path, tok: &Tokenizer) -> Result<(Manifest, Vec<CorpusSample>)> {
+    load_shards(dir, tok, None)
+}
+
+/// `load`, reading only the shards in `shards` (all with None); a range
+/// that is empty or reaches past the manifest's shards is an error naming
+/// both.
+pub fn load_shards(
+    dir: &Path,
+    tok: &Tokenizer,
+    shards: Option<std::ops::Range<usize>>,
+) -> Result<(Manifest, Vec<CorpusSample>)> {
     let m = read_manifest(dir)?
         .ok_or_else(|| bad(dir, "no corpus.json here (made by `specd distill corpus`)"))?;
     if m.vocab_fingerprint != fingerprint(tok) {
@@ -266,8 +277,20 @@ pub fn load(dir: &Path, tok: &Tokenizer) -> Result<(Manifest, Vec<CorpusSample>)
             ),
         ));
     }
+    let range = shards.unwrap_or(0..m.shards.len());
+    if range.is_empty() || range.end > m.shards.len() {
+        return Err(bad(
+            dir,
+            format!(
+                "shards {}..{} asked for, but the corpus holds shards 0..{}",
+                range.start,
+                range.end,
+                m.shards.len()
+            ),
+        ));
+    }
     let mut out = Vec::new();
-    for e in &m.shards {
+    for e in &m.shards[range] {
         out.extend(read_shard(dir, e)?);
     }
     Ok((m, out))
@@ -362,6 +385,7 @@ pub fn build(model: &Arc<Model>, tok: &Arc<Tokenizer>, cfg: &CorpusConfig) -> Re
         prompt_ids: Vec::new(),
         mix: super::prompts::PromptMix::Varied,
         corpus: None,
+        corpus_shards: None,
     };
     let mut ec = EngineConfig::for_model(model);
     ec.scheduler.max_running = cfg.concurrency.max(1);

@@ -77,6 +77,9 @@ pub struct DflashTrainConfig {
     pub prompts: crate::distill::prompts::PromptMix,
     #[serde(default)]
     pub corpus: Option<PathBuf>,
+    /// Only these shards of `corpus` (`DataConfig::corpus_shards`).
+    #[serde(default)]
+    pub corpus_shards: Option<std::ops::Range<usize>>,
 }
 
 impl Default for DflashTrainConfig {
@@ -108,6 +111,7 @@ impl Default for DflashTrainConfig {
             prompt_ids: Vec::new(),
             prompts: Default::default(),
             corpus: None,
+            corpus_shards: None,
         }
     }
 }
@@ -124,6 +128,7 @@ impl DflashTrainConfig {
             prompt_ids: self.prompt_ids.clone(),
             mix: self.prompts,
             corpus: self.corpus.clone(),
+            corpus_shards: self.corpus_shards.clone(),
         }
     }
 

@@ -64,6 +64,9 @@ pub struct DistillConfig {
     /// generating text (`DataConfig::corpus`).
     #[serde(default)]
     pub corpus: Option<std::path::PathBuf>,
+    /// Only these shards of `corpus` (`DataConfig::corpus_shards`).
+    #[serde(default)]
+    pub corpus_shards: Option<std::ops::Range<usize>>,
     /// Rows of a reduced-vocabulary output head (the most frequent
     /// response tokens); 0: the full vocabulary, tied to the embedding.
     /// With a draft vocabulary the draft is *compact*: its input embedding
@@ -138,6 +141,7 @@ impl Default for DistillConfig {
             prompt_ids: Vec::new(),
             prompts: Default::default(),
             corpus: None,
+            corpus_shards: None,
             draft_vocab: 0,
             max_len: default_max_len(),
             prompt_weight: default_prompt_weight(),
@@ -456,6 +460,7 @@ pub fn distill(
         prompt_ids: cfg.prompt_ids.clone(),
         mix: cfg.prompts,
         corpus: cfg.corpus.clone(),
+        corpus_shards: cfg.corpus_shards.clone(),
     };
     let data = super::training_data(&target, &tok, &data_cfg, out)?;
     let stream: Vec<u32> = data.iter().flat_map(|s| s.tokens.iter().copied()).collect();
@@ -773,6 +778,7 @@ fn distill_compact(
         prompt_ids: cfg.prompt_ids.clone(),
         mix: cfg.prompts,
         corpus: cfg.corpus.clone(),
+        corpus_shards: cfg.corpus_shards.clone(),
     };
     let mut samples = super::training_data(target, tok, &data_cfg, &train_dir)?;
     super::train::truncate(&mut samples, cfg.max_len);

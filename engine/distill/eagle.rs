@@ -128,6 +128,15 @@ pub struct EagleConfig {
     /// generating text (`DataConfig::corpus`).
     #[serde(default)]
     pub corpus: Option<std::path::PathBuf>,
+    /// Only these shards of `corpus` (`DataConfig::corpus_shards`).
+    #[serde(default)]
+    pub corpus_shards: Option<std::ops::Range<usize>>,
+    /// Start from the head (or MTP module) this directory holds, as
+    /// `export` wrote it, instead of the fresh start: its weights and its
+    /// draft vocabulary (`d2t`), so training continues it on new data (a
+    /// checkpoint in the run's own train/ still takes precedence).
+    #[serde(default)]
+    pub init: Option<std::path::PathBuf>,
 }
 
 impl EagleConfig {
@@ -143,6 +152,7 @@ impl EagleConfig {
             prompt_ids: self.prompt_ids.clone(),
             mix: self.prompts,
             corpus: self.corpus.clone(),
+            corpus_shards: self.corpus_shards.clone(),
         }
     }
 }
@@ -190,6 +200,8 @@ impl Default for EagleConfig {
             prompt_ids: Vec::new(),
             prompts: Default::default(),
             corpus: None,
+            corpus_shards: None,
+            init: None,
         }
     }
 }
@@ -956,6 +968,101 @@ fn export(
     Ok(weights)
 }
 
+/// A head (or MTP module) as `export` wrote it, to continue training
+/// from: its tensors, the prefix of their names, its draft vocabulary.
+struct InitHead {
+    path: PathBuf,
+    file: TensorFile,
+    prefix: String,
+    ids: Vec<u32>,
+}
+
+impl InitHead {
+    /// Trainable tensor `name`, which must have `shape`.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let full = format!("{}{name}", self.prefix);
+        match self.file.shape(&full) {
+            None => Err(serr(format!(
+                "{}: no tensor `{full}` (--init takes what `distill {}` wrote)",
+                self.path.display(),
+                if self.prefix.is_empty() { "eagle" } else { "mtp" }
+            ))),
+            Some(s) if s != shape => Err(serr(format!(
+                "{}: tensor `{full}` has shape {s:?}, this run's is {shape:?} (give the settings it was trained with: --intermediate, the target, the feature layers)",
+                self.path.display()
+            ))),
+            Some(_) => self
+                .file
+                .f32(&full)
+                .map_err(|e| serr(format!("{}: {e}", self.path.display()))),
+        }
+    }
+}
+
+/// Read `dir`'s head for `--init`: an MTP module (`mtp`, names under the
+/// target's next layer) or an EAGLE-3 head reading `layers`, for a target
+/// shaped as `tc`.
+fn read_init(
+    dir: &Path,
+    mtp: bool,
+    layers: &[usize],
+    tc: &crate::model::ModelConfig,
+) -> Result<InitHead> {
+    let path = dir.join("model.safetensors");
+    let file = TensorFile::read(&path).map_err(serr)?;
+    let d2t = file
+        .i64("d2t")
+        .map_err(|e| serr(format!("{}: {e} (no draft vocabulary)", path.display())))?;
+    let ids = d2t
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| {
+            let t = i as i64 + d;
+            u32::try_from(t)
+                .ok()
+                .filter(|&t| (t as usize) < tc.vocab_size)
+                .ok_or_else(|| {
+                    serr(format!(
+                        "{}: d2t[{i}] names token {t}, outside the target's vocabulary of {}",
+                        path.display(),
+                        tc.vocab_size
+                    ))
+                })
+        })
+        .collect::<Result<Vec<u32>>>()?;
+    if !mtp {
+        // The layers a head reads are in its config; another set would
+        // train fc against the wrong features without any shape telling.
+        let cfg_path = dir.join("config.json");
+        let saved: Option<Vec<usize>> = std::fs::read_to_string(&cfg_path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| {
+                serde_json::from_value(
+                    v["eagle_config"]["eagle_aux_hidden_state_layer_ids"].clone(),
+                )
+                .ok()
+            });
+        if let Some(saved) = saved.filter(|s| s.as_slice() != layers) {
+            return Err(serr(format!(
+                "{}: the head reads layers {saved:?}, this run {layers:?} (--feature-layers)",
+                cfg_path.display()
+            )));
+        }
+    }
+    let prefix = if mtp {
+        format!("model.layers.{}.", tc.layers)
+    } else {
+        String::new()
+    };
+    Ok(InitHead {
+        path,
+        file,
+        prefix,
+        ids,
+    })
+}
+
 /// Train (or resume training) an EAGLE-3 head for `target_path` into
 /// `out`. Returns the final state.
 pub fn distill_eagle(
@@ -990,15 +1097,31 @@ pub fn distill_eagle(
     if !recorded.contains(&tc.layers) {
         recorded.push(tc.layers);
     }
+    // A start from a written head: read before the data, so a wrong
+    // directory fails before the features are recorded.
+    let init = match &cfg.init {
+        Some(dir) => {
+            let i = read_init(dir, cfg.mtp, &layers, &tc)?;
+            // Every tensor this run trains, at this run's shapes (with
+            // the head's draft vocabulary), before any data is made.
+            let (dv, f) = (i.ids.len(), cfg.intermediate);
+            let (nh, nkv, hd) = (tc.heads, tc.kv_heads, tc.head_dim);
+            let shapes = if cfg.mtp {
+                mtp_param_shapes(h, nh, nkv, hd, f, dv)
+            } else {
+                param_shapes(h, nh, nkv, hd, f, layers.len(), dv)
+            };
+            for (name, shape) in &shapes {
+                i.tensor(name, shape)?;
+            }
+            Some(i)
+        }
+        None => None,
+    };
     let Prepared {
         samples,
         features,
-        vocab:
-            DraftVocab {
-                ids: vocab_ids,
-                t2d,
-                coverage,
-            },
+        vocab: chosen,
         train_idx,
         val_idx,
     } = prepare(
@@ -1010,6 +1133,23 @@ pub fn distill_eagle(
         &recorded,
         (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
     )?;
+    // Continuing a head keeps its draft vocabulary: its output rows are
+    // those tokens.
+    let DraftVocab {
+        ids: vocab_ids,
+        t2d,
+        coverage,
+    } = match &init {
+        Some(i) => {
+            eprintln!(
+                "specd distill: starting from {} (its draft vocabulary of {} tokens)",
+                i.path.display(),
+                i.ids.len()
+            );
+            super::train::draft_vocab_of(&samples, i.ids.clone(), vocab)
+        }
+        None => chosen,
+    };
     let dv = vocab_ids.len();
 
     // Frozen target tensors.
@@ -1059,6 +1199,8 @@ pub fn distill_eagle(
         let n: usize = shape.iter().product();
         let init: Vec<f32> = if let Some((_, f)) = &resumed {
             ckpt.restore(f, name, shape, &mut opt)?
+        } else if let Some(i) = &init {
+            i.tensor(name, shape)?
         } else {
             match *name {
                 // MTP: x = hnorm(f) at first (identity on the state's

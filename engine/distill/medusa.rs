@@ -67,6 +67,9 @@ pub struct MedusaTrainConfig {
     /// generating text (`DataConfig::corpus`).
     #[serde(default)]
     pub corpus: Option<std::path::PathBuf>,
+    /// Only these shards of `corpus` (`DataConfig::corpus_shards`).
+    #[serde(default)]
+    pub corpus_shards: Option<std::ops::Range<usize>>,
 }
 
 impl Default for MedusaTrainConfig {
@@ -95,6 +98,7 @@ impl Default for MedusaTrainConfig {
             prompt_ids: Vec::new(),
             prompts: Default::default(),
             corpus: None,
+            corpus_shards: None,
         }
     }
 }
@@ -364,6 +368,7 @@ pub fn distill_medusa(
         prompt_ids: cfg.prompt_ids.clone(),
         mix: cfg.prompts,
         corpus: cfg.corpus.clone(),
+        corpus_shards: cfg.corpus_shards.clone(),
     };
     let fin = tc.layers;
     let Prepared {

@@ -135,6 +135,9 @@ pub struct DataConfig {
     /// generating text: its samples in order, up to `gen_tokens` response
     /// tokens (all of them with 0).
     pub corpus: Option<std::path::PathBuf>,
+    /// Only these shards of `corpus` (all of them with None): a run that
+    /// continues a shipped head on shards it has not seen.
+    pub corpus_shards: Option<std::ops::Range<usize>>,
 }
 
 /// One training sample: a prompt and the target's response.
@@ -205,7 +208,7 @@ pub fn training_data_excluding(
         Ok(index.shared_content(&response).is_some())
     };
     if let Some(dir) = &cfg.corpus {
-        let (man, all) = corpus::load(dir, tok)?;
+        let (man, all) = corpus::load_shards(dir, tok, cfg.corpus_shards.clone())?;
         let mut kept = Vec::new();
         let (mut n, mut dropped) = (0usize, 0usize);
         for c in all {
@@ -220,11 +223,14 @@ pub fn training_data_excluding(
             n += s.tokens.len() - s.prompt_len;
             kept.push(s);
         }
+        let shards = match &cfg.corpus_shards {
+            Some(r) => format!("shards {}..{} of {}", r.start, r.end, man.shards.len()),
+            None => format!("{} shards", man.shards.len()),
+        };
         eprintln!(
-            "specd distill: {n} response tokens of {} samples from the corpus in {} ({} shards, {} tokens in all; {dropped} dropped)",
+            "specd distill: {n} response tokens of {} samples from the corpus in {} ({shards}, {} tokens in all; {dropped} dropped)",
             kept.len(),
             dir.display(),
-            man.shards.len(),
             man.response_tokens()
         );
         if n < cfg.gen_tokens {

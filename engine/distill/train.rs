@@ -234,7 +234,12 @@ pub(super) struct DraftVocab {
 
 /// [`choose_draft_vocab`] with its index and coverage, reported.
 pub(super) fn draft_vocab(samples: &[Sample], n: usize, vocab: usize, eos: &[u32]) -> DraftVocab {
-    let ids = choose_draft_vocab(samples, n, vocab, eos);
+    draft_vocab_of(samples, choose_draft_vocab(samples, n, vocab, eos), vocab)
+}
+
+/// The draft vocabulary `ids` (chosen already, e.g. a head's own), with
+/// its map from target ids and its coverage of `samples`' responses.
+pub(super) fn draft_vocab_of(samples: &[Sample], ids: Vec<u32>, vocab: usize) -> DraftVocab {
     let mut t2d = vec![-1i64; vocab];
     for (i, &t) in ids.iter().enumerate() {
         t2d[t as usize] = i as i64;
