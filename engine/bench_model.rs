@@ -27,6 +27,8 @@ pub struct ModelBench {
     pub prefill_tok_s: f64,
     /// The slowest and fastest of those prefills (tok/s).
     pub prefill_range: (f64, f64),
+    /// How many prefills were timed.
+    pub prefill_runs: usize,
     pub decode_tokens: usize,
     pub decode_tok_s: f64,
     pub context: usize,
@@ -335,6 +337,7 @@ pub fn bench_model(
         prefill_tokens: prefill,
         prefill_tok_s,
         prefill_range,
+        prefill_runs: PREFILL_RUNS,
         decode_tokens: decode,
         decode_tok_s,
         context,

@@ -258,6 +258,7 @@ fn bench_model_cold_streams_the_weights_and_says_so() {
         assert!((f("decode_limit_tok_s") / limit - 1.0).abs() < 1e-9, "{m}");
         assert!(f("decode_tok_s") > 0.0, "{m}");
         // Prefill is the median of several timed runs, inside their range.
+        assert!(m["prefill_runs"].as_u64().unwrap() >= 3, "{m}");
         let (lo, hi) = (
             m["prefill_range"][0].as_f64().unwrap(),
             m["prefill_range"][1].as_f64().unwrap(),

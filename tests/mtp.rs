@@ -560,7 +560,27 @@ fn distill_mtp_writes_a_module_that_computes_what_training_optimised() {
         },
         "bad-kind",
     );
-    assert!(e.contains("no tensor `fc.weight`"), "{e}");
+    assert!(e.contains("eagle_aux_hidden_state_layer_ids"), "{e}");
+    // Refused before any data was made.
+    for dir in ["bad-width", "bad-kind"] {
+        let train = tmp.0.join(dir).join("train");
+        assert!(!train.join("features.safetensors").exists(), "{dir}");
+        assert!(!train.join("samples.json").exists(), "{dir}");
+    }
+    // The continued run's checkpoint resumes only with the same start: the
+    // same directory without --init is refused, naming the option.
+    let e = distill_eagle(
+        &target,
+        &out2,
+        &EagleConfig {
+            init: None,
+            ..cont.clone()
+        },
+        2,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--init") && e.contains("checkpoint"), "{e}");
     let e = err(
         EagleConfig {
             init: Some(tmp.0.join("nowhere")),

@@ -141,8 +141,8 @@ fn print_model(path: &std::path::Path, b: &specd::bench_model::ModelBench) {
         b.kernel
     );
     println!(
-        "prefill ({} tokens): {:.1} tok/s (median of 5; {:.0}-{:.0})",
-        b.prefill_tokens, b.prefill_tok_s, b.prefill_range.0, b.prefill_range.1
+        "prefill ({} tokens): {:.1} tok/s (median of {}; {:.0}-{:.0})",
+        b.prefill_tokens, b.prefill_tok_s, b.prefill_runs, b.prefill_range.0, b.prefill_range.1
     );
     let (read, how) = if b.cold {
         println!("weights evicted from the CPU caches before every timed decode and verify forward (--cold)");

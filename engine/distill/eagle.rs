@@ -871,7 +871,8 @@ pub struct EagleState {
     pub step: usize,
     pub steps: usize,
     pub loss: f32,
-    /// Loss of the first step of the run that started from scratch.
+    /// Loss of this run's first step (a resumed run keeps its start's; a
+    /// run from `--init` starts where that head stands).
     pub first_loss: f32,
     /// (step, validation acceptance@1 of TTT step 0, of the last step).
     pub val: Vec<(usize, f64, f64)>,
@@ -1043,11 +1044,20 @@ fn read_init(
                 )
                 .ok()
             });
-        if let Some(saved) = saved.filter(|s| s.as_slice() != layers) {
-            return Err(serr(format!(
-                "{}: the head reads layers {saved:?}, this run {layers:?} (--feature-layers)",
-                cfg_path.display()
-            )));
+        match saved {
+            Some(saved) if saved.as_slice() == layers => {}
+            Some(saved) => {
+                return Err(serr(format!(
+                    "{}: the head reads layers {saved:?}, this run {layers:?} (--feature-layers)",
+                    cfg_path.display()
+                )))
+            }
+            None => {
+                return Err(serr(format!(
+                    "{}: no eagle_config.eagle_aux_hidden_state_layer_ids (the layers the head reads), so it cannot be continued safely",
+                    cfg_path.display()
+                )))
+            }
         }
     }
     let prefix = if mtp {
@@ -1118,6 +1128,30 @@ pub fn distill_eagle(
         }
         None => None,
     };
+    // A checkpoint resumes only the run that wrote it: on other data or
+    // from another start its weights (and their draft vocabulary) would
+    // continue on what they were not trained for.
+    let ckpt = Checkpoint::new(&train_dir);
+    let resumed: Option<(EagleState, TensorFile)> = ckpt.resume()?;
+    if let Some((st, _)) = &resumed {
+        let c = &st.config;
+        if (&c.corpus, &c.corpus_shards, &c.init) != (&cfg.corpus, &cfg.corpus_shards, &cfg.init) {
+            return Err(serr(format!(
+                "{} holds the checkpoint of a run with other --corpus, --corpus-shards or --init ({:?}, {:?}, {:?}); give the same to resume it, or delete the directory to start over",
+                train_dir.display(),
+                c.corpus,
+                c.corpus_shards,
+                c.init
+            )));
+        }
+    }
+    // What this run trains with: under --init, the head's draft vocabulary
+    // size (recorded so in the state).
+    let mut effective = cfg.clone();
+    if let Some(i) = &init {
+        effective.draft_vocab = i.ids.len();
+    }
+    let cfg = &effective;
     let Prepared {
         samples,
         features,
@@ -1167,13 +1201,11 @@ pub fn distill_eagle(
     // Parameters: fresh (fc reads the high layer as identity, lm_head and
     // norm start as the target's, so step 0 starts as a logit lens), or
     // from the checkpoint.
-    let ckpt = Checkpoint::new(&train_dir);
-    let resumed: Option<(EagleState, TensorFile)> = ckpt.resume()?;
     let mut rng = Rng::new(cfg.seed ^ 0x5EED);
     let mut gauss = |n: usize, std: f32| super::train::gauss(&mut rng, n, std);
     // RMS of the features (all layers, the highest alone) for fc's unit
     // start; 1 where the start is not scaled.
-    let (rms_all, rms_top) = if cfg.fc_unit && !cfg.mtp {
+    let (rms_all, rms_top) = if cfg.fc_unit && !cfg.mtp && init.is_none() && resumed.is_none() {
         let r = (
             feature_rms(&features, &layers, &train_idx, &samples)?,
             feature_rms(&features, &layers[nl - 1..], &train_idx, &samples)?,

@@ -96,7 +96,23 @@ pub(super) fn extract_features(
         offsets.push(acc);
         acc += s.tokens.len();
     }
-    if let Ok(file) = RowFile::open(path) {
+    // Which samples the states are of: a file made for other samples of
+    // the same total length (another `--corpus-shards`, say) is not
+    // reused. A file without this key (made before it existed, or linked
+    // from another run without it) is reused on the length alone.
+    let key_path = samples_key_path(path);
+    let key = samples_key(samples);
+    let same_samples = std::fs::read_to_string(&key_path).map_or(true, |k| k.trim() == key);
+    let reusable = if same_samples {
+        RowFile::open(path).ok()
+    } else {
+        eprintln!(
+            "specd distill: {} holds the states of other samples: recording anew",
+            path.display()
+        );
+        None
+    };
+    if let Some(file) = reusable {
         if file.shape("argmax") == Some(&[total][..]) {
             let argmax = file
                 .read_i64("argmax")
@@ -187,13 +203,41 @@ pub(super) fn extract_features(
     bar.finish_and_clear();
     let am: Vec<i64> = argmax.iter().map(|&x| i64::from(x)).collect();
     file.write_i64("argmax", &am).map_err(serr)?;
+    let file = file.finish().map_err(serr)?;
+    std::fs::write(&key_path, &key)?;
     // Train on what the cache holds (f16), so a resumed run sees the same.
     Ok(Features {
-        file: file.finish().map_err(serr)?,
+        file,
         h,
         argmax,
         offsets,
     })
+}
+
+/// Where `extract_features` keeps the key of the samples a features file
+/// holds the states of: beside it, `<file>.samples`.
+fn samples_key_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".samples");
+    p.into()
+}
+
+/// A 64-bit FNV-1a hash of the samples' tokens and lengths, in hex.
+fn samples_key(samples: &[Sample]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        for b in x.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for s in samples {
+        eat(s.tokens.len() as u64);
+        for &t in &s.tokens {
+            eat(u64::from(t));
+        }
+    }
+    format!("{h:016x}")
 }
 
 /// The `n` most frequent response tokens (EOS ids always in), ascending.
