@@ -722,3 +722,27 @@ pub fn target_head_rows(target: &Model, ids: &[u32]) -> Vec<f32> {
     }
     th
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(t: &[u32]) -> Sample {
+        Sample {
+            tokens: t.to_vec(),
+            prompt_len: 1,
+        }
+    }
+
+    /// Recorded states are reused only for the samples they are of: the
+    /// key differs for other tokens and for another split into samples of
+    /// the same total length.
+    #[test]
+    fn the_samples_key_tells_apart_samples_of_the_same_length() {
+        let a = vec![s(&[1, 2, 3]), s(&[4, 5])];
+        assert_eq!(samples_key(&a), samples_key(&a.clone()));
+        assert_ne!(samples_key(&a), samples_key(&[s(&[1, 2, 3]), s(&[4, 6])]));
+        assert_ne!(samples_key(&a), samples_key(&[s(&[1, 2]), s(&[3, 4, 5])]));
+        assert_eq!(samples_key(&a).len(), 16);
+    }
+}
