@@ -1145,13 +1145,6 @@ pub fn distill_eagle(
             )));
         }
     }
-    // What this run trains with: under --init, the head's draft vocabulary
-    // size (recorded so in the state).
-    let mut effective = cfg.clone();
-    if let Some(i) = &init {
-        effective.draft_vocab = i.ids.len();
-    }
-    let cfg = &effective;
     let Prepared {
         samples,
         features,
@@ -1185,6 +1178,11 @@ pub fn distill_eagle(
         None => chosen,
     };
     let dv = vocab_ids.len();
+    // What this run trains with, as its state records it: under --init,
+    // the head's draft vocabulary size, whatever --draft-vocab asked.
+    let mut effective = cfg.clone();
+    effective.draft_vocab = dv;
+    let cfg = &effective;
 
     // Frozen target tensors.
     let dev = Device::Cpu;
