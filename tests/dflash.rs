@@ -755,6 +755,122 @@ fn distill_dflash_trains_resumes_and_writes_the_zlab_layout() {
     assert!(d.mask_embedding.is_some() && d.lm_head.is_some());
 }
 
+/// `init`: a run started from the written drafter continues it (its
+/// first step's loss near where the first run ended, far under a fresh
+/// start's on the same data) and keeps its draft vocabulary even where
+/// this run's data would choose another; bad starts are refused before
+/// any data is made, naming what differs; the continued run's checkpoint
+/// resumes only with the same start.
+#[test]
+fn distill_dflash_continues_a_written_drafter() {
+    let (tgt, out) = trained();
+    let st = state(out);
+    let tmp = TempDir::new("dflash-init");
+    let cfg = tiny_cfg(prompts(DEEP.vocab as u32, 200, 3));
+    let cont = DflashTrainConfig {
+        init: Some(out.clone()),
+        epochs: 2.0,
+        draft_vocab: 32,
+        ..cfg
+    };
+    let out2 = tmp.0.join("continued");
+    let st2 = distill_dflash(tgt, &out2, &cont, 2).unwrap();
+    eprintln!(
+        "fresh start {} -> {}; continued from it: {} -> {}",
+        st.first_loss, st.loss, st2.first_loss, st2.loss
+    );
+    assert!(
+        st2.first_loss < st.loss + 0.5 * (st.first_loss - st.loss),
+        "{} {} {}",
+        st.first_loss,
+        st.loss,
+        st2.first_loss
+    );
+    assert_eq!(st2.config.draft_vocab, 64, "the drafter's vocabulary size");
+    let d2t = |dir: &Path| {
+        tensor_file::TensorFile::read(&dir.join("model.safetensors"))
+            .unwrap()
+            .i64("d2t")
+            .unwrap()
+    };
+    assert_eq!(d2t(&out2), d2t(out));
+    let err = |c: DflashTrainConfig, dir: &str| {
+        distill_dflash(tgt, &tmp.0.join(dir), &c, 2)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err(
+        DflashTrainConfig {
+            intermediate: 64,
+            ..cont.clone()
+        },
+        "bad-width",
+    );
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("layers.0.mlp.gate_proj.weight")
+            && e.contains("[96, ")
+            && e.contains("[64, "),
+        "{e}"
+    );
+    let e = err(
+        DflashTrainConfig {
+            target_layer_ids: vec![0, 2, 5],
+            ..cont.clone()
+        },
+        "bad-layers",
+    );
+    assert!(
+        e.contains("config.json") && e.contains("[0, 3, 5]") && e.contains("[0, 2, 5]"),
+        "{e}"
+    );
+    let e = err(
+        DflashTrainConfig {
+            block_size: 6,
+            ..cont.clone()
+        },
+        "bad-block",
+    );
+    assert!(
+        e.contains("block_size is 4") && e.contains("--block-size"),
+        "{e}"
+    );
+    let e = err(
+        DflashTrainConfig {
+            layers: 1,
+            ..cont.clone()
+        },
+        "bad-depth",
+    );
+    assert!(e.contains("num_hidden_layers is 2"), "{e}");
+    let e = err(
+        DflashTrainConfig {
+            init: Some(tmp.0.join("nowhere")),
+            ..cont.clone()
+        },
+        "bad-dir",
+    );
+    assert!(
+        e.contains("nowhere") && e.contains("model.safetensors"),
+        "{e}"
+    );
+    for dir in [
+        "bad-width",
+        "bad-layers",
+        "bad-block",
+        "bad-depth",
+        "bad-dir",
+    ] {
+        let train = tmp.0.join(dir).join("train");
+        assert!(!train.join("features.safetensors").exists(), "{dir}");
+        assert!(!train.join("samples.json").exists(), "{dir}");
+    }
+    let e = distill_dflash(tgt, &out2, &DflashTrainConfig { init: None, ..cont }, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--init") && e.contains("checkpoint"), "{e}");
+}
+
 #[test]
 fn the_plugin_drafter_computes_what_training_optimised() {
     let (tgt, out) = trained();

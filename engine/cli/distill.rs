@@ -313,6 +313,12 @@ pub struct DflashArgs {
     pub stop_after: usize,
     #[command(flatten)]
     pub data: PromptArgs,
+    /// Start from the drafter in this directory, its weights and its draft
+    /// vocabulary, instead of a fresh start: training continues it on this
+    /// run's data (e.g. proposers/dflash/drafters/smollm2-135m-instruct
+    /// with --corpus-shards it has not seen).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -528,6 +534,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
                 prompts: a.data.prompts,
                 corpus: a.data.corpus.clone(),
                 corpus_shards: a.data.corpus_shards.clone(),
+                init: a.init.clone(),
                 ..Default::default()
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);

@@ -27,8 +27,8 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use super::eagle::{embedding_table, lin, rms, rope_tables, EPS};
 use super::fused::{Rope, SoftCrossEntropy};
 use super::train::{
-    cosine_lr, plan_batches, prepare, target_head_rows, tensor_vec, var, AdamW, Checkpoint,
-    DraftVocab, Features, Prepared, Schedule,
+    cosine_lr, draft_vocab_of, plan_batches, prepare, target_head_rows, tensor_vec, var, AdamW,
+    Checkpoint, DraftVocab, Features, InitHead, Prepared, Schedule,
 };
 use super::{DataConfig, Sample};
 use crate::error::{Result, SpecdError};
@@ -80,6 +80,12 @@ pub struct DflashTrainConfig {
     /// Only these shards of `corpus` (`DataConfig::corpus_shards`).
     #[serde(default)]
     pub corpus_shards: Option<std::ops::Range<usize>>,
+    /// Start from the drafter this directory holds, as `export` wrote it
+    /// (its weights and its draft vocabulary `d2t`), instead of a fresh
+    /// start, so training continues it on new data (a checkpoint in the
+    /// run's own train/ resumes only a run with the same `init`).
+    #[serde(default)]
+    pub init: Option<PathBuf>,
 }
 
 impl Default for DflashTrainConfig {
@@ -112,6 +118,7 @@ impl Default for DflashTrainConfig {
             prompts: Default::default(),
             corpus: None,
             corpus_shards: None,
+            init: None,
         }
     }
 }
@@ -519,6 +526,54 @@ fn export(
     Ok(())
 }
 
+/// Read `dir`'s drafter for `--init`: written by this trainer (or in its
+/// layout) for the target layers `ids`, with `cfg`'s block size and layer
+/// count, over a target of `vocab` tokens. The tensors' shapes are
+/// checked by the caller; what no shape tells is checked here.
+fn read_init(dir: &Path, cfg: &DflashTrainConfig, ids: &[usize], vocab: usize) -> Result<InitHead> {
+    let init = InitHead::read(dir, "dflash", String::new(), vocab)?;
+    let cfg_path = dir.join("config.json");
+    let saved: serde_json::Value = std::fs::read_to_string(&cfg_path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .ok_or_else(|| {
+            serr(format!(
+                "{}: missing or not JSON (the drafter's config)",
+                cfg_path.display()
+            ))
+        })?;
+    let field = |v: &serde_json::Value| serde_json::from_value::<Vec<usize>>(v.clone()).ok();
+    match field(&saved["dflash_config"]["target_layer_ids"]) {
+        Some(s) if s.as_slice() == ids => {}
+        Some(s) => {
+            return Err(serr(format!(
+                "{}: the drafter reads target layers {s:?}, this run {ids:?} (--target-layer-ids)",
+                cfg_path.display()
+            )))
+        }
+        None => {
+            return Err(serr(format!(
+                "{}: no dflash_config.target_layer_ids (the layers the drafter reads), so it cannot be continued safely",
+                cfg_path.display()
+            )))
+        }
+    }
+    for (key, want, flag) in [
+        ("block_size", cfg.block_size, "--block-size"),
+        ("num_hidden_layers", cfg.layers, "--layers"),
+    ] {
+        let got = saved[key].as_u64();
+        if got != Some(want as u64) {
+            return Err(serr(format!(
+                "{}: {key} is {}, this run's is {want} ({flag})",
+                cfg_path.display(),
+                got.map_or("missing".to_string(), |g| g.to_string())
+            )));
+        }
+    }
+    Ok(init)
+}
+
 /// Train (or resume training) a DFlash drafter for `target_path` into
 /// `out`. Returns the final state.
 pub fn distill_dflash(
@@ -551,15 +606,38 @@ pub fn distill_dflash(
     let mut recorded = layers.clone();
     recorded.push(tc.layers);
     recorded.dedup();
+    let (nh, nkv, hd) = (tc.heads, tc.kv_heads, tc.head_dim);
+    // A start from a written drafter: read and checked before the data,
+    // so a wrong directory fails before any features are recorded.
+    let init = match &cfg.init {
+        Some(dir) => {
+            let i = read_init(dir, cfg, &ids, vocab)?;
+            i.check(&param_shapes(h, (nh, nkv, hd), cfg, nf, i.ids.len()))?;
+            Some(i)
+        }
+        None => None,
+    };
+    // A checkpoint resumes only the run that wrote it: on other data or
+    // from another start its weights would continue on what they were not
+    // trained for.
+    let ckpt = Checkpoint::new(&train_dir);
+    let resumed: Option<(DflashState, _)> = ckpt.resume()?;
+    if let Some((st, _)) = &resumed {
+        let c = &st.config;
+        if (&c.corpus, &c.corpus_shards, &c.init) != (&cfg.corpus, &cfg.corpus_shards, &cfg.init) {
+            return Err(serr(format!(
+                "{} holds the checkpoint of a run with other --corpus, --corpus-shards or --init ({:?}, {:?}, {:?}); give the same to resume it, or delete the directory to start over",
+                train_dir.display(),
+                c.corpus,
+                c.corpus_shards,
+                c.init
+            )));
+        }
+    }
     let Prepared {
         samples,
         features,
-        vocab:
-            DraftVocab {
-                ids: vocab_ids,
-                t2d,
-                coverage,
-            },
+        vocab: chosen,
         train_idx,
         val_idx,
     } = prepare(
@@ -571,15 +649,34 @@ pub fn distill_dflash(
         &recorded,
         (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
     )?;
+    // Continuing a drafter keeps its draft vocabulary: its output rows
+    // are those tokens.
+    let DraftVocab {
+        ids: vocab_ids,
+        t2d,
+        coverage,
+    } = match &init {
+        Some(i) => {
+            eprintln!(
+                "specd distill: starting from {} (its draft vocabulary of {} tokens)",
+                i.path.display(),
+                i.ids.len()
+            );
+            draft_vocab_of(&samples, i.ids.clone(), vocab)
+        }
+        None => chosen,
+    };
     let dv = vocab_ids.len();
+    // What this run trains with, as its state records it: under --init,
+    // the drafter's draft vocabulary size, whatever --draft-vocab asked.
+    let mut effective = cfg.clone();
+    effective.draft_vocab = dv;
+    let cfg = &effective;
     let dev = Device::Cpu;
     let emb = embedding_table(&target);
     let th = target_head_rows(&target, &vocab_ids);
-    let (nh, nkv, hd) = (tc.heads, tc.kv_heads, tc.head_dim);
     let shapes = param_shapes(h, (nh, nkv, hd), cfg, nf, dv);
     let (cos, sin) = rope_tables(cfg.max_len + cfg.block_size + 1, hd, tc.rope_theta)?;
-    let ckpt = Checkpoint::new(&train_dir);
-    let resumed: Option<(DflashState, _)> = ckpt.resume()?;
     let mut rng = Rng::new(cfg.seed ^ 0xDF1A5);
     let mut gauss = |n: usize, std: f32| super::train::gauss(&mut rng, n, std);
     let mut p = HashMap::new();
@@ -589,6 +686,8 @@ pub fn distill_dflash(
         let n: usize = shape.iter().product();
         let init: Vec<f32> = if let Some((_, f)) = &resumed {
             ckpt.restore(f, name, shape, &mut opt)?
+        } else if let Some(i) = &init {
+            i.tensor(name, shape)?
         } else if name == "lm_head.weight" {
             // A logit lens start: the target's own head rows.
             th.clone()

@@ -42,7 +42,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use super::fused::{RmsNorm, Rope, SoftCrossEntropy, TttAttention};
 use super::train::{
     cosine_lr, plan_batches, prepare, target_head_rows, tensor_vec, var, AdamW, Checkpoint,
-    DraftVocab, Features, Prepared, Schedule,
+    DraftVocab, Features, InitHead, Prepared, Schedule,
 };
 use super::{DataConfig, Sample};
 use crate::error::{Result, SpecdError};
@@ -969,37 +969,6 @@ fn export(
     Ok(weights)
 }
 
-/// A head (or MTP module) as `export` wrote it, to continue training
-/// from: its tensors, the prefix of their names, its draft vocabulary.
-struct InitHead {
-    path: PathBuf,
-    file: TensorFile,
-    prefix: String,
-    ids: Vec<u32>,
-}
-
-impl InitHead {
-    /// Trainable tensor `name`, which must have `shape`.
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let full = format!("{}{name}", self.prefix);
-        match self.file.shape(&full) {
-            None => Err(serr(format!(
-                "{}: no tensor `{full}` (--init takes what `distill {}` wrote)",
-                self.path.display(),
-                if self.prefix.is_empty() { "eagle" } else { "mtp" }
-            ))),
-            Some(s) if s != shape => Err(serr(format!(
-                "{}: tensor `{full}` has shape {s:?}, this run's is {shape:?} (give the settings it was trained with: --intermediate, the target, the feature layers)",
-                self.path.display()
-            ))),
-            Some(_) => self
-                .file
-                .f32(&full)
-                .map_err(|e| serr(format!("{}: {e}", self.path.display()))),
-        }
-    }
-}
-
 /// Read `dir`'s head for `--init`: an MTP module (`mtp`, names under the
 /// target's next layer) or an EAGLE-3 head reading `layers`, for a target
 /// shaped as `tc`.
@@ -1009,28 +978,13 @@ fn read_init(
     layers: &[usize],
     tc: &crate::model::ModelConfig,
 ) -> Result<InitHead> {
-    let path = dir.join("model.safetensors");
-    let file = TensorFile::read(&path).map_err(serr)?;
-    let d2t = file
-        .i64("d2t")
-        .map_err(|e| serr(format!("{}: {e} (no draft vocabulary)", path.display())))?;
-    let ids = d2t
-        .iter()
-        .enumerate()
-        .map(|(i, &d)| {
-            let t = i as i64 + d;
-            u32::try_from(t)
-                .ok()
-                .filter(|&t| (t as usize) < tc.vocab_size)
-                .ok_or_else(|| {
-                    serr(format!(
-                        "{}: d2t[{i}] names token {t}, outside the target's vocabulary of {}",
-                        path.display(),
-                        tc.vocab_size
-                    ))
-                })
-        })
-        .collect::<Result<Vec<u32>>>()?;
+    let kind = if mtp { "mtp" } else { "eagle" };
+    let prefix = if mtp {
+        format!("model.layers.{}.", tc.layers)
+    } else {
+        String::new()
+    };
+    let init = InitHead::read(dir, kind, prefix, tc.vocab_size)?;
     if !mtp {
         // The layers a head reads are in its config; another set would
         // train fc against the wrong features without any shape telling.
@@ -1060,17 +1014,7 @@ fn read_init(
             }
         }
     }
-    let prefix = if mtp {
-        format!("model.layers.{}.", tc.layers)
-    } else {
-        String::new()
-    };
-    Ok(InitHead {
-        path,
-        file,
-        prefix,
-        ids,
-    })
+    Ok(init)
 }
 
 /// Train (or resume training) an EAGLE-3 head for `target_path` into
@@ -1121,9 +1065,7 @@ pub fn distill_eagle(
             } else {
                 param_shapes(h, nh, nkv, hd, f, layers.len(), dv)
             };
-            for (name, shape) in &shapes {
-                i.tensor(name, shape)?;
-            }
+            i.check(&shapes)?;
             Some(i)
         }
         None => None,

@@ -723,6 +723,90 @@ pub fn target_head_rows(target: &Model, ids: &[u32]) -> Vec<f32> {
     th
 }
 
+/// A trained proposer as its trainer's `export` wrote it
+/// (`model.safetensors` with `d2t`), to continue training from with
+/// `--init`: its tensors, the prefix of their names, its draft vocabulary.
+pub(super) struct InitHead {
+    pub(super) path: PathBuf,
+    /// The trainer (`eagle`, `mtp`, `dflash`), for messages.
+    kind: &'static str,
+    file: TensorFile,
+    prefix: String,
+    /// Target ids of the draft vocabulary (`d2t` resolved).
+    pub(super) ids: Vec<u32>,
+}
+
+impl InitHead {
+    /// `dir/model.safetensors`, whose tensors are named `prefix` + the
+    /// trainer's names, for a target of `vocab` tokens.
+    pub(super) fn read(
+        dir: &Path,
+        kind: &'static str,
+        prefix: String,
+        vocab: usize,
+    ) -> Result<Self> {
+        let err = |e: String| SpecdError::InvalidRequest(format!("distill {kind}: {e}"));
+        let path = dir.join("model.safetensors");
+        let file = TensorFile::read(&path).map_err(err)?;
+        let d2t = file
+            .i64("d2t")
+            .map_err(|e| err(format!("{}: {e} (no draft vocabulary)", path.display())))?;
+        let ids = d2t
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| {
+                let t = i as i64 + d;
+                u32::try_from(t)
+                    .ok()
+                    .filter(|&t| (t as usize) < vocab)
+                    .ok_or_else(|| {
+                        err(format!(
+                            "{}: d2t[{i}] names token {t}, outside the target's vocabulary of {vocab}",
+                            path.display()
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Ok(Self {
+            path,
+            kind,
+            file,
+            prefix,
+            ids,
+        })
+    }
+
+    /// Trainable tensor `name`, which must have `shape`.
+    pub(super) fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let err = |e: String| SpecdError::InvalidRequest(format!("distill {}: {e}", self.kind));
+        let full = format!("{}{name}", self.prefix);
+        match self.file.shape(&full) {
+            None => Err(err(format!(
+                "{}: no tensor `{full}` (--init takes what `distill {}` wrote)",
+                self.path.display(),
+                self.kind
+            ))),
+            Some(s) if s != shape => Err(err(format!(
+                "{}: tensor `{full}` has shape {s:?}, this run's is {shape:?} (give the settings it was trained with: --intermediate, --layers, the target, the feature layers)",
+                self.path.display()
+            ))),
+            Some(_) => self
+                .file
+                .f32(&full)
+                .map_err(|e| err(format!("{}: {e}", self.path.display()))),
+        }
+    }
+
+    /// Every tensor of `shapes` is there at its shape (before any data is
+    /// made, so a wrong directory fails first).
+    pub(super) fn check<N: AsRef<str>>(&self, shapes: &[(N, Vec<usize>)]) -> Result<()> {
+        for (name, shape) in shapes {
+            self.tensor(name.as_ref(), shape)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
