@@ -758,9 +758,9 @@ fn distill_dflash_trains_resumes_and_writes_the_zlab_layout() {
 /// `init`: a run started from the written drafter continues it (its
 /// first step's loss near where the first run ended, far under a fresh
 /// start's on the same data) and keeps its draft vocabulary even where
-/// this run's data would choose another; bad starts are refused before
-/// any data is made, naming what differs; the continued run's checkpoint
-/// resumes only with the same start.
+/// this run asks for another size (`draft_vocab`); bad starts are refused
+/// before any data is made, naming what differs; the continued run's
+/// checkpoint resumes with the same start and only with it.
 #[test]
 fn distill_dflash_continues_a_written_drafter() {
     let (tgt, out) = trained();
@@ -865,6 +865,8 @@ fn distill_dflash_continues_a_written_drafter() {
         assert!(!train.join("features.safetensors").exists(), "{dir}");
         assert!(!train.join("samples.json").exists(), "{dir}");
     }
+    let again = distill_dflash(tgt, &out2, &cont, 2).unwrap();
+    assert_eq!(again.step, st2.step, "the finished run resumes as finished");
     let e = distill_dflash(tgt, &out2, &DflashTrainConfig { init: None, ..cont }, 2)
         .unwrap_err()
         .to_string();

@@ -533,15 +533,14 @@ fn export(
 fn read_init(dir: &Path, cfg: &DflashTrainConfig, ids: &[usize], vocab: usize) -> Result<InitHead> {
     let init = InitHead::read(dir, "dflash", String::new(), vocab)?;
     let cfg_path = dir.join("config.json");
-    let saved: serde_json::Value = std::fs::read_to_string(&cfg_path)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .ok_or_else(|| {
-            serr(format!(
-                "{}: missing or not JSON (the drafter's config)",
-                cfg_path.display()
-            ))
-        })?;
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
+        serr(format!(
+            "{}: {e} (the drafter's config)",
+            cfg_path.display()
+        ))
+    })?;
+    let saved: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| serr(format!("{}: not JSON: {e}", cfg_path.display())))?;
     let field = |v: &serde_json::Value| serde_json::from_value::<Vec<usize>>(v.clone()).ok();
     match field(&saved["dflash_config"]["target_layer_ids"]) {
         Some(s) if s.as_slice() == ids => {}
@@ -624,15 +623,13 @@ pub fn distill_dflash(
     let resumed: Option<(DflashState, _)> = ckpt.resume()?;
     if let Some((st, _)) = &resumed {
         let c = &st.config;
-        if (&c.corpus, &c.corpus_shards, &c.init) != (&cfg.corpus, &cfg.corpus_shards, &cfg.init) {
-            return Err(serr(format!(
-                "{} holds the checkpoint of a run with other --corpus, --corpus-shards or --init ({:?}, {:?}, {:?}); give the same to resume it, or delete the directory to start over",
-                train_dir.display(),
-                c.corpus,
-                c.corpus_shards,
-                c.init
-            )));
-        }
+        super::train::check_resume(
+            "dflash",
+            &train_dir,
+            (&c.corpus, &c.corpus_shards, &c.init),
+            (&cfg.corpus, &cfg.corpus_shards, &cfg.init),
+            init.as_ref(),
+        )?;
     }
     let Prepared {
         samples,

@@ -1077,15 +1077,13 @@ pub fn distill_eagle(
     let resumed: Option<(EagleState, TensorFile)> = ckpt.resume()?;
     if let Some((st, _)) = &resumed {
         let c = &st.config;
-        if (&c.corpus, &c.corpus_shards, &c.init) != (&cfg.corpus, &cfg.corpus_shards, &cfg.init) {
-            return Err(serr(format!(
-                "{} holds the checkpoint of a run with other --corpus, --corpus-shards or --init ({:?}, {:?}, {:?}); give the same to resume it, or delete the directory to start over",
-                train_dir.display(),
-                c.corpus,
-                c.corpus_shards,
-                c.init
-            )));
-        }
+        super::train::check_resume(
+            if cfg.mtp { "mtp" } else { "eagle" },
+            &train_dir,
+            (&c.corpus, &c.corpus_shards, &c.init),
+            (&cfg.corpus, &cfg.corpus_shards, &cfg.init),
+            init.as_ref(),
+        )?;
     }
     let Prepared {
         samples,

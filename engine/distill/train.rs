@@ -723,6 +723,75 @@ pub fn target_head_rows(target: &Model, ids: &[u32]) -> Vec<f32> {
     th
 }
 
+/// What a run reads that its checkpoint must have been written with:
+/// `--corpus`, `--corpus-shards`, `--init`.
+pub(super) type RunSource<'a> = (
+    &'a Option<PathBuf>,
+    &'a Option<std::ops::Range<usize>>,
+    &'a Option<PathBuf>,
+);
+
+/// A checkpoint in `train_dir` resumes only the run that wrote it: on
+/// other data or from another start its weights would continue on what
+/// they were not trained for. `saved` is the checkpointed run's source,
+/// `this` this run's; `init` this run's start, whose draft vocabulary
+/// must still be the one the checkpointed run trained (the drafter
+/// `export` wrote beside the checkpoint, `out/model.safetensors`): a
+/// start replaced since would put other tokens on the trained rows.
+pub(super) fn check_resume(
+    kind: &'static str,
+    train_dir: &Path,
+    saved: RunSource<'_>,
+    this: RunSource<'_>,
+    init: Option<&InitHead>,
+) -> Result<()> {
+    let err = |e: String| SpecdError::InvalidRequest(format!("distill {kind}: {e}"));
+    for (flag, differs, a, b) in [
+        (
+            "--corpus",
+            saved.0 != this.0,
+            format!("{:?}", saved.0),
+            format!("{:?}", this.0),
+        ),
+        (
+            "--corpus-shards",
+            saved.1 != this.1,
+            format!("{:?}", saved.1),
+            format!("{:?}", this.1),
+        ),
+        (
+            "--init",
+            saved.2 != this.2,
+            format!("{:?}", saved.2),
+            format!("{:?}", this.2),
+        ),
+    ] {
+        if differs {
+            return Err(err(format!(
+                "{} holds the checkpoint of a run with {flag} {a}, this run has {b}; give the same to resume it, or delete the directory to start over",
+                train_dir.display()
+            )));
+        }
+    }
+    let Some(init) = init else { return Ok(()) };
+    let Some(out) = train_dir.parent() else {
+        return Ok(());
+    };
+    // The drafter written at the last checkpoint carries the vocabulary
+    // the run trained.
+    let Ok(written) = InitHead::read(out, kind, String::new(), usize::MAX) else {
+        return Ok(());
+    };
+    if written.ids != init.ids {
+        return Err(err(format!(
+            "{}: its draft vocabulary is not the one the checkpoint in {} was trained with (the --init directory changed since); delete the run's directory to start over",
+            init.path.display(),
+            train_dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// A trained proposer as its trainer's `export` wrote it
 /// (`model.safetensors` with `d2t`), to continue training from with
 /// `--init`: its tensors, the prefix of their names, its draft vocabulary.
@@ -767,6 +836,15 @@ impl InitHead {
                     })
             })
             .collect::<Result<Vec<u32>>>()?;
+        // Each draft row names its own token (`t2d` inverts the map).
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        if let Some(i) = ids.iter().position(|t| !seen.insert(*t)) {
+            return Err(err(format!(
+                "{}: d2t[{i}] names token {} a second time",
+                path.display(),
+                ids[i]
+            )));
+        }
         Ok(Self {
             path,
             kind,
@@ -787,8 +865,13 @@ impl InitHead {
                 self.kind
             ))),
             Some(s) if s != shape => Err(err(format!(
-                "{}: tensor `{full}` has shape {s:?}, this run's is {shape:?} (give the settings it was trained with: --intermediate, --layers, the target, the feature layers)",
-                self.path.display()
+                "{}: tensor `{full}` has shape {s:?}, this run's is {shape:?} (give the settings it was trained with: {})",
+                self.path.display(),
+                if self.kind == "dflash" {
+                    "--intermediate, --layers, --target-layer-ids, the target"
+                } else {
+                    "--intermediate, --feature-layers, the target"
+                }
             ))),
             Some(_) => self
                 .file
