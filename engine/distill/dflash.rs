@@ -27,8 +27,8 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use super::eagle::{embedding_table, lin, rms, rope_tables, EPS};
 use super::fused::{Rope, SoftCrossEntropy};
 use super::train::{
-    cosine_lr, draft_vocab_of, plan_batches, prepare, target_head_rows, tensor_vec, var, AdamW,
-    Checkpoint, DraftVocab, Features, InitHead, Prepared, Schedule,
+    cosine_lr, plan_batches, prepare, target_head_rows, tensor_vec, var, AdamW, Checkpoint,
+    DraftVocab, Features, InitHead, Prepared, Schedule,
 };
 use super::{DataConfig, Sample};
 use crate::error::{Result, SpecdError};
@@ -646,23 +646,11 @@ pub fn distill_dflash(
         &recorded,
         (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
     )?;
-    // Continuing a drafter keeps its draft vocabulary: its output rows
-    // are those tokens.
     let DraftVocab {
         ids: vocab_ids,
         t2d,
         coverage,
-    } = match &init {
-        Some(i) => {
-            eprintln!(
-                "specd distill: starting from {} (its draft vocabulary of {} tokens)",
-                i.path.display(),
-                i.ids.len()
-            );
-            draft_vocab_of(&samples, i.ids.clone(), vocab)
-        }
-        None => chosen,
-    };
+    } = super::train::run_vocab(init.as_ref(), &samples, chosen, vocab);
     let dv = vocab_ids.len();
     // What this run trains with, as its state records it: under --init,
     // the drafter's draft vocabulary size, whatever --draft-vocab asked.

@@ -1100,23 +1100,11 @@ pub fn distill_eagle(
         &recorded,
         (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
     )?;
-    // Continuing a head keeps its draft vocabulary: its output rows are
-    // those tokens.
     let DraftVocab {
         ids: vocab_ids,
         t2d,
         coverage,
-    } = match &init {
-        Some(i) => {
-            eprintln!(
-                "specd distill: starting from {} (its draft vocabulary of {} tokens)",
-                i.path.display(),
-                i.ids.len()
-            );
-            super::train::draft_vocab_of(&samples, i.ids.clone(), vocab)
-        }
-        None => chosen,
-    };
+    } = super::train::run_vocab(init.as_ref(), &samples, chosen, vocab);
     let dv = vocab_ids.len();
     // What this run trains with, as its state records it: under --init,
     // the head's draft vocabulary size, whatever --draft-vocab asked.

@@ -723,6 +723,27 @@ pub fn target_head_rows(target: &Model, ids: &[u32]) -> Vec<f32> {
     th
 }
 
+/// The draft vocabulary a run trains: `init`'s where it continues one
+/// (its output rows are those tokens), else the one its data chose.
+pub(super) fn run_vocab(
+    init: Option<&InitHead>,
+    samples: &[Sample],
+    chosen: DraftVocab,
+    vocab: usize,
+) -> DraftVocab {
+    match init {
+        Some(i) => {
+            eprintln!(
+                "specd distill: starting from {} (its draft vocabulary of {} tokens)",
+                i.path.display(),
+                i.ids.len()
+            );
+            draft_vocab_of(samples, i.ids.clone(), vocab)
+        }
+        None => chosen,
+    }
+}
+
 /// What a run reads that its checkpoint must have been written with:
 /// `--corpus`, `--corpus-shards`, `--init`.
 pub(super) type RunSource<'a> = (
