@@ -143,6 +143,17 @@ fn greedy_constrained_output_is_identical_with_every_proposer_batched() {
         ),
     ];
     let n = 72;
+    // How many tokens the first request's JSON takes (plain decoding).
+    let exact = {
+        let r = Request {
+            constraint: Some(json.clone()),
+            ..Request::greedy(prompts[0].clone(), n)
+        };
+        generate(&s.model, Some(&s.tok), &r, |_| {})
+            .unwrap()
+            .tokens
+            .len()
+    };
     let reqs = |proposer: &str| -> Vec<Request> {
         let mk = |i: usize, c: Option<&specd::structured::Constraint>, forced: bool| Request {
             proposer: Some(proposer.into()),
@@ -155,12 +166,28 @@ fn greedy_constrained_output_is_identical_with_every_proposer_batched() {
             mk(1, Some(&regex), true),
             mk(2, None, true),
             mk(3, Some(&json), false),
+            // Ends where the schema completes, end of sequence or not (the
+            // completing token is often a drafted `}` with rows after it).
+            Request {
+                ignore_eos: true,
+                ..mk(3, Some(&json), true)
+            },
+            // The output completes the schema exactly at max_tokens: `stop`,
+            // as in plain decoding.
+            Request {
+                max_tokens: exact,
+                ..mk(0, Some(&json), true)
+            },
         ]
     };
-    let want: Vec<Vec<u32>> = reqs("none")
+    let plain: Vec<_> = reqs("none")
         .iter()
-        .map(|r| generate(&s.model, Some(&s.tok), r, |_| {}).unwrap().tokens)
+        .map(|r| generate(&s.model, Some(&s.tok), r, |_| {}).unwrap())
         .collect();
+    assert_eq!(plain[4].finish, FinishReason::Stop);
+    assert_eq!(plain[5].finish, FinishReason::Stop);
+    assert_eq!(plain[5].tokens.len(), exact);
+    let want: Vec<Vec<u32>> = plain.iter().map(|g| g.tokens.clone()).collect();
     for w in [&want[0], &want[3]] {
         let text = s.tok.decode(w, false).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -189,11 +216,12 @@ fn greedy_constrained_output_is_identical_with_every_proposer_batched() {
     .collect();
     for (cfg, proposer) in cases {
         let (e, done) = run(&s, cfg, reqs(proposer));
-        for (i, (c, w)) in done.iter().zip(&want).enumerate() {
+        for (i, (c, w)) in done.iter().zip(&plain).enumerate() {
             assert_eq!(
-                &c.tokens, w,
+                c.tokens, w.tokens,
                 "{proposer}: request {i} differs from plain decoding"
             );
+            assert_eq!(c.finish, w.finish, "{proposer}: request {i}'s finish");
         }
         assert!(
             e.drafter.poisoned(proposer).is_none(),

@@ -121,6 +121,18 @@ impl SamplingParams {
     }
 }
 
+/// The seed a proposer draws its draft with for a request seeded `seed`:
+/// a stream apart from the engine's own (acceptance, resampling: seeded
+/// with `seed` itself), so a plugin that seeds its generator from the
+/// request's seed never replays the numbers that test its draft
+/// (rejection sampling needs the two independent).
+pub fn draft_seed(seed: u64) -> u64 {
+    let mut z = seed ^ 0xD2AF_7000_5EED_0001;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// xoshiro256** seeded through splitmix64: small, fast, reproducible.
 #[derive(Debug, Clone)]
 pub struct Rng {
@@ -206,7 +218,18 @@ impl Distribution {
                 return id;
             }
         }
-        *self.ids.last().expect("distribution has support")
+        // Rounding at the top end (the f32 masses sum short of u): the last
+        // token with mass, never one the law gives 0 (a zero-weight tail
+        // under top-k, a masked token).
+        self.ids
+            .iter()
+            .zip(&self.probs)
+            .rev()
+            .find(|&(_, &p)| p > 0.0)
+            .map_or_else(
+                || *self.ids.last().expect("distribution has support"),
+                |(&id, _)| id,
+            )
     }
 }
 
@@ -475,6 +498,40 @@ impl StopBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_draw_past_the_rounded_total_takes_the_last_token_with_mass() {
+        // Masses summing short of 1 (f32 rounding, exaggerated), the tail
+        // at zero (top-k over a masked or underflowed row).
+        let d = Distribution {
+            ids: vec![4, 9, 7],
+            probs: vec![0.25, 0.25, 0.0],
+        };
+        let mut rng = Rng::new(3);
+        let mut past = 0;
+        for _ in 0..2000 {
+            let x = d.sample(&mut rng);
+            assert_ne!(x, 7, "a token of mass 0 was drawn");
+            past += usize::from(x == 9);
+        }
+        // About half the draws land past 0.5 and must fall back to id 9.
+        assert!(past > 1200, "{past}");
+    }
+
+    #[test]
+    fn a_proposer_draws_from_a_stream_apart_from_the_engines() {
+        // Plugins seed their generators from the seed the host hands them
+        // (eagle-core: option ^ seed * golden, the option 0 by default);
+        // the engine tests their drafts with `Rng::new(request seed)`. The
+        // two must never be the same stream, seed 0 included.
+        for seed in (0..1000u64).chain([u64::MAX, 1 << 63]) {
+            let handed = draft_seed(seed);
+            assert_ne!(handed, seed);
+            let plugin = handed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let (mut a, mut b) = (Rng::new(seed), Rng::new(plugin));
+            assert_ne!(a.next_u64(), b.next_u64(), "seed {seed}");
+        }
+    }
 
     fn params(t: f32) -> SamplingParams {
         SamplingParams {

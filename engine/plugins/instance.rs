@@ -375,7 +375,7 @@ impl Proposer for PluginProposer {
                     top_k: b.params.top_k as u32,
                     top_p: b.params.top_p,
                     min_p: b.params.min_p,
-                    seed: b.params.seed,
+                    seed: crate::sampler::draft_seed(b.params.seed),
                     hidden: h.as_ptr(),
                     n_hidden_rows: rows as u32,
                     hidden_width: width as u32,

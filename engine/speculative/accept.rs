@@ -516,6 +516,12 @@ pub fn accept_tree(
         }
         tokens.push(x);
         path.push(chosen);
+        // A constraint this token completes ends the sequence here, as in
+        // plain decoding: no correction or bonus (only end of sequence
+        // could follow, and `ignore_eos` would keep it).
+        if guide.as_deref().is_some_and(|g| g.done()) {
+            return done(tokens, path);
+        }
         if penalised && acceptance != Acceptance::StalePenalties {
             ctx.push(x);
             gen.push(x);

@@ -468,7 +468,15 @@ impl Proposer for Compose {
             let mut still = Vec::new();
             for (&i, d) in open.iter().zip(drafts) {
                 let track = self.state(batch[i].seq).tracks[m];
-                let v = self.value_of(m, &track, &d);
+                // A drawn draft (q not one-hot) is valued before its draws:
+                // keeping or dropping it by its own size (which may follow
+                // its drawn tokens) would bias the tokens verified away
+                // from the q they report.
+                let v = if d.q.iter().all(|q| matches!(q, DraftQ::OneHot)) {
+                    self.value_of(m, &track, &d)
+                } else {
+                    self.estimate(m, &track, batch[i].max_draft)
+                };
                 if !d.tokens.is_empty() {
                     asked[i].push((m, v));
                 }
@@ -769,6 +777,81 @@ mod tests {
         let rows = seen.lock().unwrap().clone();
         let want: Vec<(usize, f32)> = (0..pos).map(|r| (r, r as f32)).collect();
         assert_eq!(rows, want, "every row once, in order, at its position");
+    }
+
+    /// A drawn draft is kept or passed over on what was known before its
+    /// draws, never on its drawn tokens: a member whose draft is 4 tokens
+    /// long after drawing 7 and 1 token long after drawing 9 (q = 1/2
+    /// each) must reach verification with 7 and 9 in equal shares. Valued
+    /// by its length, the 1-token drafts lost to the other member and
+    /// only 7s were verified, against the q they reported.
+    #[test]
+    fn a_drawn_draft_is_chosen_before_its_draws_are_seen() {
+        struct Drawn(crate::sampler::Rng);
+        impl Proposer for Drawn {
+            fn name(&self) -> &str {
+                "drawn"
+            }
+            fn capabilities(&self) -> Capabilities {
+                Capabilities {
+                    max_draft: 4,
+                    q_kind: QKind::Sparse,
+                    ..Default::default()
+                }
+            }
+            fn start(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+                Ok(())
+            }
+            fn propose(&mut self, b: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+                let q = Distribution {
+                    ids: vec![7, 9],
+                    probs: vec![0.5, 0.5],
+                };
+                Ok(b.iter()
+                    .map(|_| {
+                        let x = q.sample(&mut self.0);
+                        let tokens = if x == 7 { vec![7, 7, 7, 7] } else { vec![9] };
+                        Draft {
+                            q: vec![DraftQ::Sparse(q.clone()); tokens.len()],
+                            tokens,
+                            ..Default::default()
+                        }
+                    })
+                    .collect())
+            }
+            fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
+                Ok(())
+            }
+            fn finish(&mut self, _: SeqId) {}
+        }
+        // At the prior acceptance (0.5) and verify cost 0.1 a 4-token
+        // chain is worth 1.384, a 1-token one 1.364; the one-hot member's
+        // 4 tokens at cost 0.01 are worth 1.374, between them.
+        let fixed = Fake::new("fixed", 3, 4, None, vec![]);
+        let mut c = pair(
+            ("drawn", Box::new(Drawn(crate::sampler::Rng::new(5))), 0.0),
+            ("fixed", Box::new(fixed), 0.01),
+        );
+        let p = SamplingParams::default();
+        let (mut drawn, mut sevens) = (0usize, 0usize);
+        let steps = 400;
+        for seq in 0..steps {
+            let d = c.propose(&[input(seq, &[1, 2], &p, &[], 0)]).unwrap();
+            if d[0].source.as_deref() == Some("drawn") {
+                drawn += 1;
+                sevens += usize::from(d[0].tokens[0] == 7);
+            }
+            c.finish(seq);
+        }
+        assert!(
+            drawn as u64 > steps * 9 / 10,
+            "drawn member chosen {drawn} times"
+        );
+        let share = sevens as f64 / drawn as f64;
+        assert!(
+            (0.4..0.6).contains(&share),
+            "7 in {share:.2} of the verified drawn drafts; q gives it 0.5"
+        );
     }
 
     #[test]

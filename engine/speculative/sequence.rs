@@ -199,6 +199,13 @@ impl Sequence {
                     break;
                 }
             }
+            // The token that completes a constraint is the accepted run's
+            // last; it ends with `stop` even at `max_tokens`, as in plain
+            // decoding.
+            if r.accepted.done && i + 1 == r.accepted.tokens.len() {
+                self.finish = Some(FinishReason::Stop);
+                break;
+            }
             if self.generated().len() >= self.req.max_tokens {
                 self.finish = Some(FinishReason::Length);
                 break;

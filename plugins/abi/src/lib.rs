@@ -199,6 +199,8 @@ pub struct SeqInput {
     pub top_k: u32,
     pub top_p: f32,
     pub min_p: f32,
+    /// A seed for this request's draws, derived from the request's seed
+    /// (the host's own stream, which tests the draft, is seeded apart).
     pub seed: u64,
     /// Hidden states of the declared layers, in declaration order, for
     /// every position committed since the plugin last saw this sequence
