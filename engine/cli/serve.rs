@@ -185,6 +185,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 .default_service(specd::server::default_service())
         })
         .workers(2)
+        // A client that closes its connection is gone: its handler is
+        // dropped (and its request aborted) at once, not after the answer
+        // it will never read has been computed.
+        .h1_allow_half_closed(false)
         .shutdown_timeout(grace)
         .bind((host.as_str(), port))
         .with_context(|| format!("binding {host}:{port}"))?;

@@ -605,6 +605,17 @@ impl Tokenizer {
     /// `Err` for request field `field` (at `at`) if `text` spells one of
     /// the added tokens.
     fn refuse_added_tokens(&self, field: &'static str, at: &str, text: &str) -> Result<()> {
+        // The characters that mark where message contents go in the
+        // rendered template: text the template writes must not spell them.
+        if let Some(c) = text.chars().find(|&c| c == HOLE_OPEN || c == HOLE_CLOSE) {
+            return Err(SpecdError::invalid_field(
+                field,
+                format!(
+                    "`{at}` contains U+{:04X}, a private-use character this server reserves",
+                    c as u32
+                ),
+            ));
+        }
         let added = self.inner.get_added_vocabulary().get_added_tokens_decoder();
         match added
             .values()

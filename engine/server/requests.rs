@@ -173,7 +173,23 @@ pub struct Common {
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub suffix: Option<Value>,
+    // vLLM's and OpenAI's further fields, refused unless they ask for this
+    // server's behaviour (see `unimplemented_fields`).
+    pub min_tokens: Option<Value>,
+    pub stop_token_ids: Option<Value>,
+    pub include_stop_str_in_output: Option<Value>,
+    pub skip_special_tokens: Option<Value>,
+    pub chat_template_kwargs: Option<Value>,
+    pub add_generation_prompt: Option<Value>,
+    pub continue_final_message: Option<Value>,
+    pub prediction: Option<Value>,
+    pub modalities: Option<Value>,
+    pub audio: Option<Value>,
 }
+
+/// Longest stop string (bytes): every generated token is checked against
+/// every stop string, so their length is the per-token cost.
+pub const MAX_STOP_BYTES: usize = 1024;
 
 /// `logit_bias`: an object from token ids (as strings, OpenAI's shape) to
 /// biases; each id must be in the vocabulary.
@@ -207,6 +223,15 @@ fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiErr
         out.push((id, b as f32));
     }
     out.sort_by_key(|&(id, _)| id);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::bad_field(
+            "logit_bias",
+            format!(
+                "token id {} appears more than once (keys that spell the same id, such as \"5\" and \"05\")",
+                w[0].0
+            ),
+        ));
+    }
     Ok(out)
 }
 
@@ -262,12 +287,35 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
         _ => false,
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
-    let checks: [(&str, &Option<Value>, Allowed); 3] = [
+    let is = |want: bool| move |v: &Value| v.is_null() || v.as_bool() == Some(want);
+    let checks: [(&str, &Option<Value>, Allowed); 13] = [
         ("functions", &c.functions, &empty),
         ("function_call", &c.function_call, &|v| {
             empty(v) || v.as_str() == Some("none")
         }),
         ("suffix", &c.suffix, &empty),
+        ("min_tokens", &c.min_tokens, &|v| {
+            v.is_null() || v.as_u64() == Some(0)
+        }),
+        ("stop_token_ids", &c.stop_token_ids, &empty),
+        (
+            "include_stop_str_in_output",
+            &c.include_stop_str_in_output,
+            &is(false),
+        ),
+        ("skip_special_tokens", &c.skip_special_tokens, &is(true)),
+        ("chat_template_kwargs", &c.chat_template_kwargs, &empty),
+        ("add_generation_prompt", &c.add_generation_prompt, &is(true)),
+        (
+            "continue_final_message",
+            &c.continue_final_message,
+            &is(false),
+        ),
+        ("prediction", &c.prediction, &empty),
+        ("modalities", &c.modalities, &|v| {
+            empty(v) || *v == serde_json::json!(["text"])
+        }),
+        ("audio", &c.audio, &empty),
     ];
     for (field, value, ok) in checks {
         if let Some(v) = value {
@@ -710,6 +758,15 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         }
         Some(Stop::Many(v)) => v,
     };
+    if let Some(i) = stop.iter().position(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad_field(
+            "stop",
+            format!(
+                "stop string {i} is {} bytes long; at most {MAX_STOP_BYTES}",
+                stop[i].len()
+            ),
+        ));
+    }
     let priority = match &c.priority {
         None | Some(Value::Null) => 0,
         Some(v) => v
