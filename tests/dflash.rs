@@ -867,10 +867,60 @@ fn distill_dflash_continues_a_written_drafter() {
     }
     let again = distill_dflash(tgt, &out2, &cont, 2).unwrap();
     assert_eq!(again.step, st2.step, "the finished run resumes as finished");
-    let e = distill_dflash(tgt, &out2, &DflashTrainConfig { init: None, ..cont }, 2)
+    let e = distill_dflash(
+        tgt,
+        &out2,
+        &DflashTrainConfig {
+            init: None,
+            ..cont.clone()
+        },
+        2,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--init") && e.contains("checkpoint"), "{e}");
+
+    // A start whose draft vocabulary changed after a run began from it:
+    // resuming would put other tokens on the trained rows, so it is
+    // refused. The start is a copy of `out` whose d2t then swaps its first
+    // two tokens (same set, other rows).
+    let start = tmp.0.join("start");
+    std::fs::create_dir_all(&start).unwrap();
+    for f in ["model.safetensors", "config.json"] {
+        std::fs::copy(out.join(f), start.join(f)).unwrap();
+    }
+    let from_copy = DflashTrainConfig {
+        init: Some(start.clone()),
+        ..cont.clone()
+    };
+    let out3 = tmp.0.join("from-copy");
+    distill_dflash(tgt, &out3, &from_copy, 2).unwrap();
+    let file = tensor_file::TensorFile::read(&start.join("model.safetensors")).unwrap();
+    let names: Vec<String> = file.names().map(str::to_string).collect();
+    let tensors: Vec<(String, Vec<usize>, TensorData)> = names
+        .into_iter()
+        .map(|n| {
+            let shape = file.shape(&n).unwrap().to_vec();
+            let data = if n == "d2t" {
+                let mut d2t = file.i64(&n).unwrap();
+                let (a, b) = (d2t[0], 1 + d2t[1]);
+                (d2t[0], d2t[1]) = (b, a - 1);
+                TensorData::I64(d2t)
+            } else {
+                TensorData::F32(file.f32(&n).unwrap())
+            };
+            (n, shape, data)
+        })
+        .collect();
+    tensor_file::write(&start.join("model.safetensors"), &tensors).unwrap();
+    assert_ne!(d2t(&start), d2t(out));
+    let e = distill_dflash(tgt, &out3, &from_copy, 2)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("--init") && e.contains("checkpoint"), "{e}");
+    assert!(
+        e.contains("draft vocabulary is not the one") && e.contains("start"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -634,7 +634,12 @@ pub fn distill_dflash(
     let Prepared {
         samples,
         features,
-        vocab: chosen,
+        vocab:
+            DraftVocab {
+                ids: vocab_ids,
+                t2d,
+                coverage,
+            },
         train_idx,
         val_idx,
     } = prepare(
@@ -644,13 +649,8 @@ pub fn distill_dflash(
         &train_dir,
         cfg.max_len,
         &recorded,
-        (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
+        (cfg.draft_vocab, init.as_ref(), cfg.seed, cfg.val_fraction),
     )?;
-    let DraftVocab {
-        ids: vocab_ids,
-        t2d,
-        coverage,
-    } = super::train::run_vocab(init.as_ref(), &samples, chosen, vocab);
     let dv = vocab_ids.len();
     // What this run trains with, as its state records it: under --init,
     // the drafter's draft vocabulary size, whatever --draft-vocab asked.

@@ -389,7 +389,7 @@ pub fn distill_medusa(
         &train_dir,
         cfg.max_len,
         &[fin],
-        (cfg.draft_vocab, cfg.seed, cfg.val_fraction),
+        (cfg.draft_vocab, None, cfg.seed, cfg.val_fraction),
     )?;
     let dv = vocab_ids.len();
 

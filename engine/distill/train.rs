@@ -659,13 +659,16 @@ pub(super) struct Prepared {
     pub(super) val_idx: Vec<usize>,
 }
 
-/// How much data, and how it is split: (draft vocabulary rows, seed,
+/// How much data, and how it is split: (draft vocabulary rows, the head
+/// an `--init` run continues (whose draft vocabulary it keeps), seed,
 /// validation fraction).
-pub(super) type Split = (usize, u64, f64);
+pub(super) type Split<'a> = (usize, Option<&'a InitHead>, u64, f64);
 
 /// Samples (generated or read from a corpus, cached in `train_dir`), the
 /// target's states of `layers` (cached too), the draft vocabulary and the
-/// split: what every feature-reading trainer starts from.
+/// split: what every feature-reading trainer starts from. The draft
+/// vocabulary is `init`'s where the run continues a written head (its
+/// output rows are those tokens), else the one the data chooses.
 pub(super) fn prepare(
     target: &std::sync::Arc<Model>,
     tok: &std::sync::Arc<Tokenizer>,
@@ -673,7 +676,7 @@ pub(super) fn prepare(
     train_dir: &Path,
     max_len: usize,
     layers: &[usize],
-    (dv, seed, val_fraction): Split,
+    (dv, init, seed, val_fraction): Split<'_>,
 ) -> Result<Prepared> {
     let t0 = std::time::Instant::now();
     let mut samples = training_data(target, tok, data, train_dir)?;
@@ -694,7 +697,17 @@ pub(super) fn prepare(
         t0.elapsed().as_secs_f64()
     );
     let tc = &target.config;
-    let vocab = draft_vocab(&samples, dv, tc.vocab_size, &tc.eos_token_ids);
+    let vocab = match init {
+        Some(i) => {
+            eprintln!(
+                "specd distill: starting from {} (its draft vocabulary of {} tokens)",
+                i.path.display(),
+                i.ids.len()
+            );
+            draft_vocab_of(&samples, i.ids.clone(), tc.vocab_size)
+        }
+        None => draft_vocab(&samples, dv, tc.vocab_size, &tc.eos_token_ids),
+    };
     let (train_idx, val_idx) = super::split(samples.len(), seed, val_fraction);
     if train_idx.is_empty() {
         return Err(serr("no training samples".into()));
@@ -721,27 +734,6 @@ pub fn target_head_rows(target: &Model, ids: &[u32]) -> Vec<f32> {
         w.dequantize_row(t as usize, &mut th[i * h..(i + 1) * h]);
     }
     th
-}
-
-/// The draft vocabulary a run trains: `init`'s where it continues one
-/// (its output rows are those tokens), else the one its data chose.
-pub(super) fn run_vocab(
-    init: Option<&InitHead>,
-    samples: &[Sample],
-    chosen: DraftVocab,
-    vocab: usize,
-) -> DraftVocab {
-    match init {
-        Some(i) => {
-            eprintln!(
-                "specd distill: starting from {} (its draft vocabulary of {} tokens)",
-                i.path.display(),
-                i.ids.len()
-            );
-            draft_vocab_of(samples, i.ids.clone(), vocab)
-        }
-        None => chosen,
-    }
 }
 
 /// What a run reads that its checkpoint must have been written with:
