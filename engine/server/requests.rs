@@ -21,6 +21,7 @@ use super::errors::ApiError;
 use super::AppState;
 use crate::sampler::SamplingParams;
 use crate::speculative::Request;
+use crate::structured::Constraint;
 use crate::tokenizer::ChatMessage;
 
 // ------------------------------------------------------------ field types
@@ -654,6 +655,22 @@ fn rand_seed() -> u64 {
 /// Validate the fields both endpoints share into an engine request for
 /// `prompt`.
 pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, ApiError> {
+    validate_with(c, st, prompt, &mut None)
+}
+
+/// The request's constraint and whether tools are active, compiled once
+/// for all the prompts of a request (`validate_with`).
+pub type Shaping = Option<(Option<Constraint>, Option<super::tools::ToolSetup>)>;
+
+/// [`validate`] for one of several prompts sharing `c`: the constraint is
+/// compiled for the first and reused by the rest (a schema or grammar
+/// compiles in milliseconds, on an HTTP worker).
+pub fn validate_with(
+    c: Common,
+    st: &AppState,
+    prompt: Vec<u32>,
+    shaping: &mut Shaping,
+) -> Result<Parsed, ApiError> {
     let stream = c.stream.is_some_and(|s| s.0);
     let include_usage = match &c.stream_options {
         Some(_) if !stream => {
@@ -671,24 +688,10 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         }
     }
     unimplemented_fields(&c)?;
-    let tools = super::tools::parse(
-        c.tools.as_ref(),
-        c.tool_choice.as_ref(),
-        c.parallel_tool_calls.as_ref(),
-    )?;
-    let mut constraint = super::constraints::constraint(&c, st)?;
-    let tools = tools.filter(|t| t.active());
-    if let Some(t) = &tools {
-        if constraint.is_some() {
-            return Err(ApiError::bad_field(
-                "tools",
-                "`tools` and a `response_format` or `structured_outputs` constraint cannot both shape the output; send one",
-            ));
-        }
-        if let Some(spec) = crate::structured::tools::grammar(&t.tools, &t.choice, t.parallel) {
-            constraint = Some(super::constraints::compile(st, "tools", &spec)?);
-        }
-    }
+    let (constraint, tools) = match shaping {
+        Some(done) => done.clone(),
+        None => shaping.insert(shape(&c, st)?).clone(),
+    };
     let n = match c.n {
         None => 1,
         Some(UInt(k)) if (1..=MAX_N as u64).contains(&k) => k as usize,
@@ -842,6 +845,33 @@ pub fn validate(c: Common, st: &AppState, prompt: Vec<u32>) -> Result<Parsed, Ap
         n,
         tools: tools.is_some(),
     })
+}
+
+/// The constraint `c` asks for (`response_format`, vLLM's fields, or its
+/// active tools' call grammar), compiled, and its active tools.
+fn shape(
+    c: &Common,
+    st: &AppState,
+) -> Result<(Option<Constraint>, Option<super::tools::ToolSetup>), ApiError> {
+    let tools = super::tools::parse(
+        c.tools.as_ref(),
+        c.tool_choice.as_ref(),
+        c.parallel_tool_calls.as_ref(),
+    )?;
+    let mut constraint = super::constraints::constraint(c, st)?;
+    let tools = tools.filter(|t| t.active());
+    if let Some(t) = &tools {
+        if constraint.is_some() {
+            return Err(ApiError::bad_field(
+                "tools",
+                "`tools` and a `response_format` or `structured_outputs` constraint cannot both shape the output; send one",
+            ));
+        }
+        if let Some(spec) = crate::structured::tools::grammar(&t.tools, &t.choice, t.parallel) {
+            constraint = Some(super::constraints::compile(st, "tools", &spec)?);
+        }
+    }
+    Ok((constraint, tools))
 }
 
 /// A weighted random traffic-split arm, if splits are configured.

@@ -57,9 +57,13 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
         common.max_completion_tokens = None;
     }
     // Every prompt is validated before any is submitted.
+    let mut shaping = None;
     let mut parsed = prompts
         .iter()
-        .map(|p| requests::validate(common.clone(), &st, requests::encode(&st, p)?))
+        .map(|p| {
+            let ids = requests::encode(&st, p)?;
+            requests::validate_with(common.clone(), &st, ids, &mut shaping)
+        })
         .collect::<Result<Vec<Parsed>, ApiError>>()?;
     let echo = echo.then(|| Echo {
         prompts: prompts
