@@ -214,6 +214,11 @@ pub struct ServerSection {
     pub shutdown_grace_secs: u64,
     /// Whether a request's `speculation.proposer` may override routing.
     pub allow_request_proposer: bool,
+    /// The most urgent `priority` a request may ask for (lower runs
+    /// first; 0, the default priority: a request may yield to others but
+    /// not go ahead of them, nor preempt them). Lower it for trusted
+    /// clients.
+    pub min_priority: i32,
     /// Largest request body in bytes.
     pub max_body_bytes: usize,
     /// Weighted traffic splits between proposer arms (requests that name
@@ -253,6 +258,7 @@ impl Default for ServerSection {
             max_queue: 256,
             shutdown_grace_secs: 10,
             allow_request_proposer: true,
+            min_priority: 0,
             max_body_bytes: 1 << 20,
             split: Vec::new(),
             parse_special_tokens: false,

@@ -1473,7 +1473,7 @@ fn a_large_batch_cannot_hold_other_requests_first_tokens() {
 #[test]
 fn per_client_limits_answer_429_and_priority_is_validated() {
     let d = Daemon::start(
-        "[server]\napi_keys = [\"alice\", \"bob\"]\nmax_client_sequences = 4\nmax_client_prompt_tokens = 200\n",
+        "[server]\napi_keys = [\"alice\", \"bob\"]\nmax_client_sequences = 4\nmax_client_prompt_tokens = 200\nmin_priority = -10\n",
         &[],
     );
     let key = |k: &'static str| {
@@ -1550,6 +1550,13 @@ fn per_client_limits_answer_429_and_priority_is_validated() {
         assert_eq!(r.json()["error"]["param"], "priority");
         assert!(r.body.contains(got), "{}", r.body);
     }
+    // Ahead of the server's floor (`min_priority = -10` here): refused.
+    let r = post(
+        "bob",
+        json!({"prompt": "x", "max_tokens": 1, "priority": -11}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("min_priority"), "{}", r.body);
     let r = post(
         "bob",
         json!({"prompt": "x", "max_tokens": 1, "priority": -5}),

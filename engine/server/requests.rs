@@ -793,6 +793,15 @@ pub fn validate_with(
     };
     let spec = c.speculation.unwrap_or_default();
     let config = st.config();
+    if priority < config.server.min_priority {
+        return Err(ApiError::bad_field(
+            "priority",
+            format!(
+                "`priority` {priority} runs ahead of what this server allows (at least {}, `[server] min_priority`)",
+                config.server.min_priority
+            ),
+        ));
+    }
     let mut proposer = None;
     if let Some(p) = spec.proposer {
         if !config.server.allow_request_proposer {
