@@ -292,7 +292,7 @@ impl ProcessProposer {
         let mut stream = match stream {
             Ok(s) => s,
             Err(why) => {
-                kill(&mut child);
+                kill(child);
                 return Err(err(why));
             }
         };
@@ -307,7 +307,7 @@ impl ProcessProposer {
         let (caps, mut info) = match res {
             Ok(x) => x,
             Err(f) => {
-                let status = kill(&mut child);
+                let status = kill(child);
                 return Err(err(match f {
                     Failure::Protocol(m) => m,
                     Failure::Timeout(what) => format!("{what} timed out"),
@@ -316,7 +316,7 @@ impl ProcessProposer {
             }
         };
         if let Err(why) = super::instance::check_caps(&spec.name, &caps, spec.dims) {
-            kill(&mut child);
+            kill(child);
             return Err(err(why));
         }
         info.path = Some(spec.library.display().to_string());
@@ -348,7 +348,7 @@ impl ProcessProposer {
     fn fail(&mut self, f: Failure) {
         let now = Instant::now();
         let conn = std::mem::replace(&mut self.conn, Conn::Down { until: now });
-        let (mut child, sock) = match conn {
+        let (child, sock) = match conn {
             Conn::Down { .. } => return,
             Conn::Connecting { child, sock, .. } => (child, Some(sock)),
             Conn::Initializing { child, .. } | Conn::Up { child, .. } => (child, None),
@@ -357,7 +357,7 @@ impl ProcessProposer {
             let _ = std::fs::remove_file(s);
         }
         let pid = child.id();
-        let status = kill(&mut child);
+        let status = kill(child);
         self.record_failure(f, Some(pid), &status);
     }
 
@@ -650,12 +650,26 @@ impl ProcessProposer {
     }
 }
 
-/// Kill (if still running) and reap `child`; its status in words.
-fn kill(child: &mut Child) -> String {
+/// Kill (if still running) and reap `child`; its status in words. Never
+/// blocks the caller (the draft stage) for long: a child that has not
+/// exited 100 ms after SIGKILL (stuck in the kernel, say) is reaped by a
+/// thread of its own.
+fn kill(mut child: Child) -> String {
     let _ = child.kill();
-    match child.wait() {
-        Ok(s) => describe_status(&s),
-        Err(e) => format!("status unknown ({e})"),
+    let deadline = Instant::now() + Duration::from_millis(100);
+    loop {
+        match child.try_wait() {
+            Ok(Some(s)) => return describe_status(&s),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+            Ok(None) => {
+                let pid = child.id();
+                let _ = std::thread::Builder::new()
+                    .name(format!("specd-reap-{pid}"))
+                    .spawn(move || child.wait());
+                return "killed, not yet exited".into();
+            }
+            Err(e) => return format!("status unknown ({e})"),
+        }
     }
 }
 
@@ -772,14 +786,12 @@ impl Drop for ProcessProposer {
             },
         ) {
             Conn::Down { .. } => {}
-            Conn::Connecting {
-                mut child, sock, ..
-            } => {
+            Conn::Connecting { child, sock, .. } => {
                 let _ = std::fs::remove_file(sock);
-                kill(&mut child);
+                kill(child);
             }
-            Conn::Initializing { mut child, .. } | Conn::Up { mut child, .. } => {
-                kill(&mut child);
+            Conn::Initializing { child, .. } | Conn::Up { child, .. } => {
+                kill(child);
             }
         }
         // Removed once empty (the last isolated proposer gone).

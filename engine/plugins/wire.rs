@@ -143,6 +143,9 @@ impl Writer {
 pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Bytes of sparse q that `Q_SAME_AS` entries have copied so far, in
+    /// every draft of the frame: at most the frame's own size.
+    copied: usize,
 }
 
 fn short() -> String {
@@ -151,7 +154,11 @@ fn short() -> String {
 
 impl<'a> Reader<'a> {
     pub fn new(buf: &'a [u8]) -> Self {
-        Self { buf, pos: 0 }
+        Self {
+            buf,
+            pos: 0,
+            copied: 0,
+        }
     }
     pub fn done(&self) -> bool {
         self.pos >= self.buf.len()
@@ -247,9 +254,9 @@ impl<'a> Reader<'a> {
     }
 
     /// One draft of at most `max_tokens` tokens (what was asked for), with
-    /// one q per token; what a `Q_SAME_AS` copies counts against the
-    /// frame's size, so no reply makes the reader allocate much more than
-    /// the reply itself.
+    /// one q per token; what a `Q_SAME_AS` copies, in this draft and every
+    /// other of the frame, counts against the frame's size, so no reply
+    /// makes the reader allocate much more than the reply itself.
     pub fn draft(&mut self, max_tokens: usize) -> Result<Draft, String> {
         let tokens = self.u32s()?;
         if tokens.len() > max_tokens {
@@ -266,7 +273,6 @@ impl<'a> Reader<'a> {
         if n != tokens.len() {
             return Err(format!("{n} q entries for {} draft tokens", tokens.len()));
         }
-        let mut copied = 0usize;
         let mut q: Vec<DraftQ> = Vec::with_capacity(n);
         for _ in 0..n {
             let e = match self.u8()? {
@@ -283,8 +289,8 @@ impl<'a> Reader<'a> {
                         .ok_or_else(|| format!("q refers to node {j}, not yet sent"))?;
                     // A full q is shared (`Arc`); a sparse one is copied.
                     if let DraftQ::Sparse(d) = e {
-                        copied = copied.saturating_add(d.ids.len());
-                        if copied > self.buf.len() {
+                        self.copied = self.copied.saturating_add(8 * d.ids.len());
+                        if self.copied > self.buf.len() {
                             return Err("sparse q copies exceed the frame's size".into());
                         }
                     }
@@ -303,8 +309,19 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Write one frame (`payload` as is, after its length).
+/// Write one frame (`payload` as is, after its length). A payload the
+/// reader would refuse (over `MAX_FRAME`) is an error here, before a byte
+/// is written, so the stream never carries a wrapped length.
 pub fn write_frame(w: &mut impl Write, payload: &[u8]) -> std::io::Result<()> {
+    if payload.len() > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "a {} byte frame, over the protocol's {MAX_FRAME}",
+                payload.len()
+            ),
+        ));
+    }
     w.write_all(&(payload.len() as u32).to_le_bytes())?;
     w.write_all(payload)?;
     w.flush()
@@ -421,6 +438,29 @@ mod tests {
             w.u32(0);
         }
         let e = Reader::new(&w.buf).draft(k as usize).unwrap_err();
+        assert!(e.contains("exceed the frame"), "{e}");
+        // Nor can many drafts in one frame, each within the frame's size
+        // alone: 64 drafts of a 512-entry q and 7 copies of it (28 KB of
+        // copies each against 4 KB on the wire) add up to 7x the 268 KB
+        // frame.
+        let mut w = Writer::default();
+        for _ in 0..64 {
+            w.u32s(&[1; 8]);
+            w.u8(0);
+            w.u32(8);
+            w.u8(Q_SPARSE);
+            w.u32s(&(0..512).collect::<Vec<_>>());
+            w.f32s(&[1.0 / 512.0; 512]);
+            for _ in 1..8 {
+                w.u8(Q_SAME_AS);
+                w.u32(0);
+            }
+        }
+        let mut r = Reader::new(&w.buf);
+        let e = (0..64)
+            .map(|_| r.draft(8).map(|_| ()))
+            .find_map(Result::err)
+            .expect("the frame's copies were all allowed");
         assert!(e.contains("exceed the frame"), "{e}");
         // A q count that is not the token count is refused before any q.
         let mut w = Writer::default();
