@@ -286,7 +286,11 @@ fn forked_choices_survive_preemption() {
         .into_iter()
         .map(|c| c.tokens)
         .collect();
-    let kv = prompt.len().div_ceil(64) * 2;
+    // One block short of two choices' worth, so choices holding blocks
+    // are evicted as others grow (choices that hold nothing yet are
+    // never evicted: that frees nothing; at two choices' worth nothing
+    // else is, 0 preemptions).
+    let kv = prompt.len().div_ceil(64) * 2 - 1;
     let mut small = engine_with_kv(&model, &tok, 0, 4, Some(kv));
     let mut ids = Vec::new();
     for r in reqs() {

@@ -217,6 +217,11 @@ impl KvManager {
         }
     }
 
+    /// Blocks `seq` holds in `pool`.
+    pub fn held_blocks(&self, pool: Pool, seq: SeqId) -> usize {
+        self.pools.get(&pool).map(|p| p.held(seq)).unwrap_or(0)
+    }
+
     /// Sequences holding blocks.
     pub fn holders(&self) -> usize {
         self.pools
@@ -281,6 +286,10 @@ pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[SeqId]) -> Grant {
                 break;
             }
             match evictable.pop() {
+                // Evicting a want that holds nothing (a prompt not yet
+                // prefilled, a choice not yet forked) frees nothing: it
+                // would only throw its turn away and count a preemption.
+                Some(victim) if kv.held_blocks(Pool::Target, victim) == 0 => {}
                 Some(victim) => {
                     kv.free(victim);
                     g.preempted.push(victim);
@@ -323,8 +332,20 @@ mod tests {
             (vec![1], vec![3], vec![])
         );
         // Without idle holders, A waits (the old behaviour).
-        let g = grant(&mut setup(), &[a], &[]);
+        let g = grant(&mut setup(), std::slice::from_ref(&a), &[]);
         assert_eq!((g.granted, g.deferred), (vec![], vec![1]));
+        // A want below A that holds no blocks yet (D, a prompt to prefill)
+        // is not evicted for A: that frees nothing. B below it is.
+        let d = Want { seq: 4, len: 16 };
+        let b = Want { seq: 2, len: 16 };
+        let g = grant(&mut setup(), &[a.clone(), b, d.clone()], &[]);
+        assert!(g.deferred.contains(&4), "{g:?}");
+        assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
+        let g = grant(&mut setup(), &[a, d], &[]);
+        assert_eq!(
+            (g.granted, g.preempted, g.deferred),
+            (vec![], vec![], vec![1, 4])
+        );
     }
 
     #[test]
