@@ -131,18 +131,26 @@ impl Scheduler {
             self.prices.0 += price;
             self.prices.1 += 1;
         }
+        // Decoders not yet planned: each keeps one token of the budget, so
+        // the drafts of those before it never starve it of its decode.
+        let mut later = decoding;
         for &id in &self.running {
             let Some(s) = self.seqs.get(&id) else {
                 continue;
             };
-            if s.status != SeqStatus::Decoding || budget == 0 {
+            if s.status != SeqStatus::Decoding {
+                continue;
+            }
+            later = later.saturating_sub(1);
+            if budget == 0 {
                 continue;
             }
             let Some(&last) = s.tokens.last() else {
                 continue;
             };
             let pcaps = s.proposer.as_deref().and_then(&caps);
-            let k = self.draft_len(s, pcaps, pricing, budget - 1);
+            let room = budget.saturating_sub(1 + later);
+            let k = self.draft_len(s, pcaps, pricing, room);
             budget -= 1 + k;
             items.push(PlanItem {
                 seq: id,
@@ -419,5 +427,55 @@ impl Scheduler {
             .into_iter()
             .filter(|it| grant.granted.contains(&it.seq) && !unforked.contains(&it.seq))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Request;
+    use super::*;
+
+    /// Drafts never take the budget a later decoder needs for its own
+    /// token: with 6 tokens a step, 4 decoders drafting up to 8 each get
+    /// every one of their decodes, the first drafting 2, the rest none
+    /// (before, the first drafted 5 and the other three got no decode at
+    /// all, in the same order every step).
+    #[test]
+    fn every_decoder_keeps_its_token_of_the_budget() {
+        let mut sched = Scheduler::new(
+            SchedulerConfig {
+                max_batch_tokens: 6,
+                max_running: 4,
+                max_draft: 8,
+                adaptive_draft: false,
+                ..SchedulerConfig::default()
+            },
+            None,
+        );
+        let ids: Vec<_> = (0..4u32)
+            .map(|i| {
+                let req = Request {
+                    proposer: Some("lookup".into()),
+                    ..Request::greedy(vec![1, 2, 3 + i], 64)
+                };
+                sched.add(req, None, |_| true).unwrap()
+            })
+            .collect();
+        let _ = sched.wants(|_| None);
+        // Their prompts are in the cache: they decode from now on.
+        for id in &ids {
+            let s = sched.seqs.get_mut(id).unwrap();
+            assert_eq!(s.status, SeqStatus::Prefill);
+            s.cached = s.prefill_target();
+        }
+        let (items, _) = sched.wants(|_| None);
+        let drafts: Vec<usize> = items
+            .iter()
+            .map(|i| match &i.work {
+                Work::Decode { max_draft, .. } => *max_draft,
+                Work::Prefill(_) => panic!("a prefill in a decode step"),
+            })
+            .collect();
+        assert_eq!(drafts, vec![2, 0, 0, 0]);
     }
 }
