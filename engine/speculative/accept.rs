@@ -209,6 +209,30 @@ impl<'a> Residual<'a> {
     }
 }
 
+/// Whether `q` puts all its mass on `t` (one-hot, or a sparse or full q
+/// with 1 at `t` and nothing elsewhere): a deterministic candidate.
+fn point_mass(q: &DraftQ, t: u32) -> bool {
+    match q {
+        DraftQ::OneHot => true,
+        DraftQ::Sparse(d) => {
+            d.ids
+                .iter()
+                .zip(&d.probs)
+                .all(|(&i, &p)| p == 0.0 || i == t)
+                && d.ids
+                    .iter()
+                    .zip(&d.probs)
+                    .any(|(&i, &p)| i == t && p == 1.0)
+        }
+        DraftQ::Full(f) => {
+            f.get(t as usize) == Some(&1.0)
+                && f.iter()
+                    .enumerate()
+                    .all(|(i, &p)| p == 0.0 || i == t as usize)
+        }
+    }
+}
+
 /// The total mass q reports (1 up to the plugin's rounding).
 fn q_total(q: &DraftQ) -> f64 {
     match q {
@@ -439,9 +463,12 @@ pub fn accept_tree(
             // (accept x_i with probability p_i(x_i), else zero x_i out and
             // renormalise) emits each x_i with probability p(x_i) and
             // otherwise samples p without them: exactly p.
-            let one_hot = kids
-                .first()
-                .is_some_and(|&f| matches!(draft.q[f], DraftQ::OneHot));
+            // (A composite lifts its lookup members' one-hot q to its own
+            // kind, one point mass per sibling: still deterministic.)
+            let one_hot = !kids.is_empty()
+                && kids
+                    .iter()
+                    .all(|&c| point_mass(&draft.q[c], draft.tokens[c]));
             if one_hot {
                 let mut tried: Vec<u32> = Vec::new();
                 for &c in kids {
@@ -973,7 +1000,7 @@ mod tests {
             parents: Some(vec![-1, -1]),
             source: None,
         };
-        let freq = |acceptance: Acceptance| {
+        let freq = |acceptance: Acceptance, d: &Draft| {
             let mut rng = Rng::new(21);
             let (mut counts, mut accepted) = ([0usize; 4], [0usize; 4]);
             let n = 60000;
@@ -1001,7 +1028,7 @@ mod tests {
                 accepted.map(|c| c as f64 / n as f64),
             )
         };
-        let (good, acc) = freq(Acceptance::Exact);
+        let (good, acc) = freq(Acceptance::Exact, &d);
         for t in 0..4 {
             assert!((good[t] - p[t] as f64).abs() < 0.01, "{good:?} vs {p:?}");
         }
@@ -1010,10 +1037,33 @@ mod tests {
             (acc[1] - 0.3).abs() < 0.01 && (acc[2] - 0.4).abs() < 0.01,
             "{acc:?}"
         );
-        let (bad, _) = freq(Acceptance::ResidualFromP);
+        let (bad, _) = freq(Acceptance::ResidualFromP, &d);
         let off = (0..4)
             .map(|t| (bad[t] - p[t] as f64).abs())
             .fold(0.0, f64::max);
         assert!(off > 0.03, "the control should be biased: {bad:?} vs {p:?}");
+        // The same candidates with their q lifted to a point mass each (a
+        // composite's sparse or full kind): still each tried, the law
+        // kept. (Read as one shared q, the second was never accepted.)
+        for q in [
+            vec![
+                DraftQ::Sparse(Distribution::one_hot(1)),
+                DraftQ::Sparse(Distribution::one_hot(2)),
+            ],
+            vec![
+                DraftQ::Full(vec![0.0, 1.0, 0.0, 0.0].into()),
+                DraftQ::Full(vec![0.0, 0.0, 1.0, 0.0].into()),
+            ],
+        ] {
+            let lifted = Draft { q, ..d.clone() };
+            let (good, acc) = freq(Acceptance::Exact, &lifted);
+            for t in 0..4 {
+                assert!((good[t] - p[t] as f64).abs() < 0.01, "{good:?} vs {p:?}");
+            }
+            assert!(
+                (acc[1] - 0.3).abs() < 0.01 && (acc[2] - 0.4).abs() < 0.01,
+                "{acc:?}"
+            );
+        }
     }
 }
