@@ -589,6 +589,17 @@ fn llama3_rope_scaling_changes_the_logits() {
         .map(|(x, y)| max_abs_diff(x, y))
         .fold(0f32, f32::max);
     assert!(d > 0.05, "scaling changed the logits by only {d}");
+    // Transformers v5 writes theta and the scaling as `rope_parameters`:
+    // the same model, the same logits (read as v4's fields).
+    let v4 = hf_config(&a);
+    let mut v5 = v4.clone();
+    let o = v5.as_object_mut().unwrap();
+    let mut rp = o.remove("rope_scaling").unwrap();
+    rp["rope_theta"] = o.remove("rope_theta").unwrap();
+    o.insert("rope_parameters".into(), rp);
+    write_safetensors(&dir.0.join("v5"), &a, &w, &v5);
+    let v5 = ours_all(&mut load_model(&dir.0.join("v5"), 1).unwrap(), &toks);
+    assert_eq!(v5, on, "v5's rope_parameters read as v4's fields");
 }
 
 #[test]
@@ -1157,6 +1168,56 @@ fn unsupported_architectures_and_options_are_refused_by_name() {
     );
     let err = load_model(&p, 1).unwrap_err().to_string();
     assert!(err.contains("llama.expert_count"), "{err}");
+    // A tensor type candle does not read (20: an IQ quant) in a file past
+    // the first 8 MiB read: refused by name at once, not after reading
+    // the whole file in search of a header end.
+    let p = dir.0.join("iq.gguf");
+    let mut f = b"GGUF".to_vec();
+    f.extend(3u32.to_le_bytes());
+    f.extend(1u64.to_le_bytes()); // tensors
+    f.extend(0u64.to_le_bytes()); // metadata
+    f.extend(4u64.to_le_bytes());
+    f.extend(b"t.w0");
+    f.extend(1u32.to_le_bytes());
+    f.extend(256u64.to_le_bytes());
+    f.extend(20u32.to_le_bytes());
+    f.extend(0u64.to_le_bytes());
+    f.resize(9 << 20, 0);
+    std::fs::write(&p, &f).unwrap();
+    let err = load_model(&p, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("iq.gguf") && err.contains("tensor type this build does not support"),
+        "{err}"
+    );
+    // A quantized safetensors checkpoint (its scales would be ignored),
+    // a config without heads, a context of none: refused, not computed.
+    for (tag, edit, want) in [
+        (
+            "fp8",
+            (
+                "quantization_config",
+                serde_json::json!({"quant_method": "fp8"}),
+            ),
+            "quantization_config (fp8)",
+        ),
+        (
+            "no-heads",
+            ("num_attention_heads", serde_json::json!(0)),
+            "inconsistent heads",
+        ),
+        (
+            "no-context",
+            ("max_position_embeddings", serde_json::json!(0)),
+            "context length 0",
+        ),
+    ] {
+        let mut cfg = hf_config(&LLAMA3);
+        cfg[edit.0] = edit.1;
+        let d = dir.0.join(tag);
+        write_safetensors(&d, &LLAMA3, &w, &cfg);
+        let err = load_model(&d, 1).unwrap_err().to_string();
+        assert!(err.contains(want), "{tag}: {err}");
+    }
     // An unknown rope scaling type, in either format.
     let p = dir.0.join("longrope.gguf");
     let nofreqs: Named = w.clone();

@@ -30,6 +30,14 @@ pub fn load_model(path: &Path, threads: usize) -> Result<Model> {
 
 // ---------------------------------------------------------------- GGUF
 
+/// Longest context a model may declare: its RoPE tables are computed
+/// for every position up front (a few hundred MiB at this length).
+const MAX_CONTEXT: usize = 1 << 20;
+
+/// Largest GGUF header (metadata, vocabulary, tensor index) read: real
+/// ones are a few MiB to a few tens (a 256k-token vocabulary).
+const MAX_GGUF_HEADER: usize = 128 << 20;
+
 /// Read the GGUF header (metadata and tensor index) of `path`.
 pub fn read_gguf_header(path: &Path) -> Result<Content> {
     use std::io::Read;
@@ -56,10 +64,31 @@ pub fn read_gguf_header(path: &Path) -> Result<Content> {
                     format!("not a valid GGUF file ({e})"),
                 ))
             }
+            // A tensor type candle does not know (IQ*, TQ*, MXFP4) fails
+            // however much of the file is read: say so now, not after
+            // reading a multi-gigabyte file into memory.
+            Err(e) if e.to_string().contains("unknown dtype") => {
+                return Err(SpecdError::bad_model(
+                    path,
+                    format!(
+                        "a tensor type this build does not support ({e}); supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K"
+                    ),
+                ))
+            }
             // A header the prefix cuts short fails in several ways (an
             // end of input, an array longer than what remains): more of
-            // the file, until it is all read.
-            Err(_) if !complete => want *= 4,
+            // the file, until it is all read, up to a header size no
+            // real file has.
+            Err(_) if !complete && want < MAX_GGUF_HEADER => want *= 4,
+            Err(e) if !complete => {
+                return Err(SpecdError::bad_model(
+                    path,
+                    format!(
+                        "the GGUF header does not parse within its first {} MiB ({e})",
+                        MAX_GGUF_HEADER >> 20
+                    ),
+                ))
+            }
             Err(e) => {
                 return Err(SpecdError::bad_model(
                     path,
@@ -145,7 +174,7 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
     let head_dim = md_u32(md, &key("attention.key_length"))
         .map(|x| x as usize)
         .or(if arch == "phi3" { None } else { rope_dims })
-        .unwrap_or(hidden / heads);
+        .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
     if let Some(vl) = md_u32(md, &key("attention.value_length")) {
         if vl as usize != head_dim {
             return refuse(
@@ -158,7 +187,15 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
         .tensor_infos
         .get("token_embd.weight")
         .ok_or_else(|| SpecdError::bad_model(path, "missing tensor token_embd.weight"))?;
-    let vocab_size = embed.shape.dims()[0];
+    let vocab_size = match embed.shape.dims() {
+        [rows, _] => *rows,
+        d => {
+            return Err(SpecdError::bad_model(
+                path,
+                format!("tensor token_embd.weight has shape {d:?}, expected 2 dimensions"),
+            ))
+        }
+    };
     let eos = md_u32(md, "tokenizer.ggml.eos_token_id");
     let mut eos_token_ids: Vec<u32> = eos.into_iter().collect();
     for k in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
@@ -257,7 +294,7 @@ fn gguf_config(path: &Path, ct: &Content) -> Result<ModelConfig> {
             // GGUF does not carry `query_pre_attn_scalar`; llama.cpp takes
             // hidden / heads for the 27B (62 layers) and head_dim otherwise.
             let qpas = if layers == 62 {
-                hidden / heads
+                hidden.checked_div(heads).unwrap_or(0)
             } else {
                 head_dim
             };
@@ -514,7 +551,15 @@ fn load_gguf(path: &Path) -> Result<(ModelConfig, Weights)> {
         None
     };
     let names = TensorNames::gguf();
-    check_shapes(path, &config, &embed, &layers, output.as_ref(), &names)?;
+    check_shapes(
+        path,
+        &config,
+        &embed,
+        &layers,
+        &norm,
+        output.as_ref(),
+        &names,
+    )?;
     Ok((
         config,
         Weights {
@@ -586,10 +631,30 @@ fn check_shapes(
     c: &ModelConfig,
     embed: &QMatrix,
     layers: &[LayerWeights],
+    norm: &[f32],
     output: Option<&QMatrix>,
     names: &TensorNames,
 ) -> Result<()> {
     let bad = |what: String| Err(SpecdError::bad_model(path, what));
+    if c.max_seq_len == 0 || c.max_seq_len > MAX_CONTEXT {
+        return bad(format!(
+            "context length {} (context_length / max_position_embeddings): this build takes 1 to {MAX_CONTEXT}",
+            c.max_seq_len
+        ));
+    }
+    if embed.rows != c.vocab_size {
+        return bad(format!(
+            "token embedding of {} rows, but the vocabulary has {} tokens (vocab_size)",
+            embed.rows, c.vocab_size
+        ));
+    }
+    if norm.len() != c.hidden {
+        return bad(format!(
+            "final norm of {} values, expected the hidden size {}",
+            norm.len(),
+            c.hidden
+        ));
+    }
     if c.heads == 0
         || c.kv_heads == 0
         || !c.heads.is_multiple_of(c.kv_heads)
@@ -693,6 +758,11 @@ struct HfConfig {
     eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     rope_scaling: Option<serde_json::Value>,
+    /// Transformers v5's place for `rope_theta` and the scaling.
+    #[serde(default)]
+    rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    quantization_config: Option<serde_json::Value>,
     partial_rotary_factor: Option<f32>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
@@ -730,8 +800,9 @@ fn load_safetensors(dir: &Path) -> Result<(ModelConfig, Weights)> {
     let raw: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
     let (raw, multimodal) = text_config(raw);
-    let hf: HfConfig =
+    let mut hf: HfConfig =
         serde_json::from_value(raw).map_err(|e| SpecdError::bad_model(&cfg_path, e))?;
+    normalize_hf(&cfg_path, &mut hf)?;
     let arch = hf_arch(&cfg_path, &hf)?;
     let mut files: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -817,11 +888,62 @@ pub fn model_from_tensors(
     tensors: HashMap<String, Tensor>,
     threads: usize,
 ) -> Result<Model> {
-    let hf: HfConfig =
+    let mut hf: HfConfig =
         serde_json::from_str(config_json).map_err(|e| SpecdError::bad_model(origin, e))?;
+    normalize_hf(origin, &mut hf)?;
     let arch = hf_arch(origin, &hf)?;
     let (config, weights) = safetensors_weights(origin, hf, arch, tensors)?;
     Model::new(config, weights, threads)
+}
+
+/// What every Hugging Face config goes through before use: Transformers
+/// v5's `rope_parameters` read as the older `rope_theta` and
+/// `rope_scaling` (ignored, a Qwen3 would run at theta 10,000 and a Llama
+/// 3.1 without its scaling), and checkpoints this loader cannot compute
+/// refused (quantized ones: their scales would be dropped).
+fn normalize_hf(path: &Path, hf: &mut HfConfig) -> Result<()> {
+    if let Some(q) = hf.quantization_config.as_ref().filter(|v| !v.is_null()) {
+        let method = q
+            .get("quant_method")
+            .and_then(|m| m.as_str())
+            .unwrap_or("unknown");
+        return Err(SpecdError::bad_model(
+            path,
+            format!(
+                "quantization_config ({method}): quantized safetensors checkpoints are not supported (their scales would be ignored); use the unquantized checkpoint or a GGUF"
+            ),
+        ));
+    }
+    let Some(rp) = hf.rope_parameters.clone().filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let Some(obj) = rp.as_object() else {
+        return Err(SpecdError::bad_model(
+            path,
+            "rope_parameters: not an object",
+        ));
+    };
+    if !obj.contains_key("rope_theta") && obj.values().any(|v| v.is_object()) {
+        return Err(SpecdError::bad_model(
+            path,
+            "rope_parameters per layer type (Transformers v5) are not supported; give rope_theta and rope_scaling (v4's layout)",
+        ));
+    }
+    if hf.rope_theta.is_none() {
+        hf.rope_theta = obj
+            .get("rope_theta")
+            .and_then(|v| v.as_f64())
+            .map(|v| v as f32);
+    }
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(|v| v.as_str());
+    if hf.rope_scaling.as_ref().is_none_or(|v| v.is_null()) && kind.is_some_and(|k| k != "default")
+    {
+        hf.rope_scaling = Some(rp);
+    }
+    Ok(())
 }
 
 fn hf_arch(path: &Path, hf: &HfConfig) -> Result<String> {
@@ -966,6 +1088,12 @@ fn hf_options(path: &Path, hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
             c.embed_scale = Some((c.hidden as f32).sqrt());
             c.sliding_window = hf.sliding_window;
             let pattern = hf.sliding_window_pattern.unwrap_or(6);
+            if pattern == 0 {
+                return refuse(
+                    "sliding_window_pattern",
+                    "0 (every n-th layer is global: n >= 1)".into(),
+                );
+            }
             if let Some(types) = &hf.layer_types {
                 let want: Vec<&str> = (0..c.layers)
                     .map(|i| {
@@ -1039,7 +1167,8 @@ fn safetensors_weights(
         hf.num_hidden_layers,
         heads,
         hf.num_key_value_heads.unwrap_or(heads),
-        hf.head_dim.unwrap_or(hf.hidden_size / heads),
+        hf.head_dim
+            .unwrap_or(hf.hidden_size.checked_div(heads).unwrap_or(0)),
     );
     config.rope_theta = hf.rope_theta.unwrap_or(10_000.0);
     config.rms_eps = hf.rms_norm_eps.unwrap_or(1e-5);
@@ -1196,6 +1325,7 @@ fn safetensors_weights(
         &config,
         &embed,
         &layers,
+        &norm,
         output.as_ref(),
         &TensorNames::hf(),
     )?;

@@ -274,6 +274,14 @@ impl Tokenizer {
                     Some(Value::Array(a)) => a.iter().map(|v| v.to_f32().unwrap_or(0.0)).collect(),
                     _ => vec![0.0; tokens.len()],
                 };
+                if scores.len() != tokens.len() {
+                    return Err(SpecdError::Tokenizer(format!(
+                        "{}: tokenizer.ggml.scores has {} entries for {} tokens",
+                        path.display(),
+                        scores.len(),
+                        tokens.len()
+                    )));
+                }
                 let mut merges: Vec<(f32, u32, String, String)> = Vec::new();
                 for (i, piece) in tokens.iter().enumerate() {
                     if types.get(i).copied().unwrap_or(1) != 1 {

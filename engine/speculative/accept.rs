@@ -1008,7 +1008,7 @@ mod tests {
                 let (a, path) = accept_tree(
                     &rows,
                     v,
-                    &d,
+                    d,
                     SiblingMode::WithoutReplacement,
                     &[],
                     &[],
