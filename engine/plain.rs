@@ -75,7 +75,9 @@ pub fn generate(
         if let Some(g) = guide.as_mut() {
             g.advance(next)?;
         }
-        if !req.ignore_eos && model.config.eos_token_ids.contains(&next) {
+        if (!req.ignore_eos && model.config.eos_token_ids.contains(&next))
+            || req.stop_token_ids.contains(&next)
+        {
             finish = FinishReason::Stop;
             break;
         }

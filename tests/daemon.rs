@@ -216,9 +216,14 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             "token id 5 appears more than once",
         ),
         (
-            json!({"prompt": "x", "stop_token_ids": [2]}).to_string(),
+            json!({"prompt": "x", "stop_token_ids": [99999999]}).to_string(),
             400,
-            "`stop_token_ids` is not supported",
+            "99999999 is not a token id of this model",
+        ),
+        (
+            json!({"prompt": "x", "stop_token_ids": "2"}).to_string(),
+            400,
+            "`stop_token_ids` must be a list of token ids",
         ),
         (
             json!({"prompt": "x", "min_tokens": 3}).to_string(),

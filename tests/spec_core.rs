@@ -110,6 +110,46 @@ fn greedy_oracle_is_lossless_on_the_tiny_model_in_a_concurrent_batch() {
     assert!((mals[2] - 1.0).abs() < 1e-9, "{mals:?}");
 }
 
+/// `stop_token_ids` end a sequence where plain decoding ends it, also
+/// inside a run of accepted drafts (perfect oracle drafts), without the
+/// stop token, with finish `stop`; `ignore_eos` does not keep them.
+#[test]
+fn stop_token_ids_end_speculative_and_plain_decoding_alike() {
+    let (_d, model) = tiny_model(&TINY, 5);
+    let n = 40;
+    let ps = prompts(TINY.vocab as u32);
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain_no_eos(&model, p, n)).collect();
+    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    let oracle = OracleProposer::new(answers, 0.0, 6, TINY.vocab as u32);
+    let mut e = engine(&model, None, vec![Box::new(oracle)], 4, None);
+    // Each request stops at the token its output has at position 12.
+    let stops: Vec<u32> = want.iter().map(|w| w[12]).collect();
+    let reqs: Vec<Request> = oracle_requests(&ps, n)
+        .into_iter()
+        .zip(&stops)
+        .map(|(r, &t)| Request {
+            ignore_eos: true,
+            stop_token_ids: vec![t],
+            ..r
+        })
+        .collect();
+    let done = run_all(&mut e, reqs.clone());
+    for ((c, r), w) in done.iter().zip(&reqs).zip(&want) {
+        let at = w.iter().position(|&t| t == r.stop_token_ids[0]).unwrap();
+        assert!(at <= 12);
+        assert_eq!(c.tokens, w[..at], "speculative");
+        assert_eq!(c.finish, FinishReason::Stop);
+        let g = generate(&model, None, r, |_| {}).unwrap();
+        assert_eq!(g.tokens, w[..at], "plain");
+        assert_eq!(g.finish, FinishReason::Stop);
+    }
+    let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+    assert!(
+        accepted > 0,
+        "no drafts were accepted: nothing ran inside a run"
+    );
+}
+
 /// Greedy requests of `n` tokens for `ps`, drafted by the oracle.
 fn oracle_requests(ps: &[Vec<u32>], n: usize) -> Vec<Request> {
     ps.iter()

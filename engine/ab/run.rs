@@ -159,6 +159,7 @@ pub(super) fn arm_request(
         max_tokens: ab.max_tokens.min(room),
         stop: Vec::new(),
         ignore_eos: false,
+        stop_token_ids: Vec::new(),
         proposer: Some(arm.proposer.clone()),
         max_draft: arm.max_draft,
         arm: Some(arm.name.clone()),

@@ -278,6 +278,7 @@ fn run_batch(
                 max_tokens: a.max_tokens,
                 stop: a.stop.clone(),
                 ignore_eos: a.ignore_eos,
+                stop_token_ids: Vec::new(),
                 proposer: Some(a.proposer.clone()),
                 max_draft: Some(a.max_draft),
                 arm: None,

@@ -188,6 +188,44 @@ pub struct Common {
     pub audio: Option<Value>,
 }
 
+/// `stop_token_ids` (vLLM's): token ids of this model, at most 64.
+fn stop_token_ids(v: Option<&Value>, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    let field = "stop_token_ids";
+    let items = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) if a.len() <= 64 => a,
+        Some(Value::Array(a)) => {
+            return Err(ApiError::bad_field(
+                field,
+                format!("at most 64 stop token ids, got {}", a.len()),
+            ))
+        }
+        Some(other) => {
+            return Err(ApiError::bad_field(
+                field,
+                format!(
+                    "`stop_token_ids` must be a list of token ids, got {}",
+                    type_name(other)
+                ),
+            ))
+        }
+    };
+    items
+        .iter()
+        .map(|x| {
+            x.as_u64()
+                .filter(|&id| (id as usize) < vocab)
+                .map(|id| id as u32)
+                .ok_or_else(|| {
+                    ApiError::bad_field(
+                        field,
+                        format!("{x} is not a token id of this model (0..{vocab})"),
+                    )
+                })
+        })
+        .collect()
+}
+
 /// Longest stop string (bytes): every generated token is checked against
 /// every stop string, so their length is the per-token cost.
 pub const MAX_STOP_BYTES: usize = 1024;
@@ -289,7 +327,7 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
     let is = |want: bool| move |v: &Value| v.is_null() || v.as_bool() == Some(want);
-    let checks: [(&str, &Option<Value>, Allowed); 13] = [
+    let checks: [(&str, &Option<Value>, Allowed); 12] = [
         ("functions", &c.functions, &empty),
         ("function_call", &c.function_call, &|v| {
             empty(v) || v.as_str() == Some("none")
@@ -298,7 +336,6 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
         ("min_tokens", &c.min_tokens, &|v| {
             v.is_null() || v.as_u64() == Some(0)
         }),
-        ("stop_token_ids", &c.stop_token_ids, &empty),
         (
             "include_stop_str_in_output",
             &c.include_stop_str_in_output,
@@ -838,6 +875,7 @@ pub fn validate_with(
             max_tokens,
             stop,
             ignore_eos: c.ignore_eos.is_some_and(|f| f.0),
+            stop_token_ids: stop_token_ids(c.stop_token_ids.as_ref(), st.vocab())?,
             proposer: Some(proposer),
             max_draft: spec.max_draft.map(|m| m.0 as usize),
             arm,

@@ -48,6 +48,9 @@ pub struct Request {
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// Tokens that end the sequence as end of sequence does (not emitted;
+    /// `ignore_eos` does not keep them): vLLM's `stop_token_ids`.
+    pub stop_token_ids: Vec<u32>,
     /// Proposer name; `None` uses the engine default, `Some("none")` plain.
     pub proposer: Option<String>,
     /// Cap on drafted tokens per step (the proposer's own cap still applies).
@@ -130,6 +133,7 @@ impl Request {
             max_tokens,
             stop: Vec::new(),
             ignore_eos: false,
+            stop_token_ids: Vec::new(),
             proposer: None,
             max_draft: None,
             arm: None,

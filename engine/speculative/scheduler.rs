@@ -24,7 +24,7 @@
 //! - A step prefills at most `max_prefill_tokens` prompt tokens (chunked
 //!   prefill), so a long prompt's chunks do not stretch every running
 //!   sequence's time per output token, nor a new request's wait.
-//! - Tokens are committed one at a time: EOS, a stop string or max_tokens
+//! - Tokens are committed one at a time: EOS, a stop token id, a stop string or max_tokens
 //!   ends the sequence and every later token of the accepted run is dropped,
 //!   never emitted.
 //! - Every step's batch costs at most `max_batch_tokens` tokens, and decode

@@ -3,7 +3,7 @@
 //! one verify step's result.
 //!
 //! Invariants:
-//! - Tokens are committed one at a time: EOS, a stop string or
+//! - Tokens are committed one at a time: EOS, a stop token id, a stop string or
 //!   `max_tokens` ends the sequence and every later token of the accepted
 //!   run is dropped, never emitted.
 //! - After a decode commit the cache holds `[prefix, last, accepted
@@ -138,7 +138,7 @@ impl Sequence {
     }
 
     /// Commit one verify step's result: scores (stats, policy, metrics),
-    /// then the accepted tokens one at a time (EOS, a stop string or
+    /// then the accepted tokens one at a time (EOS, a stop token id, a stop string or
     /// `max_tokens` ends the sequence and drops every later token), their
     /// text and logprobs sent as one event, and the accepted path's cache
     /// moves and hidden rows. Returns the tokens committed.
@@ -181,7 +181,7 @@ impl Sequence {
         let mut new_text = String::new();
         let mut new_lps = Vec::new();
         for (i, &t) in r.accepted.tokens.iter().enumerate() {
-            if !self.req.ignore_eos && eos.contains(&t) {
+            if (!self.req.ignore_eos && eos.contains(&t)) || self.req.stop_token_ids.contains(&t) {
                 self.finish = Some(FinishReason::Stop);
                 break;
             }
