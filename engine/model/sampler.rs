@@ -127,10 +127,7 @@ impl SamplingParams {
 /// request's seed never replays the numbers that test its draft
 /// (rejection sampling needs the two independent).
 pub fn draft_seed(seed: u64) -> u64 {
-    let mut z = seed ^ 0xD2AF_7000_5EED_0001;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    Rng::new(seed ^ 0xD2AF_7000_5EED_0001).next_u64()
 }
 
 /// xoshiro256** seeded through splitmix64: small, fast, reproducible.

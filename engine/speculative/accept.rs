@@ -214,16 +214,7 @@ impl<'a> Residual<'a> {
 fn point_mass(q: &DraftQ, t: u32) -> bool {
     match q {
         DraftQ::OneHot => true,
-        DraftQ::Sparse(d) => {
-            d.ids
-                .iter()
-                .zip(&d.probs)
-                .all(|(&i, &p)| p == 0.0 || i == t)
-                && d.ids
-                    .iter()
-                    .zip(&d.probs)
-                    .any(|(&i, &p)| i == t && p == 1.0)
-        }
+        DraftQ::Sparse(d) => d.prob(t) == 1.0 && d.probs.iter().filter(|&&p| p != 0.0).count() == 1,
         DraftQ::Full(f) => {
             f.get(t as usize) == Some(&1.0)
                 && f.iter()
