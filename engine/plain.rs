@@ -67,6 +67,9 @@ pub fn generate(
         if let Some(g) = guide.as_mut() {
             g.mask_row(&mut logits)?;
         }
+        if let Some(ban) = req.end_ban(&model.config.eos_token_ids, tokens.len()) {
+            sampler::suppress(&mut logits, &ban.ids);
+        }
         sampler::apply_penalties(&mut logits, &context, &tokens, &req.params);
         let next = sampler::distribution(&logits, &req.params).sample(&mut rng);
         if tokens.is_empty() {

@@ -226,9 +226,20 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             "`stop_token_ids` must be a list of token ids",
         ),
         (
-            json!({"prompt": "x", "min_tokens": 3}).to_string(),
+            json!({"prompt": "x", "min_tokens": -1}).to_string(),
             400,
-            "`min_tokens` is not supported",
+            "`min_tokens` must be a non-negative integer, got -1",
+        ),
+        (
+            json!({"prompt": "x", "min_tokens": 5, "max_tokens": 2}).to_string(),
+            400,
+            "min_tokens (5) is more than max_tokens (2)",
+        ),
+        (
+            json!({"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}})
+                .to_string(),
+            400,
+            "min_tokens cannot be combined with structured output",
         ),
         (
             json!({"prompt": "x", "skip_special_tokens": false}).to_string(),
@@ -324,6 +335,27 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["choices"][0]["message"]["role"], "assistant");
+    // min_tokens holds the end of the answer back.
+    let hello = |extra: serde_json::Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 60, "temperature": 0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = d.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let j = r.json();
+        (
+            j["usage"]["completion_tokens"].as_u64().unwrap(),
+            j["choices"][0]["finish_reason"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        )
+    };
+    let (free, why) = hello(json!({}));
+    assert!(free < 20 && why == "stop", "{free} tokens, {why}");
+    let (held, _) = hello(json!({"min_tokens": 20}));
+    assert!(held >= 20, "{held} tokens under min_tokens 20");
     // A temperature too small for 1 / temperature in f32 decodes greedily,
     // with or without a proposer, instead of hanging the sampler.
     let greedy = d.post(

@@ -348,12 +348,16 @@ fn rejected_probes_of_a_costly_proposer_back_off() {
     );
 }
 
-fn sampled_pairs(
+/// Counts of the first two tokens of `n` sampled requests (`shape` sets
+/// their other fields); a second token that ended the output as a stop
+/// token id is counted as that token.
+fn sampled_pairs_of(
     model: &Arc<Model>,
     prompt: &[u32],
     params: &SamplingParams,
     n: usize,
     acceptance: Acceptance,
+    shape: impl Fn(Request) -> Request,
 ) -> Vec<u64> {
     let v = model.config.vocab_size;
     let mut e = engine(
@@ -364,22 +368,29 @@ fn sampled_pairs(
         None,
     );
     e.acceptor.acceptance = acceptance;
-    let reqs = (0..n)
-        .map(|i| Request {
-            params: SamplingParams {
-                seed: 1000 + i as u64,
-                ..params.clone()
-            },
-            proposer: Some("random".into()),
-            ignore_eos: true,
-            ..Request::greedy(prompt.to_vec(), 3)
+    let reqs: Vec<Request> = (0..n)
+        .map(|i| {
+            shape(Request {
+                params: SamplingParams {
+                    seed: 1000 + i as u64,
+                    ..params.clone()
+                },
+                proposer: Some("random".into()),
+                ignore_eos: true,
+                ..Request::greedy(prompt.to_vec(), 3)
+            })
         })
         .collect();
+    let stop_ids = reqs[0].stop_token_ids.clone();
     let done = run_all(&mut e, reqs);
     let mut counts = vec![0u64; v * v];
     let mut drafted = 0;
     for c in &done {
-        counts[c.tokens[0] as usize * v + c.tokens[1] as usize] += 1;
+        let second = match (c.tokens.len(), c.finish) {
+            (1, FinishReason::Stop) if stop_ids.len() == 1 => stop_ids[0],
+            _ => c.tokens[1],
+        };
+        counts[c.tokens[0] as usize * v + second as usize] += 1;
         drafted += c.stats.drafted;
     }
     assert!(
@@ -408,8 +419,24 @@ fn check_sampling_lossless_against(params: SamplingParams, control: Acceptance) 
     } else {
         12000
     };
-    let good = sampled_pairs(&model, &prompt, &params, n, Acceptance::Exact);
-    let (stat, df) = common::chi_square(&good, &exact);
+    assert_pairs_follow(&model, &prompt, &params, &exact, n, control, |r| r);
+}
+
+/// The chi-square test of the first two tokens of `n` sampled requests
+/// (`shape` sets their fields) against `exact`, then of the same requests
+/// under the lossy `control`, which it must reject.
+#[allow(clippy::too_many_arguments)]
+fn assert_pairs_follow(
+    model: &Arc<Model>,
+    prompt: &[u32],
+    params: &SamplingParams,
+    exact: &[f64],
+    n: usize,
+    control: Acceptance,
+    shape: impl Fn(Request) -> Request + Copy,
+) {
+    let good = sampled_pairs_of(model, prompt, params, n, Acceptance::Exact, shape);
+    let (stat, df) = common::chi_square(&good, exact);
     let crit = common::chi2_crit_999(df);
     eprintln!("{params:?}: correct residual chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
     assert!(
@@ -417,15 +444,15 @@ fn check_sampling_lossless_against(params: SamplingParams, control: Acceptance) 
         "sampled distribution differs from the target: chi2 {stat} > {crit}"
     );
     // The same test rejects the lossy control.
-    let bad = sampled_pairs(&model, &prompt, &params, n, control);
-    let (bstat, bdf) = common::chi_square(&bad, &exact);
+    let bad = sampled_pairs_of(model, prompt, params, n, control, shape);
+    let (bstat, bdf) = common::chi_square(&bad, exact);
     eprintln!(
         "{params:?}: {control:?} chi2 {bstat:.1} (df {bdf}, 0.1% critical {:.1})",
         common::chi2_crit_999(bdf)
     );
     assert!(
         bstat > 3.0 * common::chi2_crit_999(bdf),
-        "the test cannot tell a lossy residual apart: {bstat}"
+        "the test cannot tell {control:?} apart: {bstat}"
     );
 }
 
@@ -488,6 +515,108 @@ fn sampling_is_lossless_with_logit_bias() {
         },
         Acceptance::UnbiasedTarget,
     );
+}
+
+/// `min_tokens` holds the stop token back at the first position only:
+/// p there has it at 0, and at the second position, verified in the same
+/// step when the first draft is accepted, it is allowed again. The
+/// control holds it back at every row of the step.
+#[test]
+fn sampling_is_lossless_with_min_tokens() {
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let (_d, model) = tiny_model(&spec, 8);
+    let v = spec.vocab;
+    let prompt = [3u32, 7, 1, 9];
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    // The stop token: the likeliest second token, so holding it back
+    // where it is allowed shows.
+    let free = common::exact_first_two(&model, &prompt, &params);
+    let stop = (0..v)
+        .max_by(|&a, &b| {
+            let m = |t: usize| (0..v).map(|f| free[f * v + t]).sum::<f64>();
+            m(a).total_cmp(&m(b))
+        })
+        .unwrap() as u32;
+    let exact = common::exact_first_two_shaped(&model, &prompt, &params, |out, l| {
+        if out.is_empty() {
+            l[stop as usize] = f32::NEG_INFINITY;
+        }
+    });
+    assert!(
+        (0..v).all(|t| exact[stop as usize * v + t] == 0.0),
+        "the first token is never the stop token"
+    );
+    assert_pairs_follow(
+        &model,
+        &prompt,
+        &params,
+        &exact,
+        12000,
+        Acceptance::StaleEndBan,
+        |r| Request {
+            min_tokens: 1,
+            stop_token_ids: vec![stop],
+            ..r
+        },
+    );
+}
+
+/// `min_tokens` holds back the stop token ids (and end of sequence) where
+/// plain decoding does, inside a run of accepted drafts too: drafts that
+/// propose the held-back token are rejected, and once enough tokens
+/// exist it ends the output again.
+#[test]
+fn min_tokens_holds_back_the_end_in_speculative_and_plain_decoding_alike() {
+    let (_d, model) = tiny_model(&TINY, 5);
+    let (n, min) = (40, 20);
+    let ps = prompts(TINY.vocab as u32);
+    let free: Vec<Vec<u32>> = ps.iter().map(|p| plain_no_eos(&model, p, n)).collect();
+    // Each request's stop token is its free output's token at position
+    // 12, which min_tokens holds back there.
+    let reqs: Vec<Request> = oracle_requests(&ps, n)
+        .into_iter()
+        .zip(&free)
+        .map(|(r, w)| Request {
+            ignore_eos: true,
+            stop_token_ids: vec![w[12]],
+            min_tokens: min,
+            ..r
+        })
+        .collect();
+    let want: Vec<_> = reqs
+        .iter()
+        .map(|r| generate(&model, None, r, |_| {}).unwrap())
+        .collect();
+    for (g, r) in want.iter().zip(&reqs) {
+        let s = r.stop_token_ids[0];
+        assert!(g.tokens.len() >= min, "{} tokens", g.tokens.len());
+        assert!(!g.tokens.contains(&s));
+        if g.tokens.len() < n {
+            assert_eq!(g.finish, FinishReason::Stop);
+        }
+    }
+    assert!(
+        want.iter().any(|g| g.tokens.len() < n),
+        "some output ends on its stop token after min_tokens"
+    );
+    // Drafts of the free outputs (the held-back token at 12), then of the
+    // held-back outputs themselves (runs across position 20).
+    for answers in [&free, &want.iter().map(|g| g.tokens.clone()).collect()] {
+        let answers: Vec<(Vec<u32>, Vec<u32>)> =
+            ps.iter().cloned().zip(answers.iter().cloned()).collect();
+        let oracle = OracleProposer::new(answers, 0.0, 6, TINY.vocab as u32);
+        let mut e = engine(&model, None, vec![Box::new(oracle)], 4, None);
+        let done = run_all(&mut e, reqs.clone());
+        for (c, g) in done.iter().zip(&want) {
+            assert_eq!(c.tokens, g.tokens, "speculative");
+            assert_eq!(c.finish, g.finish);
+        }
+        let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+        assert!(accepted > 0, "no drafts were accepted");
+    }
 }
 
 #[test]

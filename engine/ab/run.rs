@@ -160,6 +160,7 @@ pub(super) fn arm_request(
         stop: Vec::new(),
         ignore_eos: false,
         stop_token_ids: Vec::new(),
+        min_tokens: 0,
         proposer: Some(arm.proposer.clone()),
         max_draft: arm.max_draft,
         arm: Some(arm.name.clone()),

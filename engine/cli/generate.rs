@@ -279,6 +279,7 @@ fn run_batch(
                 stop: a.stop.clone(),
                 ignore_eos: a.ignore_eos,
                 stop_token_ids: Vec::new(),
+                min_tokens: 0,
                 proposer: Some(a.proposer.clone()),
                 max_draft: Some(a.max_draft),
                 arm: None,

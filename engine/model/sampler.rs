@@ -288,6 +288,16 @@ pub fn apply_penalties(logits: &mut [f32], context: &[u32], generated: &[u32], p
     }
 }
 
+/// Give `ids` probability 0 (logit -inf) before any other transform;
+/// ids past the vocabulary are ignored.
+pub fn suppress(logits: &mut [f32], ids: &[u32]) {
+    for &t in ids {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// Tokens below this share of the mass are left out of the sort (they
 /// stay in the support, after the sorted ones, in id order).
 const SORTED_MASS_FLOOR: f64 = 1e-6;

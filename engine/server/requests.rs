@@ -188,6 +188,23 @@ pub struct Common {
     pub audio: Option<Value>,
 }
 
+/// `min_tokens` (vLLM's): a count of tokens, null or absent for 0 (the
+/// request's validation checks it against `max_tokens`).
+fn min_tokens(v: Option<&Value>) -> Result<usize, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(0),
+        Some(x) => x
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| {
+                ApiError::bad_field(
+                    "min_tokens",
+                    format!("`min_tokens` must be a non-negative integer, got {x}"),
+                )
+            }),
+    }
+}
+
 /// `stop_token_ids` (vLLM's): token ids of this model, at most 64.
 fn stop_token_ids(v: Option<&Value>, vocab: usize) -> Result<Vec<u32>, ApiError> {
     let field = "stop_token_ids";
@@ -327,15 +344,12 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
     let is = |want: bool| move |v: &Value| v.is_null() || v.as_bool() == Some(want);
-    let checks: [(&str, &Option<Value>, Allowed); 12] = [
+    let checks: [(&str, &Option<Value>, Allowed); 11] = [
         ("functions", &c.functions, &empty),
         ("function_call", &c.function_call, &|v| {
             empty(v) || v.as_str() == Some("none")
         }),
         ("suffix", &c.suffix, &empty),
-        ("min_tokens", &c.min_tokens, &|v| {
-            v.is_null() || v.as_u64() == Some(0)
-        }),
         (
             "include_stop_str_in_output",
             &c.include_stop_str_in_output,
@@ -876,6 +890,7 @@ pub fn validate_with(
             stop,
             ignore_eos: c.ignore_eos.is_some_and(|f| f.0),
             stop_token_ids: stop_token_ids(c.stop_token_ids.as_ref(), st.vocab())?,
+            min_tokens: min_tokens(c.min_tokens.as_ref())?,
             proposer: Some(proposer),
             max_draft: spec.max_draft.map(|m| m.0 as usize),
             arm,

@@ -42,6 +42,18 @@ pub enum Acceptance {
     /// Lossy: under a constraint, a draft is accepted against p with the
     /// disallowed tokens removed but not renormalised.
     UnnormalisedMask,
+    /// Lossy: `min_tokens`'s count is not advanced by the drafts accepted
+    /// earlier in the same step (every row of a step is held back as its
+    /// first row is).
+    StaleEndBan,
+}
+
+/// `min_tokens` at one acceptance: `ids` (end of sequence, stop token
+/// ids) get probability 0 at the next `rows` generated positions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndBan {
+    pub rows: usize,
+    pub ids: Vec<u32>,
 }
 
 /// The result of verifying one sequence's draft.
@@ -301,6 +313,7 @@ pub fn accept(
         rng,
         acceptance,
         None,
+        None,
     )?;
     Ok(a)
 }
@@ -336,6 +349,7 @@ pub fn accept_tree(
     rng: &mut Rng,
     acceptance: Acceptance,
     guide: Option<&mut Guide>,
+    ban: Option<&EndBan>,
 ) -> Result<(Accepted, Vec<usize>)> {
     let n = draft.tokens.len();
     let parents_ok = draft.parents.as_ref().is_none_or(|p| {
@@ -381,8 +395,25 @@ pub fn accept_tree(
     let mut guide = guide;
     // A constrained row: disallowed tokens at -inf (reused buffer).
     let mut masked: Vec<f32> = Vec::new();
+    // A row `min_tokens` holds back: its end tokens at -inf.
+    let mut banned: Vec<f32> = Vec::new();
     loop {
         let raw = &rows[r * vocab..(r + 1) * vocab];
+        // This row's generated position, counted from the first row.
+        let at = if acceptance == Acceptance::StaleEndBan {
+            0
+        } else {
+            path.len()
+        };
+        let raw = match ban {
+            Some(b) if at < b.rows => {
+                banned.clear();
+                banned.extend_from_slice(raw);
+                sampler::suppress(&mut banned, &b.ids);
+                &banned[..]
+            }
+            _ => raw,
+        };
         let kids = &children[r];
         let done = |tokens: Vec<u32>, path: Vec<usize>| {
             Ok((
@@ -568,6 +599,8 @@ pub struct AcceptItem {
     pub constraint: Option<Constraint>,
     /// Report the constraint's forced tokens for the next step's draft.
     pub forced_drafts: bool,
+    /// `min_tokens`: the end tokens held back at the next rows.
+    pub ban: Option<EndBan>,
 }
 
 /// The sample stage's struct: turns logits into accepted tokens with the
@@ -636,6 +669,7 @@ impl Acceptor {
             rng,
             self.acceptance,
             guide.as_deref_mut(),
+            it.ban.as_ref(),
         )?;
         if let Some(g) = guide {
             a.done = g.done();
@@ -885,6 +919,7 @@ mod tests {
                 &mut rng,
                 Acceptance::Exact,
                 None,
+                None,
             )
             .unwrap();
             counts[a.tokens[0] as usize] += 1;
@@ -951,6 +986,7 @@ mod tests {
                     &mut rng,
                     acceptance,
                     None,
+                    None,
                 )
                 .unwrap();
                 counts[a.tokens[0] as usize] += 1;
@@ -1006,6 +1042,7 @@ mod tests {
                     &params,
                     &mut rng,
                     acceptance,
+                    None,
                     None,
                 )
                 .unwrap();

@@ -51,6 +51,12 @@ pub struct Request {
     /// Tokens that end the sequence as end of sequence does (not emitted;
     /// `ignore_eos` does not keep them): vLLM's `stop_token_ids`.
     pub stop_token_ids: Vec<u32>,
+    /// Hold back the tokens that would end the output (end of sequence
+    /// unless `ignore_eos`, and `stop_token_ids`) until this many tokens
+    /// are generated (vLLM's `min_tokens`): they get probability 0, in
+    /// the target law speculative acceptance tests drafts against too.
+    /// Stop strings still end the output. 0: off.
+    pub min_tokens: usize,
     /// Proposer name; `None` uses the engine default, `Some("none")` plain.
     pub proposer: Option<String>,
     /// Cap on drafted tokens per step (the proposer's own cap still applies).
@@ -116,6 +122,23 @@ impl Request {
                 format!("at most {MAX_TOP_LOGPROBS} alternatives per token"),
             ));
         }
+        if self.min_tokens > self.max_tokens {
+            return Err(SpecdError::invalid_field(
+                "min_tokens",
+                format!(
+                    "min_tokens ({}) is more than max_tokens ({})",
+                    self.min_tokens, self.max_tokens
+                ),
+            ));
+        }
+        if self.min_tokens > 0 && self.constraint.is_some() {
+            // A grammar that has ended allows only end of sequence, which
+            // min_tokens would forbid: no token would be left.
+            return Err(SpecdError::invalid_field(
+                "min_tokens",
+                "min_tokens cannot be combined with structured output (response_format, tools or a grammar)",
+            ));
+        }
         let needed = self.prompt.len().saturating_add(self.max_tokens);
         if needed > max_seq_len {
             return Err(SpecdError::ContextOverflow {
@@ -126,6 +149,20 @@ impl Request {
         Ok(())
     }
 
+    /// The tokens `min_tokens` holds back at the next generated positions
+    /// once `generated` tokens exist (`eos`: the model's end-of-sequence
+    /// ids), or `None` when nothing is held back any more.
+    pub fn end_ban(&self, eos: &[u32], generated: usize) -> Option<accept::EndBan> {
+        let rows = self.min_tokens.checked_sub(generated).filter(|&r| r > 0)?;
+        let mut ids: Vec<u32> = self.stop_token_ids.clone();
+        if !self.ignore_eos {
+            ids.extend_from_slice(eos);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        (!ids.is_empty()).then_some(accept::EndBan { rows, ids })
+    }
+
     pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
         Self {
             prompt,
@@ -134,6 +171,7 @@ impl Request {
             stop: Vec::new(),
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            min_tokens: 0,
             proposer: None,
             max_draft: None,
             arm: None,
@@ -352,4 +390,45 @@ pub enum Event {
     Finished(Completion),
     /// The request failed; nothing more follows.
     Error(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn min_tokens_holds_back_end_of_sequence_and_stop_ids_until_reached() {
+        let r = Request {
+            min_tokens: 5,
+            stop_token_ids: vec![9, 2],
+            ..Request::greedy(vec![1], 8)
+        };
+        let ban = r.end_ban(&[2, 0], 3).unwrap();
+        assert_eq!(ban.rows, 2);
+        assert_eq!(ban.ids, vec![0, 2, 9]);
+        assert_eq!(r.end_ban(&[0], 5), None);
+        assert_eq!(r.end_ban(&[0], 7), None);
+        // ignore_eos keeps end of sequence out of the ban (it does not
+        // end the output); nothing left to hold back: no ban.
+        let ig = Request {
+            ignore_eos: true,
+            ..r.clone()
+        };
+        assert_eq!(ig.end_ban(&[0], 0).unwrap().ids, vec![2, 9]);
+        let none = Request {
+            stop_token_ids: Vec::new(),
+            ..ig
+        };
+        assert_eq!(none.end_ban(&[0], 0), None);
+        assert!(r.validate(100).is_ok());
+        let over = Request {
+            min_tokens: 9,
+            ..r.clone()
+        };
+        assert!(over
+            .validate(100)
+            .unwrap_err()
+            .to_string()
+            .contains("min_tokens (9) is more than max_tokens (8)"));
+    }
 }

@@ -440,6 +440,7 @@ impl Step {
                 logprobs: view.logprobs,
                 constraint: view.constraint.cloned(),
                 forced_drafts: view.forced_drafts,
+                ban: sched.end_ban(it.seq),
             });
         }
         AcceptRequest {

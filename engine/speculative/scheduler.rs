@@ -697,6 +697,13 @@ impl Scheduler {
         })
     }
 
+    /// What `min_tokens` holds back at the sequence's next positions.
+    pub fn end_ban(&self, id: SeqId) -> Option<super::accept::EndBan> {
+        let s = self.seqs.get(&id)?;
+        s.req
+            .end_ban(&self.config.eos_token_ids, s.generated().len())
+    }
+
     pub fn prompt_len(&self, id: SeqId) -> usize {
         self.seqs.get(&id).map(|s| s.prompt_len).unwrap_or(0)
     }
