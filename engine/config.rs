@@ -221,6 +221,11 @@ pub struct ServerSection {
     pub min_priority: i32,
     /// Largest request body in bytes.
     pub max_body_bytes: usize,
+    /// Seconds a stream may go without sending anything (a request
+    /// queued, or a long prefill) before it sends an SSE comment
+    /// (`: keep-alive`) so proxies and clients do not time it out (0:
+    /// never).
+    pub sse_keepalive_secs: u64,
     /// Weighted traffic splits between proposer arms (requests that name
     /// no proposer).
     pub split: Vec<Split>,
@@ -260,6 +265,7 @@ impl Default for ServerSection {
             allow_request_proposer: true,
             min_priority: 0,
             max_body_bytes: 1 << 20,
+            sse_keepalive_secs: 15,
             split: Vec::new(),
             parse_special_tokens: false,
             shadow: Vec::new(),

@@ -152,6 +152,36 @@ fn a_non_streaming_client_that_disconnects_is_aborted() {
     wait_aborted(&d, Duration::from_secs(10));
 }
 
+/// A stream that waits (here queued behind a request holding the only
+/// slot) sends `: keep-alive` comments until its first event, and its
+/// events after them are intact.
+#[test]
+fn a_waiting_stream_sends_keep_alive_comments() {
+    let config = CONFIG.replace("max_running = 8", "max_running = 1");
+    let d = Daemon::start(&format!("{config}sse_keepalive_secs = 1\n"), &[]);
+    let busy = post_long(&d, 600, false);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut s = post_long(&d, 3, true);
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("data: [DONE]") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&got);
+    let body = &text[text.find("\r\n\r\n").unwrap()..];
+    let first_event = body.find("data: ").unwrap();
+    assert!(
+        body[..first_event].contains(": keep-alive\n\n"),
+        "no keep-alive before the first event: {body}"
+    );
+    let events = body.matches("data: {").count();
+    assert!(events >= 2, "{body}");
+    drop(busy);
+}
+
 #[test]
 fn client_disconnect_aborts_and_frees_kv() {
     let d = Daemon::start(CONFIG, &[]);

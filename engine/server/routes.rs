@@ -185,7 +185,9 @@ async fn run_choices(
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
-            .streaming(SseStream::new(parts, shape, n, include_usage)));
+            .streaming(SseStream::new(parts, shape, n, include_usage).keepalive(
+                std::time::Duration::from_secs(st.config().server.sse_keepalive_secs),
+            )));
     }
     let mut done = Vec::with_capacity(parts.len());
     for (rx, guard) in &mut parts {

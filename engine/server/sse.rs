@@ -5,6 +5,7 @@
 //! the engine's `Completion`; a request whose stream is dropped before its
 //! final event is aborted, which frees its KV blocks.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -389,6 +390,9 @@ pub(super) struct SseStream {
     /// Where the next poll starts, so no choice starves the others.
     next: usize,
     done: bool,
+    /// Silence after which a `: keep-alive` comment goes out, and the
+    /// timer that runs from the last bytes sent.
+    keepalive: Option<(std::time::Duration, Pin<Box<tokio::time::Sleep>>)>,
 }
 
 impl SseStream {
@@ -423,6 +427,20 @@ impl SseStream {
             include_usage,
             next: 0,
             done: false,
+            keepalive: None,
+        }
+    }
+
+    /// Send an SSE comment after `every` without other bytes (zero: never).
+    pub(super) fn keepalive(mut self, every: std::time::Duration) -> Self {
+        self.keepalive = (!every.is_zero()).then(|| (every, Box::pin(tokio::time::sleep(every))));
+        self
+    }
+
+    /// Restart the keep-alive timer (bytes just went out).
+    fn sent(&mut self) {
+        if let Some((every, sleep)) = &mut self.keepalive {
+            sleep.as_mut().reset(tokio::time::Instant::now() + *every);
         }
     }
 
@@ -458,6 +476,28 @@ impl futures_core::Stream for SseStream {
     type Item = Result<Bytes, actix_web::Error>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.as_mut().poll_events(cx);
+        if !matches!(polled, Poll::Pending) {
+            self.sent();
+            return polled;
+        }
+        let quiet = match &mut self.keepalive {
+            Some((_, sleep)) => sleep.as_mut().poll(cx).is_ready(),
+            None => false,
+        };
+        if quiet {
+            self.sent();
+            return Poll::Ready(Some(Ok(Bytes::from_static(b": keep-alive\n\n"))));
+        }
+        Poll::Pending
+    }
+}
+
+impl SseStream {
+    fn poll_events(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Bytes, actix_web::Error>>> {
         if self.done {
             return Poll::Ready(None);
         }
