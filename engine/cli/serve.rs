@@ -100,6 +100,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 " (not fetched yet)"
             }
         );
+        if model_path.exists() {
+            let tok = cfg.tokenizer(&model_path)?;
+            check_chat_template(&cfg, &tok, &model_path)?;
+        }
         println!("# config: {}", describe(&cfg));
         // The config as it will run, but not its secret.
         let mut shown = cfg.clone();
@@ -131,6 +135,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .with_context(|| format!("loading the model of {}", describe(&cfg)))?;
     let model = Arc::new(model);
     let tok = Arc::new(cfg.tokenizer(&model_path)?);
+    check_chat_template(&cfg, &tok, &model_path)?;
     let drafter = cfg.build_drafter(&model, Some(tok.clone()))?;
     let ec = cfg.engine_config(&model);
     // Default name: the catalogued name the config gives, else the stem.
@@ -274,4 +279,19 @@ fn describe(cfg: &specd::config::Config) -> String {
         .as_ref()
         .map(|s| s.display().to_string())
         .unwrap_or_else(|| "the built-in default config".into())
+}
+
+/// The chat template compiles and renders a user turn (a server whose
+/// every chat request would fail does not start), naming where it came
+/// from.
+fn check_chat_template(
+    cfg: &specd::config::Config,
+    tok: &specd::tokenizer::Tokenizer,
+    model_path: &std::path::Path,
+) -> anyhow::Result<()> {
+    tok.check_chat_template()
+        .with_context(|| match &cfg.model.chat_template {
+            Some(t) => format!("`[model] chat_template` ({t}) of {}", describe(cfg)),
+            None => format!("the chat template of {}", model_path.display()),
+        })
 }

@@ -67,9 +67,42 @@ pub struct Tokenizer {
     /// spell (for untrusted text: message content, completion prompts).
     text_only: tokenizers::Tokenizer,
     chat_template: Option<String>,
+    /// The chat template compiled once, at first use (or `check_chat`):
+    /// the environment, or why the template does not compile.
+    chat_env: std::sync::OnceLock<std::result::Result<ChatEnv, String>>,
     bos_token: String,
     eos_token: String,
     add_bos: Option<u32>,
+}
+
+type ChatEnv = std::sync::Arc<minijinja::Environment<'static>>;
+
+/// The template `apply_chat_template` uses when a model has none.
+const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// `src` compiled in an environment with what Hugging Face templates use.
+fn compile_chat(src: &str) -> std::result::Result<ChatEnv, String> {
+    let mut env = minijinja::Environment::new();
+    // Python's string and dict methods (`startswith`, `split`, `strip`,
+    // `items`...), which Hugging Face templates (Qwen3's among them) call
+    // as Jinja2 under Python allows.
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    // Hugging Face renders `tojson` with Python's `json.dumps` (", " and
+    // ": " separators, no HTML escaping), which is what models saw in
+    // training; minijinja's own is compact and HTML-safe.
+    env.add_filter("tojson", py_tojson);
+    env.add_template_owned("chat", src.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(std::sync::Arc::new(env))
 }
 
 fn text_only(t: &tokenizers::Tokenizer) -> tokenizers::Tokenizer {
@@ -358,6 +391,7 @@ impl Tokenizer {
             text_only: text_only(&inner),
             inner,
             chat_template: get_str("tokenizer.chat_template"),
+            chat_env: Default::default(),
             bos_token: tok_name(bos_id),
             eos_token: tok_name(get_u32("tokenizer.ggml.eos_token_id")),
             add_bos: if add_bos { bos_id } else { None },
@@ -373,6 +407,7 @@ impl Tokenizer {
             text_only: text_only(&inner),
             inner,
             chat_template: None,
+            chat_env: Default::default(),
             bos_token: String::new(),
             eos_token: String::new(),
             add_bos: None,
@@ -607,7 +642,41 @@ impl Tokenizer {
     /// model's file carries none; a deployment may bring its own).
     pub fn with_chat_template(mut self, template: impl Into<String>) -> Self {
         self.chat_template = Some(template.into());
+        self.chat_env = Default::default();
         self
+    }
+
+    /// The compiled chat template, or why it does not compile (a fault of
+    /// the model file or the deployment, never of a request).
+    fn chat_env(&self) -> Result<&ChatEnv> {
+        self.chat_env
+            .get_or_init(|| compile_chat(self.chat_template.as_deref().unwrap_or(CHATML)))
+            .as_ref()
+            .map_err(|e| {
+                SpecdError::Tokenizer(format!(
+                    "the chat template does not compile ({e}); give a working one with `[model] chat_template`"
+                ))
+            })
+    }
+
+    /// Compile the chat template and render one user turn with it, so a
+    /// server refuses to start with a template every chat request would
+    /// fail on (instead of answering each client with its error).
+    pub fn check_chat_template(&self) -> Result<()> {
+        let env = self.chat_env()?;
+        let tmpl = env.get_template("chat").map_err(tk_err)?;
+        tmpl.render(minijinja::context! {
+            messages => [ChatMessage::new("user", "Hello")],
+            add_generation_prompt => true,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        })
+        .map(|_| ())
+        .map_err(|e| {
+            SpecdError::Tokenizer(format!(
+                "the chat template fails on a single user message ({e}); give a working one with `[model] chat_template`"
+            ))
+        })
     }
 
     /// `Err` for request field `field` (at `at`) if `text` spells one of
@@ -668,28 +737,7 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let chatml = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-        let src = self.chat_template.as_deref().unwrap_or(chatml);
-        let mut env = minijinja::Environment::new();
-        // Python's string and dict methods (`startswith`, `split`,
-        // `strip`, `items`...), which Hugging Face templates (Qwen3's among
-        // them) call as Jinja2 under Python allows.
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        // Hugging Face renders `tojson` with Python's `json.dumps` (", "
-        // and ": " separators, no HTML escaping), which is what models
-        // saw in training; minijinja's own is compact and HTML-safe.
-        env.add_filter("tojson", py_tojson);
-        env.add_template("chat", src)
-            .map_err(|e| SpecdError::Tokenizer(format!("chat template: {e}")))?;
+        let env = self.chat_env()?;
         let tmpl = env.get_template("chat").map_err(tk_err)?;
         tmpl.render(minijinja::context! {
             messages => messages,
@@ -781,6 +829,7 @@ mod tests {
             text_only: text_only(&inner),
             inner,
             chat_template: Some(template.into()),
+            chat_env: Default::default(),
             bos_token: String::new(),
             eos_token: String::new(),
             add_bos: None,
