@@ -615,3 +615,54 @@ fn the_prefill_cap_opens_while_no_other_request_decodes() {
         assert_eq!(c.tokens, plain, "sequence {}", c.id);
     }
 }
+
+/// Under KV pressure the worse priority gives its blocks up: a sequence
+/// of priority 3 decodes, holding two of the three blocks, when one of
+/// priority -1 arrives whose prompt needs two; the better priority's
+/// prefill is granted first and the worse sequence is evicted (it used to
+/// be granted after every decode: deferred, then evicted itself when the
+/// worse one grew), it is never preempted and finishes first, and both
+/// outputs equal plain decoding.
+#[test]
+fn kv_pressure_preempts_the_worse_priority_first() {
+    let (_d, model) = tiny_model();
+    let mut cfg = EngineConfig::for_model(&model);
+    cfg.scheduler.max_running = 4;
+    cfg.scheduler.max_batch_tokens = 64;
+    cfg.scheduler.max_waiting = usize::MAX;
+    cfg.scheduler.scheduling = Scheduling::Fair;
+    // Blocks of 64 tokens: the worse sequence grows to 140 tokens (three
+    // blocks), the better one needs two.
+    cfg.kv_blocks = 3;
+    cfg.prefix_cache_blocks = 0;
+    let mut e = SyncDriver::new(model.clone(), None, cfg, Drafter::new());
+    let req = |seed: u64, len: usize, max: usize, priority: i32| Request {
+        priority,
+        ..Request {
+            prompt: prompt(seed, len),
+            ..greedy(max)
+        }
+    };
+    let (a, b) = (req(1, 20, 120, 3), req(2, 100, 20, -1));
+    let worse = e.add(a.clone(), None).unwrap();
+    for _ in 0..50 {
+        e.step().unwrap();
+    }
+    let better = e.add(b.clone(), None).unwrap();
+    let mut done = Vec::new();
+    while !e.scheduler.is_idle() {
+        done.extend(e.step().unwrap().finished);
+    }
+    let by = |id: SeqId| done.iter().find(|c| c.id == id).unwrap();
+    assert_eq!(by(better).preemptions, 0, "the better priority was evicted");
+    assert!(by(worse).preemptions >= 1, "the worse one kept its blocks");
+    assert_eq!(
+        done[0].id, better,
+        "the better priority waited for the worse one's blocks"
+    );
+    for (id, r) in [(worse, a), (better, b)] {
+        let want = generate(&model, None, &r, |_| {}).unwrap();
+        assert_eq!(by(id).tokens, want.tokens);
+    }
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+}

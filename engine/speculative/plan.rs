@@ -81,8 +81,9 @@ impl Scheduler {
     }
 
     /// Step 1: admit waiting requests and list what each running sequence
-    /// wants this step, in priority order (decodes in admission order, then
-    /// prefills). `cap(name)` is a proposer's max draft.
+    /// wants this step, in priority order (fair scheduling: by priority,
+    /// then decodes in admission order, then prefills; first come, first
+    /// served: without the priorities). `cap(name)` is a proposer's max draft.
     pub fn wants<'c>(
         &mut self,
         caps: impl Fn(&str) -> Option<&'c Capabilities>,
@@ -358,6 +359,13 @@ impl Scheduler {
                     }
                 }
             }
+        }
+        // Fair scheduling: blocks go to the better priority first, and
+        // under pressure the worst priority is evicted first (a stable
+        // sort: decodes before prefills, in admission order, within one
+        // priority). First come, first served ignores priorities.
+        if self.config.scheduling == Scheduling::Fair {
+            wants.sort_by_key(|w| self.seqs.get(&w.seq).map_or(i32::MAX, |s| s.req.priority));
         }
         (items, wants)
     }
