@@ -1189,6 +1189,27 @@ fn unsupported_architectures_and_options_are_refused_by_name() {
         err.contains("iq.gguf") && err.contains("tensor type this build does not support"),
         "{err}"
     );
+    // Tensor dimensions whose sizes overflow (the element count past
+    // usize; the byte count past it): refused by name, not wrapped to a
+    // small read.
+    for (dims, tag) in [([1u64 << 40, 1 << 40], "count"), ([1 << 62, 2], "bytes")] {
+        let p = dir.0.join(format!("huge-{tag}.gguf"));
+        write_gguf(&p, &LLAMA3, &w, GgmlDType::F32, Vec::new());
+        let mut f = std::fs::read(&p).unwrap();
+        let name = b"token_embd.weight";
+        let at = f.windows(name.len()).position(|x| x == name).unwrap() + name.len();
+        assert_eq!(u32::from_le_bytes(f[at..at + 4].try_into().unwrap()), 2);
+        for (i, d) in dims.iter().enumerate() {
+            let o = at + 4 + 8 * i;
+            f[o..o + 8].copy_from_slice(&d.to_le_bytes());
+        }
+        std::fs::write(&p, &f).unwrap();
+        let err = load_model(&p, 1).unwrap_err().to_string();
+        assert!(
+            err.contains("token_embd.weight") && err.contains("too large"),
+            "{tag}: {err}"
+        );
+    }
     // A quantized safetensors checkpoint (its scales would be ignored),
     // a config without heads, a context of none: refused, not computed.
     for (tag, edit, want) in [

@@ -356,18 +356,36 @@ impl GgufReader<'_> {
                 SpecdError::bad_model(self.path, format!("missing tensor {name}"))
             })?;
         let dims = info.shape.dims().to_vec();
-        let n = info.shape.elem_count();
         let dt = info.ggml_dtype;
-        if n % dt.block_size() != 0 {
+        // Sizes from the header, checked: a header's dimensions can
+        // multiply past usize (candle's own count wraps).
+        let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let cols = dims.last().copied().unwrap_or(1);
+        let Some(n) = n else {
             return Err(SpecdError::bad_model(
                 self.path,
-                format!("tensor {name}: bad element count"),
+                format!("tensor {name}: dimensions {dims:?} are too large"),
+            ));
+        };
+        if cols % dt.block_size() != 0 {
+            return Err(SpecdError::bad_model(
+                self.path,
+                format!(
+                    "tensor {name}: rows of {cols} are not whole blocks of {} ({dt:?})",
+                    dt.block_size()
+                ),
             ));
         }
-        let bytes = n / dt.block_size() * dt.type_size();
-        let start = self.ct.tensor_data_offset + info.offset;
+        let bytes = (n / dt.block_size()).checked_mul(dt.type_size());
+        let start = self.ct.tensor_data_offset.checked_add(info.offset);
         let len = self.file.metadata()?.len();
-        if start + bytes as u64 > len {
+        let (Some(bytes), Some(start)) = (bytes, start) else {
+            return Err(SpecdError::bad_model(
+                self.path,
+                format!("tensor {name}: size or offset too large"),
+            ));
+        };
+        if start.checked_add(bytes as u64).is_none_or(|end| end > len) {
             return Err(SpecdError::bad_model(
                 self.path,
                 format!("tensor {name} runs past the end of the file (truncated download?)"),
