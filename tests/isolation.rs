@@ -151,6 +151,37 @@ fn crashing_exiting_and_hanging_plugins_in_child_processes_never_cost_a_token() 
     }
 }
 
+/// A child that hangs is replaced, and the live sequence replayed into
+/// the new one; when that replay alone outlasts the propose deadline (its
+/// `start` is slow on long sequences) the sequence decodes plainly to its
+/// end instead of every new child timing out on the same replay (a
+/// restart loop that also kept the proposer from every new request).
+#[test]
+fn a_replay_that_misses_the_deadline_is_not_repeated() {
+    let lib = crashy();
+    let config = format!(
+        "[engine]\nmax_running = 4\nmax_draft = 4\nadaptive_draft = false\n[[proposer]]\nname = \"slow\"\npath = \"{lib}\"\nisolation = \"process\"\npropose_timeout_ms = 300\noptions = {{ mode = \"hang\", at = 3, slow_start_tokens = 40, start_ms = 700 }}\n"
+    );
+    let d = Daemon::start(&config, &[]);
+    let body = |proposer: &str| {
+        json!({"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": true,
+               "speculation": {"proposer": proposer}})
+    };
+    let plain = d.post("/v1/completions", &body("none")).json();
+    let r = d.post("/v1/completions", &body("slow"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let got = r.json();
+    assert_eq!(got["choices"][0]["text"], plain["choices"][0]["text"]);
+    let log = d.stderr.lock().unwrap().clone();
+    // One timeout for the hang, one for the replay; then no more.
+    let timeouts = d.metric_where("specd_proposer_timeouts_total", "proposer=\"slow\"");
+    assert_eq!(timeouts, 2.0, "{log}");
+    assert!(
+        log.contains("replaying the live sequences into the new plugin host missed the deadline"),
+        "{log}"
+    );
+}
+
 #[test]
 fn a_process_isolated_plugin_drafts_exactly_what_it_drafts_in_process() {
     // Same plugin, same seeds: identical drafts make identical sampled

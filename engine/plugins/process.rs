@@ -12,7 +12,9 @@
 //!   drafts (plain decoding): nothing is lost and outputs stay lossless.
 //! - The daemon keeps each live sequence's tokens, so a new child is
 //!   replayed into the same state (`start` with everything committed so
-//!   far). A proposer that needs hidden states cannot be replayed (past
+//!   far), within the first exchange's deadline; a replay that misses it
+//!   leaves those sequences to plain decoding (replaying them again
+//!   would only miss it again, restarting children in a loop). A proposer that needs hidden states cannot be replayed (past
 //!   states are gone): its live sequences decode plainly until they end.
 //! - A plugin that *reports* an error (rather than dying) is poisoned as in
 //!   process: the `Drafter` sees the `Err`.
@@ -163,6 +165,8 @@ pub struct ProcessProposer {
     live: HashMap<SeqId, Vec<u32>>,
     /// Live sequences a new child could not be replayed into.
     orphans: HashSet<SeqId>,
+    /// The queued commands replay the live sequences into a new child.
+    replaying: bool,
     /// Lifecycle commands waiting for the next exchange.
     queued: Writer,
     reply: Vec<u8>,
@@ -334,6 +338,7 @@ impl ProcessProposer {
             outage: None,
             live: HashMap::new(),
             orphans: HashSet::new(),
+            replaying: false,
             queued: Writer::default(),
             reply,
         })
@@ -370,7 +375,7 @@ impl ProcessProposer {
                     .increment(1);
                 self.info.timeouts += 1;
                 let ms = match *what {
-                    "propose" => self.spec.propose_timeout,
+                    "propose" | "replay" => self.spec.propose_timeout,
                     _ => self.spec.init_timeout,
                 }
                 .as_millis();
@@ -593,6 +598,7 @@ impl ProcessProposer {
                 self.queued.u8(wire::CMD_START);
                 self.queued.u64(seq);
                 self.queued.u32s(&self.live[&seq]);
+                self.replaying = true;
             }
         }
         self.conn = Conn::Up {
@@ -608,6 +614,7 @@ impl ProcessProposer {
     /// reported an error.
     fn call(&mut self, tail: impl FnOnce(&mut Writer)) -> std::result::Result<bool, String> {
         tail(&mut self.queued);
+        let replaying = std::mem::take(&mut self.replaying);
         let Conn::Up { stream, .. } = &mut self.conn else {
             self.queued.clear();
             return Ok(false);
@@ -631,6 +638,21 @@ impl ProcessProposer {
                     Ok(false)
                 }
             },
+            Err(Failure::Timeout(_)) if replaying => {
+                // The replay alone outlasts the deadline (long sequences,
+                // a slow `start`): every later child would time out on it
+                // again. The sequences it carried decode plainly until
+                // they end; new ones draft as before.
+                let n = self.live.len() - self.orphans.len();
+                self.orphans.extend(self.live.keys().copied());
+                tracing::warn!(
+                    proposer = %self.spec.name,
+                    sequences = n,
+                    "replaying the live sequences into the new plugin host missed the deadline; they decode without speculation"
+                );
+                self.fail(Failure::Timeout("replay"));
+                Ok(false)
+            }
             Err(f) => {
                 self.fail(f);
                 Ok(false)
