@@ -734,6 +734,74 @@ fn candle_phi3(st: &Path, toks: &[u32]) -> Vec<Vec<f32>> {
     })
 }
 
+/// Transformers v5 writes Gemma 3's rope per layer type (`rope_parameters`
+/// with `full_attention`, scaled, and `sliding_attention`): the same
+/// logits as v4's `rope_theta`, `rope_scaling` and `rope_local_base_freq`,
+/// which differ from the unscaled ones (the test can fail); a scaled
+/// sliding layer or an unknown layer type is refused by name.
+#[test]
+fn gemma3_rope_parameters_per_layer_type_read_as_v4s_fields() {
+    let a = GEMMA3;
+    let dir = TempDir::new("gemma3-v5");
+    let w = hf_weights(&a, 7);
+    let mut v4 = hf_config(&a);
+    v4["rope_theta"] = serde_json::json!(50_000.0);
+    v4["rope_local_base_freq"] = serde_json::json!(500.0);
+    v4["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 8.0});
+    let mut v5 = v4.clone();
+    let o = v5.as_object_mut().unwrap();
+    for k in ["rope_theta", "rope_local_base_freq", "rope_scaling"] {
+        o.remove(k);
+    }
+    o.insert(
+        "rope_parameters".into(),
+        serde_json::json!({
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 50_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}
+        }),
+    );
+    let mut unscaled = v4.clone();
+    unscaled["rope_scaling"] = serde_json::Value::Null;
+    let toks = tokens(&a, 16);
+    let run = |tag: &str, cfg: &serde_json::Value| {
+        write_safetensors(&dir.0.join(tag), &a, &w, cfg);
+        ours_all(&mut load_model(&dir.0.join(tag), 1).unwrap(), &toks)
+    };
+    let (l4, l5, off) = (run("v4", &v4), run("v5", &v5), run("off", &unscaled));
+    assert!(
+        l5 == l4,
+        "v5's per-layer rope_parameters read as v4's fields"
+    );
+    let d = l4
+        .iter()
+        .zip(&off)
+        .map(|(x, y)| max_abs_diff(x, y))
+        .fold(0f32, f32::max);
+    assert!(d > 1e-3, "the scaling changed the logits by only {d}");
+    for (edit, want) in [
+        (
+            (
+                "sliding_attention",
+                serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+            ),
+            "sliding_attention: scaling 'linear'",
+        ),
+        (
+            (
+                "chunked_attention",
+                serde_json::json!({"rope_theta": 500.0}),
+            ),
+            "rope_parameters.chunked_attention",
+        ),
+    ] {
+        let mut bad = v5.clone();
+        bad["rope_parameters"][edit.0] = edit.1;
+        write_safetensors(&dir.0.join("bad"), &a, &w, &bad);
+        let err = load_model(&dir.0.join("bad"), 1).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+    }
+}
+
 /// Partial rotary (half of each head): candle's Phi-3 decoder.
 #[test]
 fn phi3_partial_rotary_matches_candle_phi3() {

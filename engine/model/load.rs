@@ -888,7 +888,12 @@ fn text_config(raw: serde_json::Value) -> (serde_json::Value, bool) {
             "sliding_window_pattern": 6, "tie_word_embeddings": true,
             "bos_token_id": 2, "eos_token_id": 1
         });
+        // Transformers v5 gives the thetas in `rope_parameters`.
+        let v5_rope = cfg.get("rope_parameters").is_some_and(|x| !x.is_null());
         for (k, v) in defaults.as_object().into_iter().flatten() {
+            if v5_rope && k.starts_with("rope_") {
+                continue;
+            }
             if cfg.get(k).is_none_or(|x| x.is_null()) {
                 cfg[k] = v.clone();
             }
@@ -915,8 +920,8 @@ pub fn model_from_tensors(
 }
 
 /// What every Hugging Face config goes through before use: Transformers
-/// v5's `rope_parameters` read as the older `rope_theta` and
-/// `rope_scaling` (ignored, a Qwen3 would run at theta 10,000 and a Llama
+/// v5's `rope_parameters` (one object, or one per layer type) read as the
+/// older `rope_theta`, `rope_scaling` and `rope_local_base_freq` (ignored, a Qwen3 would run at theta 10,000 and a Llama
 /// 3.1 without its scaling), and checkpoints this loader cannot compute
 /// refused (quantized ones: their scales would be dropped).
 fn normalize_hf(path: &Path, hf: &mut HfConfig) -> Result<()> {
@@ -941,25 +946,65 @@ fn normalize_hf(path: &Path, hf: &mut HfConfig) -> Result<()> {
             "rope_parameters: not an object",
         ));
     };
-    if !obj.contains_key("rope_theta") && obj.values().any(|v| v.is_object()) {
-        return Err(SpecdError::bad_model(
-            path,
-            "rope_parameters per layer type (Transformers v5) are not supported; give rope_theta and rope_scaling (v4's layout)",
-        ));
+    if obj.contains_key("rope_theta") || !obj.values().any(|v| v.is_object()) {
+        return global_rope(hf, &rp);
     }
+    // Per layer type (Gemma 3 in v5): the global layers' theta and
+    // scaling, and the sliding layers' theta (which run unscaled).
+    for (kind, params) in obj {
+        let kind_of = |p: &serde_json::Value| {
+            p.get("rope_type")
+                .or_else(|| p.get("type"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("default")
+                .to_string()
+        };
+        match kind.as_str() {
+            "full_attention" => global_rope(hf, params)?,
+            "sliding_attention" if kind_of(params) == "default" => {
+                if hf.rope_local_base_freq.is_none() {
+                    hf.rope_local_base_freq = params
+                        .get("rope_theta")
+                        .and_then(|v| v.as_f64())
+                        .map(|v| v as f32);
+                }
+            }
+            "sliding_attention" => {
+                return Err(SpecdError::bad_model(
+                    path,
+                    format!(
+                        "rope_parameters.sliding_attention: scaling '{}' of the sliding-window layers is not supported",
+                        kind_of(params)
+                    ),
+                ))
+            }
+            other => {
+                return Err(SpecdError::bad_model(
+                    path,
+                    format!("rope_parameters.{other}: a layer type specd does not know"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One `rope_parameters` object (theta and scaling) as v4's `rope_theta`
+/// and `rope_scaling`, where those are not given.
+fn global_rope(hf: &mut HfConfig, rp: &serde_json::Value) -> Result<()> {
     if hf.rope_theta.is_none() {
-        hf.rope_theta = obj
+        hf.rope_theta = rp
             .get("rope_theta")
             .and_then(|v| v.as_f64())
             .map(|v| v as f32);
     }
-    let kind = obj
+    let kind = rp
         .get("rope_type")
-        .or_else(|| obj.get("type"))
+        .or_else(|| rp.get("type"))
         .and_then(|v| v.as_str());
     if hf.rope_scaling.as_ref().is_none_or(|v| v.is_null()) && kind.is_some_and(|k| k != "default")
     {
-        hf.rope_scaling = Some(rp);
+        hf.rope_scaling = Some(rp.clone());
     }
     Ok(())
 }
