@@ -657,6 +657,37 @@ impl Config {
         Ok(d)
     }
 
+    /// The library file of plugin proposer `p` (its `path`, or its plugin
+    /// found in the plugin directories).
+    pub fn library_path(&self, p: &ProposerConfig) -> Result<PathBuf> {
+        match &p.path {
+            Some(path) => Ok(self.resolve(path)),
+            None => {
+                plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &self.plugin_dirs())
+                    .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))
+            }
+        }
+    }
+
+    /// Whether proposer `name` runs a library in this process that has
+    /// been rebuilt in place since it was loaded (itself or, composed,
+    /// one of its members): a reload must build it anew.
+    pub fn library_rebuilt(&self, name: &str) -> bool {
+        let Some(p) = self.proposer.iter().find(|p| p.name == name) else {
+            return false;
+        };
+        if !p.compose.is_empty() {
+            return p
+                .compose
+                .iter()
+                .any(|m| m != name && self.library_rebuilt(m));
+        }
+        p.isolation == Isolation::None
+            && self
+                .library_path(p)
+                .is_ok_and(|path| plugins::library_changed(&path))
+    }
+
     /// A fresh instance of the proposer `p` (a composed one builds fresh
     /// instances of its members), carrying its configured `token_cost`.
     pub fn build_proposer(
@@ -699,12 +730,7 @@ impl Config {
             .map_err(SpecdError::Plugin)?;
             return Ok(Box::new(c));
         }
-        let dirs = self.plugin_dirs();
-        let path = match &p.path {
-            Some(path) => self.resolve(path),
-            None => plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)
-                .map_err(|e| SpecdError::Plugin(format!("proposer `{}`: {e}", p.name)))?,
-        };
+        let path = self.library_path(p)?;
         let mut options = p.options.clone();
         if let Some(m) = p.max_draft {
             options

@@ -532,3 +532,57 @@ fn a_reload_rebuilds_a_poisoned_proposer_even_when_its_config_is_unchanged() {
         listing(&d)
     );
 }
+
+/// A plugin rebuilt in place (a new file renamed over the old one, as
+/// cargo and `install` do) is loaded anew by a reload, though its config
+/// is unchanged: the dynamic loader would hand back the library already
+/// loaded under that path. An untouched file stays as it is.
+#[test]
+fn a_reload_loads_a_plugin_rebuilt_at_the_same_path() {
+    let dir = common::TempDir::new("rebuilt-plugin");
+    let path = dir.0.join(format!(
+        "{}swap{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    std::fs::copy(crashy(), &path).unwrap();
+    let d = Daemon::start(
+        &format!(
+            "[[proposer]]\nname = \"swap\"\npath = \"{}\"\n",
+            path.display()
+        ),
+        &[],
+    );
+    let plugin = |d: &Daemon| {
+        listing(d)
+            .into_iter()
+            .find(|p| p["name"] == "swap" && p["role"] == "live")
+            .map(|p| p["plugin"].clone())
+    };
+    assert_eq!(plugin(&d), Some(json!("crashy")), "{:?}", listing(&d));
+    let reload = |d: &Daemon| {
+        let r = d.request("POST", "/v1/admin/proposers/reload", None, &[]);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let rep = reload(&d);
+    assert_eq!(rep["unchanged"], json!(["swap"]), "{rep}");
+    let ngram = common::target_dir().join("release").join(format!(
+        "{}specd_proposer_ngram{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    let fresh = dir.0.join("fresh.so");
+    std::fs::copy(&ngram, &fresh).unwrap();
+    std::fs::rename(&fresh, &path).unwrap();
+    let rep = reload(&d);
+    assert_eq!(rep["replaced"], json!(["swap"]), "{rep}");
+    assert_eq!(plugin(&d), Some(json!("ngram")), "{:?}", listing(&d));
+    let (plain, _) = complete(&d.addr, PROMPTS[1], "none", false);
+    let (text, usage) = complete(&d.addr, PROMPTS[1], "swap", false);
+    assert_eq!(text, plain);
+    assert!(
+        usage["speculation"]["accepted_tokens"].as_u64().unwrap() > 0,
+        "{usage}"
+    );
+}

@@ -50,7 +50,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
         cfg.model.threads = Some(t);
     }
     if a.check_config {
-        let dirs = cfg.plugin_dirs();
         for p in &cfg.proposer {
             if !p.compose.is_empty() {
                 // Its members are checked in their own turn.
@@ -61,10 +60,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 );
                 continue;
             }
-            let path = match &p.path {
-                Some(path) => cfg.resolve(path),
-                None => specd::plugins::find_plugin(p.plugin.as_deref().unwrap_or(&p.name), &dirs)?,
-            };
+            let path = cfg.library_path(p)?;
             let lib = specd::plugins::load_library(&path)
                 .with_context(|| format!("proposer `{}`", p.name))?;
             println!(

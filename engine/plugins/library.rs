@@ -76,26 +76,89 @@ pub(super) unsafe fn abi_string(s: abi::Str) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-fn registry() -> &'static Mutex<HashMap<PathBuf, Arc<PluginLibrary>>> {
-    static LIBS: OnceLock<Mutex<HashMap<PathBuf, Arc<PluginLibrary>>>> = OnceLock::new();
+/// Which file a path held when it was loaded: a library rebuilt in its
+/// place (a new file renamed over it) has another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime_ns: i128,
+}
+
+fn file_id(path: &Path) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(FileId {
+        dev: m.dev(),
+        ino: m.ino(),
+        len: m.len(),
+        mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+    })
+}
+
+type Registry = HashMap<PathBuf, (Option<FileId>, Arc<PluginLibrary>)>;
+
+fn registry() -> &'static Mutex<Registry> {
+    static LIBS: OnceLock<Mutex<Registry>> = OnceLock::new();
     LIBS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// Load and validate the plugin library at `path` (once per process).
+/// Whether the library at `path` was loaded and the file there has been
+/// replaced since (a rebuilt plugin): the next `load_library` loads the
+/// new file.
+pub fn library_changed(path: &Path) -> bool {
+    let Ok(canon) = path.canonicalize() else {
+        return false;
+    };
+    let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    reg.get(&canon)
+        .is_some_and(|(id, _)| *id != file_id(&canon))
+}
+
+/// A private copy of `path` to load a rebuilt library from: the dynamic
+/// loader hands back the library already loaded under a name, so the new
+/// file needs another. Unlinked once loaded (the mapping stays).
+fn fresh_copy(path: &Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!("specd-{}-plugins", std::process::id()));
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let copy = dir.join(format!("{}-{name}", N.fetch_add(1, Ordering::Relaxed)));
+    std::fs::copy(path, &copy)?;
+    Ok(copy)
+}
+
+/// Load and validate the plugin library at `path` (once per process and
+/// file: a library rebuilt at the same path is loaded anew; the old one
+/// stays mapped for the instances still using it).
 pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
     let canon = path
         .canonicalize()
         .map_err(|e| plugin_err(path, format!("cannot open: {e}")))?;
+    let id = file_id(&canon);
     let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(l) = reg.get(&canon) {
-        return Ok(l.clone());
-    }
+    let open = match reg.get(&canon) {
+        Some((was, l)) if *was == id => return Ok(l.clone()),
+        Some(_) => fresh_copy(&canon)
+            .map_err(|e| plugin_err(path, format!("cannot copy the rebuilt library: {e}")))?,
+        None => canon.clone(),
+    };
     // SAFETY: loading a library runs its initialisers. We only load files
     // the operator configured as specd plugins; that trust is the contract
     // of a plugin system. Errors (not a library, wrong architecture) come
     // back as `Err` without running anything.
-    let lib = unsafe { libloading::Library::new(&canon) }
-        .map_err(|e| plugin_err(path, format!("not a loadable library: {e}")))?;
+    let lib = unsafe { libloading::Library::new(&open) }
+        .map_err(|e| plugin_err(path, format!("not a loadable library: {e}")));
+    if open != canon {
+        let _ = std::fs::remove_file(&open);
+    }
+    let lib = lib?;
     // SAFETY: the symbol is looked up by name; its type is fixed by the ABI.
     let entry: libloading::Symbol<'_, abi::EntryFn> = unsafe { lib.get(abi::ENTRY_SYMBOL) }.map_err(|_| {
         plugin_err(
@@ -167,7 +230,7 @@ pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
     });
     // Never unload: instances and their callbacks may outlive any owner.
     std::mem::forget(lib);
-    reg.insert(canon, loaded.clone());
+    reg.insert(canon, (id, loaded.clone()));
     tracing::info!(plugin = %loaded.name, version = %loaded.version, build = %loaded.build_id, path = %path.display(), "loaded proposer plugin");
     Ok(loaded)
 }

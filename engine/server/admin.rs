@@ -81,8 +81,10 @@ pub async fn reload(st: &AppState) -> Result<ReloadReport, ReloadError> {
             .filter(|l| l.role == "live" && l.poisoned.is_some())
             .map(|l| l.name.clone())
             .collect();
+        let merged = &plan.merged;
         plan.keep.retain(|n| {
-            let rebuild = poisoned.contains(n);
+            // So is one whose library was rebuilt in place.
+            let rebuild = poisoned.contains(n) || merged.library_rebuilt(n);
             if rebuild {
                 plan.replaced.push(n.clone());
             }
