@@ -837,6 +837,11 @@ impl Proposer for ProcessProposer {
     fn start(&mut self, seq: SeqId, prompt: &[u32]) -> std::result::Result<(), String> {
         self.live.insert(seq, prompt.to_vec());
         self.orphans.remove(&seq);
+        if !self.is_up() && !self.caps.hidden_layers.is_empty() {
+            // Its prompt's hidden states go by while no child takes them:
+            // a later child could not be given them.
+            self.orphans.insert(seq);
+        }
         if self.is_up() {
             self.queued.u8(wire::CMD_START);
             self.queued.u64(seq);
@@ -932,6 +937,53 @@ impl Proposer for ProcessProposer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A proposer whose child is down (for a minute), declaring `caps`.
+    fn down(caps: Capabilities) -> ProcessProposer {
+        ProcessProposer {
+            spec: ProcessSpec {
+                name: "down".into(),
+                exe: PathBuf::from("/nonexistent"),
+                library: PathBuf::from("/nonexistent"),
+                options: String::new(),
+                dims: TargetDims::default(),
+                model: None,
+                propose_timeout: Duration::from_millis(100),
+                init_timeout: Duration::from_millis(100),
+            },
+            caps,
+            info: ProposerInfo::default(),
+            conn: Conn::Down {
+                until: Instant::now() + Duration::from_secs(60),
+            },
+            backoff: BACKOFF_START,
+            outage: Some(Instant::now()),
+            live: HashMap::new(),
+            orphans: HashSet::new(),
+            replaying: false,
+            queued: Writer::default(),
+            reply: Vec::new(),
+        }
+    }
+
+    /// A sequence that starts while no child is up cannot be replayed into
+    /// a hidden-state proposer (its prompt's states were never delivered):
+    /// it stays plain; a token-only proposer replays it.
+    #[test]
+    fn a_sequence_started_during_an_outage_is_replayed_only_without_hidden_states() {
+        let hidden = Capabilities {
+            hidden_layers: vec![3],
+            ..Capabilities::default()
+        };
+        for (caps, orphaned) in [(hidden, true), (Capabilities::default(), false)] {
+            let mut p = down(caps);
+            p.start(7, &[1, 2, 3]).unwrap();
+            assert_eq!(p.orphans.contains(&7), orphaned);
+            assert_eq!(p.live[&7], vec![1, 2, 3]);
+            p.finish(7);
+            assert!(p.live.is_empty() && p.orphans.is_empty());
+        }
+    }
 
     #[test]
     fn a_reply_trickled_a_byte_at_a_time_times_out_by_the_deadline() {
