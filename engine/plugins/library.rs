@@ -157,6 +157,10 @@ pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
         .map_err(|e| plugin_err(path, format!("not a loadable library: {e}")));
     if open != canon {
         let _ = std::fs::remove_file(&open);
+        if let Some(dir) = open.parent() {
+            // Loads run one at a time (the registry lock): it is empty.
+            let _ = std::fs::remove_dir(dir);
+        }
     }
     let lib = lib?;
     // SAFETY: the symbol is looked up by name; its type is fixed by the ABI.
