@@ -669,25 +669,6 @@ impl Config {
         }
     }
 
-    /// Whether proposer `name` runs a library in this process that has
-    /// been rebuilt in place since it was loaded (itself or, composed,
-    /// one of its members): a reload must build it anew.
-    pub fn library_rebuilt(&self, name: &str) -> bool {
-        let Some(p) = self.proposer.iter().find(|p| p.name == name) else {
-            return false;
-        };
-        if !p.compose.is_empty() {
-            return p
-                .compose
-                .iter()
-                .any(|m| m != name && self.library_rebuilt(m));
-        }
-        p.isolation == Isolation::None
-            && self
-                .library_path(p)
-                .is_ok_and(|path| plugins::library_changed(&path))
-    }
-
     /// A fresh instance of the proposer `p` (a composed one builds fresh
     /// instances of its members), carrying its configured `token_cost`.
     pub fn build_proposer(

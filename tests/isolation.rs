@@ -536,48 +536,75 @@ fn a_reload_rebuilds_a_poisoned_proposer_even_when_its_config_is_unchanged() {
 /// A plugin rebuilt in place (a new file renamed over the old one, as
 /// cargo and `install` do) is loaded anew by a reload, though its config
 /// is unchanged: the dynamic loader would hand back the library already
-/// loaded under that path. An untouched file stays as it is.
+/// loaded under that path. An untouched file stays as it is; a reload
+/// that fails after loading the new file does not make the instances
+/// still running the old one look current to the next.
 #[test]
 fn a_reload_loads_a_plugin_rebuilt_at_the_same_path() {
     let dir = common::TempDir::new("rebuilt-plugin");
-    let path = dir.0.join(format!(
-        "{}swap{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    let lib_file = |stem: &str| {
+        format!(
+            "{}{stem}{}",
+            std::env::consts::DLL_PREFIX,
+            std::env::consts::DLL_SUFFIX
+        )
+    };
+    let path = dir.0.join(lib_file("swap"));
     std::fs::copy(crashy(), &path).unwrap();
-    let d = Daemon::start(
-        &format!(
-            "[[proposer]]\nname = \"swap\"\npath = \"{}\"\n",
-            path.display()
-        ),
-        &[],
-    );
-    let plugin = |d: &Daemon| {
+    // `strict` passes an option only the first library knows.
+    let config = |strict_options: &str| {
+        format!(
+            "[[proposer]]\nname = \"swap\"\npath = \"{p}\"\n[[proposer]]\nname = \"strict\"\npath = \"{p}\"\n{strict_options}",
+            p = path.display()
+        )
+    };
+    let d = Daemon::start(&config("options = { mode = \"none\" }\n"), &[]);
+    let plugin = |d: &Daemon, name: &str| {
         listing(d)
             .into_iter()
-            .find(|p| p["name"] == "swap" && p["role"] == "live")
+            .find(|p| p["name"] == name && p["role"] == "live")
             .map(|p| p["plugin"].clone())
     };
-    assert_eq!(plugin(&d), Some(json!("crashy")), "{:?}", listing(&d));
-    let reload = |d: &Daemon| {
-        let r = d.request("POST", "/v1/admin/proposers/reload", None, &[]);
+    assert_eq!(
+        plugin(&d, "swap"),
+        Some(json!("crashy")),
+        "{:?}",
+        listing(&d)
+    );
+    let reload = |d: &Daemon| d.request("POST", "/v1/admin/proposers/reload", None, &[]);
+    // The names a reload report lists under `key`, sorted.
+    let names = |r: &common::HttpResponse, key: &str| {
         assert_eq!(r.status, 200, "{}", r.body);
-        r.json()
+        let mut v: Vec<String> = r.json()[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_str().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
     };
-    let rep = reload(&d);
-    assert_eq!(rep["unchanged"], json!(["swap"]), "{rep}");
-    let ngram = common::target_dir().join("release").join(format!(
-        "{}specd_proposer_ngram{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    assert_eq!(names(&reload(&d), "unchanged"), ["strict", "swap"]);
+    let ngram = common::target_dir()
+        .join("release")
+        .join(lib_file("specd_proposer_ngram"));
     let fresh = dir.0.join("fresh.so");
     std::fs::copy(&ngram, &fresh).unwrap();
     std::fs::rename(&fresh, &path).unwrap();
-    let rep = reload(&d);
-    assert_eq!(rep["replaced"], json!(["swap"]), "{rep}");
-    assert_eq!(plugin(&d), Some(json!("ngram")), "{:?}", listing(&d));
+    // The new library refuses `strict`'s option: the reload fails whole,
+    // after building `swap` from the new file.
+    let r = reload(&d);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("unknown option `mode`"), "{}", r.body);
+    assert_eq!(plugin(&d, "swap"), Some(json!("crashy")));
+    std::fs::write(d.config_path(), config("")).unwrap();
+    assert_eq!(names(&reload(&d), "replaced"), ["strict", "swap"]);
+    assert_eq!(
+        plugin(&d, "swap"),
+        Some(json!("ngram")),
+        "{:?}",
+        listing(&d)
+    );
     let (plain, _) = complete(&d.addr, PROMPTS[1], "none", false);
     let (text, usage) = complete(&d.addr, PROMPTS[1], "swap", false);
     assert_eq!(text, plain);

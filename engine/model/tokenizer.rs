@@ -667,6 +667,7 @@ impl Tokenizer {
         let tmpl = env.get_template("chat").map_err(tk_err)?;
         tmpl.render(minijinja::context! {
             messages => [ChatMessage::new("user", "Hello")],
+            tools => None::<serde_json::Value>,
             add_generation_prompt => true,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),

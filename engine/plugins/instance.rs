@@ -294,6 +294,7 @@ impl Proposer for PluginProposer {
             version: self.lib.version.clone(),
             build_id: self.lib.build_id.clone(),
             path: Some(self.lib.path.display().to_string()),
+            library_rebuilt: self.lib.rebuilt(),
             ..ProposerInfo::default()
         }
     }

@@ -16,6 +16,8 @@ pub struct PluginLibrary {
     pub version: String,
     pub build_id: String,
     pub abi_minor: u32,
+    /// The file `path` held when this was loaded.
+    file: Option<FileId>,
     pub(super) caps: abi::Capabilities,
     pub(super) fns: Fns,
 }
@@ -104,16 +106,12 @@ fn registry() -> &'static Mutex<Registry> {
     LIBS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// Whether the library at `path` was loaded and the file there has been
-/// replaced since (a rebuilt plugin): the next `load_library` loads the
-/// new file.
-pub fn library_changed(path: &Path) -> bool {
-    let Ok(canon) = path.canonicalize() else {
-        return false;
-    };
-    let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-    reg.get(&canon)
-        .is_some_and(|(id, _)| *id != file_id(&canon))
+impl PluginLibrary {
+    /// Whether the file at `path` was replaced since this library was
+    /// loaded from it (a rebuilt plugin; `load_library` loads the new one).
+    pub fn rebuilt(&self) -> bool {
+        file_id(&self.path) != self.file
+    }
 }
 
 /// A private copy of `path` to load a rebuilt library from: the dynamic
@@ -229,6 +227,7 @@ pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
         version,
         build_id,
         abi_minor: minor,
+        file: id,
         caps,
         fns,
     });

@@ -35,7 +35,7 @@ pub mod process;
 pub mod wire;
 
 pub use instance::{PluginProposer, TargetDims};
-pub use library::{library_changed, load_library, PluginLibrary};
+pub use library::{load_library, PluginLibrary};
 pub use process::{plugin_host_exe, ProcessProposer, ProcessSpec};
 
 /// The directories searched for plugins by name: `extra` (from config),

@@ -165,8 +165,8 @@ pub struct ProcessProposer {
     live: HashMap<SeqId, Vec<u32>>,
     /// Live sequences a new child could not be replayed into.
     orphans: HashSet<SeqId>,
-    /// The queued commands replay the live sequences into a new child.
-    replaying: bool,
+    /// The sequences the queued commands replay into a new child.
+    replaying: Vec<SeqId>,
     /// Lifecycle commands waiting for the next exchange.
     queued: Writer,
     reply: Vec<u8>,
@@ -338,7 +338,7 @@ impl ProcessProposer {
             outage: None,
             live: HashMap::new(),
             orphans: HashSet::new(),
-            replaying: false,
+            replaying: Vec::new(),
             queued: Writer::default(),
             reply,
         })
@@ -598,7 +598,7 @@ impl ProcessProposer {
                 self.queued.u8(wire::CMD_START);
                 self.queued.u64(seq);
                 self.queued.u32s(&self.live[&seq]);
-                self.replaying = true;
+                self.replaying.push(seq);
             }
         }
         self.conn = Conn::Up {
@@ -638,13 +638,14 @@ impl ProcessProposer {
                     Ok(false)
                 }
             },
-            Err(Failure::Timeout(_)) if replaying => {
+            Err(Failure::Timeout(_)) if !replaying.is_empty() => {
                 // The replay alone outlasts the deadline (long sequences,
                 // a slow `start`): every later child would time out on it
                 // again. The sequences it carried decode plainly until
                 // they end; new ones draft as before.
-                let n = self.live.len() - self.orphans.len();
-                self.orphans.extend(self.live.keys().copied());
+                let n = replaying.len();
+                self.orphans
+                    .extend(replaying.into_iter().filter(|s| self.live.contains_key(s)));
                 tracing::warn!(
                     proposer = %self.spec.name,
                     sequences = n,
@@ -960,7 +961,7 @@ mod tests {
             outage: Some(Instant::now()),
             live: HashMap::new(),
             orphans: HashSet::new(),
-            replaying: false,
+            replaying: Vec::new(),
             queued: Writer::default(),
             reply: Vec::new(),
         }

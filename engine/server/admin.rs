@@ -74,17 +74,16 @@ pub async fn reload(st: &AppState) -> Result<ReloadReport, ReloadError> {
         .clone();
     let mut plan = current.plan_reload(&file_before, &new).map_err(bad)?;
     // A poisoned instance (a plugin that failed) is rebuilt even when its
-    // config is unchanged: a reload is how an operator recovers it.
+    // config is unchanged: a reload is how an operator recovers it. So is
+    // one whose library file was rebuilt in place since it was loaded.
     if let Some(listing) = st.engine.proposers().await {
         let poisoned: Vec<String> = listing
             .iter()
-            .filter(|l| l.role == "live" && l.poisoned.is_some())
+            .filter(|l| l.role == "live" && (l.poisoned.is_some() || l.info.library_rebuilt))
             .map(|l| l.name.clone())
             .collect();
-        let merged = &plan.merged;
         plan.keep.retain(|n| {
-            // So is one whose library was rebuilt in place.
-            let rebuild = poisoned.contains(n) || merged.library_rebuilt(n);
+            let rebuild = poisoned.contains(n);
             if rebuild {
                 plan.replaced.push(n.clone());
             }

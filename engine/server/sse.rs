@@ -433,6 +433,9 @@ impl SseStream {
 
     /// Send an SSE comment after `every` without other bytes (zero: never).
     pub(super) fn keepalive(mut self, every: std::time::Duration) -> Self {
+        // Longer than a day is as good as never, and keeps the timer's
+        // deadline arithmetic far from overflow.
+        let every = every.min(std::time::Duration::from_secs(86_400));
         self.keepalive = (!every.is_zero()).then(|| (every, Box::pin(tokio::time::sleep(every))));
         self
     }

@@ -389,6 +389,7 @@ impl Proposer for Compose {
         use super::proposer::{Isolation, ProposerState};
         let isolated = members.iter().any(|i| i.isolation == Isolation::Process);
         super::proposer::ProposerInfo {
+            library_rebuilt: members.iter().any(|i| i.library_rebuilt),
             plugin: format!("compose({})", names.join(", ")),
             isolation: if isolated {
                 Isolation::Process

@@ -236,6 +236,9 @@ impl KvManager {
 pub struct Want {
     pub seq: SeqId,
     pub len: usize,
+    /// Scheduling priority (lower runs first; all 0 where priorities are
+    /// ignored): no want evicts a sequence of a better one.
+    pub priority: i32,
 }
 
 /// The KV manager's answer to a step's wants.
@@ -253,28 +256,35 @@ pub struct Grant {
 /// Grant `wants` (highest priority first) from `kv`, evicting the lowest
 /// priority holders when blocks run out, and as a last resort `idle`
 /// holders (running sequences that sit this step out: the step's token
-/// budget ran out before them), newest first. Without that, a want that
-/// only an idle holder's blocks could satisfy would wait for ever when the
-/// same wants come first every step.
-pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[SeqId]) -> Grant {
+/// budget ran out before them; with their priorities), worst priority
+/// then newest first. Without that, a want that only an idle holder's
+/// blocks could satisfy would wait for ever when the same wants come first
+/// every step. No want evicts a sequence of a better priority than its
+/// own: it waits instead.
+pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[(SeqId, i32)]) -> Grant {
     let mut g = Grant::default();
     let capacity = kv
         .usage(Pool::Target)
         .map(|u| u.capacity_blocks)
         .unwrap_or(0);
-    // Lower-priority wants not yet granted: eviction candidates, last
-    // first; idle holders below them all.
-    let mut evictable: Vec<SeqId> = idle
+    // Eviction candidates, taken from the end: idle holders (best
+    // priority first, so the worst go first), then the wants (in their
+    // order: those after the one being granted, of no better priority).
+    let mut idle: Vec<(SeqId, i32)> = idle
         .iter()
         .copied()
-        .filter(|s| !wants.iter().any(|w| w.seq == *s))
-        .chain(wants.iter().map(|w| w.seq))
+        .filter(|(s, _)| !wants.iter().any(|w| w.seq == *s))
+        .collect();
+    idle.sort_by_key(|&(_, p)| p);
+    let mut evictable: Vec<(SeqId, i32)> = idle
+        .into_iter()
+        .chain(wants.iter().map(|w| (w.seq, w.priority)))
         .collect();
     for w in wants {
         if g.preempted.contains(&w.seq) {
             continue;
         }
-        evictable.retain(|&s| s != w.seq);
+        evictable.retain(|&(s, _)| s != w.seq);
         if kv.blocks_for(Pool::Target, w.len) > capacity {
             kv.free(w.seq);
             g.too_big.push(w.seq);
@@ -285,7 +295,11 @@ pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[SeqId]) -> Grant {
                 g.granted.push(w.seq);
                 break;
             }
-            match evictable.pop() {
+            let victim = evictable
+                .iter()
+                .rposition(|&(_, p)| p >= w.priority)
+                .map(|i| evictable.remove(i).0);
+            match victim {
                 // Evicting a want that holds nothing (a prompt not yet
                 // prefilled, a choice not yet forked) frees nothing: it
                 // would only throw its turn away and count a preemption.
@@ -308,6 +322,15 @@ pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[SeqId]) -> Grant {
 mod tests {
     use super::*;
 
+    /// A want of priority 0.
+    fn want(seq: SeqId, len: usize) -> Want {
+        Want {
+            seq,
+            len,
+            priority: 0,
+        }
+    }
+
     #[test]
     fn idle_holders_are_evicted_only_when_nothing_else_frees_enough() {
         // 4 blocks of 16: A holds 2 and wants a 3rd; B (a prefill want)
@@ -319,14 +342,14 @@ mod tests {
             kv.reserve(3, &[(Pool::Target, 16)]).unwrap();
             kv
         };
-        let a = Want { seq: 1, len: 40 };
-        let b = Want { seq: 2, len: 16 };
+        let a = want(1, 40);
+        let b = want(2, 16);
         // The want below A goes first.
-        let g = grant(&mut setup(), &[a.clone(), b], &[3]);
+        let g = grant(&mut setup(), &[a.clone(), b], &[(3, 0)]);
         assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
         // With no other want, the idle holder goes rather than A waiting
         // for ever.
-        let g = grant(&mut setup(), std::slice::from_ref(&a), &[3]);
+        let g = grant(&mut setup(), std::slice::from_ref(&a), &[(3, 0)]);
         assert_eq!(
             (g.granted, g.preempted, g.deferred),
             (vec![1], vec![3], vec![])
@@ -336,8 +359,8 @@ mod tests {
         assert_eq!((g.granted, g.deferred), (vec![], vec![1]));
         // A want below A that holds no blocks yet (D, a prompt to prefill)
         // is not evicted for A: that frees nothing. B below it is.
-        let d = Want { seq: 4, len: 16 };
-        let b = Want { seq: 2, len: 16 };
+        let d = want(4, 16);
+        let b = want(2, 16);
         let g = grant(&mut setup(), &[a.clone(), b, d.clone()], &[]);
         assert!(g.deferred.contains(&4), "{g:?}");
         assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
@@ -346,6 +369,41 @@ mod tests {
             (g.granted, g.preempted, g.deferred),
             (vec![], vec![], vec![1, 4])
         );
+    }
+
+    #[test]
+    fn no_want_evicts_a_better_priority() {
+        // A cache of `blocks` blocks of 16 with `held` (sequence, tokens).
+        let cache = |blocks: usize, held: &[(SeqId, usize)]| {
+            let mut kv = KvManager::new(16, blocks);
+            for &(s, n) in held {
+                kv.reserve(s, &[(Pool::Target, n)]).unwrap();
+            }
+            kv
+        };
+        // W (priority 3) holds 2 blocks and wants a 3rd; P (priority -1)
+        // sits the step out holding 2, Q (priority 5) holding 1.
+        let w = Want {
+            seq: 1,
+            len: 40,
+            priority: 3,
+        };
+        // Q (worse) goes, not P, though P is the newer holder.
+        let mut kv = cache(5, &[(1, 32), (2, 32), (3, 16)]);
+        let g = grant(&mut kv, std::slice::from_ref(&w), &[(3, 5), (2, -1)]);
+        assert_eq!((g.granted, g.preempted), (vec![1], vec![3]));
+        // With only P to take from, W waits; a want of a better priority,
+        // or the same, takes P's blocks.
+        for (p, preempted) in [(3, vec![]), (-2, vec![2]), (-1, vec![2])] {
+            let mut kv = cache(4, &[(1, 32), (2, 32)]);
+            let want = Want {
+                priority: p,
+                ..w.clone()
+            };
+            let g = grant(&mut kv, std::slice::from_ref(&want), &[(2, -1)]);
+            assert_eq!(g.preempted, preempted, "priority {p}");
+            assert_eq!(g.granted.is_empty(), preempted.is_empty(), "priority {p}");
+        }
     }
 
     #[test]

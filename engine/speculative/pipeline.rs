@@ -51,7 +51,7 @@ pub struct GrantRequest {
     pub wants: Vec<Want>,
     /// Running sequences without a want this step that hold blocks:
     /// evicted only when nothing else frees enough (`kv_manager::grant`).
-    pub idle: Vec<SeqId>,
+    pub idle: Vec<(SeqId, i32)>,
 }
 
 /// One sequence's owned draft input.

@@ -171,6 +171,7 @@ impl Scheduler {
             });
             wants.push(Want {
                 seq: id,
+                priority: self.priority_of(s),
                 len: s.cached + 1 + k,
             });
         }
@@ -304,6 +305,7 @@ impl Scheduler {
                 });
                 wants.push(Want {
                     seq: id,
+                    priority: self.priority_of(s),
                     len: s.tokens.len() + k,
                 });
                 continue;
@@ -335,6 +337,7 @@ impl Scheduler {
             });
             wants.push(Want {
                 seq: id,
+                priority: self.priority_of(s),
                 len: s.cached + n,
             });
         }
@@ -364,27 +367,33 @@ impl Scheduler {
         // under pressure the worst priority is evicted first (a stable
         // sort: decodes before prefills, in admission order, within one
         // priority). First come, first served ignores priorities.
-        if self.config.scheduling == Scheduling::Fair {
-            wants.sort_by_key(|w| self.seqs.get(&w.seq).map_or(i32::MAX, |s| s.req.priority));
-        }
+        wants.sort_by_key(|w| w.priority);
         (items, wants)
     }
 
+    /// A sequence's priority as the KV grant sees it: its request's under
+    /// fair scheduling; first come, first served ignores priorities.
+    fn priority_of(&self, s: &super::sequence::Sequence) -> i32 {
+        match self.config.scheduling {
+            Scheduling::Fair => s.req.priority,
+            Scheduling::Fcfs => 0,
+        }
+    }
+
     /// Running sequences that hold KV but want nothing this step (the
-    /// token budget ran out before them), in admission order: the grant's
-    /// last-resort victims. A forked choice before its first step holds
-    /// nothing yet.
-    pub fn idle_holders(&self, wants: &[super::kv_manager::Want]) -> Vec<SeqId> {
+    /// token budget ran out before them), in admission order, with their
+    /// priorities: the grant's last-resort victims. A forked choice before
+    /// its first step holds nothing yet.
+    pub fn idle_holders(&self, wants: &[super::kv_manager::Want]) -> Vec<(SeqId, i32)> {
         self.running
             .iter()
-            .copied()
-            .filter(|id| !wants.iter().any(|w| w.seq == *id))
-            .filter(|id| {
-                self.seqs.get(id).is_some_and(|s| {
-                    s.cached > 0
-                        && s.fork_from.is_none()
-                        && matches!(s.status, SeqStatus::Decoding | SeqStatus::Prefill)
-                })
+            .filter(|id| !wants.iter().any(|w| w.seq == **id))
+            .filter_map(|id| {
+                let s = self.seqs.get(id)?;
+                (s.cached > 0
+                    && s.fork_from.is_none()
+                    && matches!(s.status, SeqStatus::Decoding | SeqStatus::Prefill))
+                .then(|| (*id, self.priority_of(s)))
             })
             .collect()
     }

@@ -221,6 +221,9 @@ pub struct ProposerInfo {
     /// From starting the replacement child to its first answer.
     pub last_start_ms: Option<f64>,
     pub last_failure: Option<String>,
+    /// The library file this instance runs (or, composed, a member's) was
+    /// replaced since it was loaded: a reload builds the proposer anew.
+    pub library_rebuilt: bool,
 }
 
 /// A drafting strategy. Implementations live in the engine (built-ins and
