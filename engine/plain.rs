@@ -78,9 +78,7 @@ pub fn generate(
         if let Some(g) = guide.as_mut() {
             g.advance(next)?;
         }
-        if (!req.ignore_eos && model.config.eos_token_ids.contains(&next))
-            || req.stop_token_ids.contains(&next)
-        {
+        if req.ends_at(&model.config.eos_token_ids, next) {
             finish = FinishReason::Stop;
             break;
         }

@@ -67,7 +67,8 @@ pub struct Tokenizer {
     /// spell (for untrusted text: message content, completion prompts).
     text_only: tokenizers::Tokenizer,
     chat_template: Option<String>,
-    /// The chat template compiled once, at first use (or `check_chat`):
+    /// The chat template compiled once, at first use (or
+    /// `check_chat_template`):
     /// the environment, or why the template does not compile.
     chat_env: std::sync::OnceLock<std::result::Result<ChatEnv, String>>,
     bos_token: String,
@@ -663,21 +664,14 @@ impl Tokenizer {
     /// server refuses to start with a template every chat request would
     /// fail on (instead of answering each client with its error).
     pub fn check_chat_template(&self) -> Result<()> {
-        let env = self.chat_env()?;
-        let tmpl = env.get_template("chat").map_err(tk_err)?;
-        tmpl.render(minijinja::context! {
-            messages => [ChatMessage::new("user", "Hello")],
-            tools => None::<serde_json::Value>,
-            add_generation_prompt => true,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
-        })
-        .map(|_| ())
-        .map_err(|e| {
-            SpecdError::Tokenizer(format!(
-                "the chat template fails on a single user message ({e}); give a working one with `[model] chat_template`"
-            ))
-        })
+        self.chat_env()?;
+        self.apply_chat_template(&[ChatMessage::user("Hello")], true)
+            .map(|_| ())
+            .map_err(|e| {
+                SpecdError::Tokenizer(format!(
+                    "the chat template fails on a single user message ({e}); give a working one with `[model] chat_template`"
+                ))
+            })
     }
 
     /// `Err` for request field `field` (at `at`) if `text` spells one of

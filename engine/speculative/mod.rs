@@ -149,6 +149,12 @@ impl Request {
         Ok(())
     }
 
+    /// Whether token `t` ends the output (not emitted): end of sequence
+    /// (`eos`: the model's ids) unless `ignore_eos`, or a stop token id.
+    pub fn ends_at(&self, eos: &[u32], t: u32) -> bool {
+        (!self.ignore_eos && eos.contains(&t)) || self.stop_token_ids.contains(&t)
+    }
+
     /// The tokens `min_tokens` holds back at the next generated positions
     /// once `generated` tokens exist (`eos`: the model's end-of-sequence
     /// ids), or `None` when nothing is held back any more.

@@ -181,7 +181,7 @@ impl Sequence {
         let mut new_text = String::new();
         let mut new_lps = Vec::new();
         for (i, &t) in r.accepted.tokens.iter().enumerate() {
-            if (!self.req.ignore_eos && eos.contains(&t)) || self.req.stop_token_ids.contains(&t) {
+            if self.req.ends_at(eos, t) {
                 self.finish = Some(FinishReason::Stop);
                 break;
             }
