@@ -562,6 +562,14 @@ fn dflash_greedy_is_plain_decoding() {
         }
         for arm in ["dflash", "dflash-tree"] {
             assert!(e.drafter.poisoned(arm).is_none(), "{name}: {arm} poisoned");
+            // Per position: each draft layer's injected keys and values
+            // (f32) and the position, charged to the KV budget (both
+            // shapes have D's layers).
+            assert_eq!(
+                e.drafter.capabilities(arm).unwrap().kv_bytes_per_token,
+                D.layers * 2 * D.kv_heads * D.head_dim * 4 + 8,
+                "{name}: {arm}"
+            );
             let runs: Vec<_> = done.iter().filter(|c| c.stats.proposer == arm).collect();
             let drafted: u64 = runs.iter().map(|c| c.stats.drafted).sum();
             let accepted: u64 = runs.iter().map(|c| c.stats.accepted).sum();

@@ -70,6 +70,12 @@ fn self_drafting_on_smollm2(options: &str, full_context: bool) {
     // target's), and output must equal plain decoding.
     let cfg = draft_config_with(&path, 4, options);
     let mut e = engine(&model, tok.clone(), &cfg, 3);
+    // The draft's cache (the target's layout here) and its cached token,
+    // per position: what the KV budget charges its sequences.
+    assert_eq!(
+        e.drafter.capabilities("draft").unwrap().kv_bytes_per_token,
+        model.kv_bytes_per_token() + 4
+    );
     // Prompts longer than the windowed variant's first 4 + newest 4
     // tokens, so its first catch-up is cut.
     let texts = [

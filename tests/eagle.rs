@@ -585,6 +585,13 @@ fn eagle_greedy_is_plain_decoding_batched_with_other_proposers() {
             c.stats.proposer
         );
     }
+    // The head's per-position cache is charged to the KV budget; a
+    // compose of ngram (none) and eagle-chain keeps eagle-chain's.
+    let bytes = |n: &str| e.drafter.capabilities(n).unwrap().kv_bytes_per_token;
+    assert!(bytes("eagle-chain") > 0);
+    assert_eq!(bytes("eagle-tree"), bytes("eagle-chain"));
+    assert_eq!(bytes("ngram"), 0);
+    assert_eq!(bytes("hybrid"), bytes("eagle-chain"));
     for name in ["eagle-tree", "eagle-chain"] {
         let runs: Vec<&Completion> = done.iter().filter(|c| c.stats.proposer == name).collect();
         let drafted: u64 = runs.iter().map(|c| c.stats.drafted).sum();

@@ -247,6 +247,8 @@ fn greedy_identity_with(target: &Path, extra: &str, max_hidden_rows: Option<usiz
     let mut out = [0; 2];
     for (slot, name) in ["mtp", "mtp-tree"].into_iter().enumerate() {
         assert!(e.drafter.poisoned(name).is_none(), "{name} poisoned");
+        // The module's own cache is charged to the KV budget.
+        assert!(e.drafter.capabilities(name).unwrap().kv_bytes_per_token > 0);
         // Greedy output is plain decoding whatever the module drafts (its
         // random weights rarely agree with the target's argmax): this
         // checks the drafting path runs, unpoisoned.

@@ -335,7 +335,7 @@ fn broken_libraries_give_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("plugin built for ABI 1.0, this host speaks ABI 2.1"),
+        e.contains("plugin built for ABI 1.0, this host speaks ABI 2.2"),
         "{e}"
     );
     // A panic in `default_capabilities` stays in the plugin's entry point.

@@ -674,6 +674,61 @@ fn stop_string_inside_an_accepted_run() {
     );
 }
 
+/// A proposer that keeps a cache as big as the target's per token is
+/// charged as many blocks again: after every step the budget in use is
+/// twice the blocks of the sequences' committed lengths; in a budget that
+/// holds both only uncharged at their ends the peak stays within it, and
+/// the output stays plain decoding's.
+#[test]
+fn a_proposer_cache_is_charged_to_the_kv_budget() {
+    let (_d, model) = tiny_model(&TINY, 5);
+    let n = 60;
+    let ps = prompts(TINY.vocab as u32);
+    let ps = vec![ps[3].clone(), ps[0].clone()];
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain_no_eos(&model, p, n)).collect();
+    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
+    let per_token = model.kv_bytes_per_token();
+    let bs = specd::model::DEFAULT_BLOCK_SIZE;
+    for kv_blocks in [None, Some(6)] {
+        let oracle = OracleProposer::new(answers.clone(), 0.3, 4, TINY.vocab as u32)
+            .with_cache_bytes(per_token);
+        let mut e = engine(&model, None, vec![Box::new(oracle)], 2, kv_blocks);
+        let ids: Vec<u64> = oracle_requests(&ps, n)
+            .into_iter()
+            .map(|mut r| {
+                r.ignore_eos = true;
+                e.add(r, None).unwrap()
+            })
+            .collect();
+        let mut done = Vec::new();
+        let mut peak = 0;
+        while done.len() < ids.len() {
+            done.extend(e.step().unwrap().finished);
+            // A finished sequence's cache goes with the next step.
+            let held: usize = ids
+                .iter()
+                .filter(|&&id| !done.iter().any(|c: &Completion| c.id == id))
+                .filter_map(|&id| e.verifier.cache_len(id))
+                .map(|len| 2 * len.div_ceil(bs))
+                .sum();
+            let used = e.kv.usage(Pool::Target).unwrap().used_blocks;
+            assert_eq!(used, held, "budget {kv_blocks:?}: charged blocks");
+            peak = peak.max(used);
+        }
+        // 70 + 60 and 5 + 60 tokens: at most 3 and 2 blocks, doubled; 6
+        // blocks hold the first alone at its end.
+        assert!(peak >= 6, "peak {peak}");
+        if let Some(b) = kv_blocks {
+            assert!(peak <= b, "peak {peak} over the budget {b}");
+        }
+        done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
+        for (c, w) in done.iter().zip(&want) {
+            assert_eq!(&c.tokens, w, "budget {kv_blocks:?}");
+        }
+        assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+    }
+}
+
 #[test]
 fn cancellation_frees_kv() {
     let (_d, model) = tiny_model(&TINY, 6);

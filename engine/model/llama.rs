@@ -289,6 +289,14 @@ impl Model {
         self.kv_dtype
     }
 
+    /// Bytes one position takes in a cache from `new_cache` (every layer's
+    /// keys and values; sliding layers counted whole: an upper bound).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let mut layout = self.config.kv_layout(1);
+        layout.dtype = self.kv_dtype;
+        layout.block_bytes()
+    }
+
     /// Convenience: forward one sequence.
     pub fn forward_one(
         &self,

@@ -324,6 +324,7 @@ impl Proposer for PluginProposer {
             },
             // Set by the host's configuration (`speculative::proposer::Priced`).
             token_cost: None,
+            kv_bytes_per_token: c.kv_bytes_per_token as usize,
         }
     }
 

@@ -97,6 +97,7 @@ impl Writer {
             SiblingMode::Iid => 0,
             SiblingMode::WithoutReplacement => 1,
         });
+        self.u64(c.kv_bytes_per_token as u64);
     }
 
     pub fn draft(&mut self, d: &Draft) {
@@ -250,6 +251,7 @@ impl<'a> Reader<'a> {
             },
             // The host's configuration, not the plugin's to declare.
             token_cost: None,
+            kv_bytes_per_token: self.u64()? as usize,
         })
     }
 
@@ -392,6 +394,7 @@ mod tests {
             max_depth: 5,
             siblings: SiblingMode::Iid,
             token_cost: None,
+            kv_bytes_per_token: 46_088,
         };
         let mut w = Writer::default();
         w.caps(&caps);

@@ -641,6 +641,7 @@ impl EngineHandle {
         drafter.set_vocab(vocab);
         // Each SyncArbiter factory runs once (one thread per stage).
         let window = WindowCost::of(&model.config.kv_layout(crate::model::DEFAULT_BLOCK_SIZE));
+        let kv_manager = KvManager::for_model(&model, config.kv_blocks);
         let prefix_blocks = config.prefix_cache_blocks;
         let verifier = Verifier::new(model.clone()).with_prefix_cache(prefix_blocks);
         let prefix_probe = verifier.prefix_probe();
@@ -666,11 +667,7 @@ impl EngineHandle {
         let acceptor = SyncArbiter::start(1, move || AcceptActor {
             core: Acceptor::new(vocab),
         });
-        let kv = KvManagerActor {
-            kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks)
-                .with_window(Pool::Target, window),
-        }
-        .start();
+        let kv = KvManagerActor { kv: kv_manager }.start();
         let health = Arc::new(EngineHealth::default());
         let mut sched = Scheduler::new(config.scheduler, tokenizer);
         sched.set_prefix_probe(prefix_probe);

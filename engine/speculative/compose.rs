@@ -220,6 +220,8 @@ impl Compose {
                 _ => QKind::OneHot,
             };
             caps.max_draft = caps.max_draft.max(c.max_draft);
+            // Every member keeps its own cache for the sequence.
+            caps.kv_bytes_per_token = caps.kv_bytes_per_token.saturating_add(c.kv_bytes_per_token);
             caps.max_depth = caps
                 .max_depth
                 .max(if c.tree { c.max_depth } else { c.max_draft });

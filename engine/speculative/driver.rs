@@ -8,7 +8,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::accept::Acceptor;
 use super::drafter::Drafter;
-use super::kv_manager::{KvManager, Pool, WindowCost};
+use super::kv_manager::{KvManager, WindowCost};
 use super::pipeline::{Step, StepReport};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::verify::Verifier;
@@ -117,6 +117,7 @@ impl SyncDriver {
         let mut drafter = drafter;
         drafter.set_vocab(vocab);
         let window = WindowCost::of(&model.config.kv_layout(crate::model::DEFAULT_BLOCK_SIZE));
+        let kv = KvManager::for_model(&model, config.kv_blocks);
         let verifier = Verifier::new(model).with_prefix_cache(config.prefix_cache_blocks);
         let mut scheduler = Scheduler::new(config.scheduler, tokenizer);
         scheduler.set_prefix_probe(verifier.prefix_probe());
@@ -125,8 +126,7 @@ impl SyncDriver {
             steps: 0,
             times: StageTimes::default(),
             scheduler,
-            kv: KvManager::new(crate::model::DEFAULT_BLOCK_SIZE, config.kv_blocks)
-                .with_window(Pool::Target, window),
+            kv,
             drafter,
             verifier,
             acceptor: Acceptor::new(vocab),

@@ -1,5 +1,5 @@
-//! KV memory accounting in fixed-size blocks, for the target cache and any
-//! draft cache, with one reserve / commit / free vocabulary for all of them.
+//! KV memory accounting in fixed-size blocks of the target cache, with one
+//! reserve / commit / free vocabulary.
 //!
 //! Invariants:
 //! - `used <= capacity` for every pool, always.
@@ -8,9 +8,13 @@
 //!   a block only for the blocks a cache keeps (`KvLayout::
 //!   local_blocks_held`), in whole-block units rounded up, so a long
 //!   sequence of such a model costs about its global layers' share;
-//!   `reserve` raises that length before a step (all-or-nothing across
-//!   pools), `commit` lowers it to the committed length after (rollback of
-//!   rejected positions), `free` returns everything.
+//!   `reserve` raises that length before a step, `commit` lowers it to the
+//!   committed length after (rollback of rejected positions), `free`
+//!   returns everything.
+//! - A sequence whose proposer keeps its own per-sequence cache (a draft
+//!   model's KV: `Capabilities::kv_bytes_per_token`) is charged that
+//!   cache's bytes for the same length on top, in blocks of the target's
+//!   size (`with_block_bytes`) rounded up: one budget holds both caches.
 //! - Nothing here touches tensors: the owners of the caches apply the same
 //!   lengths (`KvCache::truncate`), so accounting and memory agree.
 
@@ -18,11 +22,11 @@ use std::collections::HashMap;
 
 use super::SeqId;
 
-/// Which cache a reservation is for.
+/// Which cache a reservation is for: the target's (a proposer's own cache
+/// is charged to it, per sequence).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Pool {
     Target,
-    Draft,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +71,10 @@ struct PoolState {
     used: usize,
     /// Reserved token length per sequence.
     lens: HashMap<SeqId, usize>,
+    /// Bytes per token of a sequence's proposer cache, where not 0.
+    charges: HashMap<SeqId, usize>,
+    /// Bytes of one block (0: charges count nothing).
+    block_bytes: usize,
     window: Option<WindowCost>,
 }
 
@@ -80,8 +88,24 @@ impl PoolState {
         }
     }
 
+    /// Blocks of `len` tokens with a proposer cache of `charge` bytes a
+    /// token on top.
+    fn charged(&self, len: usize, charge: usize) -> usize {
+        let extra = if charge == 0 || self.block_bytes == 0 {
+            0
+        } else {
+            let b = (len as u128 * charge as u128).div_ceil(self.block_bytes as u128);
+            usize::try_from(b).unwrap_or(usize::MAX)
+        };
+        self.blocks(len).saturating_add(extra)
+    }
+
+    fn charge(&self, seq: SeqId) -> usize {
+        self.charges.get(&seq).copied().unwrap_or(0)
+    }
+
     fn held(&self, seq: SeqId) -> usize {
-        self.blocks(self.lens.get(&seq).copied().unwrap_or(0))
+        self.charged(self.lens.get(&seq).copied().unwrap_or(0), self.charge(seq))
     }
 }
 
@@ -91,7 +115,7 @@ pub struct KvManager {
 }
 
 impl KvManager {
-    /// A manager for the target cache only.
+    /// A manager for the target cache.
     pub fn new(block_size: usize, capacity_blocks: usize) -> Self {
         let mut pools = HashMap::new();
         pools.insert(
@@ -101,25 +125,23 @@ impl KvManager {
                 capacity: capacity_blocks,
                 used: 0,
                 lens: HashMap::new(),
+                charges: HashMap::new(),
+                block_bytes: 0,
                 window: None,
             },
         );
         Self { pools }
     }
 
-    /// Add (or resize) the draft pool.
-    pub fn with_draft_pool(mut self, block_size: usize, capacity_blocks: usize) -> Self {
-        self.pools.insert(
-            Pool::Draft,
-            PoolState {
-                block_size,
-                capacity: capacity_blocks,
-                used: 0,
-                lens: HashMap::new(),
-                window: None,
-            },
-        );
-        self
+    /// The manager for `model`'s target cache: `capacity_blocks` blocks of
+    /// `DEFAULT_BLOCK_SIZE` tokens, its sliding-window layers counted as
+    /// its caches keep them, proposer caches charged in its block bytes.
+    pub fn for_model(model: &crate::model::Model, capacity_blocks: usize) -> Self {
+        let mut layout = model.config.kv_layout(crate::model::DEFAULT_BLOCK_SIZE);
+        layout.dtype = model.kv_dtype();
+        Self::new(crate::model::DEFAULT_BLOCK_SIZE, capacity_blocks)
+            .with_window(Pool::Target, WindowCost::of(&layout))
+            .with_block_bytes(Pool::Target, layout.block_bytes())
     }
 
     /// Count `pool`'s sequences as caches with sliding-window layers do
@@ -128,6 +150,17 @@ impl KvManager {
         if let Some(p) = self.pools.get_mut(&pool) {
             debug_assert!(p.lens.is_empty());
             p.window = window;
+        }
+        self
+    }
+
+    /// The bytes of one of `pool`'s blocks, what a proposer's per-token
+    /// cache bytes are charged in (0, the default: not charged). Before
+    /// any reservation.
+    pub fn with_block_bytes(mut self, pool: Pool, bytes: usize) -> Self {
+        if let Some(p) = self.pools.get_mut(&pool) {
+            debug_assert!(p.lens.is_empty());
+            p.block_bytes = bytes;
         }
         self
     }
@@ -145,13 +178,22 @@ impl KvManager {
     pub fn extra_blocks(&self, pool: Pool, seq: SeqId, len: usize) -> usize {
         self.pools
             .get(&pool)
-            .map(|p| p.blocks(len).saturating_sub(p.held(seq)))
+            .map(|p| p.charged(len, p.charge(seq)).saturating_sub(p.held(seq)))
             .unwrap_or(0)
     }
 
     /// Blocks `len` tokens occupy in `pool`.
     pub fn blocks_for(&self, pool: Pool, len: usize) -> usize {
         self.pools.get(&pool).map(|p| p.blocks(len)).unwrap_or(0)
+    }
+
+    /// Blocks `len` tokens occupy in `pool` with a proposer cache of
+    /// `charge` bytes a token.
+    pub fn charged_blocks_for(&self, pool: Pool, len: usize, charge: usize) -> usize {
+        self.pools
+            .get(&pool)
+            .map(|p| p.charged(len, charge))
+            .unwrap_or(0)
     }
 
     pub fn free_blocks(&self, pool: Pool) -> usize {
@@ -163,11 +205,30 @@ impl KvManager {
 
     /// Raise `seq`'s reserved lengths (never lowers). All-or-nothing.
     pub fn reserve(&mut self, seq: SeqId, wants: &[(Pool, usize)]) -> Result<(), OutOfBlocks> {
-        for &(pool, len) in wants {
+        let charged: Vec<(Pool, usize, usize)> = wants
+            .iter()
+            .filter_map(|&(pool, len)| Some((pool, len, self.pools.get(&pool)?.charge(seq))))
+            .collect();
+        self.reserve_charged(seq, &charged)
+    }
+
+    /// `reserve` with the bytes a token of `seq`'s proposer cache takes
+    /// (`(pool, len, charge)`): a changed charge is applied with the
+    /// length (a lower one frees blocks). All-or-nothing.
+    pub fn reserve_charged(
+        &mut self,
+        seq: SeqId,
+        wants: &[(Pool, usize, usize)],
+    ) -> Result<(), OutOfBlocks> {
+        let target = |p: &PoolState, len: usize, charge: usize| {
+            let cur = p.lens.get(&seq).copied().unwrap_or(0);
+            p.charged(len.max(cur), charge)
+        };
+        for &(pool, len, charge) in wants {
             let Some(p) = self.pools.get(&pool) else {
                 continue;
             };
-            let extra = p.blocks(len).saturating_sub(p.held(seq));
+            let extra = target(p, len, charge).saturating_sub(p.held(seq));
             if extra > p.capacity - p.used {
                 return Err(OutOfBlocks {
                     pool,
@@ -176,15 +237,20 @@ impl KvManager {
                 });
             }
         }
-        for &(pool, len) in wants {
+        for &(pool, len, charge) in wants {
             let Some(p) = self.pools.get_mut(&pool) else {
                 continue;
             };
+            let (old, new) = (p.held(seq), target(p, len, charge));
+            p.used = p.used + new - old;
             let cur = p.lens.get(&seq).copied().unwrap_or(0);
             if len > cur {
-                let extra = p.blocks(len) - p.blocks(cur);
-                p.used += extra;
                 p.lens.insert(seq, len);
+            }
+            if charge == 0 {
+                p.charges.remove(&seq);
+            } else {
+                p.charges.insert(seq, charge);
             }
         }
         Ok(())
@@ -196,8 +262,9 @@ impl KvManager {
         let Some(p) = self.pools.get_mut(&pool) else {
             return;
         };
+        let charge = p.charge(seq);
         let cur = p.lens.get(&seq).copied().unwrap_or(0);
-        let (old_b, new_b) = (p.blocks(cur), p.blocks(len));
+        let (old_b, new_b) = (p.charged(cur, charge), p.charged(len, charge));
         if new_b > old_b {
             // Committing more than was reserved is a caller bug; account
             // for it rather than let `used` drift.
@@ -211,9 +278,11 @@ impl KvManager {
     /// Release every block `seq` holds.
     pub fn free(&mut self, seq: SeqId) {
         for p in self.pools.values_mut() {
-            if let Some(len) = p.lens.remove(&seq) {
-                p.used -= p.blocks(len);
+            let held = p.held(seq);
+            if p.lens.remove(&seq).is_some() {
+                p.used -= held;
             }
+            p.charges.remove(&seq);
         }
     }
 
@@ -239,6 +308,9 @@ pub struct Want {
     /// Scheduling priority (lower runs first; all 0 where priorities are
     /// ignored): no want evicts a sequence of a better one.
     pub priority: i32,
+    /// Bytes a token of the sequence's proposer cache takes (0: none),
+    /// charged with its blocks.
+    pub charge: usize,
 }
 
 /// The KV manager's answer to a step's wants.
@@ -290,8 +362,19 @@ pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[(SeqId, i32)]) -> Grant
             g.too_big.push(w.seq);
             continue;
         }
+        // A sequence the budget holds only without its proposer's cache
+        // still runs (a budget that small is the operator's choice; the
+        // request is not failed for the proposer's sake): uncharged.
+        let charge = if kv.charged_blocks_for(Pool::Target, w.len, w.charge) > capacity {
+            0
+        } else {
+            w.charge
+        };
         loop {
-            if kv.reserve(w.seq, &[(Pool::Target, w.len)]).is_ok() {
+            if kv
+                .reserve_charged(w.seq, &[(Pool::Target, w.len, charge)])
+                .is_ok()
+            {
                 g.granted.push(w.seq);
                 break;
             }
@@ -328,6 +411,7 @@ mod tests {
             seq,
             len,
             priority: 0,
+            charge: 0,
         }
     }
 
@@ -387,6 +471,7 @@ mod tests {
             seq: 1,
             len: 40,
             priority: 3,
+            charge: 0,
         };
         // Q (worse) goes, not P, though P is the newer holder.
         let mut kv = cache(5, &[(1, 32), (2, 32), (3, 16)]);
@@ -408,11 +493,9 @@ mod tests {
 
     #[test]
     fn reserve_commit_free_keep_usage_exact() {
-        let mut kv = KvManager::new(16, 10).with_draft_pool(16, 4);
-        kv.reserve(1, &[(Pool::Target, 40), (Pool::Draft, 20)])
-            .unwrap();
+        let mut kv = KvManager::new(16, 10);
+        kv.reserve(1, &[(Pool::Target, 40)]).unwrap();
         assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3);
-        assert_eq!(kv.usage(Pool::Draft).unwrap().used_blocks, 2);
         // Verify wrote 8 speculative slots; only 2 were accepted.
         kv.reserve(1, &[(Pool::Target, 48)]).unwrap();
         assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3);
@@ -422,8 +505,79 @@ mod tests {
         assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3);
         kv.free(1);
         assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 0);
-        assert_eq!(kv.usage(Pool::Draft).unwrap().used_blocks, 0);
         assert_eq!(kv.holders(), 0);
+    }
+
+    /// A proposer cache of a quarter of the target's bytes per token is
+    /// charged a quarter block per block of length, rounded up, through
+    /// reserve, commit, a lowered charge and free.
+    #[test]
+    fn a_proposer_cache_is_charged_beside_the_target_blocks() {
+        // Blocks of 16 tokens of 1,024 bytes: 64 bytes a token.
+        let mut kv = KvManager::new(16, 10).with_block_bytes(Pool::Target, 1024);
+        kv.reserve_charged(1, &[(Pool::Target, 40, 16)]).unwrap();
+        // 3 blocks for 40 tokens, and 40 x 16 = 640 bytes: 1 more.
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 4);
+        assert_eq!(kv.held_blocks(Pool::Target, 1), 4);
+        // Later reservations keep the charge.
+        kv.reserve(1, &[(Pool::Target, 80)]).unwrap();
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 5 + 2);
+        assert_eq!(kv.extra_blocks(Pool::Target, 1, 100), 7 + 2 - 7);
+        kv.commit(1, Pool::Target, 33);
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3 + 1);
+        // Another sequence without a proposer cache.
+        kv.reserve(2, &[(Pool::Target, 64)]).unwrap();
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 8);
+        // 2 free: a charged want of 3 more blocks fails, all or nothing.
+        let err = kv
+            .reserve_charged(1, &[(Pool::Target, 80, 16)])
+            .unwrap_err();
+        assert_eq!((err.needed, err.free), (3, 2));
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 8);
+        // The proposer dropped its cache: the charge goes, length kept.
+        kv.reserve_charged(1, &[(Pool::Target, 33, 0)]).unwrap();
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 3 + 4);
+        kv.free(1);
+        kv.free(2);
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 0);
+        // Without block bytes a charge counts nothing.
+        let mut plain = KvManager::new(16, 10);
+        plain.reserve_charged(1, &[(Pool::Target, 40, 16)]).unwrap();
+        assert_eq!(plain.usage(Pool::Target).unwrap().used_blocks, 3);
+    }
+
+    /// The grant charges a want's proposer cache, evicting for it like for
+    /// its own blocks; a want that fits only uncharged runs uncharged.
+    #[test]
+    fn the_grant_charges_the_proposer_cache() {
+        let charged = |seq, len, charge| Want {
+            charge,
+            ..want(seq, len)
+        };
+        // 6 blocks of 16 tokens, 64 bytes a token; B holds 2.
+        let setup = || {
+            let mut kv = KvManager::new(16, 6).with_block_bytes(Pool::Target, 1024);
+            kv.reserve(2, &[(Pool::Target, 32)]).unwrap();
+            kv
+        };
+        // A: 48 tokens, 3 blocks, and a cache as big as the target's per
+        // token (3 more): B is evicted for the charge.
+        let mut kv = setup();
+        let g = grant(&mut kv, &[charged(1, 48, 64)], &[(2, 0)]);
+        assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
+        assert_eq!(kv.held_blocks(Pool::Target, 1), 6);
+        // Uncharged, A fits beside B.
+        let mut kv = setup();
+        let g = grant(&mut kv, &[charged(1, 48, 0)], &[(2, 0)]);
+        assert_eq!((g.granted, g.preempted), (vec![1], vec![]));
+        // 80 tokens fit the 6 blocks only without the charge: granted
+        // uncharged, B evicted; 112 tokens do not fit at all.
+        let mut kv = setup();
+        let g = grant(&mut kv, &[charged(1, 80, 64)], &[(2, 0)]);
+        assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
+        assert_eq!(kv.held_blocks(Pool::Target, 1), 5);
+        let g = grant(&mut setup(), &[charged(1, 112, 64)], &[(2, 0)]);
+        assert_eq!(g.too_big, vec![1]);
     }
 
     /// Five of six layers slide: a long sequence costs its global layer's
@@ -452,14 +606,11 @@ mod tests {
 
     #[test]
     fn reserve_is_all_or_nothing() {
-        let mut kv = KvManager::new(16, 4).with_draft_pool(16, 1);
-        let err = kv
-            .reserve(7, &[(Pool::Target, 32), (Pool::Draft, 40)])
-            .unwrap_err();
-        assert_eq!(err.pool, Pool::Draft);
-        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 0);
+        let mut kv = KvManager::new(16, 4);
+        kv.reserve(7, &[(Pool::Target, 32)]).unwrap();
         let err = kv.reserve(7, &[(Pool::Target, 100)]).unwrap_err();
-        assert_eq!((err.needed, err.free), (7, 4));
+        assert_eq!((err.needed, err.free), (5, 2));
         assert!(err.to_string().contains("KV cache full"));
+        assert_eq!(kv.usage(Pool::Target).unwrap().used_blocks, 2);
     }
 }

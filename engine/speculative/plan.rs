@@ -173,6 +173,7 @@ impl Scheduler {
                 seq: id,
                 priority: self.priority_of(s),
                 len: s.cached + 1 + k,
+                charge: pcaps.map_or(0, |c| c.kv_bytes_per_token),
             });
         }
         // Prefill chunks from what the decodes left (at most
@@ -307,6 +308,7 @@ impl Scheduler {
                     seq: id,
                     priority: self.priority_of(s),
                     len: s.tokens.len() + k,
+                    charge: pcaps.map_or(0, |c| c.kv_bytes_per_token),
                 });
                 continue;
             }
@@ -339,6 +341,7 @@ impl Scheduler {
                 seq: id,
                 priority: self.priority_of(s),
                 len: s.cached + n,
+                charge: pcaps.map_or(0, |c| c.kv_bytes_per_token),
             });
         }
         // With sliding-window layers, a choice that may still fork copies

@@ -64,6 +64,10 @@ pub struct Capabilities {
     /// so its draft lengths (and a seeded request's tokens, and an A/B
     /// run's drafting) do not depend on timing.
     pub token_cost: Option<f64>,
+    /// Bytes of per-sequence cache the proposer keeps per token of a
+    /// sequence, at most (a draft model's KV cache): the KV manager charges
+    /// them to the budget beside the target's cache (`kv_manager`).
+    pub kv_bytes_per_token: usize,
 }
 
 impl Default for Capabilities {
@@ -76,6 +80,7 @@ impl Default for Capabilities {
             max_depth: 16,
             siblings: SiblingMode::default(),
             token_cost: None,
+            kv_bytes_per_token: 0,
         }
     }
 }

@@ -56,7 +56,7 @@ use core::ffi::c_void;
 /// Incremented on any incompatible change.
 pub const ABI_MAJOR: u32 = 2;
 /// Incremented when fields or functions are appended.
-pub const ABI_MINOR: u32 = 1;
+pub const ABI_MINOR: u32 = 2;
 
 /// The symbol every plugin exports: `extern "C" fn() -> *const Descriptor`.
 pub const ENTRY_SYMBOL: &[u8] = b"specd_proposer_entry\0";
@@ -173,6 +173,11 @@ pub struct Capabilities {
     /// 1 if the plugin calls `HostApi::embed` / `HostApi::lm_head`.
     pub needs_embeddings: u32,
     pub needs_output_head: u32,
+    /// Since 2.2: bytes of per-sequence cache (a draft model's KV, a
+    /// head's own attention cache) the plugin keeps for each token of a
+    /// sequence, at most; the host charges them to its KV budget beside
+    /// the target's cache. 0 (and every plugin built before 2.2): none.
+    pub kv_bytes_per_token: u32,
 }
 
 // SAFETY: repr(C), starts with struct_size, all-zero is valid.

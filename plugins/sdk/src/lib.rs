@@ -114,6 +114,9 @@ pub struct Caps {
     pub hidden_layers: Vec<u32>,
     pub needs_embeddings: bool,
     pub needs_output_head: bool,
+    /// Bytes of per-sequence cache kept per token of a sequence, at most
+    /// (a draft model's KV cache): the host counts them in its KV budget.
+    pub kv_bytes_per_token: u32,
 }
 
 impl Caps {
@@ -128,6 +131,7 @@ impl Caps {
             hidden_layers: Vec::new(),
             needs_embeddings: false,
             needs_output_head: false,
+            kv_bytes_per_token: 0,
         }
     }
 
@@ -150,6 +154,7 @@ impl Caps {
             hidden_layers: layers,
             needs_embeddings: u32::from(self.needs_embeddings),
             needs_output_head: u32::from(self.needs_output_head),
+            kv_bytes_per_token: self.kv_bytes_per_token,
         }
     }
 }

@@ -542,6 +542,13 @@ impl Plugin for DflashPlugin {
                 .collect(),
             needs_embeddings: true,
             needs_output_head: self.model.lm_head.is_none(),
+            // Per cached position: every draft layer's injected keys and
+            // values (f32) and the position.
+            kv_bytes_per_token: u32::try_from(
+                self.model.layers.len() * 2 * self.model.cfg.kv_dim() * std::mem::size_of::<f32>()
+                    + std::mem::size_of::<usize>(),
+            )
+            .unwrap_or(u32::MAX),
         }
     }
 

@@ -398,6 +398,11 @@ impl Plugin for DraftModel {
     fn capabilities(&self) -> Caps {
         Caps {
             q_kind: abi::Q_FULL,
+            // The draft model's cache and the cached token, per position.
+            kv_bytes_per_token: u32::try_from(
+                self.model.kv_bytes_per_token() + std::mem::size_of::<u32>(),
+            )
+            .unwrap_or(u32::MAX),
             ..Caps::one_hot(self.max_draft as u32)
         }
     }

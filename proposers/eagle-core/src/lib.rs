@@ -520,7 +520,16 @@ impl Eagle {
                 .collect(),
             needs_embeddings: true,
             needs_output_head: self.head.lm_head.is_none(),
+            kv_bytes_per_token: self.kv_bytes_per_token(),
         }
+    }
+
+    /// Bytes a sequence's state takes per cached position: the head's keys
+    /// and values (f32) and the row's position.
+    fn kv_bytes_per_token(&self) -> u32 {
+        let b =
+            2 * self.head.cfg.kv_dim() * std::mem::size_of::<f32>() + std::mem::size_of::<usize>();
+        u32::try_from(b).unwrap_or(u32::MAX)
     }
 
     pub fn start_seq(&mut self, seq: u64) -> Result<(), String> {

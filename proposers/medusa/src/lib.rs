@@ -436,6 +436,8 @@ impl Plugin for Medusa {
             hidden_layers: vec![self.final_layer as u32],
             needs_embeddings: false,
             needs_output_head: self.head.cfg.output == specd_model::medusa::Output::Target,
+            // A sequence keeps its newest hidden state only.
+            kv_bytes_per_token: 0,
         }
     }
 

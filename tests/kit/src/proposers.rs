@@ -15,9 +15,18 @@ pub struct OracleProposer {
     /// Wall time every propose call spends before drafting (a slow
     /// proposer's own model, for pricing tests).
     delay: Option<std::time::Duration>,
+    /// Bytes per token of a per-sequence cache it declares (none kept).
+    cache_bytes: usize,
 }
 
 impl OracleProposer {
+    /// The same oracle, declaring a per-sequence cache of `bytes` a token
+    /// (`Capabilities::kv_bytes_per_token`), as a draft model does.
+    pub fn with_cache_bytes(mut self, bytes: usize) -> Self {
+        self.cache_bytes = bytes;
+        self
+    }
+
     /// The same oracle, spending `delay` in every propose call.
     pub fn with_delay(mut self, delay: std::time::Duration) -> Self {
         self.delay = Some(delay);
@@ -38,6 +47,7 @@ impl OracleProposer {
             prompts: Default::default(),
             rng: Rng::new(99),
             delay: None,
+            cache_bytes: 0,
         }
     }
 }
@@ -49,6 +59,7 @@ impl Proposer for OracleProposer {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             max_draft: self.max_draft,
+            kv_bytes_per_token: self.cache_bytes,
             ..Default::default()
         }
     }
