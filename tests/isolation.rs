@@ -536,9 +536,10 @@ fn a_reload_rebuilds_a_poisoned_proposer_even_when_its_config_is_unchanged() {
 /// A plugin rebuilt in place (a new file renamed over the old one, as
 /// cargo and `install` do) is loaded anew by a reload, though its config
 /// is unchanged: the dynamic loader would hand back the library already
-/// loaded under that path. An untouched file stays as it is; a reload
-/// that fails after loading the new file does not make the instances
-/// still running the old one look current to the next.
+/// loaded under that path; a process-isolated instance gets a child that
+/// loads the new file. An untouched file stays as it is; a reload that
+/// fails after loading the new file does not make the instances still
+/// running the old one look current to the next.
 #[test]
 fn a_reload_loads_a_plugin_rebuilt_at_the_same_path() {
     let dir = common::TempDir::new("rebuilt-plugin");
@@ -554,7 +555,7 @@ fn a_reload_loads_a_plugin_rebuilt_at_the_same_path() {
     // `strict` passes an option only the first library knows.
     let config = |strict_options: &str| {
         format!(
-            "[[proposer]]\nname = \"swap\"\npath = \"{p}\"\n[[proposer]]\nname = \"strict\"\npath = \"{p}\"\n{strict_options}",
+            "[[proposer]]\nname = \"swap\"\npath = \"{p}\"\n[[proposer]]\nname = \"iso\"\npath = \"{p}\"\nisolation = \"process\"\n[[proposer]]\nname = \"strict\"\npath = \"{p}\"\n{strict_options}",
             p = path.display()
         )
     };
@@ -584,7 +585,7 @@ fn a_reload_loads_a_plugin_rebuilt_at_the_same_path() {
         v.sort();
         v
     };
-    assert_eq!(names(&reload(&d), "unchanged"), ["strict", "swap"]);
+    assert_eq!(names(&reload(&d), "unchanged"), ["iso", "strict", "swap"]);
     let ngram = common::target_dir()
         .join("release")
         .join(lib_file("specd_proposer_ngram"));
@@ -597,19 +598,25 @@ fn a_reload_loads_a_plugin_rebuilt_at_the_same_path() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("unknown option `mode`"), "{}", r.body);
     assert_eq!(plugin(&d, "swap"), Some(json!("crashy")));
+    assert_eq!(plugin(&d, "iso"), Some(json!("crashy")));
     std::fs::write(d.config_path(), config("")).unwrap();
-    assert_eq!(names(&reload(&d), "replaced"), ["strict", "swap"]);
-    assert_eq!(
-        plugin(&d, "swap"),
-        Some(json!("ngram")),
-        "{:?}",
-        listing(&d)
-    );
+    // The process-isolated instance too: its child loaded the old file.
+    assert_eq!(names(&reload(&d), "replaced"), ["iso", "strict", "swap"]);
     let (plain, _) = complete(&d.addr, PROMPTS[1], "none", false);
-    let (text, usage) = complete(&d.addr, PROMPTS[1], "swap", false);
-    assert_eq!(text, plain);
-    assert!(
-        usage["speculation"]["accepted_tokens"].as_u64().unwrap() > 0,
-        "{usage}"
-    );
+    for name in ["swap", "iso"] {
+        assert_eq!(
+            plugin(&d, name),
+            Some(json!("ngram")),
+            "{name}: {:?}",
+            listing(&d)
+        );
+        let (text, usage) = complete(&d.addr, PROMPTS[1], name, false);
+        assert_eq!(text, plain);
+        assert!(
+            usage["speculation"]["accepted_tokens"].as_u64().unwrap() > 0,
+            "{name}: {usage}"
+        );
+    }
+    // Nothing was rebuilt since: the next reload keeps every instance.
+    assert_eq!(names(&reload(&d), "unchanged"), ["iso", "strict", "swap"]);
 }

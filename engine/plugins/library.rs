@@ -81,14 +81,14 @@ pub(super) unsafe fn abi_string(s: abi::Str) -> String {
 /// Which file a path held when it was loaded: a library rebuilt in its
 /// place (a new file renamed over it) has another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileId {
+pub(super) struct FileId {
     dev: u64,
     ino: u64,
     len: u64,
     mtime_ns: i128,
 }
 
-fn file_id(path: &Path) -> Option<FileId> {
+pub(super) fn file_id(path: &Path) -> Option<FileId> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).ok()?;
     Some(FileId {

@@ -170,6 +170,10 @@ pub struct ProcessProposer {
     /// Lifecycle commands waiting for the next exchange.
     queued: Writer,
     reply: Vec<u8>,
+    /// The library file as the running child found it, and as the child
+    /// being started did (a file rebuilt since is loaded by a reload).
+    loaded: Option<super::library::FileId>,
+    starting: Option<super::library::FileId>,
 }
 
 impl std::fmt::Debug for ProcessProposer {
@@ -275,6 +279,7 @@ impl ProcessProposer {
                 spec.library.display()
             ))
         };
+        let loaded = super::library::file_id(&spec.library);
         let (mut child, listener, sock) =
             spawn(&spec).map_err(|e| err(format!("starting {}: {e}", spec.exe.display())))?;
         let deadline = Instant::now() + spec.init_timeout;
@@ -341,6 +346,8 @@ impl ProcessProposer {
             replaying: Vec::new(),
             queued: Writer::default(),
             reply,
+            loaded,
+            starting: loaded,
         })
     }
 
@@ -421,21 +428,24 @@ impl ProcessProposer {
         let conn = std::mem::replace(&mut self.conn, Conn::Down { until: now });
         self.conn = match conn {
             Conn::Down { until } if now < until => Conn::Down { until },
-            Conn::Down { .. } => match spawn(&self.spec) {
-                Ok((child, listener, sock)) => Conn::Connecting {
-                    child,
-                    listener,
-                    sock,
-                    since: now,
-                },
-                Err(e) => {
-                    return self.record_failure(
-                        Failure::Died(format!("could not be started ({e})")),
-                        None,
-                        "no process",
-                    );
+            Conn::Down { .. } => {
+                self.starting = super::library::file_id(&self.spec.library);
+                match spawn(&self.spec) {
+                    Ok((child, listener, sock)) => Conn::Connecting {
+                        child,
+                        listener,
+                        sock,
+                        since: now,
+                    },
+                    Err(e) => {
+                        return self.record_failure(
+                            Failure::Died(format!("could not be started ({e})")),
+                            None,
+                            "no process",
+                        );
+                    }
                 }
-            },
+            }
             Conn::Connecting {
                 mut child,
                 listener,
@@ -578,6 +588,7 @@ impl ProcessProposer {
         self.info.pid = info.pid;
         self.info.state = ProposerState::Healthy;
         self.info.restarts += 1;
+        self.loaded = self.starting;
         self.info.last_recovery_ms = recovery.map(|d| d.as_secs_f64() * 1e3);
         metrics::counter!("specd_proposer_restarts_total", "proposer" => self.spec.name.clone())
             .increment(1);
@@ -832,7 +843,12 @@ impl Proposer for ProcessProposer {
     }
 
     fn info(&self) -> ProposerInfo {
-        self.info.clone()
+        ProposerInfo {
+            // The child answered for the file it loaded; this side sees
+            // whether the file was replaced since.
+            library_rebuilt: super::library::file_id(&self.spec.library) != self.loaded,
+            ..self.info.clone()
+        }
     }
 
     fn start(&mut self, seq: SeqId, prompt: &[u32]) -> std::result::Result<(), String> {
@@ -964,6 +980,8 @@ mod tests {
             replaying: Vec::new(),
             queued: Writer::default(),
             reply: Vec::new(),
+            loaded: None,
+            starting: None,
         }
     }
 
