@@ -160,6 +160,15 @@ fn oracle_requests(ps: &[Vec<u32>], n: usize) -> Vec<Request> {
         .collect()
 }
 
+/// SmolLM2 and its tokenizer.
+fn smollm() -> (Arc<Model>, Arc<Tokenizer>) {
+    let path = common::smollm_path();
+    (
+        Arc::new(load_model(&path, 2).unwrap()),
+        Arc::new(Tokenizer::for_model(&path).unwrap()),
+    )
+}
+
 /// SmolLM2, its tokenizer, `texts` encoded, their `n`-token plain greedy
 /// continuations, and (prompt, continuation) pairs for an oracle.
 #[allow(clippy::type_complexity)]
@@ -173,9 +182,7 @@ fn smollm_answers(
     Vec<Vec<u32>>,
     Vec<(Vec<u32>, Vec<u32>)>,
 ) {
-    let path = common::smollm_path();
-    let model = Arc::new(load_model(&path, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let (model, tok) = smollm();
     let ps: Vec<Vec<u32>> = texts
         .iter()
         .map(|t| tok.encode(t, false).unwrap())
@@ -621,9 +628,7 @@ fn min_tokens_holds_back_the_end_in_speculative_and_plain_decoding_alike() {
 
 #[test]
 fn stop_string_inside_an_accepted_run() {
-    let path = common::smollm_path();
-    let model = Arc::new(load_model(&path, 2).unwrap());
-    let tok = Arc::new(Tokenizer::for_model(&path).unwrap());
+    let (model, tok) = smollm();
     let prompt = tok.encode("def fibonacci(n):", false).unwrap();
     let want = plain(&model, &prompt, 40);
     let text = tok.decode(&want, false).unwrap();
@@ -672,6 +677,92 @@ fn stop_string_inside_an_accepted_run() {
         c.stats.mean_accepted_len() > 2.0,
         "drafts were accepted in runs"
     );
+}
+
+/// `min_tokens` holds stop strings back as vLLM does: a stop string that
+/// ends before the `min_tokens`-th token does not end the output, one
+/// ending after does; speculative decoding (drafts accepted in runs across
+/// both) gives plain decoding's tokens, text and finish.
+#[test]
+fn min_tokens_holds_back_stop_strings_in_speculative_and_plain_decoding_alike() {
+    let (model, tok) = smollm();
+    let prompt = tok.encode("def fibonacci(n):", false).unwrap();
+    let n = 48;
+    let free = plain_no_eos(&model, &prompt, n);
+    let text = tok.decode(&free, false).unwrap();
+    // The token count at which `end` bytes of text exist.
+    let end_token = |end: usize| {
+        (1..=free.len())
+            .find(|&k| tok.decode(&free[..k], false).unwrap().len() >= end)
+            .unwrap()
+    };
+    // The stop string: the first early token's text (trimmed, 2+ bytes)
+    // that occurs ending before token 20 and again ending after it.
+    let ends = |stop: &str| -> Vec<(usize, usize)> {
+        text.match_indices(stop)
+            .map(|(i, _)| (i, end_token(i + stop.len())))
+            .collect()
+    };
+    let stop = (0..16)
+        .map(|i| {
+            tok.decode(&free[i..i + 1], false)
+                .unwrap()
+                .trim()
+                .to_string()
+        })
+        .find(|p| {
+            let e = ends(p);
+            p.len() >= 2 && e.first().is_some_and(|f| f.1 < 20) && e.iter().any(|x| x.1 >= 21)
+        })
+        .expect("a token text recurring across token 20");
+    let first = text.find(&stop).unwrap();
+    let base = Request {
+        stop: vec![stop.clone()],
+        ignore_eos: true,
+        ..Request::greedy(prompt.clone(), n)
+    };
+    let run = |min_tokens: usize| {
+        let req = Request {
+            min_tokens,
+            ..base.clone()
+        };
+        let want = generate(&model, Some(&tok), &req, |_| {}).unwrap();
+        let oracle = OracleProposer::new(
+            vec![(prompt.clone(), free.clone())],
+            0.0,
+            8,
+            model.config.vocab_size as u32,
+        );
+        let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 1, None);
+        e.add(
+            Request {
+                proposer: Some("oracle".into()),
+                ..req
+            },
+            None,
+        )
+        .unwrap();
+        let done = e.run_to_completion().unwrap();
+        let c = &done[0];
+        assert_eq!(c.tokens, want.tokens, "min_tokens {min_tokens}: tokens");
+        assert_eq!(c.text, want.text, "min_tokens {min_tokens}: text");
+        assert_eq!(c.finish, want.finish, "min_tokens {min_tokens}: finish");
+        assert!(c.stats.accepted > 0);
+        want
+    };
+    // Without min_tokens the output ends at the first occurrence.
+    let g = run(0);
+    assert_eq!(g.text, text[..first]);
+    assert_eq!(g.finish, FinishReason::Stop);
+    // Held back past it, the output runs on, the stop string in its text.
+    let g = run(20);
+    assert!(g.tokens.len() >= 20, "{} tokens", g.tokens.len());
+    assert!(g.text.contains(&stop), "{:?}", g.text);
+    assert!(g.text.len() > first + stop.len());
+    // It ends at the first occurrence ending in token 20 or later.
+    let (at, _) = ends(&stop).into_iter().find(|e| e.1 >= 20).unwrap();
+    assert_eq!(g.finish, FinishReason::Stop);
+    assert_eq!(g.text, text[..at]);
 }
 
 /// A proposer that keeps a cache as big as the target's per token is

@@ -466,15 +466,35 @@ impl StopBuffer {
 
     /// Add decoded text; returns the text now safe to emit.
     pub fn push(&mut self, text: &str) -> String {
+        self.push_checked(text, true)
+    }
+
+    /// `push`, where `check` says whether a stop string may end here
+    /// (vLLM's `min_tokens` holds stop strings back until that many tokens
+    /// exist): unchecked text is emitted but for the part that could
+    /// still begin a stop string, and a later checked push stops only at
+    /// a stop string ending in its own text.
+    pub fn push_checked(&mut self, text: &str, check: bool) -> String {
         if self.stopped {
             return String::new();
         }
+        // A stop string wholly in earlier text was either found then or
+        // pushed unchecked: only matches ending in `text` count.
+        let fresh = self.pending.len();
         self.pending.push_str(text);
-        let first = self
-            .stops
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min();
+        let first = if check {
+            self.stops
+                .iter()
+                .filter_map(|s| {
+                    self.pending
+                        .match_indices(s.as_str())
+                        .map(|(i, _)| i)
+                        .find(|&i| i + s.len() > fresh)
+                })
+                .min()
+        } else {
+            None
+        };
         if let Some(i) = first {
             self.stopped = true;
             let out = self.pending[..i].to_string();
@@ -718,6 +738,29 @@ mod tests {
         };
         apply_penalties(&mut l, &[0, 1, 0], &[2, 2], &p);
         assert_eq!(l, vec![1.0, -4.0, 1.0 - 0.5 - 0.5, 1.0]);
+    }
+
+    /// Unchecked text (before `min_tokens`) never stops, even when a stop
+    /// string lies in it whole; a stop string begun there and ended in
+    /// checked text does.
+    #[test]
+    fn unchecked_text_holds_stop_strings_back() {
+        let mut b = StopBuffer::new(vec!["ab".into(), "xabc".into()]);
+        assert_eq!(b.push_checked("1ab2", false), "1ab2");
+        // "xab" could begin "xabc": held, though it holds "ab" whole.
+        assert_eq!(b.push_checked("xab", false), "");
+        assert!(!b.stopped());
+        // Checked: "ab" inside the held text does not count; "xabc"
+        // ends here.
+        assert_eq!(b.push_checked("c", true), "");
+        assert!(b.stopped());
+        let mut b = StopBuffer::new(vec!["ab".into(), "xabc".into()]);
+        b.push_checked("xab", false);
+        assert_eq!(b.push_checked("d", true), "xabd");
+        assert!(!b.stopped());
+        assert_eq!(b.push_checked("a", true), "");
+        assert_eq!(b.push_checked("b", true), "");
+        assert!(b.stopped());
     }
 
     #[test]

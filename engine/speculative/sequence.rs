@@ -192,7 +192,8 @@ impl Sequence {
             }
             if let Some(tok) = tokenizer {
                 let piece = self.detok.push(tok, t).unwrap_or_default();
-                let emit = self.stop.push(&piece);
+                let check = self.generated().len() >= self.req.min_tokens;
+                let emit = self.stop.push_checked(&piece, check);
                 new_text.push_str(&emit);
                 if self.stop.stopped() {
                     self.finish = Some(FinishReason::Stop);
