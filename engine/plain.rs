@@ -86,7 +86,7 @@ pub fn generate(
         context.push(next);
         if let Some(tok) = tokenizer {
             let piece = stream.push(tok, next)?;
-            let emit = stops.push_checked(&piece, tokens.len() >= req.min_tokens);
+            let emit = stops.push_checked(&piece, tokens.len() > req.min_tokens);
             on_text(&emit);
             text.push_str(&emit);
             if stops.stopped() {

@@ -679,10 +679,11 @@ fn stop_string_inside_an_accepted_run() {
     );
 }
 
-/// `min_tokens` holds stop strings back as vLLM does: a stop string that
-/// ends before the `min_tokens`-th token does not end the output, one
-/// ending after does; speculative decoding (drafts accepted in runs across
-/// both) gives plain decoding's tokens, text and finish.
+/// `min_tokens` holds stop strings back as vLLM (v1) does: a stop string
+/// completed by one of the first `min_tokens` tokens does not end the
+/// output, one completed by a later token does (the boundary probed both
+/// ways); speculative decoding (drafts accepted in runs across both)
+/// gives plain decoding's tokens, text and finish.
 #[test]
 fn min_tokens_holds_back_stop_strings_in_speculative_and_plain_decoding_alike() {
     let (model, tok) = smollm();
@@ -697,7 +698,8 @@ fn min_tokens_holds_back_stop_strings_in_speculative_and_plain_decoding_alike() 
             .unwrap()
     };
     // The stop string: the first early token's text (trimmed, 2+ bytes)
-    // that occurs ending before token 20 and again ending after it.
+    // that occurs completed by one of the first 20 tokens and again by a
+    // later one.
     let ends = |stop: &str| -> Vec<(usize, usize)> {
         text.match_indices(stop)
             .map(|(i, _)| (i, end_token(i + stop.len())))
@@ -712,7 +714,7 @@ fn min_tokens_holds_back_stop_strings_in_speculative_and_plain_decoding_alike() 
         })
         .find(|p| {
             let e = ends(p);
-            p.len() >= 2 && e.first().is_some_and(|f| f.1 < 20) && e.iter().any(|x| x.1 >= 21)
+            p.len() >= 2 && e.first().is_some_and(|f| f.1 <= 20) && e.iter().any(|x| x.1 > 20)
         })
         .expect("a token text recurring across token 20");
     let first = text.find(&stop).unwrap();
@@ -750,19 +752,30 @@ fn min_tokens_holds_back_stop_strings_in_speculative_and_plain_decoding_alike() 
         assert!(c.stats.accepted > 0);
         want
     };
-    // Without min_tokens the output ends at the first occurrence.
-    let g = run(0);
-    assert_eq!(g.text, text[..first]);
-    assert_eq!(g.finish, FinishReason::Stop);
+    // The output ends at the first occurrence completed after the
+    // `min_tokens`-th token (all of them here), or runs to max_tokens.
+    let check = |min: usize| {
+        let g = run(min);
+        assert!(g.tokens.len() >= min, "{} tokens", g.tokens.len());
+        match ends(&stop).into_iter().find(|e| e.1 > min) {
+            Some((at, _)) => {
+                assert_eq!(g.finish, FinishReason::Stop, "min_tokens {min}");
+                assert_eq!(g.text, text[..at], "min_tokens {min}");
+            }
+            None => assert_eq!((g.finish, g.tokens.len()), (FinishReason::Length, n)),
+        }
+        g
+    };
+    // Without min_tokens: the first occurrence, completed by token k0.
+    let k0 = ends(&stop)[0].1;
+    assert_eq!(check(0).text, text[..first]);
+    // The boundary: held back exactly when k0 is within min_tokens.
+    assert_eq!(check(k0 - 1).text, text[..first]);
+    assert!(check(k0).text.len() > first + stop.len());
     // Held back past it, the output runs on, the stop string in its text.
-    let g = run(20);
-    assert!(g.tokens.len() >= 20, "{} tokens", g.tokens.len());
+    let g = check(20);
     assert!(g.text.contains(&stop), "{:?}", g.text);
-    assert!(g.text.len() > first + stop.len());
-    // It ends at the first occurrence ending in token 20 or later.
-    let (at, _) = ends(&stop).into_iter().find(|e| e.1 >= 20).unwrap();
     assert_eq!(g.finish, FinishReason::Stop);
-    assert_eq!(g.text, text[..at]);
 }
 
 /// A proposer that keeps a cache as big as the target's per token is

@@ -23,6 +23,7 @@ use crate::error::{Result, SpecdError};
 use crate::model::Model;
 use crate::sampler::SamplingParams;
 use crate::speculative::driver::{EngineConfig, SyncDriver};
+use crate::speculative::kv_manager::{KvManager, Pool};
 use crate::speculative::SeqId;
 use crate::tokenizer::Tokenizer;
 
@@ -111,9 +112,21 @@ pub fn sweep(
         if let Some(p) = pricing {
             ec.scheduler.measured_pricing = p == DraftPricing::Measured;
         }
-        // Room for every running request's whole context, no more.
-        let draft = ec.scheduler.max_draft + 1;
-        ec.kv_blocks = EngineConfig::kv_blocks_for(&model, c, longest + ab.max_tokens + draft);
+        // Room for every running request's whole context, no more, and
+        // for the largest proposer cache charged beside it (an arm with a
+        // draft model would otherwise wait for blocks the plain arm has).
+        let ctx = longest + ab.max_tokens + ec.scheduler.max_draft + 1;
+        let charge = drafter
+            .names()
+            .iter()
+            .filter_map(|n| drafter.capabilities(n))
+            .map(|c| c.kv_bytes_per_token)
+            .max()
+            .unwrap_or(0);
+        let kv = KvManager::for_model(&model, 0);
+        let extra =
+            kv.charged_blocks_for(Pool::Target, ctx, charge) - kv.blocks_for(Pool::Target, ctx);
+        ec.kv_blocks = EngineConfig::kv_blocks_for(&model, c, ctx) + c * extra;
         ec.prefix_cache_blocks = 0;
         Ok(SyncDriver::new(
             model.clone(),

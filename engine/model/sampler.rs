@@ -442,6 +442,23 @@ pub enum FinishReason {
     Aborted,
 }
 
+/// The start of the first occurrence of `s` in `h` that ends after byte
+/// `fresh`, overlapping ones included (a match wholly before `fresh` does
+/// not hide one that overlaps it and ends after).
+fn first_ending_after(h: &str, s: &str, fresh: usize) -> Option<usize> {
+    let mut from = fresh.saturating_sub(s.len().saturating_sub(1)).min(h.len());
+    while !h.is_char_boundary(from) {
+        from -= 1;
+    }
+    loop {
+        let i = from + h[from..].find(s)?;
+        if i + s.len() > fresh {
+            return Some(i);
+        }
+        from = i + h[i..].chars().next().map_or(1, char::len_utf8);
+    }
+}
+
 /// Holds back streamed text that could still become a stop string, so a
 /// stop string split across tokens is caught and never emitted.
 #[derive(Debug, Clone, Default)]
@@ -485,12 +502,7 @@ impl StopBuffer {
         let first = if check {
             self.stops
                 .iter()
-                .filter_map(|s| {
-                    self.pending
-                        .match_indices(s.as_str())
-                        .map(|(i, _)| i)
-                        .find(|&i| i + s.len() > fresh)
-                })
+                .filter_map(|s| first_ending_after(&self.pending, s, fresh))
                 .min()
         } else {
             None
@@ -761,6 +773,17 @@ mod tests {
         assert_eq!(b.push_checked("a", true), "");
         assert_eq!(b.push_checked("b", true), "");
         assert!(b.stopped());
+        // A stop string held whole in unchecked text hides no overlapping
+        // one that ends in checked text: "\n\n" + "\n" stops at 1.
+        let mut b = StopBuffer::new(vec!["\n\n".into(), "\n\nQ:".into()]);
+        assert_eq!(b.push_checked("A\n\n", false), "A");
+        assert_eq!(b.push_checked("\n", true), "\n");
+        assert!(b.stopped());
+        // Multi-byte text around the boundary.
+        assert_eq!(first_ending_after("é€é€", "€é", 4), Some(2));
+        assert_eq!(first_ending_after("é€é€", "é€", 4), Some(0));
+        assert_eq!(first_ending_after("é€é€", "é€", 5), Some(5));
+        assert_eq!(first_ending_after("é€é€", "é€", 10), None);
     }
 
     #[test]

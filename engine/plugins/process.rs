@@ -588,7 +588,12 @@ impl ProcessProposer {
         self.info.pid = info.pid;
         self.info.state = ProposerState::Healthy;
         self.info.restarts += 1;
+        // A restart loads the library file as it is now (a rebuilt one
+        // declaring the same capabilities): list what the child runs.
         self.loaded = self.starting;
+        self.info.plugin = info.plugin;
+        self.info.version = info.version;
+        self.info.build_id = info.build_id;
         self.info.last_recovery_ms = recovery.map(|d| d.as_secs_f64() * 1e3);
         metrics::counter!("specd_proposer_restarts_total", "proposer" => self.spec.name.clone())
             .increment(1);

@@ -55,8 +55,8 @@ pub struct Request {
     /// unless `ignore_eos`, and `stop_token_ids`) until this many tokens
     /// are generated (vLLM's `min_tokens`): they get probability 0, in
     /// the target law speculative acceptance tests drafts against too.
-    /// Stop strings, as in vLLM, end the output only once that many
-    /// tokens exist, and only one ending from there on. 0: off.
+    /// Stop strings, as in vLLM, end the output only when a token after
+    /// the `min_tokens`-th completes one. 0: off.
     pub min_tokens: usize,
     /// Proposer name; `None` uses the engine default, `Some("none")` plain.
     pub proposer: Option<String>,

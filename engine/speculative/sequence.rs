@@ -192,7 +192,9 @@ impl Sequence {
             }
             if let Some(tok) = tokenizer {
                 let piece = self.detok.push(tok, t).unwrap_or_default();
-                let check = self.generated().len() >= self.req.min_tokens;
+                // vLLM's: stop strings count from the token after the
+                // `min_tokens`-th (where end of sequence may come first).
+                let check = self.generated().len() > self.req.min_tokens;
                 let emit = self.stop.push_checked(&piece, check);
                 new_text.push_str(&emit);
                 if self.stop.stopped() {
