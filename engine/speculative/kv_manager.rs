@@ -286,6 +286,11 @@ impl KvManager {
         }
     }
 
+    /// The bytes a token of `seq`'s proposer cache is charged in `pool`.
+    pub fn charge(&self, pool: Pool, seq: SeqId) -> usize {
+        self.pools.get(&pool).map_or(0, |p| p.charge(seq))
+    }
+
     /// Blocks `seq` holds in `pool`.
     pub fn held_blocks(&self, pool: Pool, seq: SeqId) -> usize {
         self.pools.get(&pool).map(|p| p.held(seq)).unwrap_or(0)
@@ -364,8 +369,13 @@ pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[(SeqId, i32)]) -> Grant
         }
         // A sequence the budget holds only without its proposer's cache
         // still runs (a budget that small is the operator's choice; the
-        // request is not failed for the proposer's sake): uncharged.
-        let charge = if kv.charged_blocks_for(Pool::Target, w.len, w.charge) > capacity {
+        // request is not failed for the proposer's sake): uncharged, and it
+        // stays so while it holds blocks (its draft length moving around
+        // the line must not switch the charge on and off, evicting others
+        // each time it comes back on).
+        let dropped =
+            kv.held_blocks(Pool::Target, w.seq) > 0 && kv.charge(Pool::Target, w.seq) == 0;
+        let charge = if dropped || kv.charged_blocks_for(Pool::Target, w.len, w.charge) > capacity {
             0
         } else {
             w.charge
@@ -576,6 +586,16 @@ mod tests {
         let g = grant(&mut kv, &[charged(1, 80, 64)], &[(2, 0)]);
         assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
         assert_eq!(kv.held_blocks(Pool::Target, 1), 5);
+        // Dropped once, the charge stays off while A holds blocks, though
+        // a shorter want (fewer drafts) would fit charged; freed and
+        // started again, A is charged.
+        let g = grant(&mut kv, &[charged(1, 48, 64)], &[]);
+        assert_eq!(g.granted, vec![1]);
+        assert_eq!(kv.held_blocks(Pool::Target, 1), 5);
+        kv.free(1);
+        let g = grant(&mut kv, &[charged(1, 48, 64)], &[]);
+        assert_eq!(g.granted, vec![1]);
+        assert_eq!(kv.held_blocks(Pool::Target, 1), 6);
         let g = grant(&mut setup(), &[charged(1, 112, 64)], &[(2, 0)]);
         assert_eq!(g.too_big, vec![1]);
     }
