@@ -620,3 +620,52 @@ fn a_reload_loads_a_plugin_rebuilt_at_the_same_path() {
     // Nothing was rebuilt since: the next reload keeps every instance.
     assert_eq!(names(&reload(&d), "unchanged"), ["iso", "strict", "swap"]);
 }
+
+/// A process-isolated child that crashes after its library was rebuilt in
+/// place restarts on the new file: once it is up, the listing no longer
+/// calls the library rebuilt (a reload would replace it for nothing), and
+/// the output stays plain decoding's throughout.
+#[test]
+fn a_child_restarted_on_a_rebuilt_library_lists_it_current() {
+    let dir = common::TempDir::new("restart-rebuilt");
+    let path = dir.0.join(format!(
+        "{}restart{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    std::fs::copy(crashy(), &path).unwrap();
+    let d = Daemon::start(
+        &format!(
+            "[[proposer]]\nname = \"iso\"\npath = \"{}\"\nisolation = \"process\"\noptions = {{ mode = \"exit\", at = 2 }}\n",
+            path.display()
+        ),
+        &[],
+    );
+    let iso = |d: &Daemon| {
+        listing(d)
+            .into_iter()
+            .find(|p| p["name"] == "iso" && p["role"] == "live")
+            .unwrap()
+    };
+    assert_eq!(iso(&d)["library_rebuilt"], json!(false));
+    let fresh = dir.0.join("fresh.so");
+    std::fs::copy(crashy(), &fresh).unwrap();
+    std::fs::rename(&fresh, &path).unwrap();
+    assert_eq!(iso(&d)["library_rebuilt"], json!(true));
+    let (plain, _) = complete(&d.addr, PROMPTS[0], "none", false);
+    // Each child exits at its second propose call; requests drive the
+    // restarts until one is up on the new file.
+    let mut restarted = false;
+    for _ in 0..40 {
+        let (text, _) = complete(&d.addr, PROMPTS[0], "iso", false);
+        assert_eq!(text, plain);
+        let l = iso(&d);
+        if l["restarts"].as_u64().unwrap() >= 1 {
+            assert_eq!(l["library_rebuilt"], json!(false), "{l}");
+            restarted = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(restarted, "the child never came back: {:?}", iso(&d));
+}
