@@ -332,6 +332,32 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             400,
             "queues at most 256",
         ),
+        (
+            json!({"prompt": "x", "allowed_token_ids": [5]}).to_string(),
+            400,
+            "`allowed_token_ids` is not supported",
+        ),
+        (
+            json!({"prompt": "x", "use_beam_search": true}).to_string(),
+            400,
+            "`use_beam_search` is not supported",
+        ),
+        (
+            json!({"prompt": "x", "prompt_logprobs": 2}).to_string(),
+            400,
+            "`prompt_logprobs` is not supported",
+        ),
+        (
+            json!({"prompt": "x", "bad_words": [], "use_beam_search": false, "length_penalty": 1.0, "max_tokens": 1})
+                .to_string(),
+            200,
+            "",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": 4, "max_completion_tokens": 5}).to_string(),
+            400,
+            "`max_tokens` (4) and `max_completion_tokens` (5) disagree",
+        ),
         (json!({"prompt": "word ".repeat(5000)}).to_string(), 413, ""),
         (
             json!({"prompt": "word ".repeat(3500), "max_tokens": 5000}).to_string(),
@@ -348,6 +374,17 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             assert_eq!(e["error"]["type"], "invalid_request_error");
         }
     }
+    // A content part of another kind than text (an image) is refused,
+    // naming it, not dropped.
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "text": "", "image_url": {"url": "http://x/y.png"}}]}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages[0].content[1].type");
+    assert!(r.body.contains("got `image_url`"), "{}", r.body);
     let r = d.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "wizard", "content": "x"}]}),

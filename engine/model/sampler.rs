@@ -442,28 +442,71 @@ pub enum FinishReason {
     Aborted,
 }
 
-/// The start of the first occurrence of `s` in `h` that ends after byte
-/// `fresh`, overlapping ones included (a match wholly before `fresh` does
-/// not hide one that overlaps it and ends after).
-fn first_ending_after(h: &str, s: &str, fresh: usize) -> Option<usize> {
-    let mut from = fresh.saturating_sub(s.len().saturating_sub(1)).min(h.len());
-    while !h.is_char_boundary(from) {
-        from -= 1;
-    }
-    loop {
-        let i = from + h[from..].find(s)?;
-        if i + s.len() > fresh {
-            return Some(i);
+/// One stop string's matcher (Knuth-Morris-Pratt over its bytes): `state`
+/// is how long a prefix of it the text seen so far ends with, advanced a
+/// byte at a time, so every occurrence, overlapping ones included, is seen
+/// where it ends, in time linear in the text.
+#[derive(Debug, Clone)]
+struct StopMatcher {
+    stop: Vec<u8>,
+    /// `fail[i]`: the longest proper prefix of `stop[..=i]` that is also
+    /// its suffix.
+    fail: Vec<usize>,
+    state: usize,
+}
+
+impl StopMatcher {
+    fn new(stop: &str) -> Self {
+        let stop = stop.as_bytes().to_vec();
+        let mut fail = vec![0; stop.len()];
+        let mut k = 0;
+        for i in 1..stop.len() {
+            while k > 0 && stop[i] != stop[k] {
+                k = fail[k - 1];
+            }
+            if stop[i] == stop[k] {
+                k += 1;
+            }
+            fail[i] = k;
         }
-        from = i + h[i..].chars().next().map_or(1, char::len_utf8);
+        Self {
+            stop,
+            fail,
+            state: 0,
+        }
+    }
+
+    /// Feed one byte; true when an occurrence ends with it.
+    fn feed(&mut self, b: u8) -> bool {
+        if self.state == self.stop.len() {
+            self.state = self.fail[self.state - 1];
+        }
+        while self.state > 0 && self.stop[self.state] != b {
+            self.state = self.fail[self.state - 1];
+        }
+        if self.stop[self.state] == b {
+            self.state += 1;
+        }
+        self.state == self.stop.len()
+    }
+
+    /// The longest proper prefix of the stop string the text ends with.
+    fn partial(&self) -> usize {
+        if self.state == self.stop.len() {
+            self.fail[self.state - 1]
+        } else {
+            self.state
+        }
     }
 }
 
 /// Holds back streamed text that could still become a stop string, so a
-/// stop string split across tokens is caught and never emitted.
+/// stop string split across tokens is caught and never emitted. Matching
+/// costs time linear in the text (`StopMatcher`): a long stop string with
+/// a self-similar prefix costs no more per token than a short one.
 #[derive(Debug, Clone, Default)]
 pub struct StopBuffer {
-    stops: Vec<String>,
+    matchers: Vec<StopMatcher>,
     pending: String,
     stopped: bool,
 }
@@ -471,7 +514,11 @@ pub struct StopBuffer {
 impl StopBuffer {
     pub fn new(stops: Vec<String>) -> Self {
         Self {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            matchers: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| StopMatcher::new(s))
+                .collect(),
             pending: String::new(),
             stopped: false,
         }
@@ -495,33 +542,38 @@ impl StopBuffer {
         if self.stopped {
             return String::new();
         }
-        // A stop string wholly in earlier text was either found then or
-        // pushed unchecked: only matches ending in `text` count.
         let fresh = self.pending.len();
         self.pending.push_str(text);
-        let first = if check {
-            self.stops
-                .iter()
-                .filter_map(|s| first_ending_after(&self.pending, s, fresh))
-                .min()
-        } else {
-            None
-        };
+        // The earliest start among the stop strings' first occurrences
+        // ending in `text` (each matcher sees every byte once).
+        let mut first: Option<usize> = None;
+        for m in &mut self.matchers {
+            let mut found = false;
+            for (j, &b) in text.as_bytes().iter().enumerate() {
+                if m.feed(b) && check && !found {
+                    found = true;
+                    let start = fresh + j + 1 - m.stop.len();
+                    first = Some(first.map_or(start, |f| f.min(start)));
+                }
+            }
+        }
         if let Some(i) = first {
+            // A UTF-8 stop string starts on a character boundary.
             self.stopped = true;
             let out = self.pending[..i].to_string();
             self.pending.clear();
             return out;
         }
-        // Longest suffix of pending that is a proper prefix of some stop.
-        let mut hold = 0;
-        for s in &self.stops {
-            for (end, _) in s.char_indices().skip(1) {
-                if end > hold && self.pending.ends_with(&s[..end]) {
-                    hold = end;
-                }
-            }
-        }
+        // The longest suffix of pending that is a proper prefix of some
+        // stop string (it starts on a character boundary, as the stop
+        // string does).
+        let hold = self
+            .matchers
+            .iter()
+            .map(StopMatcher::partial)
+            .max()
+            .unwrap_or(0)
+            .min(self.pending.len());
         let cut = self.pending.len() - hold;
         let out = self.pending[..cut].to_string();
         self.pending.drain(..cut);
@@ -779,11 +831,75 @@ mod tests {
         assert_eq!(b.push_checked("A\n\n", false), "A");
         assert_eq!(b.push_checked("\n", true), "\n");
         assert!(b.stopped());
-        // Multi-byte text around the boundary.
-        assert_eq!(first_ending_after("é€é€", "€é", 4), Some(2));
-        assert_eq!(first_ending_after("é€é€", "é€", 4), Some(0));
-        assert_eq!(first_ending_after("é€é€", "é€", 5), Some(5));
-        assert_eq!(first_ending_after("é€é€", "é€", 10), None);
+        // Multi-byte text: a stop string begun in unchecked text and
+        // ended in checked text, and one wholly unchecked.
+        let mut b = StopBuffer::new(vec!["€é".into()]);
+        assert_eq!(b.push_checked("é€", false), "é");
+        assert_eq!(b.push_checked("é€", true), "");
+        assert!(b.stopped());
+        let mut b = StopBuffer::new(vec!["é€".into()]);
+        assert_eq!(b.push_checked("aé€", false), "aé€");
+        assert_eq!(b.push_checked("xé", true), "x");
+        assert_eq!(b.push_checked("€", true), "");
+        assert!(b.stopped());
+    }
+
+    /// The matcher against a naive search: every stop string's occurrences
+    /// (overlapping included) and the held-back length, over random texts
+    /// pushed in random pieces.
+    #[test]
+    fn stop_matching_agrees_with_a_naive_search() {
+        let mut rng = Rng::new(11);
+        let alphabet = ['a', 'b', 'é'];
+        let word = |rng: &mut Rng, n: usize| -> String {
+            (0..n)
+                .map(|_| alphabet[(rng.next_u64() % 3) as usize])
+                .collect()
+        };
+        for _ in 0..400 {
+            let stops: Vec<String> = (0..2)
+                .map(|_| {
+                    let n = 1 + (rng.next_u64() % 4) as usize;
+                    word(&mut rng, n)
+                })
+                .collect();
+            let text = word(&mut rng, 24);
+            let min = (rng.next_u64() % 10) as usize;
+            // Pieces of one character each; the first `min` unchecked.
+            let mut b = StopBuffer::new(stops.clone());
+            let mut out = String::new();
+            let mut seen = String::new();
+            let mut want_stop = None;
+            for (k, c) in text.chars().enumerate() {
+                let fresh = seen.len();
+                seen.push(c);
+                if k >= min && want_stop.is_none() {
+                    want_stop = stops
+                        .iter()
+                        .filter_map(|s| {
+                            (0..seen.len())
+                                .filter(|&i| seen.is_char_boundary(i))
+                                .find(|&i| seen[i..].starts_with(s.as_str()) && i + s.len() > fresh)
+                        })
+                        .min();
+                }
+                out.push_str(&b.push_checked(&c.to_string(), k >= min));
+                if b.stopped() {
+                    break;
+                }
+            }
+            match want_stop {
+                Some(i) => {
+                    assert!(b.stopped(), "{stops:?} {text:?} {min}");
+                    assert_eq!(out, seen[..i], "{stops:?} {text:?} {min}");
+                }
+                None => {
+                    assert!(!b.stopped(), "{stops:?} {text:?} {min}");
+                    out.push_str(&b.finish());
+                    assert_eq!(out, text, "{stops:?} {text:?} {min}");
+                }
+            }
+        }
     }
 
     #[test]

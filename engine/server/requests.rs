@@ -186,6 +186,15 @@ pub struct Common {
     pub prediction: Option<Value>,
     pub modalities: Option<Value>,
     pub audio: Option<Value>,
+    pub allowed_token_ids: Option<Value>,
+    pub bad_words: Option<Value>,
+    pub use_beam_search: Option<Value>,
+    pub length_penalty: Option<Value>,
+    pub truncate_prompt_tokens: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
+    pub spaces_between_special_tokens: Option<Value>,
+    pub return_tokens_as_token_ids: Option<Value>,
 }
 
 /// `min_tokens` (vLLM's): a count of tokens, null or absent for 0 (the
@@ -344,7 +353,7 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
     };
     type Allowed<'a> = &'a dyn Fn(&Value) -> bool;
     let is = |want: bool| move |v: &Value| v.is_null() || v.as_bool() == Some(want);
-    let checks: [(&str, &Option<Value>, Allowed); 11] = [
+    let checks: [(&str, &Option<Value>, Allowed); 20] = [
         ("functions", &c.functions, &empty),
         ("function_call", &c.function_call, &|v| {
             empty(v) || v.as_str() == Some("none")
@@ -368,6 +377,29 @@ fn unimplemented_fields(c: &Common) -> Result<(), ApiError> {
             empty(v) || *v == serde_json::json!(["text"])
         }),
         ("audio", &c.audio, &empty),
+        ("allowed_token_ids", &c.allowed_token_ids, &empty),
+        ("bad_words", &c.bad_words, &empty),
+        ("use_beam_search", &c.use_beam_search, &is(false)),
+        ("length_penalty", &c.length_penalty, &|v| {
+            v.is_null() || v.as_f64() == Some(1.0)
+        }),
+        ("truncate_prompt_tokens", &c.truncate_prompt_tokens, &empty),
+        ("prompt_logprobs", &c.prompt_logprobs, &empty),
+        (
+            "guided_whitespace_pattern",
+            &c.guided_whitespace_pattern,
+            &empty,
+        ),
+        (
+            "spaces_between_special_tokens",
+            &c.spaces_between_special_tokens,
+            &is(true),
+        ),
+        (
+            "return_tokens_as_token_ids",
+            &c.return_tokens_as_token_ids,
+            &is(false),
+        ),
     ];
     for (field, value, ok) in checks {
         if let Some(v) = value {
@@ -430,6 +462,9 @@ pub enum Content {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct Part {
+    /// `"text"` (the only kind served; absent reads as text).
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
     pub text: String,
 }
 
@@ -608,7 +643,18 @@ pub fn chat_messages(b: ChatBody, native: bool) -> Result<Vec<ChatMessage>, ApiE
             let field = format!("messages[{i}].role");
             let content = match m.content {
                 Some(Content::Text(s)) => Some(s),
-                Some(Content::Parts(p)) => Some(p.into_iter().map(|p| p.text).collect()),
+                Some(Content::Parts(p)) => {
+                    if let Some((j, k)) = p.iter().enumerate().find_map(|(j, p)| {
+                        p.kind.as_deref().filter(|k| *k != "text").map(|k| (j, k))
+                    }) {
+                        let f = format!("messages[{i}].content[{j}].type");
+                        return Err(ApiError::bad_field(
+                            &f,
+                            format!("only text parts are supported, got `{k}`"),
+                        ));
+                    }
+                    Some(p.into_iter().map(|p| p.text).collect())
+                }
                 None => None,
             };
             let need_content = || {
@@ -767,6 +813,14 @@ pub fn validate_with(
         ));
     }
     let room = st.max_seq_len.saturating_sub(prompt.len());
+    if let (Some(UInt(a)), Some(UInt(b))) = (c.max_tokens, c.max_completion_tokens) {
+        if a != b {
+            return Err(ApiError::bad_field(
+                "max_completion_tokens",
+                format!("`max_tokens` ({a}) and `max_completion_tokens` ({b}) disagree: give one"),
+            ));
+        }
+    }
     let max_tokens = match c.max_tokens.or(c.max_completion_tokens) {
         Some(UInt(0)) => {
             return Err(ApiError::bad_field(

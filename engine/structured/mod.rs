@@ -107,10 +107,18 @@ impl std::fmt::Debug for Grammars {
     }
 }
 
-/// Bounds on what one grammar may cost to compile and to step (llguidance's
-/// own limits, tightened so a hostile schema cannot stall the engine).
+/// Bounds on what one grammar may cost to compile and to step. Masks run
+/// on the engine's acceptance thread, which every request shares, so the
+/// per-token bounds are a quarter of llguidance's defaults (lexer fuel
+/// 50k, about 3.5 ms by its figures, against 200k; Earley items 20k, about
+/// 1 ms, against 50k) and a grammar's lexer holds at most 100k states
+/// (against 250k, 1-2 kB each, copied per sequence). A grammar that needs
+/// more fails its request with the library's error, never the engine.
 fn limits() -> ParserLimits {
     ParserLimits {
+        step_lexer_fuel: 50_000,
+        step_max_items: 20_000,
+        max_lexer_states: 100_000,
         max_grammar_size: 500_000,
         ..ParserLimits::default()
     }
