@@ -219,7 +219,7 @@ fn run_once(
                         tr.first.get_or_insert(t);
                         tr.tokens += ids.len();
                     }
-                    Event::Finished(_) | Event::Error(_) => tr.done = Some(t),
+                    Event::Finished(_) | Event::Error(_) | Event::Rejected(_) => tr.done = Some(t),
                     _ => {}
                 }
             }

@@ -234,6 +234,14 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             400,
             "`n` must be from 1 to 16",
         ),
+        // Cheap fields are checked before a constraint compiles.
+        (
+            json!({"prompt": "x", "n": 99, "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "schema": {"type": "bogus"}}}})
+            .to_string(),
+            400,
+            "`n` must be from 1 to 16",
+        ),
         (json!({"prompt": "x", "stop": 7}).to_string(), 400, "stop"),
         (
             json!({"prompt": "x", "stop": ["a".repeat(2000)]}).to_string(),
@@ -2181,4 +2189,41 @@ fn tool_calls_round_trip_streamed_and_not() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["param"], "tools");
     wait_kv_zero(&d);
+}
+
+/// A constraint that fails while generating (here a grammar whose 3,000
+/// alternatives outgrow the parser's row limit after its first token) is
+/// the request's fault: 400
+/// `invalid_request_error` without streaming, an error event of that type
+/// with it; other requests are untouched.
+#[test]
+fn a_constraint_failing_mid_generation_is_the_requests_fault() {
+    let d = Daemon::start(CONFIG, &[]);
+    let alts: Vec<String> = (0..3000).map(|i| format!("\"w{i}\"")).collect();
+    let grammar = format!("start: \"x\" y\ny: {}\n", alts.join(" | "));
+    let body = |stream: bool| {
+        json!({"prompt": "Write x:", "max_tokens": 24, "temperature": 0, "stream": stream,
+               "guided_grammar": grammar})
+    };
+    let r = d.post("/v1/completions", &body(false));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.json()["error"]["type"],
+        "invalid_request_error",
+        "{}",
+        r.body
+    );
+    assert!(r.body.contains("constraint"), "{}", r.body);
+    let r = d.post("/v1/completions", &body(true));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.body.contains("\"invalid_request_error\""),
+        "an error event of the request's fault: {}",
+        r.body
+    );
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
 }

@@ -1167,7 +1167,8 @@ fn actors_run_concurrent_requests_losslessly_and_free_kv() {
                         assert_eq!(c.tokens, toks);
                         break;
                     }
-                    specd::speculative::Event::Error(e) => panic!("{e}"),
+                    specd::speculative::Event::Error(e)
+                    | specd::speculative::Event::Rejected(e) => panic!("{e}"),
                 }
             }
             outs.push(toks);
@@ -1369,7 +1370,10 @@ fn actors_survive_aborts_at_every_moment_and_free_kv() {
                 match rx.recv().await {
                     Some(specd::speculative::Event::Tokens { ids, .. }) => toks.extend(ids),
                     Some(specd::speculative::Event::Finished(_)) => break,
-                    Some(specd::speculative::Event::Error(e)) => panic!("{e}"),
+                    Some(
+                        specd::speculative::Event::Error(e)
+                        | specd::speculative::Event::Rejected(e),
+                    ) => panic!("{e}"),
                     None => panic!("stream closed without a final event"),
                 }
             }

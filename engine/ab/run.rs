@@ -41,7 +41,7 @@ fn run_one(
                 }
                 Event::Tokens { .. } => {}
                 Event::Finished(c) => completion = Some(c),
-                Event::Error(e) => return Err(SpecdError::InvalidRequest(e)),
+                Event::Error(e) | Event::Rejected(e) => return Err(SpecdError::InvalidRequest(e)),
             }
         }
     }

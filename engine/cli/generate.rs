@@ -321,7 +321,9 @@ fn run_batch(
                                     total,
                                 });
                             }
-                            Some(Event::Error(e)) => anyhow::bail!("request failed: {e}"),
+                            Some(Event::Error(e) | Event::Rejected(e)) => {
+                                anyhow::bail!("request failed: {e}")
+                            }
                             None => anyhow::bail!("engine stopped"),
                         }
                     }

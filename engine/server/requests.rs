@@ -785,10 +785,6 @@ pub fn validate_with(
         }
     }
     unimplemented_fields(&c)?;
-    let (constraint, tools) = match shaping {
-        Some(done) => done.clone(),
-        None => shaping.insert(shape(&c, st)?).clone(),
-    };
     let n = match c.n {
         None => 1,
         Some(UInt(k)) if (1..=MAX_N as u64).contains(&k) => k as usize,
@@ -844,6 +840,12 @@ pub fn validate_with(
             )
         });
     }
+    // The constraint compiles (on an HTTP worker) only for a request whose
+    // cheap fields are valid.
+    let (constraint, tools) = match shaping {
+        Some(done) => done.clone(),
+        None => shaping.insert(shape(&c, st)?).clone(),
+    };
     let d = SamplingParams::default();
     let f = |x: Option<Num>, default: f32| x.map(|n| n.0 as f32).unwrap_or(default);
     let params = SamplingParams {

@@ -207,6 +207,14 @@ async fn run_choices(
                         e,
                     ));
                 }
+                Some(Event::Rejected(e)) => {
+                    guard.armed = false;
+                    return Err(ApiError::status(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        e,
+                    ));
+                }
                 None => {
                     guard.armed = false;
                     return Err(ApiError::from(SpecdError::EngineStopped));

@@ -607,11 +607,16 @@ impl SseStream {
                         self.parts[i].completion = Some(c);
                         return self.frame(v);
                     }
-                    Poll::Ready(Some(Event::Error(e))) => {
+                    Poll::Ready(Some(ev @ (Event::Error(_) | Event::Rejected(_)))) => {
                         part.done = true;
                         part.guard.armed = false;
                         self.next = (i + 1) % n;
-                        let v = json!({"error": {"message": e, "type": "server_error", "param": null, "code": null, "index": i}});
+                        let (e, kind) = match ev {
+                            Event::Rejected(e) => (e, "invalid_request_error"),
+                            Event::Error(e) => (e, "server_error"),
+                            _ => unreachable!("matched above"),
+                        };
+                        let v = json!({"error": {"message": e, "type": kind, "param": null, "code": null, "index": i}});
                         return self.frame(v);
                     }
                     Poll::Ready(None) => {

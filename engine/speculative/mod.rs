@@ -395,8 +395,11 @@ pub enum Event {
         logprobs: Vec<TokenLogprob>,
     },
     Finished(Completion),
-    /// The request failed; nothing more follows.
+    /// The request failed in the engine; nothing more follows.
     Error(String),
+    /// The request failed through its own fields (a constraint no token
+    /// can continue); nothing more follows.
+    Rejected(String),
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ use super::kv_manager::{self, Grant, KvManager, Pool, Want};
 use super::proposer::{Capabilities, Draft, ProposeInput};
 use super::scheduler::{DecodeResult, Observed, PlanItem, PrefillResult, Scheduler, Work};
 use super::{Completion, SeqId};
-use crate::error::panic_message;
+use crate::error::{panic_message, SpecdError};
 use crate::model::{Logits, TreeMask};
 use crate::sampler::SamplingParams;
 
@@ -107,6 +107,8 @@ pub struct AcceptResponse {
     /// (sequence, accepted tokens, the path's node indices).
     pub accepted: Vec<(SeqId, Accepted, Vec<usize>)>,
     pub failed: Vec<(SeqId, String)>,
+    /// Failed through the request's own fields (its constraint).
+    pub rejected: Vec<(SeqId, String)>,
 }
 
 /// Stage 6 output for the KV manager: committed lengths (rollback of
@@ -461,6 +463,9 @@ impl Step {
         for (id, why) in &resp.failed {
             sched.fail(*id, why);
         }
+        for (id, why) in &resp.rejected {
+            sched.reject(*id, why);
+        }
         let mut accepted: HashMap<SeqId, (Accepted, Vec<usize>)> = resp
             .accepted
             .into_iter()
@@ -645,6 +650,11 @@ impl Acceptor {
         for it in &req.items {
             match catch_unwind(AssertUnwindSafe(|| self.accept_one(it))) {
                 Ok(Ok((a, path))) => resp.accepted.push((it.seq, a, path)),
+                // A constraint that no token can continue is the request's
+                // own doing (a 400, not a server error).
+                Ok(Err(e @ (SpecdError::InvalidRequest(_) | SpecdError::InvalidField { .. }))) => {
+                    resp.rejected.push((it.seq, e.to_string()))
+                }
                 Ok(Err(e)) => resp.failed.push((it.seq, e.to_string())),
                 Err(p) => resp.failed.push((
                     it.seq,

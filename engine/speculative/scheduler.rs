@@ -640,8 +640,18 @@ impl Scheduler {
     /// Fail a request (e.g. its forward errored): the client gets the error
     /// and its resources are released at the next step.
     pub fn fail(&mut self, id: SeqId, why: &str) {
+        self.end_with(id, Event::Error(why.to_string()));
+    }
+
+    /// Fail a request through its own fields (`Event::Rejected`: a
+    /// constraint no token can continue), as `fail` does.
+    pub fn reject(&mut self, id: SeqId, why: &str) {
+        self.end_with(id, Event::Rejected(why.to_string()));
+    }
+
+    fn end_with(&mut self, id: SeqId, event: Event) {
         if let Some(s) = self.seqs.remove(&id) {
-            s.send(Event::Error(why.to_string()));
+            s.send(event);
             self.waiting.retain(|&w| w != id);
             self.running.retain(|&r| r != id);
             self.lifecycle.released.push(id);
