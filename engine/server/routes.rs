@@ -56,15 +56,21 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
         common.max_tokens = Some(requests::UInt(1));
         common.max_completion_tokens = None;
     }
-    // Every prompt is validated before any is submitted.
-    let mut shaping = None;
-    let mut parsed = prompts
-        .iter()
-        .map(|p| {
-            let ids = requests::encode(&st, p)?;
-            requests::validate_with(common.clone(), &st, ids, &mut shaping)
-        })
-        .collect::<Result<Vec<Parsed>, ApiError>>()?;
+    // Every prompt is validated before any is submitted; tokenizing and
+    // compiling a constraint run off the HTTP workers, which keep serving
+    // streams and health checks meanwhile.
+    let (prompts, mut parsed) = off_worker(&st, move |st| {
+        let mut shaping = None;
+        let parsed = prompts
+            .iter()
+            .map(|p| {
+                let ids = requests::encode(st, p)?;
+                requests::validate_with(common.clone(), st, ids, &mut shaping)
+            })
+            .collect::<Result<Vec<Parsed>, ApiError>>()?;
+        Ok((prompts, parsed))
+    })
+    .await?;
     let echo = echo.then(|| Echo {
         prompts: prompts
             .iter()
@@ -250,9 +256,29 @@ async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, 
             }
         }
     }
-    let ids = requests::encode_chat(&st, &messages, offered.as_ref())?;
-    let parsed = requests::validate(common, &st, ids)?;
+    let parsed = off_worker(&st, move |st| {
+        let ids = requests::encode_chat(st, &messages, offered.as_ref())?;
+        requests::validate(common, st, ids)
+    })
+    .await?;
     run_choices(&st, &req, vec![parsed], Kind::Chat, None).await
+}
+
+/// Run a request's CPU work (tokenizing, rendering the chat template,
+/// compiling its constraint) on actix's blocking pool, so the HTTP
+/// workers stay free for streams and health checks.
+async fn off_worker<T: Send + 'static>(
+    st: &State,
+    f: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let st = st.clone();
+    web::block(move || f(&st)).await.map_err(|e| {
+        ApiError::status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            format!("request validation did not finish: {e}"),
+        )
+    })?
 }
 
 async fn models(req: HttpRequest, st: State) -> Result<HttpResponse, ApiError> {
