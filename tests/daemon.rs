@@ -382,6 +382,13 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             assert_eq!(e["error"]["type"], "invalid_request_error");
         }
     }
+    // Chat's logprobs is a flag, not completions' count.
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "logprobs": 5}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "logprobs");
     // A content part of another kind than text (an image) is refused,
     // naming it, not dropped.
     let r = d.post(

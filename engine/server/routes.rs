@@ -237,6 +237,12 @@ async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, 
     let native = st.tokenizer.native_tool_template();
     let mut messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?, native)?;
     let common: Common = requests::from_body(&body)?;
+    if common.logprobs.as_ref().is_some_and(|v| v.is_number()) {
+        return Err(ApiError::bad_field(
+            "logprobs",
+            "chat's `logprobs` is true or false; `top_logprobs` gives the alternatives per token",
+        ));
+    }
     let tools = super::tools::parse(
         common.tools.as_ref(),
         common.tool_choice.as_ref(),
