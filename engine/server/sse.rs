@@ -447,6 +447,22 @@ impl SseStream {
         }
     }
 
+    /// Choice `i` ends with an error event of `kind` (`[DONE]` follows if
+    /// it was the last).
+    fn choice_error(
+        &mut self,
+        i: usize,
+        message: String,
+        kind: &str,
+    ) -> Poll<Option<Result<Bytes, actix_web::Error>>> {
+        let part = &mut self.parts[i];
+        part.done = true;
+        part.guard.armed = false;
+        self.next = (i + 1) % self.parts.len();
+        let v = json!({"error": {"message": message, "type": kind, "param": null, "code": null, "index": i}});
+        self.frame(v)
+    }
+
     fn frame(&mut self, mut v: Value) -> Poll<Option<Result<Bytes, actix_web::Error>>> {
         if self.include_usage && v.get("choices").is_some() {
             v["usage"] = Value::Null;
@@ -607,27 +623,21 @@ impl SseStream {
                         self.parts[i].completion = Some(c);
                         return self.frame(v);
                     }
-                    Poll::Ready(Some(ev @ (Event::Error(_) | Event::Rejected(_)))) => {
-                        part.done = true;
-                        part.guard.armed = false;
-                        self.next = (i + 1) % n;
-                        let (e, kind) = match ev {
-                            Event::Rejected(e) => (e, "invalid_request_error"),
-                            Event::Error(e) => (e, "server_error"),
-                            _ => unreachable!("matched above"),
-                        };
-                        let v = json!({"error": {"message": e, "type": kind, "param": null, "code": null, "index": i}});
-                        return self.frame(v);
+                    Poll::Ready(Some(Event::Error(e))) => {
+                        return self.choice_error(i, e, "server_error");
+                    }
+                    Poll::Ready(Some(Event::Rejected(e))) => {
+                        return self.choice_error(i, e, "invalid_request_error");
                     }
                     Poll::Ready(None) => {
                         // The engine dropped the channel without a final
                         // event: this choice ends here, with an error the
                         // client can see (and `[DONE]` if it was the last).
-                        part.done = true;
-                        part.guard.armed = false;
-                        self.next = (i + 1) % n;
-                        let v = json!({"error": {"message": "the engine stopped before this choice finished", "type": "server_error", "param": null, "code": null, "index": i}});
-                        return self.frame(v);
+                        return self.choice_error(
+                            i,
+                            "the engine stopped before this choice finished".into(),
+                            "server_error",
+                        );
                     }
                 }
             }
