@@ -986,15 +986,147 @@ pub mod attn {
     /// `kernels::exp_shifted` in 16-lane vectors where AVX-512 runs: the
     /// same operations per element as `exp_f32` (no contraction the scalar
     /// code does not make), the same 16 lane sums folded in the same
-    /// order, the exponentials and their sum in one pass; `None` where
-    /// AVX-512 is off (the portable loop then runs).
+    /// order, the exponentials and their sum in one pass; the AVX2 version
+    /// where AVX-512 is off, `None` where neither runs (the portable loop
+    /// then does).
     pub fn exp_shifted(x: &mut [f32]) -> Option<(f32, f32)> {
         if !wide() {
-            return None;
+            return exp_shifted_avx2(x);
         }
         // SAFETY: AVX-512F is available; every access is bounded by the
         // loops inside.
         Some(unsafe { exp_shifted_avx512(x) })
+    }
+
+    /// `exp_shifted` in 8-lane vectors where AVX2 and FMA run: the 16
+    /// portable lanes kept as two registers (lanes 0-7 and 8-15), the
+    /// exponentials operation for operation `exp_f32`'s, so the same bits
+    /// as the portable loop. `None` without AVX2 and FMA.
+    pub fn exp_shifted_avx2(x: &mut [f32]) -> Option<(f32, f32)> {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return None;
+        }
+        // SAFETY: AVX2 and FMA are available; every access is bounded by
+        // the loops inside.
+        Some(unsafe { exp_shifted_avx2_impl(x) })
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn exp_shifted_avx2_impl(x: &mut [f32]) -> (f32, f32) {
+        let n = x.len();
+        let full = n / 16 * 16;
+        let mut m0 = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut m1 = m0;
+        let mut i = 0;
+        while i < full {
+            // SAFETY: `i + 16 <= n`.
+            unsafe {
+                m0 = _mm256_max_ps(_mm256_loadu_ps(x.as_ptr().add(i)), m0);
+                m1 = _mm256_max_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), m1);
+            }
+            i += 16;
+        }
+        let mut lanes = [0f32; 16];
+        // SAFETY: `lanes` is 16 floats.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), m0);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), m1);
+        }
+        let max = x[full..]
+            .iter()
+            .chain(&lanes)
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        if max == f32::NEG_INFINITY {
+            x.fill(0.0);
+            return (max, 0.0);
+        }
+        let mx = _mm256_set1_ps(max);
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < full {
+            // SAFETY: `i + 16 <= n`.
+            unsafe {
+                let p = x.as_mut_ptr().add(i);
+                let e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), mx));
+                let e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), mx));
+                _mm256_storeu_ps(p, e0);
+                _mm256_storeu_ps(p.add(8), e1);
+                a0 = _mm256_add_ps(a0, e0);
+                a1 = _mm256_add_ps(a1, e1);
+            }
+            i += 16;
+        }
+        // The tail (under 16) a masked vector at a time, summed in order
+        // below as the portable loop sums it.
+        while i < n {
+            let r = (n - i).min(8);
+            let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(r as i32), idx);
+            // SAFETY: the mask enables lanes `i..i + r`, all below `n`;
+            // disabled lanes are neither read nor written.
+            unsafe {
+                let p = x.as_mut_ptr().add(i);
+                let e = exp8(_mm256_sub_ps(_mm256_maskload_ps(p, mask), mx));
+                _mm256_maskstore_ps(p, mask, e);
+            }
+            i += r;
+        }
+        // SAFETY: `lanes` is 16 floats.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), a0);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), a1);
+        }
+        let sum = x[full..]
+            .iter()
+            .fold(crate::kernels::fold16(lanes), |s, &v| s + v);
+        (max, sum)
+    }
+
+    /// `exp_f32` on 8 lanes, operation for operation (as `exp16`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        const LOG2E: f32 = std::f32::consts::LOG2_E;
+        const C1: f32 = 0.693_359_4;
+        const C2: f32 = -2.121_944_4e-4;
+        const MAGIC: f32 = 12_582_912.0;
+        // max/min return their second operand for a NaN: x second keeps a
+        // NaN a NaN, as `clamp` does.
+        let xc = _mm256_min_ps(
+            _mm256_set1_ps(88.3),
+            _mm256_max_ps(_mm256_set1_ps(-87.3), x),
+        );
+        let t = _mm256_add_ps(
+            _mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)),
+            _mm256_set1_ps(MAGIC),
+        );
+        let nf = _mm256_sub_ps(t, _mm256_set1_ps(MAGIC));
+        let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B40_0000));
+        let r = _mm256_fmadd_ps(
+            nf,
+            _mm256_set1_ps(-C2),
+            _mm256_fmadd_ps(nf, _mm256_set1_ps(-C1), xc),
+        );
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_2e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166_666_65));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+        let e = _mm256_fmadd_ps(
+            p,
+            _mm256_mul_ps(r, r),
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            ni,
+            _mm256_set1_epi32(127),
+        )));
+        let v = _mm256_mul_ps(e, scale);
+        let low = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
+        let high = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(88.7));
+        let v = _mm256_blendv_ps(v, _mm256_set1_ps(f32::INFINITY), high);
+        _mm256_blendv_ps(v, _mm256_setzero_ps(), low)
     }
 
     #[target_feature(enable = "avx512f")]
@@ -1033,8 +1165,17 @@ pub mod attn {
             }
             i += 16;
         }
-        for v in &mut x[full..] {
-            *v = crate::kernels::exp_f32(*v - max);
+        if full < n {
+            // The tail in one masked vector (summed in order below, as the
+            // portable loop sums it).
+            let k: __mmask16 = ((1u32 << (n - full)) - 1) as u16;
+            // SAFETY: the mask enables lanes `full..n` only; disabled
+            // lanes are neither read nor written.
+            unsafe {
+                let p = x.as_mut_ptr().add(full);
+                let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p), mx));
+                _mm512_mask_storeu_ps(p, k, e);
+            }
         }
         // SAFETY: `lanes` is 16 floats.
         unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
