@@ -118,18 +118,51 @@ impl PluginLibrary {
 /// loader hands back the library already loaded under a name, so the new
 /// file needs another. Unlinked once loaded (the mapping stays).
 fn fresh_copy(path: &Path) -> std::io::Result<PathBuf> {
-    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::fs::OpenOptionsExt;
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!("specd-{}-plugins", std::process::id()));
-    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
-        _ => {}
-    }
+    private_dir(&dir)?;
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let copy = dir.join(format!("{}-{name}", N.fetch_add(1, Ordering::Relaxed)));
-    std::fs::copy(path, &copy)?;
+    // A new file (never one planted there, nor a link's target), which
+    // only this user may read or replace before it is loaded.
+    let mut to = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o700)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&copy)?;
+    std::io::copy(&mut std::fs::File::open(path)?, &mut to)?;
     Ok(copy)
+}
+
+/// Create `dir` (mode 0700), or accept it where it exists only if it is a
+/// real directory this user owns that nobody else may enter: its path is
+/// predictable (the process id), so another local user could have made it
+/// first, or put a link there, to have the daemon load or write their
+/// files.
+pub(super) fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let m = std::fs::symlink_metadata(dir)?;
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            let me = unsafe { libc::geteuid() };
+            if !m.is_dir() || m.permissions().mode() & 0o077 != 0 || m.uid() != me {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{} exists and is not a private directory of this user",
+                        dir.display()
+                    ),
+                ));
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Load and validate the plugin library at `path` (once per process and
@@ -236,4 +269,38 @@ pub fn load_library(path: &Path) -> Result<Arc<PluginLibrary>> {
     reg.insert(canon, (id, loaded.clone()));
     tracing::info!(plugin = %loaded.name, version = %loaded.version, build = %loaded.build_id, path = %path.display(), "loaded proposer plugin");
     Ok(loaded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::private_dir;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_private_dir_is_made_or_accepted_only_if_private_and_real() {
+        let base = std::env::temp_dir().join(format!("specd-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        // Made: mode 0700; made again: accepted.
+        let d = base.join("new");
+        private_dir(&d).unwrap();
+        assert_eq!(mode(&d), 0o700);
+        private_dir(&d).unwrap();
+        // Another user could enter (or have made) a group/world-open one.
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = private_dir(&open).unwrap_err();
+        assert!(e.to_string().contains("not a private directory"), "{e}");
+        // A link planted at the path, even to a private directory.
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        assert!(private_dir(&link).is_err());
+        // A file at the path.
+        let file = base.join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(private_dir(&file).is_err());
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 }

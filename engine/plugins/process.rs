@@ -197,24 +197,10 @@ fn socket_dir() -> PathBuf {
 /// A fresh socket path in this daemon's private directory (mode 0700, so
 /// no other user can connect in the child's place).
 fn socket_path(name: &str) -> std::io::Result<PathBuf> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     let dir = socket_dir();
-    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            // Ours only if it is a directory nobody else can enter.
-            let m = std::fs::symlink_metadata(&dir)?;
-            if !m.is_dir() || m.permissions().mode() & 0o077 != 0 {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    format!("{} exists and is not private", dir.display()),
-                ));
-            }
-        }
-        Err(e) => return Err(e),
-    }
+    super::library::private_dir(&dir)?;
     let clean: String = name
         .chars()
         .filter(|c| c.is_ascii_alphanumeric())
