@@ -150,6 +150,41 @@ pub(super) unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: abi:
     })
 }
 
+/// Most distinct counters one proposer may create: each is a Prometheus
+/// series kept for the process's life, so a plugin naming a new one per
+/// call would grow memory and `/metrics` without bound.
+const MAX_PLUGIN_COUNTERS: usize = 64;
+
+/// Whether proposer `proposer` may add to counter `name`: one it has, or a
+/// new one within `MAX_PLUGIN_COUNTERS` (past that, new names are dropped,
+/// with one warning).
+fn counter_admitted(proposer: &str, name: &str) -> bool {
+    use std::collections::{HashMap, HashSet};
+    static NAMES: std::sync::OnceLock<std::sync::Mutex<HashMap<String, HashSet<String>>>> =
+        std::sync::OnceLock::new();
+    let mut all = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let names = all.entry(proposer.to_string()).or_default();
+    if names.contains(name) {
+        return true;
+    }
+    if names.len() < MAX_PLUGIN_COUNTERS {
+        names.insert(name.to_string());
+        return true;
+    }
+    if names.len() == MAX_PLUGIN_COUNTERS {
+        // The marker (not a valid cleaned name) makes the warning once.
+        names.insert("-".to_string());
+        tracing::warn!(
+            proposer = %proposer,
+            "plugin counters past {MAX_PLUGIN_COUNTERS} distinct names are dropped"
+        );
+    }
+    false
+}
+
 pub(super) unsafe extern "C" fn host_counter(ctx: *mut c_void, name: abi::Str, value: u64) {
     callback("counter_add", (), || {
         let Some(ctx) = lookup(ctx) else { return };
@@ -160,6 +195,9 @@ pub(super) unsafe extern "C" fn host_counter(ctx: *mut c_void, name: abi::Str, v
             .take(64)
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
             .collect();
+        if !counter_admitted(&ctx.proposer, &clean) {
+            return;
+        }
         metrics::counter!(format!("specd_plugin_{clean}_total"), "proposer" => ctx.proposer.clone())
             .increment(value);
     })
@@ -259,4 +297,23 @@ pub(super) unsafe extern "C" fn host_token_text(
         unsafe { std::ptr::copy_nonoverlapping(text.as_ptr(), out, text.len()) };
         text.len()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{counter_admitted, MAX_PLUGIN_COUNTERS};
+
+    #[test]
+    fn a_plugin_creates_a_bounded_number_of_counters() {
+        let p = "counter-test-proposer";
+        for i in 0..MAX_PLUGIN_COUNTERS {
+            assert!(counter_admitted(p, &format!("c{i}")));
+        }
+        // New names past the cap are dropped; known ones still count.
+        assert!(!counter_admitted(p, "one_more"));
+        assert!(!counter_admitted(p, "and_another"));
+        assert!(counter_admitted(p, "c0"));
+        // Per proposer: another has its own allowance.
+        assert!(counter_admitted("counter-test-other", "one_more"));
+    }
 }
