@@ -35,6 +35,7 @@ struct Host {
 
 /// Serve the daemon at `socket` until it hangs up.
 pub fn serve(socket: &Path) -> Result<()> {
+    prefer_as_oom_victim();
     let mut stream = UnixStream::connect(socket).map_err(|e| {
         SpecdError::Plugin(format!(
             "plugin host: connecting to {}: {e}",
@@ -60,6 +61,19 @@ pub fn serve(socket: &Path) -> Result<()> {
             out.clear();
             out.u8(wire::REPLY_ERR);
             out.str(&e);
+        }
+        if out.buf.len() > wire::MAX_FRAME {
+            // A reply the protocol cannot carry (full-q drafts of a large
+            // batch): an error the daemon reads, not a silent exit it
+            // would restart into the same reply.
+            let n = out.buf.len();
+            out.clear();
+            out.u8(wire::REPLY_ERR);
+            out.str(&format!(
+                "plugin host: a {n} byte reply, over the protocol's {} (fewer sequences \
+                 or a smaller max_draft per call)",
+                wire::MAX_FRAME
+            ));
         }
         if wire::write_frame(&mut stream, &out.buf).is_err() {
             return Ok(());
@@ -207,4 +221,12 @@ impl Host {
         }
         Ok(())
     }
+}
+
+/// Ask the kernel to pick this process first when memory runs out: a
+/// plugin that leaks should be what the OOM killer ends (the daemon then
+/// restarts it), not the daemon holding the model and every request.
+/// Best effort: where /proc is not writable nothing changes.
+fn prefer_as_oom_victim() {
+    let _ = std::fs::write("/proc/self/oom_score_adj", "1000");
 }
