@@ -158,9 +158,24 @@ pub struct ProposerConfig {
     /// (`isolation = "process"` only; default 1000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub propose_timeout_ms: Option<u64>,
+    /// Whether sampled requests' acceptance uses the q the proposer
+    /// reports drawing each token from (default: yes). `false` verifies
+    /// every drafted token as a point mass instead, exact whatever the
+    /// plugin drafted and reported (for a plugin not trusted to report
+    /// its q truthfully), at some acceptance (`speculative::proposer::Configured`).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub trust_q: bool,
     /// Passed to the plugin as TOML.
     #[serde(default)]
     pub options: toml::Table,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// How the adaptive policy prices a drafted token.
@@ -651,7 +666,7 @@ impl Config {
             d.add(make()?);
             if self.server.shadow.contains(&p.name) {
                 // A separate instance, so shadow state never touches live drafting.
-                d.add_shadow(make()?);
+                d.add_shadow(make()?, self.engine.max_draft);
             }
         }
         Ok(d)
@@ -678,12 +693,14 @@ impl Config {
         tokenizer: Option<Arc<Tokenizer>>,
     ) -> Result<Box<dyn Proposer>> {
         let inner = self.build_bare_proposer(p, model, tokenizer)?;
-        Ok(match p.token_cost {
-            Some(c) => Box::new(crate::speculative::proposer::Priced {
+        Ok(if p.token_cost.is_some() || !p.trust_q {
+            Box::new(crate::speculative::proposer::Configured {
                 inner,
-                token_cost: c,
-            }),
-            _ => inner,
+                token_cost: p.token_cost,
+                trust_q: p.trust_q,
+            })
+        } else {
+            inner
         })
     }
 

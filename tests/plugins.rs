@@ -395,6 +395,38 @@ fn plugin_options_are_checked_with_the_key_named() {
     assert!(e.contains("option `max_n`: expected an integer"), "{e}");
 }
 
+#[test]
+fn a_plugin_declaring_an_absurd_draft_limit_is_refused_when_created() {
+    // The host sizes a propose call's buffers by the declared limit (a
+    // shadow drafts at it): a limit of millions would allocate gigabytes
+    // per sequence, so it is refused up front, in process and in a
+    // plugin-host child alike.
+    let (_d, model) = tiny();
+    for isolation in ["none", "process"] {
+        let cfg = Config::parse(
+            &format!(
+                "[[proposer]]\nname = \"ngram\"\nisolation = \"{isolation}\"\n[proposer.options]\nmax_draft = 1000000\n"
+            ),
+            None,
+        )
+        .unwrap();
+        let e = cfg.build_drafter(&model, None).unwrap_err().to_string();
+        assert!(
+            e.contains("max_draft 1000000 declared, at most 256"),
+            "{isolation}: {e}"
+        );
+        // The largest allowed still loads.
+        let cfg = Config::parse(
+            &format!(
+                "[[proposer]]\nname = \"ngram\"\nisolation = \"{isolation}\"\n[proposer.options]\nmax_draft = 256\n"
+            ),
+            None,
+        )
+        .unwrap();
+        assert!(cfg.build_drafter(&model, None).is_ok(), "{isolation}");
+    }
+}
+
 /// Sample the first two tokens of `prompt` 20,000 times (temperature 1,
 /// seeds from `seed0`) with `proposer` drafting at least `min_drafted`
 /// tokens: their distribution equals the target's (chi-square), and the

@@ -7,7 +7,9 @@ use specd_test_kit as common;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use common::{OracleProposer, PanickyProposer, RandomProposer, TempDir, TinySpec, TINY};
+use common::{
+    LyingProposer, OracleProposer, PanickyProposer, RandomProposer, TempDir, TinySpec, TINY,
+};
 use specd::model::{load_model, Model};
 use specd::plain::generate;
 use specd::sampler::{FinishReason, SamplingParams};
@@ -258,9 +260,10 @@ fn a_costly_proposer_stops_drafting_where_its_acceptance_does_not_pay() {
         smollm_answers(&["def fibonacci(n):", "The three primary colors are"], n);
     let drafted = |token_cost: f64| {
         let oracle = OracleProposer::new(answers.clone(), 0.7, 4, model.config.vocab_size as u32);
-        let p: Box<dyn Proposer> = Box::new(specd::speculative::proposer::Priced {
+        let p: Box<dyn Proposer> = Box::new(specd::speculative::proposer::Configured {
             inner: Box::new(oracle),
-            token_cost,
+            token_cost: Some(token_cost),
+            trust_q: true,
         });
         // One sequence at a time: the verify price is the configured 0.10.
         let mut e = engine(&model, Some(tok.clone()), vec![p], 1, None);
@@ -333,9 +336,10 @@ fn rejected_probes_of_a_costly_proposer_back_off() {
         let oracle = OracleProposer::new(answers.clone(), 1.0, 4, model.config.vocab_size as u32);
         // A small own cost: the probe interval stays the configured 8
         // steps (cost / draft_cost rounds to 1), only the back-off differs.
-        let p: Box<dyn Proposer> = Box::new(specd::speculative::proposer::Priced {
+        let p: Box<dyn Proposer> = Box::new(specd::speculative::proposer::Configured {
             inner: Box::new(oracle),
-            token_cost: 0.001,
+            token_cost: Some(0.001),
+            trust_q: true,
         });
         let mut e = engine(&model, Some(tok.clone()), vec![p], 1, None);
         e.scheduler.config.adaptive_draft = true;
@@ -367,13 +371,23 @@ fn sampled_pairs_of(
     shape: impl Fn(Request) -> Request,
 ) -> Vec<u64> {
     let v = model.config.vocab_size;
-    let mut e = engine(
-        model,
-        None,
-        vec![Box::new(RandomProposer::new(v, 3, 17))],
-        64,
-        None,
-    );
+    let random = Box::new(RandomProposer::new(v, 3, 17));
+    sampled_pairs_with(model, prompt, params, n, acceptance, random, shape)
+}
+
+/// `sampled_pairs_of` with `proposer` drafting.
+fn sampled_pairs_with(
+    model: &Arc<Model>,
+    prompt: &[u32],
+    params: &SamplingParams,
+    n: usize,
+    acceptance: Acceptance,
+    proposer: Box<dyn Proposer>,
+    shape: impl Fn(Request) -> Request,
+) -> Vec<u64> {
+    let v = model.config.vocab_size;
+    let name = proposer.name().to_string();
+    let mut e = engine(model, None, vec![proposer], 64, None);
     e.acceptor.acceptance = acceptance;
     let reqs: Vec<Request> = (0..n)
         .map(|i| {
@@ -382,7 +396,7 @@ fn sampled_pairs_of(
                     seed: 1000 + i as u64,
                     ..params.clone()
                 },
-                proposer: Some("random".into()),
+                proposer: Some(name.clone()),
                 ignore_eos: true,
                 ..Request::greedy(prompt.to_vec(), 3)
             })
@@ -460,6 +474,58 @@ fn assert_pairs_follow(
     assert!(
         bstat > 3.0 * common::chi2_crit_999(bdf),
         "the test cannot tell {control:?} apart: {bstat}"
+    );
+}
+
+#[test]
+fn an_untrusted_q_is_not_used_so_a_lying_proposer_stays_lossless() {
+    // A proposer that reports one q and drafts another token (its q's
+    // argmax): trusting its q biases the output (the control, which the
+    // test rejects); `trust_q = false` verifies each drafted
+    // token as a point mass, exact whatever was drafted.
+    let spec = TinySpec { vocab: 12, ..TINY };
+    let (_d, model) = tiny_model(&spec, 8);
+    let prompt = [3u32, 7, 1, 9];
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = common::exact_first_two(&model, &prompt, &params);
+    let liar = || LyingProposer(RandomProposer::new(spec.vocab, 3, 17));
+    let n = 12000;
+    let ignored = Box::new(specd::speculative::proposer::Configured {
+        inner: Box::new(liar()),
+        token_cost: None,
+        trust_q: false,
+    });
+    let good = sampled_pairs_with(
+        &model,
+        &prompt,
+        &params,
+        n,
+        Acceptance::Exact,
+        ignored,
+        |r| r,
+    );
+    let (stat, df) = common::chi_square(&good, &exact);
+    let crit = common::chi2_crit_999(df);
+    eprintln!("q ignored: chi2 {stat:.1} (df {df}, 0.1% critical {crit:.1})");
+    assert!(stat < crit, "q ignored: chi2 {stat} > {crit}");
+    let trusted = Box::new(liar());
+    let bad = sampled_pairs_with(
+        &model,
+        &prompt,
+        &params,
+        n,
+        Acceptance::Exact,
+        trusted,
+        |r| r,
+    );
+    let (bstat, bdf) = common::chi_square(&bad, &exact);
+    eprintln!("q trusted: chi2 {bstat:.1} (df {bdf})");
+    assert!(
+        bstat > 3.0 * common::chi2_crit_999(bdf),
+        "the test cannot tell a trusted lying q apart: {bstat}"
     );
 }
 
@@ -1206,12 +1272,15 @@ fn shadow_proposers_are_scored_without_touching_live_traffic() {
     let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.iter().cloned()).collect();
     for (rate, check) in [(0.0, "perfect"), (1.0, "useless")] {
         let mut e = engine(&model, None, vec![], 4, None);
-        e.drafter.add_shadow(Box::new(OracleProposer::new(
-            answers.clone(),
-            rate,
+        e.drafter.add_shadow(
+            Box::new(OracleProposer::new(
+                answers.clone(),
+                rate,
+                4,
+                TINY.vocab as u32,
+            )),
             4,
-            TINY.vocab as u32,
-        )));
+        );
         let reqs = ps
             .iter()
             .map(|p| Request {

@@ -121,13 +121,19 @@ impl SamplingParams {
     }
 }
 
-/// The seed a proposer draws its draft with for a request seeded `seed`:
-/// a stream apart from the engine's own (acceptance, resampling: seeded
-/// with `seed` itself), so a plugin that seeds its generator from the
-/// request's seed never replays the numbers that test its draft
-/// (rejection sampling needs the two independent).
-pub fn draft_seed(seed: u64) -> u64 {
-    Rng::new(seed ^ 0xD2AF_7000_5EED_0001).next_u64()
+/// The seed a proposer draws its draft with for a request seeded `seed`
+/// whose sequence has `committed` tokens: a stream apart from the
+/// engine's own (acceptance, resampling: seeded with `seed` itself), so a
+/// plugin that seeds its generator from the request's seed never replays
+/// the numbers that test its draft (rejection sampling needs the two
+/// independent). Plugins seed a sequence's generator when they first see
+/// it, and see it again from the start after a preemption or a restart
+/// of their process: the committed length, which only grows while tokens
+/// are emitted, gives that generator a new stream, so no number whose
+/// draw an emitted token already reveals is drawn again.
+pub fn draft_seed(seed: u64, committed: usize) -> u64 {
+    let len = (committed as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    Rng::new(seed ^ 0xD2AF_7000_5EED_0001 ^ len).next_u64()
 }
 
 /// xoshiro256** seeded through splitmix64: small, fast, reproducible.
@@ -616,12 +622,19 @@ mod tests {
         // the engine tests their drafts with `Rng::new(request seed)`. The
         // two must never be the same stream, seed 0 included.
         for seed in (0..1000u64).chain([u64::MAX, 1 << 63]) {
-            let handed = draft_seed(seed);
-            assert_ne!(handed, seed);
-            let plugin = handed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            let (mut a, mut b) = (Rng::new(seed), Rng::new(plugin));
-            assert_ne!(a.next_u64(), b.next_u64(), "seed {seed}");
+            for committed in [0, 1, 17, 4096] {
+                let handed = draft_seed(seed, committed);
+                assert_ne!(handed, seed);
+                let plugin = handed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let (mut a, mut b) = (Rng::new(seed), Rng::new(plugin));
+                assert_ne!(a.next_u64(), b.next_u64(), "seed {seed}");
+            }
         }
+        // A sequence seen again from the start (a preemption, a plugin
+        // process restarted) with more tokens committed draws anew.
+        let streams: std::collections::HashSet<u64> =
+            (0..10_000).map(|n| draft_seed(42, n)).collect();
+        assert_eq!(streams.len(), 10_000);
     }
 
     fn params(t: f32) -> SamplingParams {

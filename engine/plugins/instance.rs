@@ -38,6 +38,18 @@ impl TargetDims {
 /// Most hidden layers a proposer may ask for (the ABI's array size).
 pub(crate) const MAX_HIDDEN_LAYERS: usize = 8;
 
+/// Most tokens (tree nodes) a proposer may declare it drafts a step.
+pub(crate) const MAX_PLUGIN_DRAFT: usize = 256;
+
+/// Most KV bytes a proposer may declare it keeps per token (16 MiB; a 70B
+/// model's own cache is about a fiftieth of that).
+pub(crate) const MAX_KV_BYTES_PER_TOKEN: usize = 16 << 20;
+
+/// Most q entries (floats) one propose call may have the host allocate:
+/// 1 GiB of them (e.g. 64 sequences x 16 drafted tokens x a 256k
+/// vocabulary).
+const MAX_Q_FLOATS: usize = 1 << 28;
+
 /// What a plugin declares must fit the target: hidden layers that exist,
 /// at most `MAX_HIDDEN_LAYERS` of them, none twice. A layer past the
 /// target would fail every forward that carries one of its sequences
@@ -47,6 +59,21 @@ pub(crate) fn check_caps(
     caps: &Capabilities,
     dims: TargetDims,
 ) -> std::result::Result<(), String> {
+    // The host sizes a call's output buffers by `max_draft` (times the
+    // vocabulary for a full q), so a declared limit is bounded here, not
+    // trusted: a shadow proposer drafts at its own limit.
+    if caps.max_draft > MAX_PLUGIN_DRAFT {
+        return Err(format!(
+            "proposer '{name}': max_draft {} declared, at most {MAX_PLUGIN_DRAFT}",
+            caps.max_draft
+        ));
+    }
+    if caps.kv_bytes_per_token > MAX_KV_BYTES_PER_TOKEN {
+        return Err(format!(
+            "proposer '{name}': kv_bytes_per_token {} declared, at most {MAX_KV_BYTES_PER_TOKEN}",
+            caps.kv_bytes_per_token
+        ));
+    }
     let layers = &caps.hidden_layers;
     if layers.len() > MAX_HIDDEN_LAYERS {
         return Err(format!(
@@ -322,7 +349,7 @@ impl Proposer for PluginProposer {
             } else {
                 SiblingMode::WithoutReplacement
             },
-            // Set by the host's configuration (`speculative::proposer::Priced`).
+            // Set by the host's configuration (`speculative::proposer::Configured`).
             token_cost: None,
             kv_bytes_per_token: c.kv_bytes_per_token as usize,
         }
@@ -342,7 +369,12 @@ impl Proposer for PluginProposer {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        let draft_cap = batch.iter().map(|b| b.max_draft).max().unwrap_or(0).max(1);
+        let draft_cap = batch
+            .iter()
+            .map(|b| b.max_draft)
+            .max()
+            .unwrap_or(0)
+            .clamp(1, MAX_PLUGIN_DRAFT);
         let q_cap = match self.caps.q_kind {
             abi::Q_SPARSE => self.caps.sparse_k.max(1) as usize,
             abi::Q_FULL => self.vocab,
@@ -377,7 +409,7 @@ impl Proposer for PluginProposer {
                     top_k: b.params.top_k as u32,
                     top_p: b.params.top_p,
                     min_p: b.params.min_p,
-                    seed: crate::sampler::draft_seed(b.params.seed),
+                    seed: crate::sampler::draft_seed(b.params.seed, b.tokens.len()),
                     hidden: h.as_ptr(),
                     n_hidden_rows: rows as u32,
                     hidden_width: width as u32,
@@ -389,6 +421,16 @@ impl Proposer for PluginProposer {
         let ptrs: Vec<*const abi::SeqInput> = inputs.iter().map(|i| i as *const _).collect();
         let n = batch.len();
         let slots = n * draft_cap;
+        let q_floats = slots
+            .checked_mul(q_cap)
+            .filter(|&f| f <= MAX_Q_FLOATS)
+            .ok_or_else(|| {
+                format!(
+                    "plugin {}: {n} sequences x {draft_cap} drafted tokens x {q_cap} q entries \
+                 exceed the {MAX_Q_FLOATS} q entries a call may use",
+                    self.lib.name
+                )
+            })?;
         let b = &mut self.bufs;
         // Small buffers are reset every call; q entries are only read where
         // the plugin says it wrote them (`q_len`), so they are reused as is.
@@ -401,9 +443,17 @@ impl Proposer for PluginProposer {
         b.parents.clear();
         b.parents
             .extend((0..n).flat_map(|_| (0..draft_cap as i32).map(|j| j - 1)));
-        if b.q_probs.len() < slots * q_cap {
-            b.q_probs.resize(slots * q_cap, 0.0);
-            b.q_ids.resize(slots * q_cap, 0);
+        if b.q_probs.len() < q_floats {
+            b.q_probs.resize(q_floats, 0.0);
+        }
+        // A full q is every id in order: no ids are written.
+        let id_floats = if self.caps.q_kind == abi::Q_FULL {
+            0
+        } else {
+            q_floats
+        };
+        if b.q_ids.len() < id_floats {
+            b.q_ids.resize(id_floats, 0);
         }
         let mut out = abi::DraftOut {
             struct_size: abi::size_of::<abi::DraftOut>(),
@@ -411,7 +461,11 @@ impl Proposer for PluginProposer {
             q_cap: q_cap as u32,
             tokens: b.tokens.as_mut_ptr(),
             n_drafted: b.n_drafted.as_mut_ptr(),
-            q_ids: b.q_ids.as_mut_ptr(),
+            q_ids: if id_floats == 0 {
+                std::ptr::null_mut()
+            } else {
+                b.q_ids.as_mut_ptr()
+            },
             q_probs: b.q_probs.as_mut_ptr(),
             q_len: b.q_len.as_mut_ptr(),
             parents: b.parents.as_mut_ptr(),

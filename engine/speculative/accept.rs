@@ -223,7 +223,7 @@ impl<'a> Residual<'a> {
 
 /// Whether `q` puts all its mass on `t` (one-hot, or a sparse or full q
 /// with 1 at `t` and nothing elsewhere): a deterministic candidate.
-fn point_mass(q: &DraftQ, t: u32) -> bool {
+pub(super) fn point_mass(q: &DraftQ, t: u32) -> bool {
     match q {
         DraftQ::OneHot => true,
         DraftQ::Sparse(d) => d.prob(t) == 1.0 && d.probs.iter().filter(|&&p| p != 0.0).count() == 1,

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use super::hidden::HiddenRows;
 use super::proposer::{Capabilities, Draft, DraftQ, ProposeInput, Proposer, QKind};
 use super::SeqId;
-use crate::sampler::Distribution;
+use crate::sampler::{Distribution, SamplingParams};
 
 /// Rows of buffered hidden states beyond which a member is flushed.
 const FLUSH_ROWS: usize = 64;
@@ -345,14 +345,23 @@ impl Compose {
             .iter()
             .map(|&i| std::mem::take(&mut self.state(batch[i].seq).pending[m]))
             .collect();
+        // Each member draws from its own stream: two plugins that seed
+        // their generators alike from the request's seed (eagle and
+        // medusa do) would otherwise draw the same numbers, the later one
+        // replaying numbers the earlier one's accepted drafts revealed.
+        let params: Vec<std::borrow::Cow<'_, SamplingParams>> = idx
+            .iter()
+            .map(|&i| member_params(batch[i].params, m))
+            .collect();
         let inputs: Vec<ProposeInput<'_>> = idx
             .iter()
             .zip(&pend)
-            .map(|(&i, p)| ProposeInput {
+            .zip(&params)
+            .map(|((&i, p), params)| ProposeInput {
                 seq: batch[i].seq,
                 tokens: batch[i].tokens,
                 max_draft: max_draft.unwrap_or(batch[i].max_draft),
-                params: batch[i].params,
+                params,
                 hidden: &p.layers,
                 hidden_start: p.start,
             })
@@ -370,7 +379,24 @@ impl Compose {
                 inputs.len()
             ));
         }
-        Ok(drafts)
+        // Each member's draft is checked against its own declaration
+        // before the composite reads its tree or converts its q (as the
+        // host checks a proposer's): a bad one names the member.
+        let vocab = (self.vocab > 0).then_some(self.vocab);
+        drafts
+            .into_iter()
+            .zip(&inputs)
+            .map(|(mut d, inp)| {
+                let consistent = d.q.len() == d.tokens.len()
+                    && d.parents.as_ref().is_none_or(|p| p.len() == d.tokens.len());
+                if consistent {
+                    d.truncate(d.tokens.len().min(inp.max_draft));
+                }
+                super::proposer::validate_draft(&d, &member.caps, vocab, inp.params.is_greedy())
+                    .map(|()| d)
+                    .map_err(|why| format!("member `{}`: sequence {}: {why}", member.name, inp.seq))
+            })
+            .collect()
     }
 }
 
@@ -570,6 +596,19 @@ impl Proposer for Compose {
     }
 }
 
+/// The sampling parameters member `m` of a composite sees: the request's,
+/// with the seed of every member after the first moved to a stream of its
+/// own (a greedy request's seed is never read).
+fn member_params(p: &SamplingParams, m: usize) -> std::borrow::Cow<'_, SamplingParams> {
+    if m == 0 || p.is_greedy() {
+        return std::borrow::Cow::Borrowed(p);
+    }
+    let mut own = p.clone();
+    own.seed = crate::sampler::Rng::new(p.seed ^ (m as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+        .next_u64();
+    std::borrow::Cow::Owned(own)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -587,6 +626,8 @@ mod tests {
         asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
         /// (position, first value of the first layer) of every row seen.
         rows: std::sync::Arc<std::sync::Mutex<Vec<(usize, f32)>>>,
+        /// The request seed of every drafting call.
+        seeds: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
     }
 
     impl Fake {
@@ -605,6 +646,7 @@ mod tests {
                 layers,
                 asked: Default::default(),
                 rows: Default::default(),
+                seeds: Default::default(),
             }
         }
     }
@@ -640,6 +682,7 @@ mod tests {
                     }
                     self.asked
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.seeds.lock().unwrap().push(b.params.seed);
                     if self.when.is_some_and(|w| b.tokens.last() != Some(&w)) {
                         return Draft::default();
                     }
@@ -940,5 +983,115 @@ mod tests {
         for greedy in [true, false] {
             crate::speculative::proposer::validate_draft(&d, &c.caps, Some(16), greedy).unwrap();
         }
+    }
+
+    #[test]
+    fn one_hot_tree_siblings_lifted_to_sparse_pass_validation_under_sampling() {
+        // A lookup member's tree (one-hot siblings) in a composite that
+        // declares sparse q: each sibling becomes its own point mass,
+        // which acceptance tries in turn exactly. Validation must let the
+        // draft through (it once poisoned the composite on its first
+        // sampled tree), and still refuse siblings whose real q differ.
+        let mut c = pair(
+            ("a", Box::new(Fake::new("a", 7, 4, None, vec![])), 0.0),
+            ("b", Box::new(Fake::new("b", 9, 3, None, vec![])), 0.0),
+        );
+        c.caps.q_kind = QKind::Sparse;
+        c.caps.tree = true;
+        let d = c.convert(Draft {
+            tokens: vec![3, 5, 1],
+            q: vec![DraftQ::OneHot; 3],
+            parents: Some(vec![-1, -1, 0]),
+            source: None,
+        });
+        assert_ne!(d.q[0], d.q[1]);
+        let check =
+            |d: &Draft| crate::speculative::proposer::validate_draft(d, &c.caps, Some(16), false);
+        check(&d).unwrap();
+        let spread = |a: u32, b: u32| {
+            DraftQ::Sparse(Distribution {
+                ids: vec![a, b],
+                probs: vec![0.5, 0.5],
+            })
+        };
+        let unlike = Draft {
+            tokens: vec![3, 5],
+            q: vec![spread(3, 4), spread(5, 6)],
+            parents: Some(vec![-1, -1]),
+            source: None,
+        };
+        let e = check(&unlike).unwrap_err();
+        assert!(e.contains("same q"), "{e}");
+    }
+
+    #[test]
+    fn members_draw_from_streams_of_their_own() {
+        // Plugins seed their generators from the request's seed alike
+        // (eagle's and medusa's formulas are the same): a composite hands
+        // every member after the first a seed of its own, under sampling.
+        let (a, b) = (
+            Fake::new("a", 7, 2, Some(99), vec![]),
+            Fake::new("b", 9, 2, None, vec![]),
+        );
+        let (sa, sb) = (a.seeds.clone(), b.seeds.clone());
+        let mut c = pair(("a", Box::new(a), 0.0), ("b", Box::new(b), 0.0));
+        let p = SamplingParams {
+            temperature: 0.8,
+            seed: 1234,
+            ..Default::default()
+        };
+        for _ in 0..3 {
+            c.propose(&[input(1, &[3, 1], &p, &[], 0)]).unwrap();
+        }
+        let (sa, sb) = (sa.lock().unwrap().clone(), sb.lock().unwrap().clone());
+        assert!(!sa.is_empty() && !sb.is_empty(), "{sa:?} {sb:?}");
+        assert!(sa.iter().all(|&s| s == 1234), "{sa:?}");
+        assert!(sb.iter().all(|&s| s != 1234), "{sb:?}");
+    }
+
+    #[test]
+    fn a_members_malformed_tree_is_refused_naming_it_not_a_panic() {
+        struct Bad;
+        impl Proposer for Bad {
+            fn name(&self) -> &str {
+                "bad"
+            }
+            fn capabilities(&self) -> Capabilities {
+                Capabilities {
+                    max_draft: 4,
+                    tree: true,
+                    ..Default::default()
+                }
+            }
+            fn start(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+                Ok(())
+            }
+            fn propose(&mut self, b: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+                // A parent past the draft: reading its depths would index
+                // out of bounds.
+                Ok(b.iter()
+                    .map(|_| Draft {
+                        tokens: vec![1, 2],
+                        q: vec![DraftQ::OneHot; 2],
+                        parents: Some(vec![-1, 7]),
+                        source: None,
+                    })
+                    .collect())
+            }
+            fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
+                Ok(())
+            }
+            fn finish(&mut self, _: SeqId) {}
+        }
+        let mut c = pair(
+            ("bad", Box::new(Bad), 0.0),
+            ("b", Box::new(Fake::new("b", 9, 3, None, vec![])), 0.0),
+        );
+        let p = SamplingParams::default();
+        let e = c.propose(&[input(1, &[3, 1], &p, &[], 0)]).unwrap_err();
+        assert!(
+            e.contains("member `bad`") && e.contains("sequence 1"),
+            "{e}"
+        );
     }
 }

@@ -171,9 +171,13 @@ impl Drafter {
         self.vocab = Some(vocab);
     }
 
-    /// Register a shadow proposer (scored, never verified).
-    pub fn add_shadow(&mut self, proposer: Box<dyn Proposer>) {
-        let caps = proposer.capabilities();
+    /// Register a shadow proposer (scored, never verified), drafting at
+    /// most `max_draft` tokens a step (the engine's limit on live drafts:
+    /// its own declared limit is the plugin's word, and sizes the call's
+    /// buffers).
+    pub fn add_shadow(&mut self, proposer: Box<dyn Proposer>, max_draft: usize) {
+        let mut caps = proposer.capabilities();
+        caps.max_draft = caps.max_draft.min(max_draft);
         let name = proposer.name().to_string();
         self.shadows.push(Shadow {
             slot: Slot {
@@ -812,5 +816,58 @@ mod tests {
         d.observe(8, &[2], &[]);
         assert!(draft_of(&mut d, 8).is_empty());
         assert!(d.poisoned("x").is_none(), "{:?}", d.poisoned("x"));
+    }
+
+    /// Declares any draft limit; records the limits it is asked for.
+    struct Asked {
+        declared: usize,
+        asked: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
+    }
+
+    impl Proposer for Asked {
+        fn name(&self) -> &str {
+            "asked"
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                max_draft: self.declared,
+                ..Capabilities::default()
+            }
+        }
+        fn start(&mut self, _: SeqId, _: &[u32]) -> Result<(), String> {
+            Ok(())
+        }
+        fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+            let mut asked = self.asked.lock().unwrap();
+            asked.extend(batch.iter().map(|b| b.max_draft));
+            Ok(batch.iter().map(|_| Draft::default()).collect())
+        }
+        fn observe(&mut self, _: SeqId, _: &[u32], _: &[usize]) -> Result<(), String> {
+            Ok(())
+        }
+        fn finish(&mut self, _: SeqId) {}
+    }
+
+    #[test]
+    fn a_shadow_drafts_within_the_engines_limit_whatever_it_declares() {
+        // A plugin's declared limit sizes its call's output buffers (times
+        // the vocabulary for a full q): a shadow declaring billions must
+        // be asked for no more than live drafts may be.
+        let asked: std::sync::Arc<std::sync::Mutex<Vec<usize>>> = Default::default();
+        let mut d = Drafter::new();
+        d.add(fixed("a", 10, 4));
+        d.add_shadow(
+            Box::new(Asked {
+                declared: u32::MAX as usize,
+                asked: std::sync::Arc::clone(&asked),
+            }),
+            6,
+        );
+        d.start(1, "a", &[1, 2, 3]);
+        assert_eq!(draft_of(&mut d, 1), [10]);
+        assert_eq!(*asked.lock().unwrap(), [6]);
+        let listed = d.list();
+        let row = listed.iter().find(|r| r.role == "shadow").unwrap();
+        assert_eq!(row.max_draft, 6);
     }
 }

@@ -255,21 +255,38 @@ pub trait Proposer: Send {
     fn finish(&mut self, seq: SeqId);
 }
 
-/// A proposer with its configured own drafting cost
-/// (`Capabilities::token_cost`); everything else passes through.
-pub struct Priced {
+/// A proposer with what the host's configuration sets about it; everything
+/// else passes through.
+/// - `token_cost`: its own drafting cost (`Capabilities::token_cost`).
+/// - `trust_q` (`[[proposer]] trust_q`, default true): whether sampled
+///   acceptance uses the q it reports. Without trust every drafted token
+///   is verified as a point mass: a candidate accepted with the target's
+///   probability of it, else the target resampled without it. That is
+///   exact whatever the proposer drafted and however it drew it (only its
+///   draws must not see the engine's), so losslessness does not rest on a
+///   plugin reporting the q it drew from; the price is acceptance
+///   (`sum_x q(x) p(x)` instead of `sum_x min(p(x), q(x))` for a truthful
+///   one). Greedy decoding is unchanged.
+pub struct Configured {
     pub inner: Box<dyn Proposer>,
-    pub token_cost: f64,
+    pub token_cost: Option<f64>,
+    pub trust_q: bool,
 }
 
-impl Proposer for Priced {
+impl Proposer for Configured {
     fn name(&self) -> &str {
         self.inner.name()
     }
     fn capabilities(&self) -> Capabilities {
+        let inner = self.inner.capabilities();
         Capabilities {
-            token_cost: Some(self.token_cost),
-            ..self.inner.capabilities()
+            token_cost: self.token_cost.or(inner.token_cost),
+            q_kind: if self.trust_q {
+                inner.q_kind
+            } else {
+                QKind::OneHot
+            },
+            ..inner
         }
     }
     fn info(&self) -> ProposerInfo {
@@ -279,7 +296,13 @@ impl Proposer for Priced {
         self.inner.start(seq, prompt)
     }
     fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
-        self.inner.propose(batch)
+        let mut drafts = self.inner.propose(batch)?;
+        if !self.trust_q {
+            for d in &mut drafts {
+                d.q.iter_mut().for_each(|q| *q = DraftQ::OneHot);
+            }
+        }
+        Ok(drafts)
     }
     fn observe(&mut self, seq: SeqId, committed: &[u32], path: &[usize]) -> Result<(), String> {
         self.inner.observe(seq, committed, path)
@@ -429,7 +452,10 @@ pub fn validate_draft(
 
 /// Under sampling, the siblings of each node were drawn from one q: every
 /// later sibling repeats the first one's q, and without replacement the
-/// siblings are distinct tokens.
+/// siblings are distinct tokens. Siblings that are each a point mass on
+/// their own token (a lookup's candidates, lifted to sparse or full q by a
+/// composite) are deterministic candidates, which acceptance tries in turn
+/// exactly (`accept`'s one-hot siblings).
 fn validate_siblings(d: &Draft, mode: SiblingMode) -> Result<(), String> {
     let mut first: std::collections::HashMap<Option<usize>, usize> = Default::default();
     let mut tokens: std::collections::HashMap<Option<usize>, Vec<u32>> = Default::default();
@@ -450,7 +476,8 @@ fn validate_siblings(d: &Draft, mode: SiblingMode) -> Result<(), String> {
         let same = match (&d.q[f], &d.q[i]) {
             (DraftQ::Full(a), DraftQ::Full(b)) => Arc::ptr_eq(a, b) || a == b,
             (a, b) => a == b,
-        };
+        } || (super::accept::point_mass(&d.q[f], d.tokens[f])
+            && super::accept::point_mass(&d.q[i], d.tokens[i]));
         if !same {
             return Err(format!(
                 "node {i}: siblings must carry the same q (the distribution at their parent)"

@@ -242,6 +242,7 @@ pub struct DraftOut {
     pub tokens: *mut u32,
     /// Drafts written per sequence.
     pub n_drafted: *mut u32,
+    /// Null where the proposer declared full q (no ids to write).
     pub q_ids: *mut u32,
     pub q_probs: *mut f32,
     /// Entries written per draft position.

@@ -169,6 +169,10 @@ pub struct SeqView<'a> {
     pub top_k: u32,
     pub top_p: f32,
     pub min_p: f32,
+    /// The seed to draw this sequence's drafts with: apart from the
+    /// engine's acceptance stream, and new whenever the sequence is seen
+    /// again from the start (it mixes in the committed length), so seed a
+    /// sequence's generator from it when the sequence is first seen.
     pub seed: u64,
     /// Hidden states of the declared layers, in declaration order, for
     /// every position committed since this proposer last saw the sequence

@@ -175,6 +175,42 @@ impl Proposer for RandomProposer {
     fn finish(&mut self, _: SeqId) {}
 }
 
+/// Reports a peaked random full q per drafted token, as `RandomProposer`,
+/// but drafts that q's most likely token instead of drawing from it: a
+/// plugin whose reported q is not what it drew from.
+pub struct LyingProposer(pub RandomProposer);
+
+impl Proposer for LyingProposer {
+    fn name(&self) -> &str {
+        "liar"
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
+    }
+    fn start(&mut self, seq: SeqId, prompt: &[u32]) -> Result<(), String> {
+        self.0.start(seq, prompt)
+    }
+    fn propose(&mut self, batch: &[ProposeInput<'_>]) -> Result<Vec<Draft>, String> {
+        let mut drafts = self.0.propose(batch)?;
+        for d in &mut drafts {
+            for (t, q) in d.tokens.iter_mut().zip(&d.q) {
+                if let DraftQ::Full(q) = q {
+                    *t = (0..q.len())
+                        .max_by(|&a, &b| q[a].total_cmp(&q[b]))
+                        .unwrap_or(0) as u32;
+                }
+            }
+        }
+        Ok(drafts)
+    }
+    fn observe(&mut self, seq: SeqId, committed: &[u32], path: &[usize]) -> Result<(), String> {
+        self.0.observe(seq, committed, path)
+    }
+    fn finish(&mut self, seq: SeqId) {
+        self.0.finish(seq)
+    }
+}
+
 /// Panics on its second propose call.
 #[derive(Default)]
 pub struct PanickyProposer {
