@@ -811,12 +811,9 @@ impl Config {
         self.apply_engine(&mut ec.scheduler);
         ec.scheduler.max_waiting = self.server.max_queue;
         ec.kv_blocks = self.kv_blocks(model, ec.scheduler.max_running);
-        // A request longer than the whole KV budget could only fail after
-        // its prefill: the served context is what the budget holds.
-        ec.scheduler.max_seq_len = ec.scheduler.max_seq_len.min(
-            ec.kv_blocks
-                .saturating_mul(crate::model::DEFAULT_BLOCK_SIZE),
-        );
+        // The served context is what the budget holds (as both drivers
+        // apply it; set here too so the config's readers see it).
+        ec.scheduler.max_seq_len = ec.served_max_seq_len();
         ec.prefix_cache_blocks = match (self.engine.prefix_cache, self.engine.prefix_cache_blocks) {
             (false, _) => 0,
             (true, 0) => (ec.kv_blocks / 4).max(1),

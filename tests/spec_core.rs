@@ -478,6 +478,26 @@ fn assert_pairs_follow(
 }
 
 #[test]
+fn a_request_longer_than_the_whole_kv_budget_is_refused_when_added() {
+    // Built from an `EngineConfig` directly (not through a TOML config),
+    // a 3-block budget (192 tokens) must still refuse a request that could
+    // only fail after its prefill, evicting the running ones on the way.
+    let (_d, model) = tiny_model(&TINY, 12);
+    let mut e = engine(&model, None, vec![], 2, Some(3));
+    let running = e.add(Request::greedy(vec![1, 2, 3], 8), None).unwrap();
+    let long: Vec<u32> = (0..190).map(|i| 1 + i % 7).collect();
+    let err = e.add(Request::greedy(long.clone(), 8), None).unwrap_err();
+    assert!(err.to_string().contains("192"), "the limit named: {err}");
+    // What fits is served, and the running request completes untouched.
+    e.add(Request::greedy(long[..120].to_vec(), 8), None)
+        .unwrap();
+    let done = e.run_to_completion().unwrap();
+    assert_eq!(done.len(), 2);
+    let first = done.iter().find(|c| c.id == running).unwrap();
+    assert_eq!(first.preemptions, 0);
+}
+
+#[test]
 fn an_untrusted_q_is_not_used_so_a_lying_proposer_stays_lossless() {
     // A proposer that reports one q and drafts another token (its q's
     // argmax): trusting its q biases the output (the control, which the

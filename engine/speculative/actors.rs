@@ -669,6 +669,8 @@ impl EngineHandle {
         });
         let kv = KvManagerActor { kv: kv_manager }.start();
         let health = Arc::new(EngineHealth::default());
+        let mut config = config;
+        config.scheduler.max_seq_len = config.served_max_seq_len();
         let mut sched = Scheduler::new(config.scheduler, tokenizer);
         sched.set_prefix_probe(prefix_probe);
         sched.set_windowed(window.is_some());

@@ -40,6 +40,18 @@ impl EngineConfig {
             * running
     }
 
+    /// The longest sequence this engine serves: the scheduler's limit,
+    /// capped at what the whole KV budget holds (a longer request could
+    /// only fail after its prefill, having evicted every other on the
+    /// way). Both drivers apply it, so every way of building an engine
+    /// refuses such a request when it is added.
+    pub fn served_max_seq_len(&self) -> usize {
+        self.scheduler.max_seq_len.min(
+            self.kv_blocks
+                .saturating_mul(crate::model::DEFAULT_BLOCK_SIZE),
+        )
+    }
+
     /// Defaults sized for `model`: KV for `max_running` full contexts of
     /// 2048 tokens (or the model's limit, if smaller).
     pub fn for_model(model: &Model) -> Self {
@@ -119,6 +131,8 @@ impl SyncDriver {
         let window = WindowCost::of(&model.config.kv_layout(crate::model::DEFAULT_BLOCK_SIZE));
         let kv = KvManager::for_model(&model, config.kv_blocks);
         let verifier = Verifier::new(model).with_prefix_cache(config.prefix_cache_blocks);
+        let mut config = config;
+        config.scheduler.max_seq_len = config.served_max_seq_len();
         let mut scheduler = Scheduler::new(config.scheduler, tokenizer);
         scheduler.set_prefix_probe(verifier.prefix_probe());
         scheduler.set_windowed(window.is_some());
