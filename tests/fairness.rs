@@ -666,3 +666,47 @@ fn kv_pressure_preempts_the_worse_priority_first() {
     }
     assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
 }
+
+#[test]
+fn drafting_decoders_leave_a_prefilling_prompt_a_floor_of_the_budget() {
+    // Seven decoders drafting 8 tokens each fill 63 of a 64-token step;
+    // decodes are planned first, so a new prompt would get one token a
+    // step. Drafts leave it an eighth of the budget while it prefills.
+    let (_d, model) = tiny_model();
+    let mut cfg = EngineConfig::for_model(&model);
+    cfg.scheduler.max_running = 8;
+    cfg.scheduler.max_batch_tokens = 64;
+    cfg.scheduler.max_draft = 8;
+    cfg.scheduler.max_waiting = usize::MAX;
+    cfg.scheduler.adaptive_draft = false;
+    let mut d = Drafter::new();
+    d.add(Box::new(common::RandomProposer::new(TINY.vocab, 8, 3)));
+    let mut e = SyncDriver::new(model.clone(), None, cfg, d);
+    for i in 0..7 {
+        let r = Request {
+            proposer: Some("random".into()),
+            ignore_eos: true,
+            ..Request::greedy(prompt(i, 8), 200)
+        };
+        e.add(r, None).unwrap();
+    }
+    // Every decoder past its prefill and drafting.
+    for _ in 0..4 {
+        e.step().unwrap();
+    }
+    let (tx, mut rx) = unbounded_channel();
+    let late = Request {
+        prompt: prompt(99, 96),
+        ..greedy(4)
+    };
+    e.add(late, Some(tx)).unwrap();
+    let mut steps = 0;
+    while !first_token(&mut rx) {
+        e.step().unwrap();
+        steps += 1;
+        assert!(
+            steps <= 20,
+            "the prompt's first token took over {steps} steps"
+        );
+    }
+}

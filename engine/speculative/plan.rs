@@ -132,6 +132,21 @@ impl Scheduler {
             self.prices.0 += price;
             self.prices.1 += 1;
         }
+        // While a prompt is being prefilled, drafts leave it a floor of
+        // the budget (an eighth, at most `max_prefill_tokens`): decodes
+        // are planned first, and many decoders drafting (or forcing a
+        // grammar's tokens) at their caps could otherwise fill every
+        // step, holding a prompt, of any priority, at a token a step.
+        let prefilling = self.running.iter().any(|id| {
+            self.seqs
+                .get(id)
+                .is_some_and(|s| s.status == SeqStatus::Prefill)
+        });
+        let reserve = if prefilling {
+            (self.config.max_batch_tokens / 8).min(self.config.max_prefill_tokens)
+        } else {
+            0
+        };
         // Decoders not yet planned: each keeps one token of the budget, so
         // the drafts of those before it never starve it of its decode.
         let mut later = decoding;
@@ -150,7 +165,7 @@ impl Scheduler {
                 continue;
             };
             let pcaps = s.proposer.as_deref().and_then(&caps);
-            let room = budget.saturating_sub(1 + later);
+            let room = budget.saturating_sub(1 + later + reserve);
             let k = self.draft_len(s, pcaps, pricing, room);
             budget -= 1 + k;
             items.push(PlanItem {
@@ -403,8 +418,15 @@ impl Scheduler {
 
     /// Step 2: apply the KV manager's grant. Preempted sequences go back to
     /// the front of the queue to be recomputed; deferred ones sit out this
-    /// step; sequences that can never fit fail.
-    pub fn apply_grant(&mut self, items: Vec<PlanItem>, grant: &Grant) -> Vec<PlanItem> {
+    /// step; sequences that can never fit fail. Returns the items that
+    /// run, and the forked choices that lost their parent (they sit out
+    /// this step: whatever the grant reserved for them is theirs to give
+    /// back at commit).
+    pub fn apply_grant(
+        &mut self,
+        items: Vec<PlanItem>,
+        grant: &Grant,
+    ) -> (Vec<PlanItem>, Vec<SeqId>) {
         // A forked choice whose parent goes away before the copy (preempted
         // or too big now, or ended in an earlier step while the choice sat
         // out for budget or KV: its cache is released before this step
@@ -443,10 +465,11 @@ impl Scheduler {
                 metrics::counter!("specd_requests_total", "finish" => "error").increment(1);
             }
         }
-        items
+        let items = items
             .into_iter()
             .filter(|it| grant.granted.contains(&it.seq) && !unforked.contains(&it.seq))
-            .collect()
+            .collect();
+        (items, unforked)
     }
 }
 

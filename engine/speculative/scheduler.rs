@@ -28,7 +28,9 @@
 //!   ends the sequence and every later token of the accepted run is dropped,
 //!   never emitted.
 //! - Every step's batch costs at most `max_batch_tokens` tokens, and decode
-//!   steps of running sequences come before new prefill work.
+//!   steps of running sequences come before new prefill work; while a
+//!   prompt is prefilling, drafts leave it an eighth of the budget (at
+//!   most `max_prefill_tokens`).
 //! - With `Scheduling::Fair` (the default), `running` is ordered by
 //!   priority (then admission), and admission, slot preemption and the
 //!   prefill budget follow `fairness`; with `Fcfs`, by sequence id.
