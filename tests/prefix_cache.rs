@@ -8,6 +8,7 @@ use std::sync::Arc;
 use specd::config::Config;
 use specd::model::{load_model, Model};
 use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::kv_manager::Pool;
 use specd::speculative::{Completion, Request};
 use specd::tokenizer::{ChatMessage, Tokenizer};
 
@@ -301,7 +302,23 @@ fn forked_choices_survive_preemption() {
         };
         ids.push(small.add(r, None).unwrap());
     }
-    let mut done = small.run_to_completion().unwrap();
+    // After every step no choice holds more blocks than its committed
+    // cache needs (a forked one may hold fewer: its prompt's blocks are
+    // its parent's): nothing reserved for a copy it did not make (a
+    // choice whose parent was evicted in the grant that reserved its
+    // fork) stays held.
+    let mut done = Vec::new();
+    while !small.scheduler.is_idle() {
+        done.extend(small.step().unwrap().finished);
+        for &id in &ids {
+            let cached = small.verifier.cache_len(id).unwrap_or(0);
+            let held = small.kv.held_blocks(Pool::Target, id);
+            assert!(
+                held <= cached.div_ceil(64),
+                "choice {id}: {held} blocks held for a committed cache of {cached} tokens"
+            );
+        }
+    }
     done.sort_by_key(|c| ids.iter().position(|&i| i == c.id).unwrap());
     let preempted: u32 = done.iter().map(|c| c.preemptions).sum();
     eprintln!("{kv} blocks: {preempted} preemptions");

@@ -155,6 +155,8 @@ pub struct Step {
     forced: HashMap<SeqId, Vec<u32>>,
     forced_len: HashMap<SeqId, usize>,
     outs: HashMap<SeqId, VerifyOut>,
+    /// Forked choices whose parent went away in this step's grant.
+    unforked: Vec<SeqId>,
     report: StepReport,
 }
 
@@ -201,6 +203,7 @@ impl Step {
             forced: HashMap::new(),
             forced_len: HashMap::new(),
             outs: HashMap::new(),
+            unforked: Vec::new(),
             report: StepReport::default(),
         };
         (
@@ -216,7 +219,9 @@ impl Step {
     /// Stage 2 result (KV manager): keep what was granted, then ask the
     /// drafter for drafts.
     pub fn granted(&mut self, sched: &mut Scheduler, grant: Grant) -> DraftRequest {
-        self.items = sched.apply_grant(std::mem::take(&mut self.items), &grant);
+        let (items, unforked) = sched.apply_grant(std::mem::take(&mut self.items), &grant);
+        self.items = items;
+        self.unforked = unforked;
         let lc = sched.take_lifecycle();
         self.release.extend(lc.released.iter().copied());
         self.ended.extend(lc.ended.iter().copied());
@@ -518,13 +523,11 @@ impl Step {
             .record(self.report.batch_tokens as f64);
         metrics::gauge!("specd_running_sequences").set(sched.num_running() as f64);
         metrics::gauge!("specd_queue_length").set(sched.num_waiting() as f64);
-        (
-            CommitLens {
-                lens: committed.lens,
-                free,
-            },
-            self.report,
-        )
+        // Choices un-forked by this step's grant ran nothing: they hold
+        // no cache, so whatever was reserved for their copy goes back.
+        let mut lens = committed.lens;
+        lens.extend(self.unforked.iter().map(|&id| (id, 0)));
+        (CommitLens { lens, free }, self.report)
     }
 
     /// The step cannot complete (a stage is gone): its sequences fail and
