@@ -13,6 +13,7 @@ use specd::model::{load_model, Model};
 use specd::plain::generate;
 use specd::plugins;
 use specd::speculative::driver::{EngineConfig, SyncDriver};
+use specd::speculative::proposer::QKind;
 use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
@@ -288,6 +289,27 @@ fn out_of_tree_example_loads_by_path_and_is_lossless() {
     let l = plugins::load_library(&lib).unwrap();
     assert_eq!(l.name, "example-bigram");
     assert!(l.build_id.contains("abi2."), "{}", l.build_id);
+}
+
+#[test]
+fn trust_q_false_makes_a_full_q_plugin_verified_as_point_masses() {
+    // The example in tree mode reports full q; `trust_q = false` wraps it
+    // so the engine sees (and verifies) one-hot drafts.
+    let release = build_out_of_tree("plugins/example");
+    let lib = lib_file(&release, "specd_example_proposer");
+    let (_d, model) = tiny();
+    for (trust, want) in [("", QKind::Full), ("trust_q = false\n", QKind::OneHot)] {
+        let cfg = Config::parse(
+            &format!(
+                "[[proposer]]\nname = \"bigram\"\npath = \"{}\"\n{trust}[proposer.options]\ntree = true\n",
+                lib.display()
+            ),
+            None,
+        )
+        .unwrap();
+        let d = cfg.build_drafter(&model, None).unwrap();
+        assert_eq!(d.capabilities("bigram").unwrap().q_kind, want, "{trust:?}");
+    }
 }
 
 #[test]

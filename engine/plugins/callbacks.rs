@@ -166,10 +166,10 @@ fn counter_admitted(proposer: &str, name: &str) -> bool {
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let names = all.entry(proposer.to_string()).or_default();
-    if names.contains(name) {
+    if all.get(proposer).is_some_and(|n| n.contains(name)) {
         return true;
     }
+    let names = all.entry(proposer.to_string()).or_default();
     if names.len() < MAX_PLUGIN_COUNTERS {
         names.insert(name.to_string());
         return true;

@@ -379,20 +379,16 @@ impl Compose {
                 inputs.len()
             ));
         }
-        // Each member's draft is checked against its own declaration
-        // before the composite reads its tree or converts its q (as the
-        // host checks a proposer's): a bad one names the member.
-        let vocab = (self.vocab > 0).then_some(self.vocab);
+        // Each member's draft is cut to what it was asked for and its
+        // shape checked against its own declaration before the composite
+        // reads its tree or converts its q (the drafter validates the
+        // composite's draft, q and all): a bad one names the member.
         drafts
             .into_iter()
             .zip(&inputs)
             .map(|(mut d, inp)| {
-                let consistent = d.q.len() == d.tokens.len()
-                    && d.parents.as_ref().is_none_or(|p| p.len() == d.tokens.len());
-                if consistent {
-                    d.truncate(d.tokens.len().min(inp.max_draft));
-                }
-                super::proposer::validate_draft(&d, &member.caps, vocab, inp.params.is_greedy())
+                d.cut_to(inp.max_draft);
+                super::proposer::validate_shape(&d, &member.caps)
                     .map(|()| d)
                     .map_err(|why| format!("member `{}`: sequence {}: {why}", member.name, inp.seq))
             })

@@ -452,12 +452,7 @@ impl Drafter {
                     for (mut d, b) in drafts.into_iter().zip(&batch) {
                         // Longer drafts than allowed are cut (documented);
                         // everything else must hold exactly.
-                        let n = d.tokens.len().min(b.max_draft);
-                        let consistent = d.q.len() == d.tokens.len()
-                            && d.parents.as_ref().is_none_or(|p| p.len() == d.tokens.len());
-                        if consistent {
-                            d.truncate(n);
-                        }
+                        d.cut_to(b.max_draft);
                         let greedy = b.params.is_greedy();
                         if let Err(why) = validate_draft(&d, &slot.caps, self.vocab, greedy) {
                             bad = Some(format!("sequence {}: {why}", b.seq));

@@ -153,6 +153,20 @@ impl Draft {
             p.truncate(n);
         }
     }
+
+    /// Cut a proposer's draft to the `max` nodes it was asked for (longer
+    /// drafts are cut, as documented), unless its parts disagree in length,
+    /// which validation then refuses as they are.
+    pub fn cut_to(&mut self, max: usize) {
+        let consistent = self.q.len() == self.tokens.len()
+            && self
+                .parents
+                .as_ref()
+                .is_none_or(|p| p.len() == self.tokens.len());
+        if consistent {
+            self.truncate(self.tokens.len().min(max));
+        }
+    }
 }
 
 /// One sequence's input to `propose`.
@@ -315,22 +329,11 @@ impl Proposer for Configured {
 /// Tolerance on the total mass of a reported q.
 pub const Q_SUM_TOLERANCE: f64 = 1e-3;
 
-/// Check one draft against the rules every proposer must follow (see the
-/// module invariants); `Err` names the rule and the offending position.
-///
-/// Under greedy decoding every proposer may report a one-hot q (its draft is
-/// the argmax of whatever it computed); under sampling q must be of the
-/// declared kind. Trees: parents precede their children, depth stays within
-/// the declared limit, and under sampling the siblings of a node share their
-/// q, give each sibling positive mass and, drawn without replacement, are
-/// distinct tokens.
-pub fn validate_draft(
-    d: &Draft,
-    caps: &Capabilities,
-    vocab: Option<usize>,
-    greedy: bool,
-) -> Result<(), String> {
-    let kind = caps.q_kind;
+/// The part of `validate_draft` that says whether a draft can be read at
+/// all: one q per token, and a tree's parents earlier nodes within the
+/// declared depth (a composite checks its members' drafts so before it
+/// reads their trees; their q is checked where the composite's is).
+pub fn validate_shape(d: &Draft, caps: &Capabilities) -> Result<(), String> {
     if d.q.len() != d.tokens.len() {
         return Err(format!(
             "{} drafted tokens but {} q entries",
@@ -368,6 +371,26 @@ pub fn validate_draft(
             ));
         }
     }
+    Ok(())
+}
+
+/// Check one draft against the rules every proposer must follow (see the
+/// module invariants); `Err` names the rule and the offending position.
+///
+/// Under greedy decoding every proposer may report a one-hot q (its draft is
+/// the argmax of whatever it computed); under sampling q must be of the
+/// declared kind. Trees: parents precede their children, depth stays within
+/// the declared limit, and under sampling the siblings of a node share their
+/// q, give each sibling positive mass and, drawn without replacement, are
+/// distinct tokens.
+pub fn validate_draft(
+    d: &Draft,
+    caps: &Capabilities,
+    vocab: Option<usize>,
+    greedy: bool,
+) -> Result<(), String> {
+    let kind = caps.q_kind;
+    validate_shape(d, caps)?;
     let in_vocab = |t: u32| vocab.is_none_or(|v| (t as usize) < v);
     // Full q vectors already checked (siblings share one).
     let mut checked: Vec<*const f32> = Vec::new();
