@@ -667,6 +667,62 @@ fn kv_pressure_preempts_the_worse_priority_first() {
     assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
 }
 
+/// A new prompt waits for KV rather than evict an older prompt of its
+/// priority whose prefill is under way: with a decoder holding one of four
+/// blocks, a 180-token prompt prefilling 16 tokens a step comes to hold
+/// the other three; a short prompt that arrives then fits whole, so it is
+/// planned before the long one, and used to evict it (the long prompt
+/// started again from nothing, and would again at each such arrival). It
+/// now waits; nothing is preempted and every output equals plain decoding.
+#[test]
+fn a_new_prompt_does_not_evict_an_older_prompts_prefill() {
+    let (_d, model) = tiny_model();
+    let mut cfg = EngineConfig::for_model(&model);
+    cfg.scheduler.max_running = 4;
+    cfg.scheduler.max_batch_tokens = 64;
+    cfg.scheduler.max_prefill_tokens = 16;
+    cfg.scheduler.max_waiting = usize::MAX;
+    cfg.scheduler.scheduling = Scheduling::Fair;
+    cfg.kv_blocks = 4;
+    cfg.prefix_cache_blocks = 0;
+    let mut e = SyncDriver::new(model.clone(), None, cfg, Drafter::new());
+    let decoder = Request {
+        prompt: prompt(1, 8),
+        ..greedy(50)
+    };
+    let long = Request {
+        prompt: prompt(2, 180),
+        ..greedy(4)
+    };
+    let short = Request {
+        prompt: prompt(3, 8),
+        ..greedy(4)
+    };
+    let d = e.add(decoder.clone(), None).unwrap();
+    e.step().unwrap();
+    let l = e.add(long.clone(), None).unwrap();
+    let mut done = Vec::new();
+    let mut steps = 0;
+    while e.kv.held_blocks(Pool::Target, l) < 3 {
+        done.extend(e.step().unwrap().finished);
+        steps += 1;
+        assert!(steps < 40, "the long prompt never held three blocks");
+    }
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 4);
+    let s = e.add(short.clone(), None).unwrap();
+    while !e.scheduler.is_idle() {
+        done.extend(e.step().unwrap().finished);
+    }
+    let by = |id: SeqId| done.iter().find(|c| c.id == id).unwrap();
+    assert_eq!(by(l).preemptions, 0, "the new prompt evicted the older one");
+    for (id, r) in [(d, decoder), (l, long), (s, short)] {
+        assert_eq!(by(id).preemptions, 0, "sequence {id}");
+        let want = generate(&model, None, &r, |_| {}).unwrap();
+        assert_eq!(by(id).tokens, want.tokens, "sequence {id}");
+    }
+    assert_eq!(e.kv.usage(Pool::Target).unwrap().used_blocks, 0);
+}
+
 #[test]
 fn drafting_decoders_leave_a_prefilling_prompt_a_floor_of_the_budget() {
     // Seven decoders drafting 8 tokens each fill 63 of a 64-token step;

@@ -330,6 +330,19 @@ pub struct Grant {
     pub too_big: Vec<SeqId>,
 }
 
+/// Whether want `w` may evict sequence `seq` of priority `priority`: one
+/// of a worse priority, or of the same and newer (a larger id: ids follow
+/// arrival). A want never throws away the cache of a sequence that
+/// arrived before it at its priority: a new prompt (planned before an
+/// older, longer one whose prefill is under way, as prompts that fit
+/// whole are) waits for blocks instead of evicting the older prompt's
+/// work, which would start it again from nothing, and could again after
+/// each new arrival. The oldest want of the best priority may evict every
+/// other holder below it, so some want always progresses.
+fn may_evict(w: &Want, seq: SeqId, priority: i32) -> bool {
+    priority > w.priority || (priority == w.priority && seq > w.seq)
+}
+
 /// Grant `wants` (highest priority first) from `kv`, evicting the lowest
 /// priority holders when blocks run out, and as a last resort `idle`
 /// holders (running sequences that sit this step out: the step's token
@@ -337,7 +350,7 @@ pub struct Grant {
 /// then newest first. Without that, a want that only an idle holder's
 /// blocks could satisfy would wait for ever when the same wants come first
 /// every step. No want evicts a sequence of a better priority than its
-/// own: it waits instead.
+/// own, or an older one of the same (`may_evict`): it waits instead.
 pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[(SeqId, i32)]) -> Grant {
     let mut g = Grant::default();
     let capacity = kv
@@ -390,7 +403,7 @@ pub fn grant(kv: &mut KvManager, wants: &[Want], idle: &[(SeqId, i32)]) -> Grant
             }
             let victim = evictable
                 .iter()
-                .rposition(|&(_, p)| p >= w.priority)
+                .rposition(|&(s, p)| may_evict(w, s, p))
                 .map(|i| evictable.remove(i).0);
             match victim {
                 // Evicting a want that holds nothing (a prompt not yet
@@ -499,6 +512,41 @@ mod tests {
             assert_eq!(g.preempted, preempted, "priority {p}");
             assert_eq!(g.granted.is_empty(), preempted.is_empty(), "priority {p}");
         }
+    }
+
+    /// A want evicts only worse priorities and newer sequences of its own:
+    /// a new prompt planned first (it fits whole) waits rather than throw
+    /// away an older prompt's prefill under way, which, planned after it,
+    /// then grows; the older one, planned first, evicts the newer.
+    #[test]
+    fn no_want_evicts_an_older_sequence_of_its_priority() {
+        // 3 blocks of 16: the old prompt (1) holds all of them mid-prefill.
+        let setup = || {
+            let mut kv = KvManager::new(16, 3);
+            kv.reserve(1, &[(Pool::Target, 40)]).unwrap();
+            kv
+        };
+        let (old, new) = (want(1, 44), want(2, 8));
+        let g = grant(&mut setup(), &[new.clone(), old.clone()], &[]);
+        assert_eq!(
+            (g.granted, g.preempted, g.deferred),
+            (vec![1], vec![], vec![2])
+        );
+        // Nor as an idle holder.
+        let g = grant(&mut setup(), std::slice::from_ref(&new), &[(1, 0)]);
+        assert_eq!((g.preempted, g.deferred), (vec![], vec![2]));
+        // A want of a better priority does evict it, and an older want of
+        // the same a newer holder.
+        let better = Want {
+            priority: -1,
+            ..new.clone()
+        };
+        let g = grant(&mut setup(), &[better], &[(1, 0)]);
+        assert_eq!((g.granted, g.preempted), (vec![2], vec![1]));
+        let mut kv = KvManager::new(16, 3);
+        kv.reserve(2, &[(Pool::Target, 40)]).unwrap();
+        let g = grant(&mut kv, &[want(1, 8), want(2, 44)], &[]);
+        assert_eq!((g.granted, g.preempted), (vec![1], vec![2]));
     }
 
     #[test]
