@@ -389,7 +389,11 @@ fn reload_under_load_swaps_proposers_between_steps_and_loses_nothing() {
     assert_eq!(ngram["isolation"], "process", "{ngram}");
     assert_eq!(ngram["max_draft"], 2, "{ngram}");
     assert_eq!(ngram["state"], "healthy", "{ngram}");
-    assert!(ngram["pid"].as_u64().is_some(), "{ngram}");
+    let pid = ngram["pid"].as_u64().expect("the child's pid");
+    // The child offers itself to the OOM killer first: a leaking plugin
+    // is what goes, not the daemon holding the model.
+    let adj = std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj")).unwrap();
+    assert_eq!(adj.trim(), "1000", "the plugin host's oom_score_adj");
     let fresh = rows.iter().find(|p| p["name"] == "fresh").unwrap();
     assert_eq!(fresh["plugin"], "crashy", "{fresh}");
     // Retired instances go with their last sequence (the drafter hears of

@@ -62,22 +62,26 @@ pub fn serve(socket: &Path) -> Result<()> {
             out.u8(wire::REPLY_ERR);
             out.str(&e);
         }
-        if out.buf.len() > wire::MAX_FRAME {
-            // A reply the protocol cannot carry (full-q drafts of a large
-            // batch): an error the daemon reads, not a silent exit it
-            // would restart into the same reply.
-            let n = out.buf.len();
-            out.clear();
-            out.u8(wire::REPLY_ERR);
-            out.str(&format!(
-                "plugin host: a {n} byte reply, over the protocol's {} (fewer sequences \
-                 or a smaller max_draft per call)",
-                wire::MAX_FRAME
-            ));
-        }
+        cap_reply(&mut out, wire::MAX_FRAME);
         if wire::write_frame(&mut stream, &out.buf).is_err() {
             return Ok(());
         }
+    }
+}
+
+/// A reply over `max` bytes, which the protocol cannot carry (full-q
+/// drafts of a large batch), becomes an error the daemon reads, naming
+/// its size, not a silent exit the daemon would restart into the same
+/// reply.
+fn cap_reply(out: &mut Writer, max: usize) {
+    if out.buf.len() > max {
+        let n = out.buf.len();
+        out.clear();
+        out.u8(wire::REPLY_ERR);
+        out.str(&format!(
+            "plugin host: a {n} byte reply, over the protocol's {max} (fewer sequences \
+             or a smaller max_draft per call)"
+        ));
     }
 }
 
@@ -229,4 +233,31 @@ impl Host {
 /// Best effort: where /proc is not writable nothing changes.
 fn prefer_as_oom_victim() {
     let _ = std::fs::write("/proc/self/oom_score_adj", "1000");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_over_the_frame_limit_becomes_an_error_naming_its_size() {
+        let mut out = Writer::default();
+        out.u8(wire::REPLY_OK);
+        out.buf.extend(std::iter::repeat_n(7u8, 99));
+        // At the limit it goes as it is.
+        cap_reply(&mut out, 100);
+        assert_eq!(out.buf.len(), 100);
+        assert_eq!(out.buf[0], wire::REPLY_OK);
+        // One byte over: an error the daemon's reader parses.
+        out.u8(7);
+        cap_reply(&mut out, 100);
+        let mut r = Reader::new(&out.buf);
+        assert_eq!(r.u8().unwrap(), wire::REPLY_ERR);
+        let msg = r.str().unwrap();
+        assert!(r.done());
+        assert!(
+            msg.contains("a 101 byte reply, over the protocol's 100"),
+            "{msg}"
+        );
+    }
 }
