@@ -129,6 +129,49 @@ struct Buffers {
     q_probs: Vec<f32>,
     q_len: Vec<u32>,
     parents: Vec<i32>,
+    /// What recent calls needed of the q buffers, which give back room
+    /// no call of a window used.
+    q_need: HighWater,
+}
+
+/// Calls in a window of `HighWater`.
+const Q_WINDOW_CALLS: u32 = 256;
+/// q buffers up to this many entries are kept whatever their use (4 MiB
+/// of f32: not worth a reallocation).
+const Q_KEEP_ENTRIES: usize = 1 << 20;
+
+/// The largest need of the calls of the current window. One call with a
+/// large batch of full-q drafts (up to `MAX_Q_FLOATS` entries, 1 GiB) must
+/// not keep its buffers for the process's life: at the end of a window in
+/// which no call needed half of what a buffer holds, the buffer shrinks
+/// to the window's largest need.
+#[derive(Debug, Default)]
+struct HighWater {
+    max: usize,
+    calls: u32,
+}
+
+impl HighWater {
+    /// Record a call needing `need` entries of a buffer holding `held`:
+    /// the length to shrink the buffer to, at the end of a window where
+    /// it holds more than twice the window's largest need (and more than
+    /// `Q_KEEP_ENTRIES`).
+    fn note(&mut self, need: usize, held: usize) -> Option<usize> {
+        self.max = self.max.max(need);
+        self.calls += 1;
+        if self.calls < Q_WINDOW_CALLS {
+            return None;
+        }
+        let keep = std::mem::take(&mut self.max);
+        self.calls = 0;
+        (held > Q_KEEP_ENTRIES && held / 2 > keep).then_some(keep)
+    }
+}
+
+/// Shrink `v` to `len` entries and give back the rest of its allocation.
+fn shrink<T>(v: &mut Vec<T>, len: usize) {
+    v.truncate(len);
+    v.shrink_to_fit();
 }
 
 // SAFETY: the instance is only ever driven from one thread at a time (the
@@ -443,6 +486,10 @@ impl Proposer for PluginProposer {
         b.parents.clear();
         b.parents
             .extend((0..n).flat_map(|_| (0..draft_cap as i32).map(|j| j - 1)));
+        if let Some(keep) = b.q_need.note(q_floats, b.q_probs.len()) {
+            shrink(&mut b.q_probs, keep);
+            shrink(&mut b.q_ids, keep);
+        }
         if b.q_probs.len() < q_floats {
             b.q_probs.resize(q_floats, 0.0);
         }
@@ -569,5 +616,50 @@ impl Proposer for PluginProposer {
         if s != abi::STATUS_OK {
             tracing::warn!(proposer = %self.name, "{}", self.error("finish", s));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A buffer one large call grew gives its room back at the end of the
+    /// first window no call of which needed half of it; a window that
+    /// needed it, or a buffer too small to matter, keeps it.
+    #[test]
+    fn q_buffers_give_back_room_a_window_of_calls_did_not_use() {
+        let big = 8 * Q_KEEP_ENTRIES;
+        let mut w = HighWater::default();
+        let mut held = big;
+        // The large call itself falls in the first window: kept.
+        assert_eq!(w.note(big, held), None);
+        for _ in 1..Q_WINDOW_CALLS {
+            assert_eq!(w.note(1000, held), None);
+        }
+        // A window of small calls: shrunk to the largest of them.
+        let mut shrunk = None;
+        for i in 0..Q_WINDOW_CALLS {
+            let need = if i == 7 { 5000 } else { 1000 };
+            if let Some(keep) = w.note(need, held) {
+                assert_eq!(i, Q_WINDOW_CALLS - 1, "only at the window's end");
+                shrunk = Some(keep);
+            }
+        }
+        assert_eq!(shrunk, Some(5000));
+        held = 5000;
+        // Small buffers stay, used or not.
+        for _ in 0..2 * Q_WINDOW_CALLS {
+            assert_eq!(w.note(10, held), None);
+        }
+        // A window that used over half of the buffer keeps it.
+        held = big;
+        for i in 0..Q_WINDOW_CALLS {
+            let need = if i == 100 { big / 2 + 1 } else { 10 };
+            assert_eq!(w.note(need, held), None);
+        }
+        let mut v = vec![0f32; 4096];
+        shrink(&mut v, 100);
+        assert_eq!(v.len(), 100);
+        assert!(v.capacity() < 4096);
     }
 }
