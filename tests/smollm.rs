@@ -145,6 +145,21 @@ fn stream_decoder_never_splits_a_character() {
     assert_eq!(out, s);
     // Emoji are several byte-level tokens: some pushes must have held back.
     assert!(pieces < ids.len());
+    // Control tokens (an end of sequence generated under `ignore_eos`)
+    // add no text, as the API promises (it always skips them); the text
+    // around them streams as it decodes.
+    let ids = tok
+        .encode("Yes.<|im_end|>\n<|im_start|>Then 🙂 more", false)
+        .unwrap();
+    assert!(ids.contains(&2) && ids.contains(&1), "{ids:?}");
+    let mut dec = specd::tokenizer::StreamDecoder::new();
+    let mut out = String::new();
+    for &id in &ids {
+        out += &dec.push(&tok, id).unwrap();
+    }
+    out += &dec.flush(&tok).unwrap();
+    assert_eq!(out, "Yes.\nThen 🙂 more");
+    assert_eq!(out, tok.decode(&ids, true).unwrap());
 }
 
 #[test]

@@ -768,7 +768,14 @@ impl StreamDecoder {
     }
 
     /// Add one token; returns the newly completed text (possibly empty).
+    /// Special (control) tokens add no text, as the API promises (it
+    /// always skips them): an end of sequence generated under
+    /// `ignore_eos`, or one a grammar ends with, is not `<|im_end|>` in
+    /// the output.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        if tok.is_special(id) {
+            return Ok(String::new());
+        }
         self.ids.push(id);
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], false)?;

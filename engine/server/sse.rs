@@ -68,7 +68,8 @@ pub(super) struct Shape {
 }
 
 /// A streamed chat choice with tools: undecided until its first
-/// non-blank character (`<` starts calls, anything else is text).
+/// character (`<` starts calls, anything else, whitespace too, is text:
+/// `tools::is_calls`).
 #[derive(Clone, Copy, PartialEq)]
 enum ToolMode {
     Undecided,
@@ -277,7 +278,9 @@ impl Shape {
                     // the finish is then `length`).
                     (Kind::Chat, _) => match self
                         .tools
-                        .then(|| {
+                        .then_some(())
+                        .filter(|()| crate::structured::tools::is_calls(&c.text) == Some(true))
+                        .map(|()| {
                             let mut rest = c.text.clone();
                             let calls = crate::structured::tools::take_complete_calls(&mut rest);
                             (calls, rest.trim().is_empty())
@@ -538,10 +541,10 @@ impl SseStream {
                         part.tool_buf.push_str(&text);
                         part.tool_lps.extend(logprobs);
                         if part.tool_mode == ToolMode::Undecided {
-                            match part.tool_buf.trim_start().chars().next() {
+                            match crate::structured::tools::is_calls(&part.tool_buf) {
                                 None => continue,
-                                Some('<') => part.tool_mode = ToolMode::Calls,
-                                Some(_) => {
+                                Some(true) => part.tool_mode = ToolMode::Calls,
+                                Some(false) => {
                                     part.tool_mode = ToolMode::Text;
                                     let held = std::mem::take(&mut part.tool_buf);
                                     let lps = std::mem::take(&mut part.tool_lps);

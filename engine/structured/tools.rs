@@ -148,11 +148,25 @@ pub fn grammar(tools: &[Tool], choice: &ToolChoice, parallel: bool) -> Option<Co
     )))
 }
 
+/// Whether an output (so far) is tool calls: `Some(true)` when it starts
+/// with `<`, which under the tools grammar only its calls branch does
+/// (the text branch starts with any other character, whitespace too),
+/// `Some(false)` for any other first character, `None` while empty. Calls
+/// are read only where this says so: text that starts with whitespace and
+/// then holds a call block is text the grammar never checked as a call.
+pub fn is_calls(text: &str) -> Option<bool> {
+    text.chars().next().map(|c| c == '<')
+}
+
 /// The calls in `text`: `Some` when the text is one or more call blocks
-/// (whitespace between them), each a JSON object with a string `name` and
-/// an object `arguments`; `None` for anything else (a text answer).
+/// (whitespace between them, none before the first: see `is_calls`), each
+/// a JSON object with a string `name` and an object `arguments`; `None`
+/// for anything else (a text answer).
 pub fn parse_calls(text: &str) -> Option<Vec<ToolCall>> {
-    let mut rest = text.trim_start();
+    if is_calls(text) != Some(true) {
+        return None;
+    }
+    let mut rest = text;
     let mut calls = Vec::new();
     while !rest.is_empty() {
         let body = rest.strip_prefix(CALL_OPEN)?;
@@ -208,6 +222,13 @@ mod tests {
         assert_eq!(calls[0].name, "f");
         assert_eq!(calls[0].arguments, r#"{"x":1}"#);
         assert_eq!(parse_calls("The weather is fine."), None);
+        // The text branch may start with whitespace and then hold
+        // anything: a call block after it is text, not a call.
+        assert_eq!(parse_calls(&format!(" {a}")), None);
+        assert_eq!(parse_calls(&format!("\n{a}")), None);
+        assert_eq!(is_calls(""), None);
+        assert_eq!(is_calls("\n<tool_call>"), Some(false));
+        assert_eq!(is_calls(&a), Some(true));
         assert_eq!(parse_calls(&format!("{a} and then text")), None);
         assert_eq!(
             parse_calls("<tool_call>\n{\"name\": 3}\n</tool_call>"),
