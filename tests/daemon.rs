@@ -366,7 +366,11 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
             400,
             "`max_tokens` (4) and `max_completion_tokens` (5) disagree",
         ),
-        (json!({"prompt": "word ".repeat(5000)}).to_string(), 413, ""),
+        (
+            json!({"prompt": "word ".repeat(5000)}).to_string(),
+            413,
+            "`max_body_bytes`",
+        ),
         (
             json!({"prompt": "word ".repeat(3500), "max_tokens": 5000}).to_string(),
             400,
@@ -377,7 +381,7 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
         let r = d.request("POST", "/v1/completions", Some(&body), &[]);
         assert_eq!(r.status, status, "{body:.80}: {}", r.body);
         assert!(r.body.contains(needle), "{body:.80}: {}", r.body);
-        if status == 400 {
+        if status == 400 || status == 413 {
             let e = r.json();
             assert_eq!(e["error"]["type"], "invalid_request_error");
         }
@@ -395,11 +399,18 @@ fn bad_input_answers_4xx_and_the_daemon_keeps_serving() {
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is this?"},
-            {"type": "image_url", "text": "", "image_url": {"url": "http://x/y.png"}}]}]}),
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
     );
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["param"], "messages[0].content[1].type");
     assert!(r.body.contains("got `image_url`"), "{}", r.body);
+    // A text part without its text names that.
+    let r = d.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages[0].content[0].text");
     let r = d.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "wizard", "content": "x"}]}),
@@ -1429,6 +1440,15 @@ fn echo_returns_the_prompt_with_its_logprobs() {
     assert!(values[1..].iter().all(|x| x.as_f64().unwrap() <= 0.0));
     // Bit for bit what generation reported for the same tokens.
     assert_eq!(&values[n_prompt..], &gen_lp[..]);
+    // The prompt alone cannot hold min_tokens: refused against the 0
+    // asked for.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 0, "echo": true, "min_tokens": 5}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "min_tokens");
+    assert!(r.body.contains("(0: `echo`"), "{}", r.body);
     // With generation: prompt, then the choice.
     let r = d.post(
         "/v1/completions",

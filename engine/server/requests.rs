@@ -199,7 +199,7 @@ pub struct Common {
 
 /// `min_tokens` (vLLM's): a count of tokens, null or absent for 0 (the
 /// request's validation checks it against `max_tokens`).
-fn min_tokens(v: Option<&Value>) -> Result<usize, ApiError> {
+pub(super) fn min_tokens(v: Option<&Value>) -> Result<usize, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(0),
         Some(x) => x
@@ -465,7 +465,9 @@ pub struct Part {
     /// `"text"` (the only kind served; absent reads as text).
     #[serde(rename = "type")]
     pub kind: Option<String>,
-    pub text: String,
+    /// Required of a text part; optional here so that a part of another
+    /// kind (an `image_url`) is refused by its kind, by name.
+    pub text: Option<String>,
 }
 
 // ------------------------------------------------------------ parsing
@@ -653,7 +655,15 @@ pub fn chat_messages(b: ChatBody, native: bool) -> Result<Vec<ChatMessage>, ApiE
                             format!("only text parts are supported, got `{k}`"),
                         ));
                     }
-                    Some(p.into_iter().map(|p| p.text).collect())
+                    let mut text = String::new();
+                    for (j, part) in p.into_iter().enumerate() {
+                        let Some(t) = part.text else {
+                            let f = format!("messages[{i}].content[{j}].text");
+                            return Err(ApiError::bad_field(&f, format!("`{f}` is required")));
+                        };
+                        text.push_str(&t);
+                    }
+                    Some(text)
                 }
                 None => None,
             };

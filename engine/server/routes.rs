@@ -26,9 +26,13 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
+async fn completions(
+    req: HttpRequest,
+    body: Result<Bytes, actix_web::Error>,
+    st: State,
+) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
-    let body = requests::body_object(&body)?;
+    let body = requests::body_object(&read_body(body)?)?;
     let prompts =
         requests::completion_prompts(requests::from_body::<CompletionBody>(&body)?, st.vocab())?;
     let mut common: Common = requests::from_body(&body)?;
@@ -53,6 +57,14 @@ async fn completions(req: HttpRequest, body: Bytes, st: State) -> Result<HttpRes
         ));
     }
     if drop_generated {
+        // The prompt alone: nothing generated can hold min_tokens back
+        // (refused against the 0 asked for, not the 1 decoded).
+        if requests::min_tokens(common.min_tokens.as_ref())? > 0 {
+            return Err(ApiError::bad_field(
+                "min_tokens",
+                "`min_tokens` is more than `max_tokens` (0: `echo` returns the prompt alone)",
+            ));
+        }
         common.max_tokens = Some(requests::UInt(1));
         common.max_completion_tokens = None;
     }
@@ -231,9 +243,13 @@ async fn run_choices(
     Ok(HttpResponse::Ok().json(shape.full_many(&done, n)))
 }
 
-async fn chat(req: HttpRequest, body: Bytes, st: State) -> Result<HttpResponse, ApiError> {
+async fn chat(
+    req: HttpRequest,
+    body: Result<Bytes, actix_web::Error>,
+    st: State,
+) -> Result<HttpResponse, ApiError> {
     check_auth(&req, &st)?;
-    let body = requests::body_object(&body)?;
+    let body = requests::body_object(&read_body(body)?)?;
     let native = st.tokenizer.native_tool_template();
     let mut messages = requests::chat_messages(requests::from_body::<ChatBody>(&body)?, native)?;
     let common: Common = requests::from_body(&body)?;
@@ -383,6 +399,25 @@ async fn not_found() -> Result<HttpResponse, ApiError> {
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "no such endpoint",
+        )
+    })
+}
+
+/// A request body, or the error that reading it met (over the body
+/// limit: 413; a broken upload: its status) as an API error in the
+/// OpenAI shape like every other, not actix's plain-text one.
+fn read_body(body: Result<Bytes, actix_web::Error>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = e.as_response_error().status_code();
+        let hint = if status == actix_web::http::StatusCode::PAYLOAD_TOO_LARGE {
+            " (the server's `max_body_bytes`)"
+        } else {
+            ""
+        };
+        ApiError::status(
+            status,
+            "invalid_request_error",
+            format!("reading the request body: {e}{hint}"),
         )
     })
 }
