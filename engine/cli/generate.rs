@@ -39,7 +39,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
     /// Proposer: none, or a name from the config's [[proposer]] tables
-    /// (the built-in config has ngram and suffix).
+    /// (the built-in config has suffix, ngram, suffix-tree and ngram-tree).
     #[arg(long, default_value = "none")]
     pub proposer: String,
     /// TOML config (default: the built-in configs/default.toml).
