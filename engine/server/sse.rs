@@ -276,11 +276,9 @@ impl Shape {
                     // Tools: the complete calls the output starts with
                     // (an unfinished one cut by max_tokens is dropped, and
                     // the finish is then `length`).
-                    (Kind::Chat, _) => match self
-                        .tools
-                        .then_some(())
-                        .filter(|()| crate::structured::tools::is_calls(&c.text) == Some(true))
-                        .map(|()| {
+                    (Kind::Chat, _) => match (self.tools
+                        && crate::structured::tools::is_calls(&c.text) == Some(true))
+                    .then(|| {
                             let mut rest = c.text.clone();
                             let calls = crate::structured::tools::take_complete_calls(&mut rest);
                             (calls, rest.trim().is_empty())
