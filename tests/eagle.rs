@@ -252,6 +252,35 @@ fn checkpoint_layouts_load_and_name_their_errors() {
     assert!(e.contains("`norm.weight`") && e.contains("I64"), "{e}");
     let e = load_err(&tmp.0.join("nowhere"), S.hidden, S.vocab, 8);
     assert!(e.contains("nowhere") && e.contains("config.json"), "{e}");
+    // specd's normed-residual extension: read from config.json, checked.
+    let nr = tmp.0.join("normed");
+    write_eagle3(&nr, 1, |_| {});
+    assert!(!h.cfg.normed_residual, "absent: a standard EAGLE-3 head");
+    let edit = |v: serde_json::Value| {
+        let mut cj: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(nr.join("config.json")).unwrap())
+                .unwrap();
+        cj["specd_normed_residual"] = v;
+        std::fs::write(nr.join("config.json"), cj.to_string()).unwrap();
+    };
+    edit(serde_json::json!(true));
+    let hn = Head::load(&nr, S.hidden, S.vocab, 8).unwrap();
+    assert!(hn.cfg.normed_residual);
+    edit(serde_json::json!("yes"));
+    let e = load_err(&nr, S.hidden, S.vocab, 8);
+    assert!(
+        e.contains("config.json") && e.contains("`specd_normed_residual` must be true or false"),
+        "{e}"
+    );
+    let mut cj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d1.join("config.json")).unwrap()).unwrap();
+    cj["specd_normed_residual"] = serde_json::json!(true);
+    std::fs::write(d1.join("config.json"), cj.to_string()).unwrap();
+    let e = load_err(&d1, S.hidden, S.vocab, 8);
+    assert!(
+        e.contains("is for EAGLE-3 heads") && e.contains("Eagle1"),
+        "{e}"
+    );
 }
 
 // ------------------------------------------------------------ training
@@ -314,6 +343,21 @@ fn trained() -> &'static (PathBuf, PathBuf) {
         distill_eagle(&target, &out, &cfg, 2).unwrap();
         let _ = &mut cfg;
         (target, out)
+    })
+}
+
+/// A head with the normed residual (`--normed-residual`), a few steps on
+/// the same tiny target (`trained`'s).
+fn trained_normed() -> &'static PathBuf {
+    static T: OnceLock<PathBuf> = OnceLock::new();
+    T.get_or_init(|| {
+        let (target, first) = trained();
+        let out = first.parent().unwrap().join("head-normed");
+        let mut cfg = tiny_cfg(prompts(DEEP.vocab as u32, 60, 3), 64);
+        cfg.normed_residual = true;
+        cfg.stop_after = 20;
+        distill_eagle(target, &out, &cfg, 2).unwrap();
+        out
     })
 }
 
@@ -391,6 +435,36 @@ fn distill_eagle_trains_resumes_and_writes_the_eagle3_layout() {
 #[test]
 fn the_plugin_head_computes_what_training_optimised() {
     let (target, out) = trained();
+    inference_matches_the_training_graph(target, out);
+}
+
+/// The same with the normed residual: the trainer records it in the
+/// head's config and the inference path follows it (with the residual
+/// of a standard head, `g`, the logits differ).
+#[test]
+fn a_normed_residual_head_computes_what_training_optimised() {
+    let (target, _) = trained();
+    let out = trained_normed();
+    let cj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cj["specd_normed_residual"], true);
+    inference_matches_the_training_graph(target, out);
+    // Continuing it without the flag (or a standard head with it) is
+    // refused by name.
+    let mut cfg = tiny_cfg(prompts(DEEP.vocab as u32, 60, 3), 64);
+    cfg.init = Some(out.clone());
+    let e = distill_eagle(target, &out.parent().unwrap().join("cont"), &cfg, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("normed residual") && e.contains("config.json"),
+        "{e}"
+    );
+}
+
+/// Head logits through the plugin's inference path (f32 weights) against
+/// the training graph's, at TTT steps 0 and 1.
+fn inference_matches_the_training_graph(target: &Path, out: &Path) {
     let model = load_model(target, 2).unwrap();
     let (h, v) = (model.config.hidden, model.config.vocab_size);
     let head = Head::load_with(out, h, v, model.config.layers, false).unwrap();

@@ -230,6 +230,12 @@ pub struct EagleArgs {
     /// L-3; L names the final-normed state).
     #[arg(long, value_delimiter = ',')]
     pub feature_layers: Vec<usize>,
+    /// EAGLE-3 heads: start the layer's residual stream from the
+    /// normalised state (hidden_norm(g)) at every TTT step, as an MTP
+    /// module re-normalises the state it is given (a specd extension,
+    /// recorded in the head's config.json).
+    #[arg(long)]
+    pub normed_residual: bool,
     #[command(flatten)]
     pub data: PromptArgs,
     /// Start from the head (or MTP module) in this directory, its weights
@@ -587,6 +593,11 @@ fn print_weights(out: &std::path::Path) -> Result<()> {
 /// an MTP module instead of an EAGLE-3 head).
 fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
     a.data.check()?;
+    if mtp && a.normed_residual {
+        anyhow::bail!(
+            "--normed-residual is for EAGLE-3 heads: an MTP module re-normalises its input already"
+        );
+    }
     let target = match a.target {
         Some(t) => specd::fetch::resolve_model(&t)?,
         None => specd::fetch::ensure_default_model()?,
@@ -608,6 +619,7 @@ fn run_eagle(a: EagleArgs, mtp: bool) -> Result<()> {
         drop_oov: a.drop_oov,
         self_attn_init: a.self_attn_init,
         feature_layers: a.feature_layers,
+        normed_residual: a.normed_residual,
         seed: a.seed,
         prompts: a.data.prompts,
         corpus: a.data.corpus.clone(),

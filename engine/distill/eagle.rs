@@ -112,6 +112,12 @@ pub struct EagleConfig {
     /// state).
     #[serde(default)]
     pub feature_layers: Vec<usize>,
+    /// EAGLE-3 with the layer's residual stream starting from the
+    /// normalised state (`hidden_norm(g)`) instead of `g` itself, at every
+    /// TTT step, as an MTP module re-normalises the state it is given (a
+    /// specd extension: written as `specd_normed_residual` in config.json).
+    #[serde(default)]
+    pub normed_residual: bool,
     /// Train a multi-token-prediction module (`model::mtp`) instead of an
     /// EAGLE-3 head: `eh_proj(cat[enorm(e), hnorm(f)])` on the final-normed
     /// state, a pre-norm decoder layer, `shared_head.norm` and a head over
@@ -196,6 +202,7 @@ impl Default for EagleConfig {
             drop_oov: true,
             self_attn_init: default_self_attn(),
             feature_layers: Vec::new(),
+            normed_residual: false,
             mtp: false,
             prompt_ids: Vec::new(),
             prompts: Default::default(),
@@ -398,6 +405,9 @@ pub(super) struct Net {
     hd: usize,
     /// The MTP module's graph (`MTP_PARAM_NAMES`) instead of EAGLE-3's.
     mtp: bool,
+    /// EAGLE-3's residual starts from `hidden_norm(g)` (`EagleConfig::
+    /// normed_residual`).
+    normed_residual: bool,
 }
 
 /// Diagnostics of one TTT step, per row (row = b * t + p).
@@ -488,14 +498,13 @@ impl Net {
                 let u = rms(&x, self.w("input_layernorm.weight"))?;
                 (x, u)
             } else {
+                let gn = rms(&g, self.w("midlayer.hidden_norm.weight"))?;
                 let u = Tensor::cat(
-                    &[
-                        &rms(&e, self.w("midlayer.input_layernorm.weight"))?,
-                        &rms(&g, self.w("midlayer.hidden_norm.weight"))?,
-                    ],
+                    &[&rms(&e, self.w("midlayer.input_layernorm.weight"))?, &gn],
                     D::Minus1,
                 )?;
-                (g.clone(), u)
+                let x = if self.normed_residual { gn } else { g.clone() };
+                (x, u)
             };
             let pre = if self.mtp { "" } else { "midlayer." };
             let wn = |n: &str| self.w(&format!("{pre}{n}"));
@@ -699,6 +708,7 @@ impl Net {
         let emb = embedding_table(target);
         let hd = tc.head_dim;
         let (cos, sin) = rope_tables(max_pos, hd, tc.rope_theta)?;
+        let normed_residual = !mtp && saved_normed_residual(head_dir);
         Ok(Net {
             p,
             embed: Tensor::from_vec(emb, (vocab, h), &dev).map_err(cerr)?,
@@ -710,6 +720,7 @@ impl Net {
             nkv: tc.kv_heads,
             hd,
             mtp,
+            normed_residual,
         })
     }
 
@@ -962,11 +973,26 @@ fn export(
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers},
         })
     };
+    let mut config = config;
+    if net.normed_residual {
+        // Only where set: a standard EAGLE-3 head's config stays standard.
+        config["specd_normed_residual"] = serde_json::Value::Bool(true);
+    }
     std::fs::write(
         out.join("config.json"),
         serde_json::to_string_pretty(&config).unwrap_or_default(),
     )?;
     Ok(weights)
+}
+
+/// Whether the head in `dir` was trained with `normed_residual` (its
+/// config.json's `specd_normed_residual`; absent: no).
+fn saved_normed_residual(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("specd_normed_residual").and_then(|b| b.as_bool()))
+        .unwrap_or(false)
 }
 
 /// Read `dir`'s head for `--init`: an MTP module (`mtp`, names under the
@@ -975,6 +1001,7 @@ fn export(
 fn read_init(
     dir: &Path,
     mtp: bool,
+    normed_residual: bool,
     layers: &[usize],
     tc: &crate::model::ModelConfig,
 ) -> Result<InitHead> {
@@ -985,6 +1012,18 @@ fn read_init(
         String::new()
     };
     let init = InitHead::read(dir, kind, prefix, tc.vocab_size)?;
+    if !mtp && saved_normed_residual(dir) != normed_residual {
+        return Err(serr(format!(
+            "{}: the head was trained with{} the normed residual, this run {} (--normed-residual)",
+            dir.join("config.json").display(),
+            if normed_residual { "out" } else { "" },
+            if normed_residual {
+                "asks for it"
+            } else {
+                "does not"
+            },
+        )));
+    }
     if !mtp {
         // The layers a head reads are in its config; another set would
         // train fc against the wrong features without any shape telling.
@@ -1055,7 +1094,7 @@ pub fn distill_eagle(
     // directory fails before the features are recorded.
     let init = match &cfg.init {
         Some(dir) => {
-            let i = read_init(dir, cfg.mtp, &layers, &tc)?;
+            let i = read_init(dir, cfg.mtp, cfg.normed_residual, &layers, &tc)?;
             // Every tensor this run trains, at this run's shapes (with
             // the head's draft vocabulary), before any data is made.
             let (dv, f) = (i.ids.len(), cfg.intermediate);
@@ -1223,6 +1262,7 @@ pub fn distill_eagle(
         nkv,
         hd,
         mtp: cfg.mtp,
+        normed_residual: cfg.normed_residual && !cfg.mtp,
     };
     let corpus = Corpus {
         samples: &samples,
@@ -1435,6 +1475,7 @@ fn random_net(
         nkv,
         hd,
         mtp,
+        normed_residual: false,
     };
     let mut tok_rng = Rng::new(12);
     // Every row in the loss, learning the distribution k + 1 positions on

@@ -57,6 +57,10 @@ pub struct HeadConfig {
     pub feature_layers: Vec<usize>,
     /// Rows of the draft vocabulary (the target's for EAGLE-1).
     pub draft_vocab: usize,
+    /// EAGLE-3 with the layer's residual stream starting from
+    /// `hidden_norm(g)` instead of `g` (a specd extension, config.json's
+    /// `specd_normed_residual`; `specd distill eagle --normed-residual`).
+    pub normed_residual: bool,
 }
 
 impl HeadConfig {
@@ -524,6 +528,22 @@ impl Head {
                 cfg_path.display()
             ));
         }
+        let normed_residual = match cj.get("specd_normed_residual") {
+            None => false,
+            Some(serde_json::Value::Bool(b)) if !*b || variant == Variant::Eagle3 => *b,
+            Some(serde_json::Value::Bool(_)) => {
+                return Err(format!(
+                    "{}: `specd_normed_residual` is for EAGLE-3 heads, this is {variant:?}",
+                    cfg_path.display()
+                ))
+            }
+            Some(v) => {
+                return Err(format!(
+                    "{}: `specd_normed_residual` must be true or false, got {v}",
+                    cfg_path.display()
+                ))
+            }
+        };
         let cfg = HeadConfig {
             variant,
             hidden,
@@ -537,6 +557,7 @@ impl Head {
             target_hidden,
             feature_layers,
             draft_vocab,
+            normed_residual,
         };
         let (qd, kvd, ai) = (heads * head_dim, cfg.kv_dim(), cfg.attn_in());
         let fc_in = match variant {
@@ -907,8 +928,23 @@ impl Head {
             }
         }
         let o = self.matmul(&attn, rows, &self.wo);
-        // Residual: the hidden input (EAGLE-3: g, un-normed; EAGLE-1: x).
-        let mut a: Vec<f32> = g.iter().zip(&o).map(|(x, y)| x + y).collect();
+        // Residual: the hidden input (EAGLE-3: g, un-normed, or
+        // hidden_norm(g) with `normed_residual`; EAGLE-1: x).
+        let normed;
+        let base = if c.normed_residual {
+            let mut gn = vec![0f32; rows * h];
+            rms_norm(
+                g,
+                self.hidden_norm.as_deref().unwrap_or(&[]),
+                c.rms_eps,
+                &mut gn,
+            );
+            normed = gn;
+            &normed[..]
+        } else {
+            g
+        };
+        let mut a: Vec<f32> = base.iter().zip(&o).map(|(x, y)| x + y).collect();
         let mut an = vec![0f32; rows * h];
         rms_norm(&a, &self.post_norm, c.rms_eps, &mut an);
         let mut act = Activations::new(self.path);
