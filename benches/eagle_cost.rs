@@ -3,7 +3,9 @@
 //! 256-token context: a 1-token target decode forward, target verify
 //! forwards of 2..=17 tokens, and head steps of 1 row (a chain step), 4
 //! rows (a tree depth of top_k 4) and 3 rows (taking in a step's features),
-//! each with its draft-vocabulary logits.
+//! each with its draft-vocabulary logits; and a chain step as a plugin
+//! runs it, right after a target forward, through the global pool or the
+//! calling thread's own.
 //!
 //! `cargo bench --bench eagle_cost` (medians of 41 runs; ratios are to the
 //! 1-token target forward measured in the same run).
@@ -101,6 +103,53 @@ fn main() {
     let chain = step(1, false);
     let tree4 = step(4, false);
     let ingest = step(3, true);
+    // A chain step as a plugin's propose runs it: right after a target
+    // forward (the head's weights out of the caches, the threads idle),
+    // from a thread outside any pool, through the global pool
+    // (`with_helpers`) or the caller's own (`with_caller_pool`); each on
+    // a fresh thread, so neither sees the other's pool.
+    let after_forward = |own_pool: bool| -> f64 {
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let mut cache = model.new_cache();
+                model
+                    .forward_one(&mut cache, &tokens, Logits::None)
+                    .unwrap();
+                let times: Vec<f64> = (0..reps)
+                    .map(|_| {
+                        model.forward_one(&mut cache, &[7], Logits::Last).unwrap();
+                        cache.truncate(ctx).unwrap();
+                        let t = Instant::now();
+                        let work = || {
+                            let sees = vec![vec![Src::Range {
+                                store: 0,
+                                start: 0,
+                                end: ctx,
+                            }]];
+                            let (yy, _) = head.step(&[&keys], &y[..h], &e[..h], &[ctx], &sees);
+                            head.logits(&yy, 1).unwrap()
+                        };
+                        let l = if own_pool {
+                            specd::model::llama::with_caller_pool(work)
+                        } else {
+                            specd::model::llama::with_helpers(work)
+                        };
+                        std::hint::black_box(l);
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                median(times)
+            })
+            .join()
+            .unwrap()
+        })
+    };
+    // Two interleaved rounds, averaged: the order does not favour either.
+    let (mut via_global, mut via_own) = (0.0, 0.0);
+    for _ in 0..2 {
+        via_global += after_forward(false) / 2.0;
+        via_own += after_forward(true) / 2.0;
+    }
     println!(
         "target: {} layers, hidden {}; head: {:?}, draft vocabulary {}, {:.1} MB of weights per step; context {ctx}, {threads} threads, kernels {:?}",
         c.layers,
@@ -132,5 +181,15 @@ fn main() {
         "head step, 3 rows of features (fc + layer): {:.3} ms = {:.3}",
         ingest * 1e3,
         ingest / unit
+    );
+    println!(
+        "chain step after a target forward, global pool (with_helpers): {:.3} ms = {:.3}",
+        via_global * 1e3,
+        via_global / unit
+    );
+    println!(
+        "chain step after a target forward, caller's pool (with_caller_pool): {:.3} ms = {:.3}",
+        via_own * 1e3,
+        via_own / unit
     );
 }

@@ -373,6 +373,9 @@ impl Plugin for DraftModel {
         if o.get("quantize", true)? {
             model.quantize_f32_to_q8_0();
         }
+        // Several forwards a propose, each from the engine's thread: run
+        // them on that thread with helpers, not handed to a sleeping pool.
+        model.run_on_caller_pool();
         host.log(
             2,
             &format!(

@@ -537,12 +537,13 @@ impl Eagle {
         Ok(())
     }
 
-    /// Drafts for `batch`, computed on the plugin's compute threads with
-    /// the idle ones helping (`with_helpers`): the head's products are a
-    /// few hundred microseconds each, and handed to rayon's sleeping
-    /// workers one by one each paid their wake-up.
+    /// Drafts for `batch`, computed on the calling thread with the idle
+    /// compute threads helping (`with_caller_pool`): the head's products
+    /// are a few hundred microseconds each, and handed to rayon's sleeping
+    /// workers one by one each paid their wake-up, as handing the whole
+    /// call to one and waking the caller after paid two.
     pub fn propose_batch(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
-        specd_model::llama::with_helpers(|| self.propose_inner(batch))
+        specd_model::llama::with_caller_pool(|| self.propose_inner(batch))
     }
 
     fn propose_inner(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {

@@ -449,7 +449,7 @@ impl Plugin for Medusa {
     fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
         // The plugin's compute threads help each other instead of sleeping
         // between the forward's small products (`with_helpers`).
-        specd_model::llama::with_helpers(|| self.propose_inner(batch))
+        specd_model::llama::with_caller_pool(|| self.propose_inner(batch))
     }
 
     fn observe(&mut self, _seq: u64, _tokens: &[u32], _path: &[u32]) -> Result<(), String> {
