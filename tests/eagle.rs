@@ -448,7 +448,21 @@ fn a_normed_residual_head_computes_what_training_optimised() {
     let cj: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cj["specd_normed_residual"], true);
+    assert_eq!(
+        cj["architectures"][0], "SpecdEagle3NormedResidual",
+        "no other runtime may take it for a standard EAGLE-3 head"
+    );
     inference_matches_the_training_graph(target, out);
+    // Its checkpoint resumes only with the flag.
+    let mut plain = tiny_cfg(prompts(DEEP.vocab as u32, 60, 3), 64);
+    plain.stop_after = 20;
+    let e = distill_eagle(target, out, &plain, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("with --normed-residual") && e.contains("without it"),
+        "{e}"
+    );
     // Continuing it without the flag (or a standard head with it) is
     // refused by name.
     let mut cfg = tiny_cfg(prompts(DEEP.vocab as u32, 60, 3), 64);

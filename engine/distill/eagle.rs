@@ -12,7 +12,8 @@
 //!    (EOS always included); `d2t[i] = target_id - i`.
 //! 3. Model (EAGLE-3): `g = fc(cat[F_low, F_mid, F_high])`;
 //!    `u = cat[input_layernorm(embed(x)), hidden_norm(g)]`;
-//!    `a = g + o(Attn(u))`; `y = a + MLP(post_attention_layernorm(a))`;
+//!    `a = g + o(Attn(u))` (with `normed_residual`, a specd extension:
+//!    `a = hidden_norm(g) + o(Attn(u))`); `y = a + MLP(post_attention_layernorm(a))`;
 //!    logits `lm_head(norm(y))` over the draft vocabulary. The target's
 //!    embedding is frozen and not part of the head.
 //! 4. Training-time test: the head is unrolled `ttt_steps` times; step k
@@ -708,7 +709,7 @@ impl Net {
         let emb = embedding_table(target);
         let hd = tc.head_dim;
         let (cos, sin) = rope_tables(max_pos, hd, tc.rope_theta)?;
-        let normed_residual = !mtp && saved_normed_residual(head_dir);
+        let normed_residual = !mtp && saved_normed_residual(head_dir)?;
         Ok(Net {
             p,
             embed: Tensor::from_vec(emb, (vocab, h), &dev).map_err(cerr)?,
@@ -976,7 +977,11 @@ fn export(
     let mut config = config;
     if net.normed_residual {
         // Only where set: a standard EAGLE-3 head's config stays standard.
+        // Such a head is specd's own: an architecture name no other
+        // runtime knows, so none loads it as a standard head and drafts
+        // with the wrong residual.
         config["specd_normed_residual"] = serde_json::Value::Bool(true);
+        config["architectures"] = serde_json::json!(["SpecdEagle3NormedResidual"]);
     }
     std::fs::write(
         out.join("config.json"),
@@ -986,13 +991,24 @@ fn export(
 }
 
 /// Whether the head in `dir` was trained with `normed_residual` (its
-/// config.json's `specd_normed_residual`; absent: no).
-fn saved_normed_residual(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json"))
+/// config.json's `specd_normed_residual`; absent: no; not a bool: an error
+/// naming the file, as `model::eagle::Head` refuses it).
+fn saved_normed_residual(dir: &Path) -> Result<bool> {
+    let path = dir.join("config.json");
+    let Some(v) = std::fs::read_to_string(&path)
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| v.get("specd_normed_residual").and_then(|b| b.as_bool()))
-        .unwrap_or(false)
+    else {
+        return Ok(false);
+    };
+    match v.get("specd_normed_residual") {
+        None => Ok(false),
+        Some(serde_json::Value::Bool(b)) => Ok(*b),
+        Some(x) => Err(serr(format!(
+            "{}: `specd_normed_residual` must be true or false, got {x}",
+            path.display()
+        ))),
+    }
 }
 
 /// Read `dir`'s head for `--init`: an MTP module (`mtp`, names under the
@@ -1012,7 +1028,7 @@ fn read_init(
         String::new()
     };
     let init = InitHead::read(dir, kind, prefix, tc.vocab_size)?;
-    if !mtp && saved_normed_residual(dir) != normed_residual {
+    if !mtp && saved_normed_residual(dir)? != normed_residual {
         return Err(serr(format!(
             "{}: the head was trained with{} the normed residual, this run {} (--normed-residual)",
             dir.join("config.json").display(),
@@ -1123,6 +1139,15 @@ pub fn distill_eagle(
             (&cfg.corpus, &cfg.corpus_shards, &cfg.init),
             init.as_ref(),
         )?;
+        if c.normed_residual != cfg.normed_residual {
+            let with = |b: bool| if b { "with" } else { "without" };
+            return Err(serr(format!(
+                "{} holds the checkpoint of a run {} --normed-residual, this run is {} it; give the same to resume it, or delete the directory to start over",
+                train_dir.display(),
+                with(c.normed_residual),
+                with(cfg.normed_residual)
+            )));
+        }
     }
     let Prepared {
         samples,

@@ -5,8 +5,9 @@
 //!
 //! EAGLE-3 (Li et al. 2025): `g = fc(cat[F_low, F_mid, F_high])` on target
 //! features (or the previous step's output); `u = cat[input_layernorm(e),
-//! hidden_norm(g)]` (2h wide, embedding first); `a = g + o(Attn(u))`;
-//! `y = a + MLP(post_attention_layernorm(a))`; logits over the draft
+//! hidden_norm(g)]` (2h wide, embedding first); `a = g + o(Attn(u))`
+//! (`specd_normed_residual`, a specd extension: `a = hidden_norm(g) +
+//! o(Attn(u))`); `y = a + MLP(post_attention_layernorm(a))`; logits over the draft
 //! vocabulary `lm_head(norm(y))`; `y` feeds the next step; draft id `i` is
 //! target id `i + d2t[i]`.
 //!

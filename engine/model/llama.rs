@@ -334,18 +334,20 @@ impl Model {
     /// helping: this model's pool, or the caller's own
     /// (`run_on_caller_pool`).
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        if self.on_caller_pool {
-            with_caller_pool(f)
+        if self.on_caller_pool && join_caller_pool(self.pool.current_num_threads()) {
+            with_helpers(f)
         } else {
             self.pool.install(|| with_helpers(f))
         }
     }
 
-    /// Run forwards on the calling thread's own pool (`with_caller_pool`:
-    /// the caller works as worker 0, two thread wake-ups fewer a forward)
-    /// instead of this model's pool, which then sits idle. For a model a
-    /// proposer plugin drafts with, called many times a step from the
-    /// engine's thread.
+    /// Run forwards on the calling thread's own pool (`join_caller_pool`,
+    /// as wide as this model's: the caller works as worker 0, two thread
+    /// wake-ups fewer a forward) instead of this model's pool, which then
+    /// sits idle; a thread whose own pool has another width, or that is in
+    /// another pool, still uses this model's. For a model a proposer
+    /// plugin drafts with, called many times a step from the engine's
+    /// thread.
     pub fn run_on_caller_pool(&mut self) {
         self.on_caller_pool = true;
     }
@@ -809,35 +811,48 @@ pub fn with_helpers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 /// `with_helpers` for a caller outside any pool that calls again and
 /// again (a proposer plugin's `propose`, on the engine's thread): that
-/// thread joins a pool of its own as worker 0 (rayon's
-/// `use_current_thread`; built on its first call, `default_threads()`
-/// wide, kept for the thread's life), so `f` runs right there with the
-/// pool's other threads helping. Through the global pool `f` was handed
-/// to a sleeping worker and the caller woken when it was done: two
-/// wake-ups on every call's critical path, about 0.13 ms a propose.
-/// A thread already in a pool, or one whose pool cannot be built, runs
-/// `with_helpers` as before.
-///
-/// *Invariant:* at most one such pool per thread (rayon refuses a second),
-/// so the threads this adds are bounded by the threads that call.
+/// thread joins a pool of its own as worker 0 (`join_caller_pool`,
+/// `default_threads()` wide), so `f` runs right there with the pool's
+/// other threads helping. Through the global pool `f` was handed to a
+/// sleeping worker and the caller woken when it was done: two wake-ups on
+/// every call's critical path, about 0.1 ms a propose. A thread already
+/// in a pool, or one whose pool cannot be built, runs `with_helpers` as
+/// before.
 pub fn with_caller_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    thread_local! {
-        static POOL: std::cell::OnceCell<Option<rayon::ThreadPool>> =
-            const { std::cell::OnceCell::new() };
-    }
-    if rayon::current_thread_index().is_none() {
-        POOL.with(|p| {
-            p.get_or_init(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(default_threads())
-                    .use_current_thread()
-                    .thread_name(|i| format!("specd-helper-{i}"))
-                    .build()
-                    .ok()
-            });
-        });
-    }
+    join_caller_pool(default_threads());
     with_helpers(f)
+}
+
+thread_local! {
+    /// This thread's own pool (`join_caller_pool`) and its width.
+    static CALLER_POOL: std::cell::OnceCell<Option<(usize, rayon::ThreadPool)>> =
+        const { std::cell::OnceCell::new() };
+}
+
+/// Make the calling thread worker 0 of a pool of its own, `threads` wide
+/// (rayon's `use_current_thread`), unless it is in a pool already; the
+/// pool is kept for the thread's life, its other threads exiting with it.
+/// Returns whether the thread is now worker 0 of such a pool exactly
+/// `threads` wide (the first call's width stays the thread's).
+///
+/// *Invariant:* at most one such pool per thread and per copy of rayon
+/// (each plugin library links its own), so the threads this adds are
+/// bounded by the threads that call times the libraries they call.
+pub fn join_caller_pool(threads: usize) -> bool {
+    let threads = threads.max(1);
+    CALLER_POOL.with(|p| {
+        if p.get().is_none() && rayon::current_thread_index().is_none() {
+            let built = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .use_current_thread()
+                .thread_name(|i| format!("specd-helper-{i}"))
+                .build()
+                .ok()
+                .map(|pool| (threads, pool));
+            let _ = p.set(built);
+        }
+        matches!(p.get(), Some(Some((w, _))) if *w == threads)
+    })
 }
 
 /// `with_helpers` on a pool thread.
@@ -909,12 +924,27 @@ mod caller_pool_tests {
     use super::*;
     use rayon::prelude::*;
 
+    fn helper_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter(|e| {
+                        std::fs::read_to_string(e.path().join("comm"))
+                            .is_ok_and(|c| c.starts_with("specd-helper"))
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
     /// A thread outside any pool becomes worker 0 of a pool of its own on
     /// its first call and runs `f` itself, with the pool's other threads
-    /// taking `f`'s parallel work; later calls reuse that pool; a thread
-    /// already in a pool keeps it.
+    /// taking `f`'s parallel work; later calls reuse that pool; a width
+    /// other than the thread's pool's is reported; the pool's threads exit
+    /// with the caller.
     #[test]
     fn the_caller_runs_f_as_worker_0_of_its_own_pool() {
+        let before = helper_threads();
         std::thread::spawn(|| {
             let me = std::thread::current().id();
             assert_eq!(rayon::current_thread_index(), None);
@@ -928,19 +958,30 @@ mod caller_pool_tests {
             assert_eq!(index, Some(0), "the caller is worker 0");
             assert_eq!(tid, me, "f runs on the calling thread");
             assert_eq!(width, default_threads());
-            // Parallel work inside f runs in that pool and sums right.
-            let sum: u64 = with_caller_pool(|| (0..10_000u64).into_par_iter().sum());
-            assert_eq!(sum, 10_000 * 9_999 / 2);
-            let again = with_caller_pool(|| std::thread::current().id());
-            assert_eq!(again, me);
+            // Parallel work inside f is shared with the pool's threads.
+            let seen: std::collections::HashSet<_> = with_caller_pool(|| {
+                (0..64)
+                    .into_par_iter()
+                    .map(|_| {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                        std::thread::current().id()
+                    })
+                    .collect()
+            });
+            if default_threads() > 1 {
+                assert!(seen.len() > 1, "the pool's other threads helped");
+            }
+            assert_eq!(with_caller_pool(|| std::thread::current().id()), me);
+            assert!(join_caller_pool(default_threads()));
+            assert!(!join_caller_pool(default_threads() + 1));
         })
         .join()
         .unwrap();
-        let other = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
-        let width = other.install(|| with_caller_pool(rayon::current_num_threads));
-        assert_eq!(width, 3, "a pool thread keeps its own pool");
+        // The caller is gone: its pool's other threads leave too.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while helper_threads() > before && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(helper_threads(), before);
     }
 }

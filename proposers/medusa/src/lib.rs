@@ -448,7 +448,7 @@ impl Plugin for Medusa {
 
     fn propose(&mut self, batch: &[SeqView<'_>]) -> Result<Vec<Proposal>, String> {
         // The plugin's compute threads help each other instead of sleeping
-        // between the forward's small products (`with_helpers`).
+        // between the forward's small products (`with_caller_pool`).
         specd_model::llama::with_caller_pool(|| self.propose_inner(batch))
     }
 
