@@ -811,3 +811,42 @@ fn concurrent_forwards_on_one_model_finish_and_match_sequential() {
         }
     }
 }
+
+/// A model set to run on its caller's pool (the draft plugin's) computes
+/// what it computes on its own, on a pool the calling thread joined at the
+/// model's width; a thread whose pool has another width uses the model's.
+#[test]
+fn a_model_on_its_callers_pool_computes_the_same() {
+    let (_d, model) = tiny_q();
+    let (_d2, mut on_caller) = tiny_q();
+    on_caller.run_on_caller_pool();
+    let toks = [4u32, 8, 15, 16, 23, 42, 7, 9];
+    let logits = |m: &Model| {
+        let mut c = m.new_cache();
+        m.forward_one(&mut c, &toks, Logits::All).unwrap().logits
+    };
+    let want = logits(&model);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert_eq!(rayon::current_thread_index(), None);
+            assert_eq!(logits(&on_caller), want);
+            assert_eq!(
+                rayon::current_thread_index(),
+                Some(0),
+                "the forward joined a pool"
+            );
+            assert!(
+                specd::model::llama::join_caller_pool(on_caller.threads()),
+                "the forward made this thread worker 0 of a pool of the model's width"
+            );
+        });
+        s.spawn(|| {
+            // This thread's own pool is another width: the model's is used.
+            assert!(specd::model::llama::join_caller_pool(
+                on_caller.threads() + 1
+            ));
+            assert_eq!(logits(&on_caller), want);
+            assert!(!specd::model::llama::join_caller_pool(on_caller.threads()));
+        });
+    });
+}

@@ -1001,14 +1001,7 @@ fn saved_normed_residual(dir: &Path) -> Result<bool> {
     else {
         return Ok(false);
     };
-    match v.get("specd_normed_residual") {
-        None => Ok(false),
-        Some(serde_json::Value::Bool(b)) => Ok(*b),
-        Some(x) => Err(serr(format!(
-            "{}: `specd_normed_residual` must be true or false, got {x}",
-            path.display()
-        ))),
-    }
+    crate::model::eagle::normed_residual_of(&v, &path).map_err(serr)
 }
 
 /// Read `dir`'s head for `--init`: an MTP module (`mtp`, names under the

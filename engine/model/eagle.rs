@@ -168,6 +168,20 @@ pub(crate) fn head_rope_scaling(
     })
 }
 
+/// A head config's `specd_normed_residual` (absent: false; not a bool: an
+/// error naming `file`): the specd extension `distill eagle
+/// --normed-residual` writes.
+pub fn normed_residual_of(cfg: &serde_json::Value, file: &Path) -> Result<bool, String> {
+    match cfg.get("specd_normed_residual") {
+        None => Ok(false),
+        Some(serde_json::Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(format!(
+            "{}: `specd_normed_residual` must be true or false, got {v}",
+            file.display()
+        )),
+    }
+}
+
 pub(crate) fn cfg_usize(cfg: &serde_json::Value, key: &str, file: &Path) -> Result<usize, String> {
     cfg.get(key)
         .and_then(|v| v.as_u64())
@@ -529,22 +543,13 @@ impl Head {
                 cfg_path.display()
             ));
         }
-        let normed_residual = match cj.get("specd_normed_residual") {
-            None => false,
-            Some(serde_json::Value::Bool(b)) if !*b || variant == Variant::Eagle3 => *b,
-            Some(serde_json::Value::Bool(_)) => {
-                return Err(format!(
-                    "{}: `specd_normed_residual` is for EAGLE-3 heads, this is {variant:?}",
-                    cfg_path.display()
-                ))
-            }
-            Some(v) => {
-                return Err(format!(
-                    "{}: `specd_normed_residual` must be true or false, got {v}",
-                    cfg_path.display()
-                ))
-            }
-        };
+        let normed_residual = normed_residual_of(&cj, &cfg_path)?;
+        if normed_residual && variant != Variant::Eagle3 {
+            return Err(format!(
+                "{}: `specd_normed_residual` is for EAGLE-3 heads, this is {variant:?}",
+                cfg_path.display()
+            ));
+        }
         let cfg = HeadConfig {
             variant,
             hidden,
