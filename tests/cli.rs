@@ -65,8 +65,52 @@ fn batch_mode_is_ordered_deterministic_and_lossless_with_ngram() {
     for l in &lines {
         assert!(l["text"].as_str().is_some_and(|t| !t.is_empty()));
         assert_eq!(l["completion_tokens"], 24);
+        assert_eq!(l["token_ids"].as_array().map(Vec::len), Some(24));
         assert!(l.get("prompt").is_none());
     }
+    // `distill coverage` over these outputs: the share of their tokens
+    // inside the shipped EAGLE head's draft vocabulary, as its d2t says.
+    let outputs = dir.0.join("outputs.jsonl");
+    std::fs::write(&outputs, &plain).unwrap();
+    let head = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/proposers/eagle/heads/smollm2-135m-instruct"
+    );
+    let d2t = specd::model::tensor_file::TensorFile::read(
+        &std::path::Path::new(head).join("model.safetensors"),
+    )
+    .unwrap()
+    .i64("d2t")
+    .unwrap();
+    let vocab: std::collections::HashSet<i64> =
+        d2t.iter().enumerate().map(|(i, d)| i as i64 + d).collect();
+    let ids: Vec<i64> = lines
+        .iter()
+        .flat_map(|l| {
+            l["token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_i64().unwrap())
+        })
+        .collect();
+    let inside = ids.iter().filter(|t| vocab.contains(t)).count();
+    let out = specd(&[
+        "distill",
+        "coverage",
+        "--outputs",
+        outputs.to_str().unwrap(),
+        "--head",
+        head,
+    ]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = format!("| all | 72 | {:.3} |", inside as f64 / 72.0);
+    assert!(table.contains(&want), "{want} in\n{table}");
     assert!(stderr.contains("mean accepted length"), "{stderr}");
     let m = std::fs::read_to_string(&metrics).unwrap();
     assert!(

@@ -37,6 +37,38 @@ pub enum DistillCmd {
     /// each sample's provenance (`corpus.json` holds each shard's SHA-256
     /// and the command that builds it); trainers read it with `--corpus`.
     Corpus(CorpusArgs),
+    /// Measure the ceiling a draft vocabulary puts on acceptance: the
+    /// share of a target's plain outputs (the JSONL of `specd generate
+    /// --prompts`, with `token_ids` and `category`) inside each head's draft
+    /// vocabulary and inside the vocabulary a trainer would choose from a
+    /// corpus at each size (prints a markdown table).
+    Coverage(CoverageArgs),
+}
+
+#[derive(Args)]
+pub struct CoverageArgs {
+    /// Target model (default: the embedded SmolLM2): its vocabulary and
+    /// EOS ids.
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// The target's outputs to measure, e.g. `specd generate --prompts
+    /// FILE --chat > OUT` over an evaluation set's prompts.
+    #[arg(long)]
+    pub outputs: PathBuf,
+    /// A trained head, module or drafter directory (its model.safetensors'
+    /// `d2t`); repeatable.
+    #[arg(long)]
+    pub head: Vec<PathBuf>,
+    /// A training corpus (`distill corpus`): also measure the vocabulary a
+    /// trainer chooses from all its shards at each of `--sizes`.
+    #[arg(long)]
+    pub corpus: Option<PathBuf>,
+    /// Draft vocabulary sizes measured with `--corpus`.
+    #[arg(long, value_delimiter = ',', default_value = "4096,8192,16384,32768")]
+    pub sizes: Vec<usize>,
+    /// Also write the report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -508,6 +540,44 @@ pub fn run(what: DistillCmd) -> Result<()> {
             };
             let threads = a.threads.unwrap_or_else(model::llama::default_threads);
             let r = specd::distill::diagnose::diagnose(&target, &a.head, &a.data, &cfg, threads)?;
+            if let Some(j) = &a.json {
+                std::fs::write(j, serde_json::to_string_pretty(&r)?)?;
+            }
+            println!("{}", r.markdown());
+            Ok(())
+        }
+        DistillCmd::Coverage(a) => {
+            use specd::distill::coverage::{coverage, read_outputs, Vocab};
+            let target = match &a.target {
+                Some(t) => specd::fetch::resolve_model(t)?,
+                None => specd::fetch::ensure_default_model()?,
+            };
+            let m = model::load_model(&target, 1)?;
+            let (vocab, eos) = (m.config.vocab_size, m.config.eos_token_ids.clone());
+            let outputs = read_outputs(&a.outputs, vocab)?;
+            let samples: Vec<_> = match &a.corpus {
+                Some(dir) => {
+                    let tok = specd::tokenizer::Tokenizer::for_model(&target)?;
+                    let (_, all) = specd::distill::corpus::load_shards(dir, &tok, None)?;
+                    all.into_iter().map(|c| c.sample).collect()
+                }
+                None => Vec::new(),
+            };
+            let mut vocabs: Vec<Vocab> = a.head.iter().cloned().map(Vocab::Head).collect();
+            if a.corpus.is_some() {
+                for &n in &a.sizes {
+                    vocabs.push(Vocab::Top {
+                        n,
+                        samples: &samples,
+                    });
+                }
+            }
+            if vocabs.is_empty() {
+                anyhow::bail!(
+                    "distill coverage: give --head DIR or --corpus DIR (nothing to measure)"
+                );
+            }
+            let r = coverage(&outputs, &vocabs, vocab, &eos)?;
             if let Some(j) = &a.json {
                 std::fs::write(j, serde_json::to_string_pretty(&r)?)?;
             }

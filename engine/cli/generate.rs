@@ -355,6 +355,7 @@ fn run_batch(
                 obj.insert("text".into(), c.text.clone().into());
                 obj.insert("prompt_tokens".into(), c.prompt_tokens.into());
                 obj.insert("completion_tokens".into(), c.tokens.len().into());
+                obj.insert("token_ids".into(), c.tokens.clone().into());
                 obj.insert("finish_reason".into(), serde_json::to_value(c.finish)?);
             }
             println!("{out}");

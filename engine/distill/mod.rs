@@ -24,6 +24,7 @@
 //! overlaps is dropped and does not count toward the token budget).
 
 pub mod corpus;
+pub mod coverage;
 pub mod dflash;
 pub mod diagnose;
 pub mod draft;
