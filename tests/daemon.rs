@@ -1136,6 +1136,7 @@ fn batched_prompts_answer_one_choice_each_in_order() {
         (json!(["a", 5]), "prompt[1]"),
         (json!([[1, 2], [3, 99999999]]), "prompt[1][1]"),
         (json!([1, -2]), "prompt[1]"),
+        (json!(["a", ""]), "prompt[1]"),
         (json!(vec!["x"; 65]), "prompt"),
     ] {
         let r = d.post(
@@ -1511,6 +1512,17 @@ fn the_served_context_is_what_the_kv_budget_holds() {
         r.body
     );
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    // In a batch, the error names the prompt that does not fit.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": ["Hi.", "Tell me a long story about the sea, the wind and the old ships."], "max_tokens": 250}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(
+        msg.starts_with("prompt[1]: prompt (") && msg.contains("exceeds the context of 256"),
+        "{msg}"
+    );
     let r = d.post(
         "/v1/completions",
         &json!({"prompt": "Tell me a story.", "max_tokens": 200, "temperature": 0, "ignore_eos": true}),

@@ -33,6 +33,19 @@ impl ApiError {
         }
     }
 
+    /// This error as prompt `i` of a batch request's: the message says
+    /// which prompt, and a `prompt` param becomes `prompt[i]`.
+    pub fn for_prompt(mut self, i: usize) -> Self {
+        let name = format!("prompt[{i}]");
+        if !self.message.contains(&name) {
+            self.message = format!("{name}: {}", self.message);
+        }
+        if self.param.as_deref() == Some("prompt") {
+            self.param = Some(name);
+        }
+        self
+    }
+
     pub fn bad_field(param: &str, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,

@@ -73,11 +73,14 @@ async fn completions(
     // streams and health checks meanwhile.
     let (prompts, mut parsed) = off_worker(&st, move |st| {
         let mut shaping = None;
+        let many = prompts.len() > 1;
         let parsed = prompts
             .iter()
-            .map(|p| {
-                let ids = requests::encode(st, p)?;
-                requests::validate_with(common.clone(), st, ids, &mut shaping)
+            .enumerate()
+            .map(|(i, p)| {
+                requests::encode(st, p)
+                    .and_then(|ids| requests::validate_with(common.clone(), st, ids, &mut shaping))
+                    .map_err(|e| if many { e.for_prompt(i) } else { e })
             })
             .collect::<Result<Vec<Parsed>, ApiError>>()?;
         Ok((prompts, parsed))
