@@ -1136,6 +1136,7 @@ fn batched_prompts_answer_one_choice_each_in_order() {
         (json!(["a", 5]), "prompt[1]"),
         (json!([[1, 2], [3, 99999999]]), "prompt[1][1]"),
         (json!([1, -2]), "prompt[1]"),
+        // (An empty text is an empty prompt: this tokenizer adds no BOS.)
         (json!(["a", ""]), "prompt[1]"),
         (json!(vec!["x"; 65]), "prompt"),
     ] {
@@ -1145,6 +1146,28 @@ fn batched_prompts_answer_one_choice_each_in_order() {
         );
         assert_eq!(r.status, 400, "{prompt}: {}", r.body);
         assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
+    // A field the batch's prompts share is not blamed on one of them.
+    for (body, param) in [
+        (json!({"prompt": ["a", "b"], "max_tokens": 2, "n": 99}), "n"),
+        (
+            json!({"prompt": ["a", "b"], "max_tokens": 2, "response_format": {"type": "xml"}}),
+            "response_format",
+        ),
+    ] {
+        let r = d.post("/v1/completions", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let e = &r.json()["error"];
+        assert!(
+            e["param"].as_str().is_some_and(|p| p.starts_with(param)),
+            "{}",
+            r.body
+        );
+        assert!(
+            !e["message"].as_str().unwrap().starts_with("prompt["),
+            "{}",
+            r.body
+        );
     }
     // A client that hangs up mid-stream frees every sequence of its batch.
     let body =

@@ -52,7 +52,8 @@ pub struct CoverageArgs {
     #[arg(long)]
     pub target: Option<PathBuf>,
     /// The target's outputs to measure, e.g. `specd generate --prompts
-    /// FILE --chat > OUT` over an evaluation set's prompts.
+    /// FILE --chat > OUT` over an evaluation set's prompts (a row per
+    /// `category`; lines without one count toward the `all` row only).
     #[arg(long)]
     pub outputs: PathBuf,
     /// A trained head, module or drafter directory (its model.safetensors'
@@ -64,8 +65,9 @@ pub struct CoverageArgs {
     #[arg(long)]
     pub corpus: Option<PathBuf>,
     /// Draft vocabulary sizes measured with `--corpus`.
-    #[arg(long, value_delimiter = ',', default_value = "4096,8192,16384,32768")]
-    pub sizes: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "4096,8192,16384,32768",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub sizes: Vec<u32>,
     /// Also write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -567,7 +569,7 @@ pub fn run(what: DistillCmd) -> Result<()> {
             if a.corpus.is_some() {
                 for &n in &a.sizes {
                     vocabs.push(Vocab::Top {
-                        n,
+                        n: n as usize,
                         samples: &samples,
                     });
                 }

@@ -10,6 +10,8 @@
 //! output tokens inside each given head's vocabulary and inside the
 //! vocabulary the trainers would choose from a corpus at each given size
 //! (`choose_draft_vocab`: the most frequent response tokens, EOS always in).
+//! A completion's ending EOS is not among its `token_ids` (it is always
+//! covered), so the shares are a slight underestimate.
 //!
 //! Invariant: only the outputs are read from the evaluation set; the
 //! vocabularies come from heads and the training corpus, never from the
@@ -48,7 +50,7 @@ fn bad(path: &Path, line: usize, why: impl std::fmt::Display) -> SpecdError {
 }
 
 /// The outputs' token ids per category, in order of first appearance
-/// (lines without `category` count as `all` only).
+/// (lines without `category` count toward the `all` row only).
 pub fn read_outputs(path: &Path, vocab: usize) -> Result<Vec<(String, Vec<u32>)>> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| SpecdError::InvalidRequest(format!("{}: {e}", path.display())))?;
@@ -82,7 +84,24 @@ pub fn read_outputs(path: &Path, vocab: usize) -> Result<Vec<(String, Vec<u32>)>
                     })
             })
             .collect::<Result<Vec<u32>>>()?;
-        let cat = j["category"].as_str().unwrap_or("").to_string();
+        let cat = match &j["category"] {
+            serde_json::Value::Null => String::new(),
+            serde_json::Value::String(c) if c == "all" => {
+                return Err(bad(
+                    path,
+                    n,
+                    "category `all` is the name of the total row; rename it",
+                ))
+            }
+            serde_json::Value::String(c) => c.clone(),
+            other => {
+                return Err(bad(
+                    path,
+                    n,
+                    format!("`category` must be a string, got {other}"),
+                ))
+            }
+        };
         match cats.iter_mut().find(|(c, _)| *c == cat) {
             Some((_, v)) => v.extend(ids),
             None => cats.push((cat, ids)),
@@ -113,10 +132,10 @@ pub fn coverage(
                 let h = InitHead::read(dir, "coverage", String::new(), vocab)?;
                 (dir.display().to_string(), h.ids)
             }
-            Vocab::Top { n, samples } => (
-                format!("corpus top {n}"),
-                choose_draft_vocab(samples, *n, vocab, eos),
-            ),
+            Vocab::Top { n, samples } => {
+                let ids = choose_draft_vocab(samples, *n, vocab, eos);
+                (format!("corpus top {}", ids.len()), ids)
+            }
         };
         let mut m = vec![false; vocab];
         for t in ids {
@@ -142,7 +161,7 @@ pub fn coverage(
     };
     let mut rows: Vec<CoverageRow> = outputs
         .iter()
-        .filter(|(c, _)| !c.is_empty())
+        .filter(|(c, ids)| !c.is_empty() && !ids.is_empty())
         .map(|(c, ids)| row(c.clone(), &mut ids.iter().copied()))
         .collect();
     rows.push(row(
@@ -198,7 +217,8 @@ mod tests {
             &out,
             "{\"category\":\"a\",\"token_ids\":[1,2,4,4]}\n\n\
              {\"category\":\"b\",\"token_ids\":[7,9]}\n\
-             {\"category\":\"a\",\"token_ids\":[0]}\n",
+             {\"category\":\"a\",\"token_ids\":[0]}\n\
+             {\"category\":\"c\",\"token_ids\":[]}\n",
         )
         .unwrap();
         let outputs = read_outputs(&out, 10).unwrap();
@@ -224,6 +244,11 @@ mod tests {
                 n: 3,
                 samples: &samples,
             },
+            // More than the target's 10 tokens: all of them, named so.
+            Vocab::Top {
+                n: 50,
+                samples: &samples,
+            },
         ];
         let r = coverage(&outputs, &vocabs, 10, &[3]).unwrap();
         let got: Vec<(&str, usize, Vec<f64>)> = r
@@ -236,15 +261,22 @@ mod tests {
             vec![
                 // a: 1, 2, 4, 4, 0: head {1, 4, 7} has 3; top 2 {3, 2} has
                 // 1; top 3 {3, 2, 9} has 1.
-                ("a", 5, vec![0.6, 0.2, 0.2]),
+                ("a", 5, vec![0.6, 0.2, 0.2, 1.0]),
                 // b: 7, 9.
-                ("b", 2, vec![0.5, 0.0, 0.5]),
-                ("all", 7, vec![4.0 / 7.0, 1.0 / 7.0, 2.0 / 7.0]),
+                ("b", 2, vec![0.5, 0.0, 0.5, 1.0]),
+                // c has no tokens: no row of its own.
+                ("all", 7, vec![4.0 / 7.0, 1.0 / 7.0, 2.0 / 7.0, 1.0]),
             ]
         );
         let md = r.markdown();
-        assert!(md.contains("| a | 5 | 0.600 | 0.200 | 0.200 |"), "{md}");
-        assert!(md.contains("corpus top 2"), "{md}");
+        assert!(
+            md.contains("| a | 5 | 0.600 | 0.200 | 0.200 | 1.000 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| corpus top 2 | corpus top 3 | corpus top 10 |"),
+            "{md}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -257,6 +289,14 @@ mod tests {
             ("{\"text\":\"x\"}\n", ":1: no `token_ids` array"),
             ("{\"token_ids\":[1, 12]}\n", ":1: token id 12 is not one"),
             ("{\"token_ids\":[]}\n", "no output tokens"),
+            (
+                "{\"category\":3,\"token_ids\":[1]}\n",
+                ":1: `category` must be a string",
+            ),
+            (
+                "{\"category\":\"all\",\"token_ids\":[1]}\n",
+                ":1: category `all`",
+            ),
         ] {
             std::fs::write(&out, text).unwrap();
             let e = read_outputs(&out, 10).unwrap_err().to_string();

@@ -37,13 +37,17 @@ impl ApiError {
     /// which prompt, and a `prompt` param becomes `prompt[i]`.
     pub fn for_prompt(mut self, i: usize) -> Self {
         let name = format!("prompt[{i}]");
-        if !self.message.contains(&name) {
-            self.message = format!("{name}: {}", self.message);
-        }
+        self.message = format!("{name}: {}", self.message);
         if self.param.as_deref() == Some("prompt") {
             self.param = Some(name);
         }
         self
+    }
+
+    /// Whether this error is about the prompt itself (its tokens, or its
+    /// length against the context), not a field a batch's prompts share.
+    pub fn is_about_the_prompt(&self) -> bool {
+        self.param.as_deref() == Some("prompt") || self.code == Some("context_length_exceeded")
     }
 
     pub fn bad_field(param: &str, message: impl Into<String>) -> Self {

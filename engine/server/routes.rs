@@ -78,9 +78,17 @@ async fn completions(
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                requests::encode(st, p)
-                    .and_then(|ids| requests::validate_with(common.clone(), st, ids, &mut shaping))
-                    .map_err(|e| if many { e.for_prompt(i) } else { e })
+                // Only errors about this prompt name it: the other fields
+                // are the batch's, and fail the same for every prompt.
+                let ids =
+                    requests::encode(st, p).map_err(|e| if many { e.for_prompt(i) } else { e })?;
+                requests::validate_with(common.clone(), st, ids, &mut shaping).map_err(|e| {
+                    if many && e.is_about_the_prompt() {
+                        e.for_prompt(i)
+                    } else {
+                        e
+                    }
+                })
             })
             .collect::<Result<Vec<Parsed>, ApiError>>()?;
         Ok((prompts, parsed))
