@@ -84,12 +84,24 @@ fn tiny_ab_run_writes_reports_and_checks_losslessness() {
 fn repeats_start_from_fresh_proposers() {
     common::smollm_path();
     let dir = common::TempDir::new("ab-repeats");
+    // Drafts priced at the constant: a greedy request alone is otherwise
+    // priced from measured times, and its draft lengths vary with them.
+    let cfg = dir.0.join("quick.toml");
+    let quick = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/ab/quick.toml"),
+    )
+    .unwrap();
+    std::fs::write(
+        &cfg,
+        format!("[engine]\ndraft_pricing = \"fixed\"\n{quick}"),
+    )
+    .unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args([
             "ab",
             "--config",
-            "configs/ab/quick.toml",
+            cfg.to_str().unwrap(),
             "--dataset",
             "humaneval",
             "--limit-per-category",
@@ -148,13 +160,15 @@ fn arms_on_the_same_proposer_draft_from_their_own_instances() {
     // Two arms on one suffix proposer, back to back on every prompt: with
     // a shared instance, whichever ran second would draft the first's
     // identical greedy output from the tree. Each has its own, so both
-    // draft and accept exactly the same.
+    // draft and accept exactly the same (at constant prices: measured ones
+    // vary draft lengths with the machine's timing).
     common::smollm_path();
     let dir = common::TempDir::new("ab-shared");
     let cfg = dir.0.join("ab.toml");
     std::fs::write(
         &cfg,
-        "[[proposer]]\nname = \"suffix\"\nplugin = \"suffix\"\nmax_draft = 6\n\
+        "[engine]\ndraft_pricing = \"fixed\"\n\
+         [[proposer]]\nname = \"suffix\"\nplugin = \"suffix\"\nmax_draft = 6\n\
          [ab]\ndataset = \"humaneval\"\nlimit_per_category = 3\nmax_tokens = 32\nbootstrap = 50\n\
          [[ab.arm]]\nname = \"suffix\"\nproposer = \"suffix\"\n\
          [[ab.arm]]\nname = \"suffix-again\"\nproposer = \"suffix\"\n",

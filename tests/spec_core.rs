@@ -248,6 +248,55 @@ fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
     assert!(price.is_finite() && price >= 0.0, "{price}");
 }
 
+/// A greedy request decoding alone is priced from measured verify times
+/// too (its tokens are the argmax path however it is drafted): with a
+/// prior price so high that constants only ever probe, the measured price
+/// (a few tenths of a forward on any machine) takes over once one- and
+/// two-token steps have been seen, and the same drafts, right 70% of the
+/// time, run on. Sampled requests alone keep the constant (a seeded one's
+/// tokens must not depend on timing). Output is plain decoding's either way.
+#[test]
+fn a_greedy_request_alone_drafts_at_measured_prices() {
+    let n = 64;
+    let (model, tok, ps, want, answers) = smollm_answers(
+        &[
+            "def fibonacci(n):",
+            "The three primary colors are",
+            "Once upon a time",
+        ],
+        n,
+    );
+    let run = |measured: bool| {
+        let oracle = OracleProposer::new(answers.clone(), 0.3, 4, model.config.vocab_size as u32);
+        // One sequence at a time.
+        let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 1, None);
+        e.scheduler.config.adaptive_draft = true;
+        e.scheduler.config.measured_pricing = measured;
+        e.scheduler.config.draft_cost = 3.0;
+        let done = run_all(&mut e, oracle_requests(&ps, n));
+        for (c, w) in done.iter().zip(&want) {
+            assert_eq!(&c.tokens, w, "measured pricing {measured}");
+        }
+        assert!(e.scheduler.measured_price(1, true) == measured);
+        assert!(!e.scheduler.measured_price(1, false));
+        assert_eq!(e.scheduler.draft_price(1, false), 3.0);
+        (
+            done.iter().map(|c| c.stats.drafted).sum::<u64>(),
+            e.scheduler.mean_draft_price().unwrap(),
+        )
+    };
+    let ((fixed, fixed_price), (measured, measured_price)) = (run(false), run(true));
+    assert_eq!(fixed_price, 3.0);
+    assert!(
+        measured_price < 2.0,
+        "the measured price must replace the prior: {measured_price}"
+    );
+    assert!(
+        measured >= 2 * fixed.max(10),
+        "measured prices must let 70% drafts run: {measured} vs {fixed} at constants"
+    );
+}
+
 /// A proposer's own drafting cost (`[[proposer]] token_cost`) joins the
 /// verify price: the same drafts at 0.3 acceptance pay when drafting is
 /// free, and stop (bar the policy's rare probes) when each drafted token

@@ -119,14 +119,18 @@ impl Scheduler {
                     .is_some_and(|s| s.status == SeqStatus::Decoding)
             })
             .count();
-        let price = self.draft_price(decoding);
-        // Measured own costs where the verify price is measured too: in a
-        // batch (`draft_price`).
-        let pricing = (
-            price,
-            self.config.measured_pricing && decoding >= 2,
-            decoding,
-        );
+        // A greedy sequence decoding alone drafts at measured prices too:
+        // its tokens do not depend on its draft lengths.
+        let timing_free = decoding == 1
+            && self.running.iter().any(|id| {
+                self.seqs
+                    .get(id)
+                    .is_some_and(|s| s.status == SeqStatus::Decoding && s.req.params.is_greedy())
+            });
+        let price = self.draft_price(decoding, timing_free);
+        // Measured own costs where the verify price is measured too
+        // (`draft_price`).
+        let pricing = (price, self.measured_price(decoding, timing_free), decoding);
         if self.config.adaptive_draft && decoding > 0 {
             metrics::gauge!("specd_draft_token_price").set(price);
             self.prices.0 += price;

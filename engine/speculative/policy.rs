@@ -215,6 +215,33 @@ impl VerifyCostModel {
         (per_token > 0.0 && step > 0.0).then(|| per_token / (step / b))
     }
 
+    /// Steps a size must have seen before `alone_draft_cost` reads its mean.
+    const ALONE_SEEN: u32 = 8;
+
+    /// The verify cost of one drafted token for a sequence decoding alone
+    /// at `ctx` positions, relative to its one-token step: the step line
+    /// where fitted (`draft_cost(1, ctx)`), else from the measured means,
+    /// `(t(n) - t(1)) / (n - 1) / t(1)` at the smallest size `n > 1` seen
+    /// `ALONE_SEEN` times. Alone, drafts are mostly one or two tokens, too
+    /// alike in size for the line (which wants a token's spread either way),
+    /// while the means of those two sizes are exactly the price asked.
+    /// `None` without both sizes, or when noise puts `t(n)` at or below
+    /// `t(1)` (the caller keeps its configured price: a price of zero
+    /// would draft at any acceptance).
+    pub fn alone_draft_cost(&self, ctx: f64) -> Option<f64> {
+        if let Some(c) = self.draft_cost(1, ctx) {
+            return Some(c);
+        }
+        let seen = |n: usize| match self.times.get(n).copied().flatten() {
+            Some((t, k)) if k >= Self::ALONE_SEEN => Some(t),
+            _ => None,
+        };
+        let t1 = seen(1)?;
+        let (n, tn) = (2..self.times.len()).find_map(|n| seen(n).map(|t| (n, t)))?;
+        let c = (tn - t1) / (n - 1) as f64 / t1;
+        (c.is_finite() && c > 0.0).then_some(c)
+    }
+
     /// A step of `batch` tokens at `ctx` positions of context, in seconds,
     /// from the step line (`None`: not fitted yet).
     pub fn line_time(&self, batch: usize, ctx: f64) -> Option<f64> {
@@ -522,6 +549,45 @@ mod tests {
         m.record(4, f64::NAN, 1.0);
         m.record(1000, 0.0, 1.0);
         assert!((m.time(4).unwrap() - t(4)).abs() < 1e-9);
+    }
+
+    /// A sequence decoding alone drafts one or two tokens a step: too
+    /// alike in size for the step line, so its price comes from the means
+    /// of the sizes seen, once each has been seen often enough.
+    #[test]
+    fn a_lone_sequence_is_priced_from_its_measured_sizes() {
+        // 5 ms a one-token step, 0.45 ms more per drafted token (0.09).
+        let t = |n: usize| 0.005 + 0.00045 * (n - 1) as f64;
+        let mut m = VerifyCostModel::new(64);
+        assert_eq!(m.alone_draft_cost(300.0), None, "nothing measured yet");
+        for i in 0..40 {
+            m.record(1, 300.0, t(1));
+            if i < 5 {
+                m.record(2, 300.0, t(2));
+            }
+        }
+        assert_eq!(m.draft_cost(1, 300.0), None, "the line is not fitted");
+        assert_eq!(m.alone_draft_cost(300.0), None, "two tokens seen 5 times");
+        for _ in 0..5 {
+            m.record(2, 300.0, t(2));
+        }
+        let c = m.alone_draft_cost(300.0).unwrap();
+        assert!((c - 0.09).abs() < 1e-9, "{c}");
+        // Only three-token steps beside the one-token ones: per token.
+        let mut m3 = VerifyCostModel::new(64);
+        for _ in 0..10 {
+            m3.record(1, 300.0, t(1));
+            m3.record(3, 300.0, t(3));
+        }
+        assert!((m3.alone_draft_cost(300.0).unwrap() - 0.09).abs() < 1e-9);
+        // Noise that puts the larger step below the one-token one gives
+        // no price, never zero or less.
+        let mut noisy = VerifyCostModel::new(64);
+        for _ in 0..10 {
+            noisy.record(1, 300.0, 0.005);
+            noisy.record(2, 300.0, 0.0049);
+        }
+        assert_eq!(noisy.alone_draft_cost(300.0), None);
     }
 
     /// The step line: a machine where a step costs 4 ms plus, per token,

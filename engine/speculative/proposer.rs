@@ -58,11 +58,12 @@ pub struct Capabilities {
     /// one-token target forward (`[[proposer]] token_cost`). The adaptive
     /// policy adds it to a drafted token's verify cost, so a proposer whose
     /// own model costs more than its acceptance earns stops drafting.
-    /// `None` (not configured): in a batch, where the verify price is
-    /// measured too, the scheduler measures it from the proposer's calls
-    /// (`Scheduler::own_cost`); a sequence decoding alone prices it at 0,
-    /// so its draft lengths (and a seeded request's tokens, and an A/B
-    /// run's drafting) do not depend on timing.
+    /// `None` (not configured): where the verify price is measured too
+    /// (in a batch, or a greedy sequence alone: `Scheduler::measured_price`)
+    /// the scheduler measures it from the proposer's calls
+    /// (`Scheduler::own_cost`); a sampled sequence decoding alone prices it
+    /// at 0, so its draft lengths (and a seeded request's tokens) do not
+    /// depend on timing.
     pub token_cost: Option<f64>,
     /// Bytes of per-sequence cache the proposer keeps per token of a
     /// sequence, at most (a draft model's KV cache): the KV manager charges

@@ -83,7 +83,8 @@ pub struct SchedulerConfig {
     pub draft_cost: f64,
     /// Price drafted tokens from verify times measured on this machine at
     /// the step's batch size (`VerifyCostModel`), not one constant, when
-    /// two or more sequences decode. Draft lengths then depend on timing:
+    /// two or more sequences decode, or one greedy sequence (whose tokens
+    /// do not depend on its draft lengths). Draft lengths then depend on timing:
     /// a seeded sampled request in a batch may draw different (equally
     /// distributed) tokens run to run; off, they depend on acceptance only.
     pub measured_pricing: bool,
@@ -380,9 +381,14 @@ impl Scheduler {
     /// sequences, relative to a sequence's share of the step: measured
     /// (see `VerifyCostModel::draft_cost`) or the configured constant.
     ///
-    /// A sequence decoding alone is priced at the constant: its draft
-    /// lengths then depend only on its own acceptance, so a seeded sampled
-    /// request gives the same tokens run after run (measured times vary).
+    /// A sequence decoding alone is priced at the constant unless
+    /// `timing_free` (its tokens do not depend on its draft lengths: a
+    /// greedy request, whose output is the target's argmax path however it
+    /// is drafted): a seeded sampled request's draft lengths then depend
+    /// only on its own acceptance, so it gives the same tokens run after run
+    /// (measured times vary). A greedy one alone is priced from the
+    /// machine's own steps (`VerifyCostModel::alone_draft_cost`) once they
+    /// are measured.
     ///
     /// Until the step line is fitted, a batch's drafts are priced at
     /// `draft_cost` per sequence in the batch, at most 1: verification
@@ -390,13 +396,26 @@ impl Scheduler {
     /// about what a sequence's own token does (erring high only delays
     /// drafting until the line is measured; erring low, as a price of zero
     /// from a few noisy sizes did, made a busy server draft at a loss).
-    pub fn draft_price(&self, batch: usize) -> f64 {
-        if !self.config.measured_pricing || batch < 2 {
+    pub fn draft_price(&self, batch: usize, timing_free: bool) -> f64 {
+        if !self.measured_price(batch, timing_free) {
             return self.config.draft_cost;
+        }
+        if batch < 2 {
+            return self
+                .cost
+                .alone_draft_cost(self.decoding_ctx())
+                .unwrap_or(self.config.draft_cost);
         }
         self.cost
             .draft_cost(batch, self.decoding_ctx())
             .unwrap_or((self.config.draft_cost * batch as f64).min(1.0))
+    }
+
+    /// Whether a step of `batch` decoding sequences prices drafts (and
+    /// proposers' own costs) from measured times: with measured pricing
+    /// on, in a batch, or alone when `timing_free` (see `draft_price`).
+    pub fn measured_price(&self, batch: usize, timing_free: bool) -> bool {
+        self.config.measured_pricing && (batch >= 2 || (batch == 1 && timing_free))
     }
 
     /// Mean cached positions of the decoding sequences (0 with none).
