@@ -73,12 +73,14 @@ pub struct EngineSection {
     pub adaptive_draft: bool,
     /// Verify cost of one extra drafted token relative to a one-token
     /// forward, for the adaptive policy (measure with `specd bench-model`):
-    /// the price with `draft_pricing = "fixed"`, and the prior until the
-    /// engine has measured its own verify costs.
+    /// the price with `draft_pricing = "fixed"`, of a sampled request
+    /// decoding alone, and the prior until the engine has measured its own
+    /// verify costs.
     pub draft_cost: f64,
     /// `measured` (default): price drafted tokens from verify times the
     /// engine measures on this machine at each step's batch size, so
-    /// speculation backs off as load makes verification compute-bound;
+    /// speculation backs off as load makes verification compute-bound
+    /// (in a batch, and for a greedy request decoding alone);
     /// `fixed`: always `draft_cost`.
     pub draft_pricing: DraftPricing,
     /// Reuse the KV blocks of prompt prefixes across requests.

@@ -250,14 +250,16 @@ fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
 
 /// A greedy request decoding alone is priced from measured verify times
 /// too (its tokens are the argmax path however it is drafted): with a
-/// prior price so high that constants only ever probe, the measured price
-/// (a few tenths of a forward on any machine) takes over once one- and
-/// two-token steps have been seen, and the same drafts, right 70% of the
-/// time, run on. Sampled requests alone keep the constant (a seeded one's
-/// tokens must not depend on timing). Output is plain decoding's either way.
+/// prior price at which constants only probe (1.0 a drafted token against
+/// drafts right 70% of the time), the measured price (a few tenths of a
+/// forward on any machine) takes over once one- and two-token steps have
+/// been seen, and the drafts run on. A sampled request alone keeps the
+/// constant at every step (a seeded one's tokens must not depend on
+/// timing). Output is plain decoding's either way.
 #[test]
 fn a_greedy_request_alone_drafts_at_measured_prices() {
     let n = 64;
+    let prior = 1.0;
     let (model, tok, ps, want, answers) = smollm_answers(
         &[
             "def fibonacci(n):",
@@ -266,35 +268,52 @@ fn a_greedy_request_alone_drafts_at_measured_prices() {
         ],
         n,
     );
-    let run = |measured: bool| {
+    let engine_at = |measured: bool| {
         let oracle = OracleProposer::new(answers.clone(), 0.3, 4, model.config.vocab_size as u32);
         // One sequence at a time.
         let mut e = engine(&model, Some(tok.clone()), vec![Box::new(oracle)], 1, None);
         e.scheduler.config.adaptive_draft = true;
         e.scheduler.config.measured_pricing = measured;
-        e.scheduler.config.draft_cost = 3.0;
+        e.scheduler.config.draft_cost = prior;
+        e
+    };
+    let run = |measured: bool| {
+        let mut e = engine_at(measured);
         let done = run_all(&mut e, oracle_requests(&ps, n));
         for (c, w) in done.iter().zip(&want) {
             assert_eq!(&c.tokens, w, "measured pricing {measured}");
         }
-        assert!(e.scheduler.measured_price(1, true) == measured);
-        assert!(!e.scheduler.measured_price(1, false));
-        assert_eq!(e.scheduler.draft_price(1, false), 3.0);
         (
             done.iter().map(|c| c.stats.drafted).sum::<u64>(),
             e.scheduler.mean_draft_price().unwrap(),
         )
     };
     let ((fixed, fixed_price), (measured, measured_price)) = (run(false), run(true));
-    assert_eq!(fixed_price, 3.0);
+    assert_eq!(fixed_price, prior);
     assert!(
-        measured_price < 2.0,
+        measured_price < prior,
         "the measured price must replace the prior: {measured_price}"
     );
     assert!(
         measured >= 2 * fixed.max(10),
         "measured prices must let 70% drafts run: {measured} vs {fixed} at constants"
     );
+    // Sampled and seeded, alone, measured pricing on: the prior at every
+    // step, however many steps have been timed.
+    let mut e = engine_at(true);
+    let mut reqs = oracle_requests(&ps, n);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.params = SamplingParams {
+            temperature: 1.0,
+            seed: 11 + i as u64,
+            ..SamplingParams::default()
+        };
+        r.ignore_eos = true;
+    }
+    let done = run_all(&mut e, reqs);
+    assert!(done.iter().all(|c| c.tokens.len() == n));
+    assert!(done.iter().map(|c| c.stats.drafted).sum::<u64>() > 0);
+    assert_eq!(e.scheduler.mean_draft_price().unwrap(), prior);
 }
 
 /// A proposer's own drafting cost (`[[proposer]] token_cost`) joins the

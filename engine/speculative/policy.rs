@@ -218,16 +218,19 @@ impl VerifyCostModel {
     /// Steps a size must have seen before `alone_draft_cost` reads its mean.
     const ALONE_SEEN: u32 = 8;
 
-    /// The verify cost of one drafted token for a sequence decoding alone
-    /// at `ctx` positions, relative to its one-token step: the step line
-    /// where fitted (`draft_cost(1, ctx)`), else from the measured means,
-    /// `(t(n) - t(1)) / (n - 1) / t(1)` at the smallest size `n > 1` seen
-    /// `ALONE_SEEN` times. Alone, drafts are mostly one or two tokens, too
-    /// alike in size for the line (which wants a token's spread either way),
-    /// while the means of those two sizes are exactly the price asked.
-    /// `None` without both sizes, or when noise puts `t(n)` at or below
-    /// `t(1)` (the caller keeps its configured price: a price of zero
-    /// would draft at any acceptance).
+    /// The verify cost of one drafted token for a sequence decoding alone,
+    /// relative to its one-token step: the step line where fitted
+    /// (`draft_cost(1, ctx)`, at `ctx` positions), else from the measured
+    /// means, `(t(n) - t(1)) / (n - 1) / t(1)` at the smallest size `n > 1`
+    /// seen `ALONE_SEEN` times (whatever the context). Alone, drafts are
+    /// mostly one or two tokens, too alike in size for the line (which
+    /// wants a token's spread either way), while the means of those two
+    /// sizes are the price asked. The means are keyed by tokens fed, so
+    /// `t(2)` also holds two sequences' undrafted steps, which cost about
+    /// what one sequence's two tokens do, and a size's mean moves only
+    /// when steps of that size are seen. `None` without both sizes, or
+    /// when noise puts `t(n)` at or below `t(1)` (the caller keeps its
+    /// configured price: a price of zero would draft at any acceptance).
     pub fn alone_draft_cost(&self, ctx: f64) -> Option<f64> {
         if let Some(c) = self.draft_cost(1, ctx) {
             return Some(c);
@@ -580,6 +583,24 @@ mod tests {
             m3.record(3, 300.0, t(3));
         }
         assert!((m3.alone_draft_cost(300.0).unwrap() - 0.09).abs() < 1e-9);
+        // Two- and three-token steps at different costs per token (0.45
+        // and 0.6 ms): the smallest larger size answers.
+        let mut m23 = VerifyCostModel::new(64);
+        for _ in 0..10 {
+            m23.record(1, 300.0, t(1));
+            m23.record(2, 300.0, t(2));
+            m23.record(3, 300.0, t(1) + 0.0012);
+        }
+        assert_eq!(m23.draft_cost(1, 300.0), None);
+        assert!((m23.alone_draft_cost(300.0).unwrap() - 0.09).abs() < 1e-9);
+        // Once steps vary enough for the step line, the line answers.
+        let mut wide = m23.clone();
+        for _ in 0..10 {
+            wide.record(6, 300.0, t(1) + 0.005);
+        }
+        let line = wide.draft_cost(1, 300.0).expect("the line is fitted");
+        assert_eq!(wide.alone_draft_cost(300.0), Some(line));
+        assert!((line - 0.09).abs() > 0.01, "{line}");
         // Noise that puts the larger step below the one-token one gives
         // no price, never zero or less.
         let mut noisy = VerifyCostModel::new(64);

@@ -78,8 +78,8 @@ pub struct SchedulerConfig {
     pub adaptive_draft: bool,
     /// Verify cost of one extra drafted token, relative to a one-token
     /// forward (`specd bench-model` measures it: (cost(k+1) - 1) / k): the
-    /// price with `measured_pricing` off, and until the cost model has
-    /// seen enough steps.
+    /// price with `measured_pricing` off, of a sampled sequence decoding
+    /// alone, and until the cost model has seen enough steps.
     pub draft_cost: f64,
     /// Price drafted tokens from verify times measured on this machine at
     /// the step's batch size (`VerifyCostModel`), not one constant, when
@@ -315,8 +315,8 @@ impl Scheduler {
         self.windowed = windowed;
     }
 
-    /// A verify forward fed `tokens` tokens for `decodes` decoding
-    /// sequences in `seconds`; `decode_only`: no prefill chunk shared it
+    /// A verify forward fed `tokens` tokens to sequences holding `ctx`
+    /// positions on average in `seconds`; `decode_only`: no prefill chunk shared it
     /// (every fed position computed logits), so it calibrates the model.
     pub fn record_verify(&mut self, tokens: usize, ctx: f64, seconds: f64, decode_only: bool) {
         if decode_only {
