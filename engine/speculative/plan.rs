@@ -110,23 +110,18 @@ impl Scheduler {
                 }
             }
         }
-        let decoding = self
+        // Decoding sequences, and how many of them are greedy: a greedy
+        // sequence decoding alone drafts at measured prices too, since its
+        // tokens do not depend on its draft lengths.
+        let (decoding, greedy) = self
             .running
             .iter()
-            .filter(|id| {
-                self.seqs
-                    .get(id)
-                    .is_some_and(|s| s.status == SeqStatus::Decoding)
-            })
-            .count();
-        // A greedy sequence decoding alone drafts at measured prices too:
-        // its tokens do not depend on its draft lengths.
-        let timing_free = decoding == 1
-            && self.running.iter().any(|id| {
-                self.seqs
-                    .get(id)
-                    .is_some_and(|s| s.status == SeqStatus::Decoding && s.req.params.is_greedy())
+            .filter_map(|id| self.seqs.get(id))
+            .filter(|s| s.status == SeqStatus::Decoding)
+            .fold((0, 0), |(n, g), s| {
+                (n + 1, g + usize::from(s.req.params.is_greedy()))
             });
+        let timing_free = decoding == 1 && greedy == 1;
         let price = self.draft_price(decoding, timing_free);
         // Measured own costs where the verify price is measured too
         // (`draft_price`).

@@ -381,14 +381,12 @@ impl Scheduler {
     /// sequences, relative to a sequence's share of the step: measured
     /// (see `VerifyCostModel::draft_cost`) or the configured constant.
     ///
-    /// A sequence decoding alone is priced at the constant unless
-    /// `timing_free` (its tokens do not depend on its draft lengths: a
-    /// greedy request, whose output is the target's argmax path however it
-    /// is drafted): a seeded sampled request's draft lengths then depend
-    /// only on its own acceptance, so it gives the same tokens run after run
-    /// (measured times vary). A greedy one alone is priced from the
-    /// machine's own steps (`VerifyCostModel::alone_draft_cost`) once they
-    /// are measured.
+    /// A sampled sequence decoding alone is priced at the constant: its
+    /// draft lengths then depend only on its own acceptance, so a seeded
+    /// request gives the same tokens run after run (measured times vary).
+    /// A greedy one alone (`timing_free`: its output is the target's argmax
+    /// path however it is drafted) is priced from the machine's own steps
+    /// (`VerifyCostModel::alone_draft_cost`) once they are measured.
     ///
     /// Until the step line is fitted, a batch's drafts are priced at
     /// `draft_cost` per sequence in the batch, at most 1: verification
