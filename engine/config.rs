@@ -74,13 +74,14 @@ pub struct EngineSection {
     /// Verify cost of one extra drafted token relative to a one-token
     /// forward, for the adaptive policy (measure with `specd bench-model`):
     /// the price with `draft_pricing = "fixed"`, of a sampled request
-    /// decoding alone, and the prior until the engine has measured its own
-    /// verify costs.
+    /// decoding alone whose proposer drafts from a q of its own, and the
+    /// prior until the engine has measured its own verify costs.
     pub draft_cost: f64,
     /// `measured` (default): price drafted tokens from verify times the
     /// engine measures on this machine at each step's batch size, so
     /// speculation backs off as load makes verification compute-bound
-    /// (in a batch, and for a greedy request decoding alone);
+    /// (in a batch, and for a request decoding alone that is greedy or
+    /// drafted one-hot, whose tokens do not depend on its draft lengths);
     /// `fixed`: always `draft_cost`.
     pub draft_pricing: DraftPricing,
     /// Reuse the KV blocks of prompt prefixes across requests.

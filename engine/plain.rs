@@ -71,7 +71,11 @@ pub fn generate(
             sampler::suppress(&mut logits, &ban.ids);
         }
         sampler::apply_penalties(&mut logits, &context, &tokens, &req.params);
-        let next = sampler::distribution(&logits, &req.params).sample(&mut rng);
+        // Each position draws from its own stream, seeded by one draw of
+        // the request's (as acceptance does), so speculative decoding with
+        // one-hot drafts emits these very tokens for the same seed.
+        let next =
+            sampler::distribution(&logits, &req.params).sample(&mut Rng::new(rng.next_u64()));
         if tokens.is_empty() {
             ttft = start.elapsed();
         }

@@ -20,10 +20,12 @@ fn spec_bench_loader_reads_480_questions_in_13_categories() {
     assert_eq!(he[0].id, "HumanEval/0");
 }
 
-#[test]
-fn tiny_ab_run_writes_reports_and_checks_losslessness() {
+/// `specd ab --config configs/ab/quick.toml` over the first HumanEval
+/// prompts with `args` added, which must succeed and write its three
+/// reports: its stdout and results.json.
+fn quick_humaneval_ab(name: &str, args: &[&str]) -> (String, serde_json::Value) {
     common::smollm_path();
-    let dir = common::TempDir::new("ab");
+    let dir = common::TempDir::new(name);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args([
@@ -34,28 +36,36 @@ fn tiny_ab_run_writes_reports_and_checks_losslessness() {
             "humaneval",
             "--path",
             "tests/data/humaneval_first20.jsonl",
-            "--limit-per-category",
-            "3",
-            "--max-tokens",
-            "24",
             "--out",
             dir.0.to_str().unwrap(),
         ])
+        .args(args)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let r = serde_json::from_str(&std::fs::read_to_string(dir.0.join("results.json")).unwrap())
+        .unwrap();
+    let html = std::fs::read_to_string(dir.0.join("report.html")).unwrap();
+    assert!(html.matches("<svg").count() >= 3);
+    assert!(std::fs::read_to_string(dir.0.join("summary.md"))
+        .unwrap()
+        .contains("| ngram |"));
+    (stdout, r)
+}
+
+#[test]
+fn tiny_ab_run_writes_reports_and_checks_losslessness() {
+    let (stdout, r) =
+        quick_humaneval_ab("ab", &["--limit-per-category", "3", "--max-tokens", "24"]);
     assert!(
         stdout.contains("Every greedy arm matched plain decoding token for token"),
         "{stdout}"
     );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.0.join("results.json")).unwrap())
-            .unwrap();
     assert_eq!(r["prompts"], 3);
     let arms: Vec<&str> = r["overall"]
         .as_array()
@@ -73,11 +83,40 @@ fn tiny_ab_run_writes_reports_and_checks_losslessness() {
     // Interleaving: the first prompt's arms run in a different order than the second's.
     let recs = r["records"].as_array().unwrap();
     assert_ne!(recs[0]["arm"], recs[3]["arm"]);
-    let html = std::fs::read_to_string(dir.0.join("report.html")).unwrap();
-    assert!(html.matches("<svg").count() >= 3);
-    assert!(std::fs::read_to_string(dir.0.join("summary.md"))
-        .unwrap()
-        .contains("| ngram |"));
+}
+
+/// Sampled with one seed per prompt, the lookup arms (one-hot drafts) are
+/// compared with plain decoding token for token too, and match: each
+/// position's token is plain decoding's draw for the seed, whatever was
+/// drafted and accepted.
+#[test]
+fn a_sampled_ab_run_compares_the_one_hot_arms_with_plain() {
+    let (stdout, r) = quick_humaneval_ab(
+        "ab-sampled",
+        &[
+            "--limit-per-category",
+            "4",
+            "--max-tokens",
+            "48",
+            "--temperature",
+            "0.8",
+        ],
+    );
+    assert!(
+        stdout.contains(
+            "the arms drafting one-hot (ngram, suffix) matched plain decoding token for token"
+        ),
+        "{stdout}"
+    );
+    assert_eq!(r["compared"], serde_json::json!(["ngram", "suffix"]));
+    assert_eq!(r["mismatches"], serde_json::json!([]));
+    let recs = r["records"].as_array().unwrap();
+    let accepted: u64 = recs
+        .iter()
+        .filter(|x| x["arm"] != "plain")
+        .map(|x| x["accepted"].as_u64().unwrap())
+        .sum();
+    assert!(accepted > 0, "the lookup arms must accept drafts");
 }
 
 #[test]

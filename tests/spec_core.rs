@@ -298,22 +298,117 @@ fn a_greedy_request_alone_drafts_at_measured_prices() {
         measured >= 2 * fixed.max(10),
         "measured prices must let 70% drafts run: {measured} vs {fixed} at constants"
     );
-    // Sampled and seeded, alone, measured pricing on: the prior at every
-    // step, however many steps have been timed.
-    let mut e = engine_at(true);
-    let mut reqs = oracle_requests(&ps, n);
-    for (i, r) in reqs.iter_mut().enumerate() {
-        r.params = SamplingParams {
-            temperature: 1.0,
-            seed: 11 + i as u64,
-            ..SamplingParams::default()
-        };
-        r.ignore_eos = true;
-    }
+    // Sampled and seeded, alone, measured pricing on, drafts drawn from a
+    // real q (their rejections decide tokens): the prior at every step,
+    // however many steps have been timed.
+    let random = RandomProposer::new(model.config.vocab_size, 4, 5);
+    let mut e = engine(&model, Some(tok.clone()), vec![Box::new(random)], 1, None);
+    e.scheduler.config.adaptive_draft = true;
+    e.scheduler.config.measured_pricing = true;
+    e.scheduler.config.draft_cost = 0.05;
+    let reqs: Vec<Request> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            params: SamplingParams {
+                temperature: 1.0,
+                seed: 11 + i as u64,
+                ..SamplingParams::default()
+            },
+            proposer: Some("random".into()),
+            ignore_eos: true,
+            ..Request::greedy(p.clone(), n)
+        })
+        .collect();
     let done = run_all(&mut e, reqs);
     assert!(done.iter().all(|c| c.tokens.len() == n));
     assert!(done.iter().map(|c| c.stats.drafted).sum::<u64>() > 0);
-    assert_eq!(e.scheduler.mean_draft_price().unwrap(), prior);
+    let price = e.scheduler.mean_draft_price().unwrap();
+    assert!(
+        (price - 0.05).abs() < 1e-9,
+        "the prior at every step: {price}"
+    );
+}
+
+/// One-hot drafts are verified by coupling (each position's token is p's
+/// inverse CDF at that position's uniform, as plain decoding draws it), so
+/// a seeded sampled request gives plain decoding's tokens for its seed
+/// whatever is drafted: alone and in a batch, with drafts right 70% of the
+/// time at lengths measured prices pick. Alone it now drafts at measured
+/// prices too: its price falls below a prior at which constants only
+/// probe.
+#[test]
+fn a_seeded_sampled_request_with_one_hot_drafts_gives_plain_decodings_tokens() {
+    let n = 48;
+    let prior = 1.0;
+    let (model, tok) = smollm();
+    let ps: Vec<Vec<u32>> = [
+        "def fibonacci(n):",
+        "The three primary colors are",
+        "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    .iter()
+    .map(|t| tok.encode(t, false).unwrap())
+    .collect();
+    let sampled = |p: &Vec<u32>, i: usize| Request {
+        params: SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            seed: 7 + i as u64,
+            ..SamplingParams::default()
+        },
+        ignore_eos: true,
+        ..Request::greedy(p.clone(), n)
+    };
+    // Plain decoding, seeded: the tokens every run below must give.
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            generate(&model, None, &sampled(p, i), |_| {})
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    let answers: Vec<(Vec<u32>, Vec<u32>)> = ps.iter().cloned().zip(want.clone()).collect();
+    for running in [1, 3] {
+        let oracle = OracleProposer::new(answers.clone(), 0.3, 4, model.config.vocab_size as u32);
+        let mut e = engine(
+            &model,
+            Some(tok.clone()),
+            vec![Box::new(oracle)],
+            running,
+            None,
+        );
+        e.scheduler.config.adaptive_draft = true;
+        e.scheduler.config.measured_pricing = true;
+        e.scheduler.config.draft_cost = prior;
+        let reqs: Vec<Request> = ps
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Request {
+                proposer: Some("oracle".into()),
+                ..sampled(p, i)
+            })
+            .collect();
+        let done = run_all(&mut e, reqs);
+        for (c, w) in done.iter().zip(&want) {
+            assert_eq!(&c.tokens, w, "{running} running");
+        }
+        let drafted: u64 = done.iter().map(|c| c.stats.drafted).sum();
+        let accepted: u64 = done.iter().map(|c| c.stats.accepted).sum();
+        assert!(
+            drafted > 0 && accepted > 0,
+            "{drafted} drafted, {accepted} accepted"
+        );
+        if running == 1 {
+            let price = e.scheduler.mean_draft_price().unwrap();
+            assert!(
+                price < prior,
+                "alone, the measured price must replace the prior: {price}"
+            );
+        }
+    }
 }
 
 /// A proposer's own drafting cost (`[[proposer]] token_cost`) joins the

@@ -147,5 +147,10 @@ pub struct AbReport {
     pub overall: Vec<ArmSummary>,
     pub by_category: BTreeMap<String, Vec<ArmSummary>>,
     pub mismatches: Vec<Mismatch>,
+    /// The arms compared with plain decoding token for token: every arm
+    /// when greedy; when sampled (one seed per prompt, the same for every
+    /// arm), those whose drafts are one-hot, which give plain decoding's
+    /// draws (`speculative::accept`'s coupling).
+    pub compared: Vec<String>,
     pub records: Vec<Record>,
 }

@@ -109,16 +109,24 @@ pub fn markdown(r: &AbReport) -> String {
     if r.sampling.is_greedy() {
         if r.mismatches.is_empty() {
             s += "Every greedy arm matched plain decoding token for token.\n";
-        } else {
-            for m in &r.mismatches {
-                s += &format!(
-                    "- FAILURE: arm {} differs from plain on prompt {} (repeat {}) at token {}\n",
-                    m.arm, m.prompt_id, m.repeat, m.position
-                );
-            }
         }
     } else {
-        s += "Sampling run: outputs are not compared here (they differ token for token by design); that speculative sampling keeps the target's distribution is what the test suite's chi-square tests check, not this run.\n";
+        if !r.compared.is_empty() && r.mismatches.is_empty() {
+            s += &format!(
+                "Sampled with one seed per prompt: the arms drafting one-hot ({}) matched plain decoding token for token (each position's token is plain decoding's draw for the seed, whatever was drafted).\n",
+                r.compared.join(", ")
+            );
+        }
+        // `overall` lists plain and every arm.
+        if r.overall.len() > r.compared.len() + 1 {
+            s += "The other arms' sampled outputs differ from plain decoding's by design (their rejections decide tokens); that they keep the target's distribution is what the test suite's chi-square tests check, not this run.\n";
+        }
+    }
+    for m in &r.mismatches {
+        s += &format!(
+            "- FAILURE: arm {} differs from plain on prompt {} (repeat {}) at token {}\n",
+            m.arm, m.prompt_id, m.repeat, m.position
+        );
     }
     s
 }

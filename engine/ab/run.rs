@@ -380,11 +380,29 @@ pub fn run(
             (c.clone(), summarize(&rs, &names, &plain, ab.bootstrap, 2))
         })
         .collect();
-    let mismatches = if greedy {
-        greedy_mismatches(&records, &plain)
-    } else {
-        Vec::new()
-    };
+    // Greedy: every arm gives plain decoding's tokens. Sampled with one
+    // seed per prompt: so does every arm whose drafts are one-hot (each
+    // position's token is plain decoding's draw for the seed, whatever was
+    // drafted); the others' rejections decide tokens.
+    let compared: Vec<String> = arms
+        .iter()
+        .filter(|a| a.name != plain)
+        .filter(|a| {
+            greedy
+                || a.proposer == "none"
+                || engine
+                    .drafter
+                    .capabilities(&a.proposer)
+                    .is_some_and(|c| c.q_kind == crate::speculative::proposer::QKind::OneHot)
+        })
+        .map(|a| a.name.clone())
+        .collect();
+    let kept: Vec<Record> = records
+        .iter()
+        .filter(|r| r.arm == plain || compared.contains(&r.arm))
+        .cloned()
+        .collect();
+    let mismatches = greedy_mismatches(&kept, &plain);
     Ok(AbReport {
         dataset: ab.dataset.clone(),
         prompts: prompts.len(),
@@ -396,6 +414,7 @@ pub fn run(
         overall,
         by_category,
         mismatches,
+        compared,
         records,
     })
 }

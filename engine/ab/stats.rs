@@ -168,7 +168,7 @@ pub fn summarize(
         .collect()
 }
 
-/// Token-for-token comparison of every greedy arm with `plain`.
+/// Token-for-token comparison of every arm in `records` with `plain`.
 pub fn greedy_mismatches(records: &[Record], plain: &str) -> Vec<Mismatch> {
     let base: BTreeMap<(String, usize), &Record> = records
         .iter()

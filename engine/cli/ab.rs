@@ -124,7 +124,7 @@ fn finish(summary: String, files: Vec<PathBuf>, mismatches: usize) -> Result<()>
     }
     if mismatches > 0 {
         anyhow::bail!(
-            "{mismatches} losslessness failure(s): greedy output differs from plain decoding"
+            "{mismatches} losslessness failure(s): output differs from plain decoding's (greedy, or sampled with one-hot drafts)"
         );
     }
     Ok(())

@@ -123,7 +123,7 @@ impl SamplingParams {
 
 /// The seed a proposer draws its draft with for a request seeded `seed`
 /// whose sequence has `committed` tokens: a stream apart from the
-/// engine's own (acceptance, resampling: seeded with `seed` itself), so a
+/// engine's own (acceptance, resampling: streams seeded by draws of `seed`'s), so a
 /// plugin that seeds its generator from the request's seed never replays
 /// the numbers that test its draft (rejection sampling needs the two
 /// independent). Plugins seed a sequence's generator when they first see
@@ -619,15 +619,19 @@ mod tests {
     fn a_proposer_draws_from_a_stream_apart_from_the_engines() {
         // Plugins seed their generators from the seed the host hands them
         // (eagle-core: option ^ seed * golden, the option 0 by default);
-        // the engine tests their drafts with `Rng::new(request seed)`. The
-        // two must never be the same stream, seed 0 included.
+        // the engine tests their drafts with streams seeded by draws of
+        // `Rng::new(request seed)`, one a position. The two must never be
+        // the same stream, seed 0 included.
         for seed in (0..1000u64).chain([u64::MAX, 1 << 63]) {
             for committed in [0, 1, 17, 4096] {
                 let handed = draft_seed(seed, committed);
                 assert_ne!(handed, seed);
                 let plugin = handed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 let (mut a, mut b) = (Rng::new(seed), Rng::new(plugin));
-                assert_ne!(a.next_u64(), b.next_u64(), "seed {seed}");
+                let mut at = Rng::new(Rng::new(seed).next_u64());
+                let first = b.next_u64();
+                assert_ne!(a.next_u64(), first, "seed {seed}");
+                assert_ne!(at.next_u64(), first, "seed {seed}");
             }
         }
         // A sequence seen again from the start (a preemption, a plugin

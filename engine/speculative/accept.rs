@@ -9,8 +9,13 @@
 //! p is `sampler::distribution` of the penalised logits, the same transforms
 //! every request uses, so the output distribution is exactly p's.
 //!
-//! Invariant: the only randomness is the request's own `Rng`, consumed in a
-//! fixed order, so a seeded request reproduces.
+//! Invariant: the only randomness is the request's own `Rng`, advanced
+//! once per emitted token (sampled requests): each position draws from a
+//! stream seeded by that draw, so a seeded request reproduces. One-hot
+//! drafts (lookup proposers, forced tokens) are verified by coupling: the
+//! position's token is p's inverse CDF at the position's first uniform,
+//! exactly the token plain decoding (`plain::generate`) draws, so a seeded
+//! sampled request's output does not depend on what was drafted.
 
 use std::collections::HashMap;
 
@@ -195,8 +200,14 @@ impl<'a> Residual<'a> {
     }
 
     fn sample(&self, rng: &mut Rng) -> u32 {
+        self.sample_at(rng.next_f64())
+    }
+
+    /// The token at `u` in [0, 1) of the residual's inverse CDF (entries in
+    /// `p.ids` order): with no rejection applied, the one `p` draws at `u`.
+    fn sample_at(&self, u: f64) -> u32 {
         let n = self.p.ids.len();
-        let u = rng.next_f64() * self.mass;
+        let u = u * self.mass;
         let mut cum = 0.0;
         // p itself (plain decoding, or no rejection changed it) or the
         // lowered weights: one loop each, no per-entry branch.
@@ -334,9 +345,11 @@ pub fn accept(
 /// q_{i+1} = norm(q_i with x_i removed); if every child is rejected (or
 /// the node is a leaf) sample from the residual. By induction on the
 /// children, the token emitted at each node is distributed exactly as p.
-/// One-hot siblings (lookup proposers' trees) are deterministic
-/// candidates: each is tried in turn with q = 1 on its own token, so any of
-/// them can be accepted, still exactly p.
+/// One-hot children (lookup proposers' chains and trees) are deterministic
+/// candidates, verified by coupling instead: the node emits p's inverse CDF
+/// at the position's first uniform (plain decoding's draw) and accepts the
+/// child equal to it, so any child can be accepted, each with p(x), and
+/// the emitted token does not depend on the draft.
 #[allow(clippy::too_many_arguments)]
 pub fn accept_tree(
     rows: &[f32],
@@ -455,6 +468,11 @@ pub fn accept_tree(
                 }
             }
         } else {
+            // This position's own stream, seeded by one draw of the
+            // request's: the request's stream advances once per emitted
+            // token, so position g always draws from the g-th seed,
+            // whatever the steps' draft lengths were.
+            let mut at_rng = Rng::new(rng.next_u64());
             let row = match guide.as_deref_mut() {
                 Some(g) => {
                     masked.clear();
@@ -480,11 +498,17 @@ pub fn accept_tree(
                 }
             });
             let mut next = None;
+            // The token this position emits when no rejection decided it
+            // (`None`: sampled from the residual below).
+            let mut emit = None;
             // One-hot siblings are deterministic candidates: each carries q
-            // = 1 on its own token. Trying them in turn against the residual
-            // (accept x_i with probability p_i(x_i), else zero x_i out and
-            // renormalise) emits each x_i with probability p(x_i) and
-            // otherwise samples p without them: exactly p.
+            // = 1 on its own token. The position's token is p's inverse CDF
+            // at one uniform u, the token plain decoding draws at u; a child
+            // equal to it is accepted, else that token is the correction.
+            // Each child is emitted with probability p(x), every other
+            // token with p's own: exactly p, and (one u per position) the
+            // same token plain decoding with this seed emits, however long
+            // or wide the draft was.
             // (A composite lifts its lookup members' one-hot q to its own
             // kind, one point mass per sibling: still deterministic.)
             let one_hot = !kids.is_empty()
@@ -492,24 +516,48 @@ pub fn accept_tree(
                     .iter()
                     .all(|&c| point_mass(&draft.q[c], draft.tokens[c]));
             if one_hot {
-                let mut tried: Vec<u32> = Vec::new();
-                for &c in kids {
-                    let x = draft.tokens[c];
-                    if tried.contains(&x) {
-                        continue;
+                let u = at_rng.next_f64();
+                match &unnormalised {
+                    None => {
+                        let x = res.sample_at(u);
+                        next = kids.iter().copied().find(|&c| draft.tokens[c] == x);
+                        // The lossy control: a miss redraws from p, which
+                        // can give a child's token again.
+                        emit = if acceptance == Acceptance::ResidualFromP {
+                            None
+                        } else {
+                            Some(x)
+                        };
                     }
-                    let px = match (&unnormalised, tried.is_empty()) {
-                        (Some(f), true) => f(x),
-                        _ => res.prob(x),
-                    };
-                    if rng.next_f64() < px.min(1.0) {
-                        next = Some(c);
-                        break;
+                    // The lossy control: the children take intervals of u
+                    // as wide as the first one's unmasked mass (dropped
+                    // without renormalising) and the later ones' p; a miss
+                    // samples p without them.
+                    Some(f) => {
+                        let mut tried: Vec<u32> = Vec::new();
+                        let mut cum = 0.0;
+                        for &c in kids {
+                            let x = draft.tokens[c];
+                            if tried.contains(&x) {
+                                continue;
+                            }
+                            cum += if tried.is_empty() {
+                                f(x)
+                            } else {
+                                res.p.prob(x) as f64
+                            };
+                            if u < cum {
+                                next = Some(c);
+                                break;
+                            }
+                            tried.push(x);
+                        }
+                        if next.is_none() {
+                            for &x in &tried {
+                                res.subtract(&[(x, 1.0)]);
+                            }
+                        }
                     }
-                    if acceptance != Acceptance::ResidualFromP {
-                        res.subtract(&[(x, 1.0)]);
-                    }
-                    tried.push(x);
                 }
             } else if let Some(&first) = kids.first() {
                 let (qb, qt) = (&draft.q[first], draft.tokens[first]);
@@ -532,7 +580,7 @@ pub fn accept_tree(
                         (Some(f), true) => f(x),
                         _ => res.prob(x),
                     };
-                    if qx > 0.0 && rng.next_f64() < (px / qx).min(1.0) {
+                    if qx > 0.0 && at_rng.next_f64() < (px / qx).min(1.0) {
                         next = Some(c);
                         break;
                     }
@@ -550,7 +598,7 @@ pub fn accept_tree(
             match next {
                 Some(c) => c,
                 None => {
-                    let x = res.sample(rng);
+                    let x = emit.unwrap_or_else(|| res.sample(&mut at_rng));
                     if let Some(g) = guide.as_deref_mut() {
                         g.advance(x)?;
                     }
@@ -702,6 +750,88 @@ mod tests {
 
     fn logits_for(probs: &[f32]) -> Vec<f32> {
         probs.iter().map(|p| p.max(1e-30).ln()).collect()
+    }
+
+    /// `accept_tree` on a tree drawn without replacement, with no context,
+    /// guide or end ban.
+    fn accept_siblings(
+        rows: &[f32],
+        v: usize,
+        d: &Draft,
+        params: &SamplingParams,
+        rng: &mut Rng,
+        acceptance: Acceptance,
+    ) -> (Accepted, Vec<usize>) {
+        accept_tree(
+            rows,
+            v,
+            d,
+            SiblingMode::WithoutReplacement,
+            &[],
+            &[],
+            params,
+            rng,
+            acceptance,
+            None,
+            None,
+        )
+        .unwrap()
+    }
+
+    /// Coupling: with one-hot children, the token a sampled position
+    /// emits is plain decoding's draw for the same stream, whichever
+    /// children (none, wrong ones, several siblings, the right one) were
+    /// drafted; a child is accepted exactly when it is that token, and
+    /// the stream advances once per emitted token.
+    #[test]
+    fn one_hot_children_emit_plain_decodings_draw_whatever_is_drafted() {
+        let v = 6;
+        let row = logits_for(&[0.3, 0.25, 0.2, 0.1, 0.1, 0.05]);
+        let params = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let mut seen = [0u32; 6];
+        for seed in 0..300u64 {
+            let plain = {
+                let mut rng = Rng::new(seed);
+                let d = Draft::default();
+                accept_siblings(&row, v, &d, &params, &mut rng, Acceptance::Exact)
+                    .0
+                    .tokens[0]
+            };
+            seen[plain as usize] += 1;
+            for kids in [
+                vec![0u32],
+                vec![1, 2],
+                vec![5, 4, 3],
+                vec![plain],
+                vec![3, plain],
+            ] {
+                let n = kids.len();
+                let d = Draft {
+                    tokens: kids.clone(),
+                    q: vec![DraftQ::OneHot; n],
+                    parents: Some(vec![-1; n]),
+                    source: None,
+                };
+                let rows: Vec<f32> = (0..=n).flat_map(|_| row.clone()).collect();
+                let mut rng = Rng::new(seed);
+                let (a, path) = accept_siblings(&rows, v, &d, &params, &mut rng, Acceptance::Exact);
+                assert_eq!(a.tokens[0], plain, "seed {seed}, children {kids:?}");
+                assert_eq!(!path.is_empty(), kids.contains(&plain));
+                // One draw of the request's stream per emitted token (an
+                // accepted child, then its bonus).
+                assert_eq!(a.tokens.len(), path.len() + 1);
+                let mut expect = Rng::new(seed);
+                for _ in 0..a.tokens.len() {
+                    expect.next_u64();
+                }
+                assert_eq!(rng.next_u64(), expect.next_u64());
+            }
+        }
+        // Every token is drawn now and then (the draws are p's).
+        assert!(seen.iter().all(|&c| c > 0), "{seen:?}");
     }
 
     #[test]
@@ -908,20 +1038,7 @@ mod tests {
                 parents: Some(vec![-1, -1]),
                 source: None,
             };
-            let (a, _) = accept_tree(
-                &rows,
-                v,
-                &d,
-                SiblingMode::WithoutReplacement,
-                &[],
-                &[],
-                &params,
-                &mut rng,
-                Acceptance::Exact,
-                None,
-                None,
-            )
-            .unwrap();
+            let (a, _) = accept_siblings(&rows, v, &d, &params, &mut rng, Acceptance::Exact);
             counts[a.tokens[0] as usize] += 1;
         }
         for t in 0..4 {
@@ -975,20 +1092,7 @@ mod tests {
                     parents: Some(vec![-1, -1, -1]),
                     source: None,
                 };
-                let (a, _) = accept_tree(
-                    &rows,
-                    v,
-                    &d,
-                    SiblingMode::WithoutReplacement,
-                    &[],
-                    &[],
-                    &params,
-                    &mut rng,
-                    acceptance,
-                    None,
-                    None,
-                )
-                .unwrap();
+                let (a, _) = accept_siblings(&rows, v, &d, &params, &mut rng, acceptance);
                 counts[a.tokens[0] as usize] += 1;
             }
             counts.map(|c| c as f64 / n as f64)
@@ -1008,12 +1112,11 @@ mod tests {
     }
 
     #[test]
-    fn one_hot_siblings_are_each_tried_and_keep_p() {
+    fn one_hot_siblings_are_each_accepted_and_keep_p() {
         // Two deterministic candidates [1, 2] at the root: token 1 is kept
-        // with probability p(1), token 2 with p(2) (tried after 1 is
-        // rejected, against the residual), and anything else has its own
-        // p; with the residual left at p (the lossy control) token 2 is
-        // accepted too rarely and 1 comes back as the correction.
+        // with probability p(1), token 2 with p(2), and anything else has
+        // its own p; with a miss redrawn from p (the lossy control) the
+        // candidates come back as the correction too often.
         let v = 4;
         let p = [0.1f32, 0.3, 0.4, 0.2];
         let rows: Vec<f32> = logits_for(&p).repeat(3);
@@ -1032,20 +1135,7 @@ mod tests {
             let (mut counts, mut accepted) = ([0usize; 4], [0usize; 4]);
             let n = 60000;
             for _ in 0..n {
-                let (a, path) = accept_tree(
-                    &rows,
-                    v,
-                    d,
-                    SiblingMode::WithoutReplacement,
-                    &[],
-                    &[],
-                    &params,
-                    &mut rng,
-                    acceptance,
-                    None,
-                    None,
-                )
-                .unwrap();
+                let (a, path) = accept_siblings(&rows, v, d, &params, &mut rng, acceptance);
                 counts[a.tokens[0] as usize] += 1;
                 if let Some(&c) = path.first() {
                     accepted[d.tokens[c] as usize] += 1;
@@ -1071,7 +1161,7 @@ mod tests {
             .fold(0.0, f64::max);
         assert!(off > 0.03, "the control should be biased: {bad:?} vs {p:?}");
         // The same candidates with their q lifted to a point mass each (a
-        // composite's sparse or full kind): still each tried, the law
+        // composite's sparse or full kind): still each accepted, the law
         // kept. (Read as one shared q, the second was never accepted.)
         for q in [
             vec![

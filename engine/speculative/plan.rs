@@ -12,7 +12,7 @@
 
 use super::fairness::{self, Scheduling, Slot};
 use super::kv_manager::{Grant, Want};
-use super::proposer::Capabilities;
+use super::proposer::{Capabilities, QKind};
 use super::scheduler::*;
 use super::{Event, SeqId};
 
@@ -110,18 +110,25 @@ impl Scheduler {
                 }
             }
         }
-        // Decoding sequences, and how many of them are greedy: a greedy
-        // sequence decoding alone drafts at measured prices too, since its
-        // tokens do not depend on its draft lengths.
-        let (decoding, greedy) = self
+        // Decoding sequences, and how many of them have tokens that do not
+        // depend on their draft lengths: greedy ones (the target's argmax
+        // path) and sampled ones whose drafts are one-hot (verified by
+        // coupling: `accept`). Such a sequence decoding alone drafts at
+        // measured prices too.
+        let (decoding, free) = self
             .running
             .iter()
             .filter_map(|id| self.seqs.get(id))
             .filter(|s| s.status == SeqStatus::Decoding)
-            .fold((0, 0), |(n, g), s| {
-                (n + 1, g + usize::from(s.req.params.is_greedy()))
+            .fold((0, 0), |(n, f), s| {
+                let one_hot = s
+                    .proposer
+                    .as_deref()
+                    .and_then(&caps)
+                    .is_none_or(|c| c.q_kind == QKind::OneHot);
+                (n + 1, f + usize::from(s.req.params.is_greedy() || one_hot))
             });
-        let timing_free = decoding == 1 && greedy == 1;
+        let timing_free = decoding == 1 && free == 1;
         let price = self.draft_price(decoding, timing_free);
         // Measured own costs where the verify price is measured too
         // (`draft_price`).

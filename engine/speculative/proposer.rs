@@ -59,11 +59,12 @@ pub struct Capabilities {
     /// policy adds it to a drafted token's verify cost, so a proposer whose
     /// own model costs more than its acceptance earns stops drafting.
     /// `None` (not configured): where the verify price is measured too
-    /// (in a batch, or a greedy sequence alone: `Scheduler::measured_price`)
-    /// the scheduler measures it from the proposer's calls
-    /// (`Scheduler::own_cost`); a sampled sequence decoding alone prices it
-    /// at 0, so its draft lengths (and a seeded request's tokens) do not
-    /// depend on timing.
+    /// (in a batch, or a sequence alone that is greedy or drafted one-hot:
+    /// `Scheduler::measured_price`) the scheduler measures it from the
+    /// proposer's calls (`Scheduler::own_cost`); a sampled sequence
+    /// decoding alone with drafts of another q kind prices it at 0, so its
+    /// draft lengths (and a seeded request's tokens) do not depend on
+    /// timing.
     pub token_cost: Option<f64>,
     /// Bytes of per-sequence cache the proposer keeps per token of a
     /// sequence, at most (a draft model's KV cache): the KV manager charges
@@ -478,8 +479,8 @@ pub fn validate_draft(
 /// later sibling repeats the first one's q, and without replacement the
 /// siblings are distinct tokens. Siblings that are each a point mass on
 /// their own token (a lookup's candidates, lifted to sparse or full q by a
-/// composite) are deterministic candidates, which acceptance tries in turn
-/// exactly (`accept`'s one-hot siblings).
+/// composite) are deterministic candidates, which acceptance verifies
+/// exactly by coupling (`accept`'s one-hot children).
 fn validate_siblings(d: &Draft, mode: SiblingMode) -> Result<(), String> {
     let mut first: std::collections::HashMap<Option<usize>, usize> = Default::default();
     let mut tokens: std::collections::HashMap<Option<usize>, Vec<u32>> = Default::default();

@@ -381,11 +381,14 @@ impl Scheduler {
     /// sequences, relative to a sequence's share of the step: measured
     /// (see `VerifyCostModel::draft_cost`) or the configured constant.
     ///
-    /// A sampled sequence decoding alone is priced at the constant: its
-    /// draft lengths then depend only on its own acceptance, so a seeded
-    /// request gives the same tokens run after run (measured times vary).
-    /// A greedy one alone (`timing_free`: its output is the target's argmax
-    /// path however it is drafted) is priced from the machine's own steps
+    /// A sequence decoding alone whose tokens depend on its draft lengths
+    /// (sampled, drafts drawn from a q of their own, whose rejections
+    /// decide tokens) is priced at the constant: its draft lengths then
+    /// depend only on its own acceptance, so a seeded request gives the
+    /// same tokens run after run (measured times vary). One whose tokens do
+    /// not (`timing_free`: greedy, the target's argmax path; or sampled
+    /// with one-hot drafts, verified by coupling to plain decoding's draws,
+    /// `accept`) is priced from the machine's own steps
     /// (`VerifyCostModel::alone_draft_cost`) once they are measured.
     ///
     /// Until the step line is fitted, a batch's drafts are priced at
