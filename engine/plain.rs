@@ -1,5 +1,6 @@
 //! Plain (non-speculative) decoding of one request: the reference that every
-//! speculative path must reproduce token for token under greedy decoding.
+//! speculative path must reproduce token for token under greedy decoding,
+//! and under seeded sampling with one-hot drafts (`speculative::accept`).
 
 use std::time::{Duration, Instant};
 

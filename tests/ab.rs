@@ -21,9 +21,9 @@ fn spec_bench_loader_reads_480_questions_in_13_categories() {
 }
 
 /// `specd ab --config configs/ab/quick.toml` over the first HumanEval
-/// prompts with `args` added, which must succeed and write its three
-/// reports: its stdout and results.json.
-fn quick_humaneval_ab(name: &str, args: &[&str]) -> (String, serde_json::Value) {
+/// prompts with `args` added, which must succeed: its stdout and output
+/// directory.
+fn quick_ab(name: &str, args: &[&str]) -> (String, common::TempDir) {
     common::smollm_path();
     let dir = common::TempDir::new(name);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_specd"))
@@ -48,6 +48,13 @@ fn quick_humaneval_ab(name: &str, args: &[&str]) -> (String, serde_json::Value) 
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    (stdout, dir)
+}
+
+/// `quick_ab`, which must write its three reports: its stdout and
+/// results.json.
+fn quick_humaneval_ab(name: &str, args: &[&str]) -> (String, serde_json::Value) {
+    let (stdout, dir) = quick_ab(name, args);
     let r = serde_json::from_str(&std::fs::read_to_string(dir.0.join("results.json")).unwrap())
         .unwrap();
     let html = std::fs::read_to_string(dir.0.join("report.html")).unwrap();
@@ -117,6 +124,38 @@ fn a_sampled_ab_run_compares_the_one_hot_arms_with_plain() {
         .map(|x| x["accepted"].as_u64().unwrap())
         .sum();
     assert!(accepted > 0, "the lookup arms must accept drafts");
+}
+
+/// A sampled concurrency sweep compares plain and the lookup arms at
+/// every concurrency with plain decoding at the first: one-hot drafts give
+/// plain decoding's draws for the seed, alone or batched.
+#[test]
+fn a_sampled_concurrency_sweep_compares_the_one_hot_arms_at_every_point() {
+    let (stdout, dir) = quick_ab(
+        "ab-sweep",
+        &[
+            "--limit-per-category",
+            "3",
+            "--max-tokens",
+            "32",
+            "--temperature",
+            "0.8",
+            "--concurrency",
+            "1,3",
+        ],
+    );
+    assert!(
+        stdout.contains("plain, ngram, suffix matched plain decoding at concurrency 1 token for token at every concurrency"),
+        "{stdout}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("sweep.json")).unwrap()).unwrap();
+    assert_eq!(
+        r["compared"],
+        serde_json::json!(["plain", "ngram", "suffix"])
+    );
+    assert_eq!(r["mismatches"], serde_json::json!([]));
+    assert_eq!(r["rows"].as_array().unwrap().len(), 6);
 }
 
 #[test]

@@ -22,6 +22,21 @@ use specd::speculative::proposer::Proposer;
 use specd::speculative::{Completion, Request};
 use specd::tokenizer::Tokenizer;
 
+/// Tests whose assertions read measured step times (prices learned from
+/// them) run with the CPU to themselves: each takes this lock for
+/// writing, every other test for reading, so no test of this binary loads
+/// the machine while they time steps (cargo runs test binaries one at a
+/// time). A panicking test's poison is ignored.
+static CPU: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    CPU.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    CPU.write().unwrap_or_else(|e| e.into_inner())
+}
+
 fn tiny_model(spec: &TinySpec, seed: u64) -> (TempDir, Arc<Model>) {
     let dir = TempDir::new(&format!("spec-{seed}-{}", spec.vocab));
     let path = dir.0.join("tiny.gguf");
@@ -83,6 +98,7 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 
 #[test]
 fn greedy_oracle_is_lossless_on_the_tiny_model_in_a_concurrent_batch() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 5);
     let n = 40;
     let ps = prompts(TINY.vocab as u32);
@@ -117,6 +133,7 @@ fn greedy_oracle_is_lossless_on_the_tiny_model_in_a_concurrent_batch() {
 /// stop token, with finish `stop`; `ignore_eos` does not keep them.
 #[test]
 fn stop_token_ids_end_speculative_and_plain_decoding_alike() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 5);
     let n = 40;
     let ps = prompts(TINY.vocab as u32);
@@ -196,6 +213,7 @@ fn smollm_answers(
 
 #[test]
 fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
+    let _cpu = shared();
     let n = 32;
     let (model, tok, ps, want, answers) = smollm_answers(
         &[
@@ -224,6 +242,7 @@ fn greedy_oracle_is_lossless_on_smollm2_in_a_concurrent_batch() {
 /// a finite, non-negative price.
 #[test]
 fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
+    let _cpu = shared();
     let n = 48;
     let (model, tok, ps, want, answers) = smollm_answers(
         &[
@@ -253,11 +272,13 @@ fn measured_draft_pricing_keeps_a_concurrent_batch_lossless() {
 /// prior price at which constants only probe (1.0 a drafted token against
 /// drafts right 70% of the time), the measured price (a few tenths of a
 /// forward on any machine) takes over once one- and two-token steps have
-/// been seen, and the drafts run on. A sampled request alone keeps the
-/// constant at every step (a seeded one's tokens must not depend on
-/// timing). Output is plain decoding's either way.
+/// been seen, and the drafts run on. A sampled request alone drafting from
+/// its proposer's own q keeps the constant at every step (a seeded one's
+/// tokens must not depend on timing). Output is plain decoding's either
+/// way.
 #[test]
 fn a_greedy_request_alone_drafts_at_measured_prices() {
+    let _cpu = alone();
     let n = 64;
     let prior = 1.0;
     let (model, tok, ps, want, answers) = smollm_answers(
@@ -339,6 +360,7 @@ fn a_greedy_request_alone_drafts_at_measured_prices() {
 /// probe.
 #[test]
 fn a_seeded_sampled_request_with_one_hot_drafts_gives_plain_decodings_tokens() {
+    let _cpu = alone();
     let n = 48;
     let prior = 1.0;
     let (model, tok) = smollm();
@@ -418,6 +440,7 @@ fn a_seeded_sampled_request_with_one_hot_drafts_gives_plain_decodings_tokens() {
 /// either way.
 #[test]
 fn a_costly_proposer_stops_drafting_where_its_acceptance_does_not_pay() {
+    let _cpu = shared();
     let n = 48;
     let (model, tok, ps, want, answers) =
         smollm_answers(&["def fibonacci(n):", "The three primary colors are"], n);
@@ -454,6 +477,7 @@ fn a_costly_proposer_stops_drafting_where_its_acceptance_does_not_pay() {
 /// way.
 #[test]
 fn a_slow_proposer_is_priced_by_its_measured_calls() {
+    let _cpu = alone();
     let n = 48;
     let (model, tok, ps, want, answers) =
         smollm_answers(&["def fibonacci(n):", "The three primary colors are"], n);
@@ -494,6 +518,7 @@ fn a_slow_proposer_is_priced_by_its_measured_calls() {
 /// (without the back-off, 11: one every 8 steps).
 #[test]
 fn rejected_probes_of_a_costly_proposer_back_off() {
+    let _cpu = shared();
     let (model, tok, ps, _, answers) = smollm_answers(&["Once upon a time"], 160);
     let drafted = |n: usize| {
         let oracle = OracleProposer::new(answers.clone(), 1.0, 4, model.config.vocab_size as u32);
@@ -642,6 +667,7 @@ fn assert_pairs_follow(
 
 #[test]
 fn a_request_longer_than_the_whole_kv_budget_is_refused_when_added() {
+    let _cpu = shared();
     // Built from an `EngineConfig` directly (not through a TOML config),
     // a 3-block budget (192 tokens) must still refuse a request that could
     // only fail after its prefill, evicting the running ones on the way.
@@ -662,6 +688,7 @@ fn a_request_longer_than_the_whole_kv_budget_is_refused_when_added() {
 
 #[test]
 fn an_untrusted_q_is_not_used_so_a_lying_proposer_stays_lossless() {
+    let _cpu = shared();
     // A proposer that reports one q and drafts another token (its q's
     // argmax): trusting its q biases the output (the control, which the
     // test rejects); `trust_q = false` verifies each drafted
@@ -714,6 +741,7 @@ fn an_untrusted_q_is_not_used_so_a_lying_proposer_stays_lossless() {
 
 #[test]
 fn sampling_is_lossless_at_temperature_one() {
+    let _cpu = shared();
     check_sampling_lossless(SamplingParams {
         temperature: 1.0,
         ..Default::default()
@@ -722,6 +750,7 @@ fn sampling_is_lossless_at_temperature_one() {
 
 #[test]
 fn sampling_is_lossless_with_top_k_and_top_p() {
+    let _cpu = shared();
     check_sampling_lossless(SamplingParams {
         temperature: 0.8,
         top_k: 8,
@@ -732,6 +761,7 @@ fn sampling_is_lossless_with_top_k_and_top_p() {
 
 #[test]
 fn sampling_is_lossless_with_penalties() {
+    let _cpu = shared();
     // Penalties must see the drafts accepted earlier in the same step; the
     // control forgets them.
     check_sampling_lossless_against(
@@ -748,6 +778,7 @@ fn sampling_is_lossless_with_penalties() {
 
 #[test]
 fn sampling_is_lossless_with_min_p() {
+    let _cpu = shared();
     // p must be filtered exactly as plain sampling filters it; the control
     // accepts against the unfiltered softmax.
     check_sampling_lossless_against(
@@ -762,6 +793,7 @@ fn sampling_is_lossless_with_min_p() {
 
 #[test]
 fn sampling_is_lossless_with_logit_bias() {
+    let _cpu = shared();
     // p must carry the request's logit bias; the control drops it.
     check_sampling_lossless_against(
         SamplingParams {
@@ -779,6 +811,7 @@ fn sampling_is_lossless_with_logit_bias() {
 /// control holds it back at every row of the step.
 #[test]
 fn sampling_is_lossless_with_min_tokens() {
+    let _cpu = shared();
     let spec = TinySpec { vocab: 12, ..TINY };
     let (_d, model) = tiny_model(&spec, 8);
     let v = spec.vocab;
@@ -826,6 +859,7 @@ fn sampling_is_lossless_with_min_tokens() {
 /// exist it ends the output again.
 #[test]
 fn min_tokens_holds_back_the_end_in_speculative_and_plain_decoding_alike() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 5);
     let (n, min) = (40, 20);
     let ps = prompts(TINY.vocab as u32);
@@ -877,6 +911,7 @@ fn min_tokens_holds_back_the_end_in_speculative_and_plain_decoding_alike() {
 
 #[test]
 fn stop_string_inside_an_accepted_run() {
+    let _cpu = shared();
     let (model, tok) = smollm();
     let prompt = tok.encode("def fibonacci(n):", false).unwrap();
     let want = plain(&model, &prompt, 40);
@@ -935,6 +970,7 @@ fn stop_string_inside_an_accepted_run() {
 /// gives plain decoding's tokens, text and finish.
 #[test]
 fn min_tokens_holds_back_stop_strings_in_speculative_and_plain_decoding_alike() {
+    let _cpu = shared();
     let (model, tok) = smollm();
     let prompt = tok.encode("def fibonacci(n):", false).unwrap();
     let n = 48;
@@ -1034,6 +1070,7 @@ fn min_tokens_holds_back_stop_strings_in_speculative_and_plain_decoding_alike() 
 /// the output stays plain decoding's.
 #[test]
 fn a_proposer_cache_is_charged_to_the_kv_budget() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 5);
     let n = 60;
     let ps = prompts(TINY.vocab as u32);
@@ -1084,6 +1121,7 @@ fn a_proposer_cache_is_charged_to_the_kv_budget() {
 
 #[test]
 fn cancellation_frees_kv() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 6);
     let mut e = engine(&model, None, vec![], 2, None);
     let a = e
@@ -1111,6 +1149,7 @@ fn cancellation_frees_kv() {
 
 #[test]
 fn a_request_whose_receiver_is_gone_is_aborted_at_the_next_step() {
+    let _cpu = shared();
     // A client that hangs up between submitting and being guarded leaves
     // a sequence nobody reads: the next step aborts it and frees its KV.
     let (_d, model) = tiny_model(&TINY, 6);
@@ -1145,6 +1184,7 @@ fn a_request_whose_receiver_is_gone_is_aborted_at_the_next_step() {
 
 #[test]
 fn a_forked_choice_outlives_a_parent_that_ends_while_it_waits() {
+    let _cpu = shared();
     // With one token of budget per step, the child (forked from its
     // parent's prompt cache) sits out while the parent decodes its last
     // token and ends; the child must then prefill by itself, not copy a
@@ -1173,6 +1213,7 @@ fn a_forked_choice_outlives_a_parent_that_ends_while_it_waits() {
 
 #[test]
 fn a_sequence_the_budget_leaves_idle_cannot_starve_the_kv_for_ever() {
+    let _cpu = shared();
     // A 9-token budget and 8-token drafts: the first decode takes the
     // whole budget every step, so the other sequence never gets a want.
     // When the first needs a block that only the idle one holds, the idle
@@ -1230,6 +1271,7 @@ fn a_sequence_the_budget_leaves_idle_cannot_starve_the_kv_for_ever() {
 
 #[test]
 fn temperatures_too_small_for_floats_decode_greedily_with_every_transform() {
+    let _cpu = shared();
     // 1 / 1e-40 is not a finite f32: such requests are greedy (as is
     // anything under 1e-5), never a NaN distribution that hangs top-p or
     // panics an empty support. With a drafting proposer, through the
@@ -1268,6 +1310,7 @@ fn temperatures_too_small_for_floats_decode_greedily_with_every_transform() {
 
 #[test]
 fn preemption_and_resume_give_the_same_greedy_output() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 7);
     let ps = prompts(TINY.vocab as u32);
     let n = 100;
@@ -1323,6 +1366,7 @@ fn preemption_and_resume_give_the_same_greedy_output() {
 
 #[test]
 fn a_panicking_proposer_degrades_to_plain_decoding() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 9);
     let p = prompts(TINY.vocab as u32)[0].clone();
     let want = plain(&model, &p, 30);
@@ -1350,6 +1394,7 @@ fn a_panicking_proposer_degrades_to_plain_decoding() {
 
 #[test]
 fn bad_requests_are_refused_with_the_field_named() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 10);
     let mut e = engine(&model, None, vec![], 1, None);
     let err = e
@@ -1372,6 +1417,7 @@ fn bad_requests_are_refused_with_the_field_named() {
 
 #[test]
 fn actors_run_concurrent_requests_losslessly_and_free_kv() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 11);
     let ps = prompts(TINY.vocab as u32);
     let n = 30;
@@ -1448,6 +1494,7 @@ fn actors_run_concurrent_requests_losslessly_and_free_kv() {
 
 #[test]
 fn shadow_proposers_are_scored_without_touching_live_traffic() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 12);
     let ps = prompts(TINY.vocab as u32);
     let n = 30;
@@ -1496,6 +1543,7 @@ fn shadow_proposers_are_scored_without_touching_live_traffic() {
 
 #[test]
 fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
+    let _cpu = shared();
     use specd::speculative::pipeline::Step;
     let (_d, model) = tiny_model(&TINY, 13);
     let ps = prompts(TINY.vocab as u32);
@@ -1566,6 +1614,7 @@ fn aborts_during_a_step_wait_for_its_commit_and_free_everything() {
 
 #[test]
 fn actors_survive_aborts_at_every_moment_and_free_kv() {
+    let _cpu = shared();
     let (_d, model) = tiny_model(&TINY, 14);
     let ps = prompts(TINY.vocab as u32);
     let n = 24;
@@ -1718,6 +1767,7 @@ impl Proposer for BadProposer {
 
 #[test]
 fn invalid_drafts_poison_their_proposer_before_they_reach_the_verifier() {
+    let _cpu = shared();
     use specd::speculative::proposer::QKind;
     let (_d, model) = tiny_model(&TINY, 15);
     let v = TINY.vocab;

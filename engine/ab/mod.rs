@@ -35,7 +35,7 @@ pub use crate::datasets::{
 };
 pub use report::{html, markdown, write_outputs};
 pub use run::run;
-pub use stats::{greedy_mismatches, summarize};
+pub use stats::{summarize, token_mismatches};
 pub use sweep::{sweep, sweep_markdown, write_sweep, SweepReport, SweepRow};
 
 /// One request's measurements.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::stats::{greedy_mismatches, summarize};
+use super::stats::{summarize, token_mismatches};
 use super::{AbReport, Prompt, Record};
 use crate::config::{AbSection, ArmConfig, Config};
 use crate::error::{Result, SpecdError};
@@ -120,6 +120,28 @@ pub(super) fn arms_with_plain(ab: &AbSection) -> (Vec<ArmConfig>, String) {
         }
     };
     (arms, plain)
+}
+
+/// The arms (plain included) whose output must be plain decoding's token
+/// for token: every arm when greedy; when sampled (one seed per prompt,
+/// the same for every arm), plain and the arms whose proposer declares
+/// one-hot q, whose drafts are verified by coupling to plain decoding's
+/// draws (`speculative::accept`); the others' rejections decide tokens.
+pub(super) fn compared_arms(
+    arms: &[ArmConfig],
+    greedy: bool,
+    drafter: &crate::speculative::drafter::Drafter,
+) -> Vec<String> {
+    arms.iter()
+        .filter(|a| {
+            greedy
+                || a.proposer == "none"
+                || drafter
+                    .capabilities(&a.proposer)
+                    .is_some_and(|c| c.q_kind == crate::speculative::proposer::QKind::OneHot)
+        })
+        .map(|a| a.name.clone())
+        .collect()
 }
 
 /// Every arm names a loaded proposer (or none).
@@ -380,29 +402,14 @@ pub fn run(
             (c.clone(), summarize(&rs, &names, &plain, ab.bootstrap, 2))
         })
         .collect();
-    // Greedy: every arm gives plain decoding's tokens. Sampled with one
-    // seed per prompt: so does every arm whose drafts are one-hot (each
-    // position's token is plain decoding's draw for the seed, whatever was
-    // drafted); the others' rejections decide tokens.
-    let compared: Vec<String> = arms
-        .iter()
-        .filter(|a| a.name != plain)
-        .filter(|a| {
-            greedy
-                || a.proposer == "none"
-                || engine
-                    .drafter
-                    .capabilities(&a.proposer)
-                    .is_some_and(|c| c.q_kind == crate::speculative::proposer::QKind::OneHot)
-        })
-        .map(|a| a.name.clone())
-        .collect();
+    let mut compared = compared_arms(&arms, greedy, &engine.drafter);
+    compared.retain(|a| *a != plain);
     let kept: Vec<Record> = records
         .iter()
         .filter(|r| r.arm == plain || compared.contains(&r.arm))
         .cloned()
         .collect();
-    let mismatches = greedy_mismatches(&kept, &plain);
+    let mismatches = token_mismatches(&kept, &plain);
     Ok(AbReport {
         dataset: ab.dataset.clone(),
         prompts: prompts.len(),

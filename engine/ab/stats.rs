@@ -169,7 +169,7 @@ pub fn summarize(
 }
 
 /// Token-for-token comparison of every arm in `records` with `plain`.
-pub fn greedy_mismatches(records: &[Record], plain: &str) -> Vec<Mismatch> {
+pub fn token_mismatches(records: &[Record], plain: &str) -> Vec<Mismatch> {
     let base: BTreeMap<(String, usize), &Record> = records
         .iter()
         .filter(|r| r.arm == plain)
@@ -331,7 +331,7 @@ mod tests {
             rec("p2", "plain", vec![4, 5, 6], 1.0),
             rec("p2", "ngram", vec![4, 9, 6], 0.5),
         ];
-        let m = greedy_mismatches(&rs, "plain");
+        let m = token_mismatches(&rs, "plain");
         assert_eq!(m.len(), 1);
         assert_eq!(
             (m[0].prompt_id.as_str(), m[0].arm.as_str(), m[0].position),

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::run::{arm_request, arms_with_plain, check_arms, encode_prompts};
+use super::run::{arm_request, arms_with_plain, check_arms, compared_arms, encode_prompts};
 use super::{Mismatch, Prompt};
 use crate::config::{AbSection, Config, DraftPricing};
 use crate::error::{Result, SpecdError};
@@ -81,6 +81,11 @@ pub struct SweepReport {
     pub repeats: usize,
     pub points: Vec<usize>,
     pub rows: Vec<SweepRow>,
+    /// The arms compared token for token with plain decoding at the first
+    /// point, at every point: all when greedy; when sampled, plain and the
+    /// arms whose proposer declares one-hot q (plain decoding's draws for
+    /// the seed, alone or batched: `speculative::accept`).
+    pub compared: Vec<String>,
     pub mismatches: Vec<Mismatch>,
 }
 
@@ -135,7 +140,10 @@ pub fn sweep(
             drafter,
         ))
     };
-    check_arms(&arms, &fresh(1, None)?.drafter)?;
+    let probe = fresh(1, None)?;
+    check_arms(&arms, &probe.drafter)?;
+    let compared = compared_arms(&arms, ab.sampling.is_greedy(), &probe.drafter);
+    drop(probe);
     let total = (points.len() * arms.len() * ab.repeats.max(1)) as u64;
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
@@ -188,12 +196,12 @@ pub fn sweep(
         )
     });
     let mut mismatches = Vec::new();
-    if ab.sampling.is_greedy() {
+    {
         if let Some((_, _, reference)) = outputs
             .iter()
             .find(|(c, a, _)| *c == points[0] && *a == plain)
         {
-            for (c, arm, toks) in &outputs {
+            for (c, arm, toks) in outputs.iter().filter(|(_, a, _)| compared.contains(a)) {
                 for (i, (a, b)) in toks.iter().zip(reference).enumerate() {
                     if a != b {
                         let position = a.iter().zip(b).take_while(|(x, y)| x == y).count();
@@ -217,6 +225,7 @@ pub fn sweep(
         repeats,
         points: points.to_vec(),
         rows,
+        compared,
         mismatches,
     })
 }
@@ -348,17 +357,22 @@ pub fn sweep_markdown(r: &SweepReport) -> String {
         },
     );
     s += "\n";
-    if r.sampling.is_greedy() {
-        if r.mismatches.is_empty() {
+    if r.mismatches.is_empty() {
+        if r.sampling.is_greedy() {
             s += "Every arm at every concurrency matched plain decoding token for token.\n";
-        } else {
-            for m in &r.mismatches {
-                s += &format!(
-                    "- MISMATCH: {} prompt {} from position {}\n",
-                    m.arm, m.prompt_id, m.position
-                );
-            }
+        } else if !r.compared.is_empty() {
+            s += &format!(
+                "Sampled with one seed per prompt: {} matched plain decoding at concurrency {} token for token at every concurrency (one-hot drafts give plain decoding's draws for the seed, alone or batched).\n",
+                r.compared.join(", "),
+                r.points.first().copied().unwrap_or(1)
+            );
         }
+    }
+    for m in &r.mismatches {
+        s += &format!(
+            "- MISMATCH: {} prompt {} from position {}\n",
+            m.arm, m.prompt_id, m.position
+        );
     }
     s
 }

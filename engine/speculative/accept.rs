@@ -793,15 +793,13 @@ mod tests {
         };
         let mut seen = [0u32; 6];
         for seed in 0..300u64 {
-            let plain = {
-                let mut rng = Rng::new(seed);
-                let d = Draft::default();
-                accept_siblings(&row, v, &d, &params, &mut rng, Acceptance::Exact)
-                    .0
-                    .tokens[0]
-            };
+            // Plain decoding's draw (`plain::generate`): the law at the
+            // first uniform of the stream seeded by the request's first draw.
+            let plain = sampler::distribution(&row, &params)
+                .sample(&mut Rng::new(Rng::new(seed).next_u64()));
             seen[plain as usize] += 1;
             for kids in [
+                vec![],
                 vec![0u32],
                 vec![1, 2],
                 vec![5, 4, 3],

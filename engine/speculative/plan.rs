@@ -121,6 +121,9 @@ impl Scheduler {
             .filter_map(|id| self.seqs.get(id))
             .filter(|s| s.status == SeqStatus::Decoding)
             .fold((0, 0), |(n, f), s| {
+                // No capabilities: no proposer (or none by that name any
+                // more), so its only drafts are a grammar's forced tokens,
+                // one-hot.
                 let one_hot = s
                     .proposer
                     .as_deref()

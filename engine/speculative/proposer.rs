@@ -276,8 +276,9 @@ pub trait Proposer: Send {
 /// - `token_cost`: its own drafting cost (`Capabilities::token_cost`).
 /// - `trust_q` (`[[proposer]] trust_q`, default true): whether sampled
 ///   acceptance uses the q it reports. Without trust every drafted token
-///   is verified as a point mass: a candidate accepted with the target's
-///   probability of it, else the target resampled without it. That is
+///   is verified as a point mass (`accept`'s coupling: the position emits
+///   plain decoding's draw, and a candidate equal to it is accepted, with
+///   the target's probability of it). That is
 ///   exact whatever the proposer drafted and however it drew it (only its
 ///   draws must not see the engine's), so losslessness does not rest on a
 ///   plugin reporting the q it drew from; the price is acceptance

@@ -79,13 +79,16 @@ pub struct SchedulerConfig {
     /// Verify cost of one extra drafted token, relative to a one-token
     /// forward (`specd bench-model` measures it: (cost(k+1) - 1) / k): the
     /// price with `measured_pricing` off, of a sampled sequence decoding
-    /// alone, and until the cost model has seen enough steps.
+    /// alone whose proposer drafts from a q of its own, and until the cost
+    /// model has seen enough steps.
     pub draft_cost: f64,
     /// Price drafted tokens from verify times measured on this machine at
     /// the step's batch size (`VerifyCostModel`), not one constant, when
-    /// two or more sequences decode, or one greedy sequence (whose tokens
-    /// do not depend on its draft lengths). Draft lengths then depend on timing:
-    /// a seeded sampled request in a batch may draw different (equally
+    /// two or more sequences decode, or one whose tokens do not depend on
+    /// its draft lengths (greedy, or sampled with a proposer declaring
+    /// one-hot q: plain decoding's draws, `accept`'s coupling). Draft
+    /// lengths then depend on timing: a seeded sampled request in a batch
+    /// drafting from a q of its proposer's own may draw different (equally
     /// distributed) tokens run to run; off, they depend on acceptance only.
     pub measured_pricing: bool,
     /// Rows of hidden states a sequence buffers for its proposer between
