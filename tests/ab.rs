@@ -155,7 +155,16 @@ fn a_sampled_concurrency_sweep_compares_the_one_hot_arms_at_every_point() {
         serde_json::json!(["plain", "ngram", "suffix"])
     );
     assert_eq!(r["mismatches"], serde_json::json!([]));
-    assert_eq!(r["rows"].as_array().unwrap().len(), 6);
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 6);
+    // The lookup arms drafted and had drafts accepted with 3 in flight.
+    for arm in ["ngram", "suffix"] {
+        let row = rows
+            .iter()
+            .find(|x| x["arm"] == arm && x["concurrency"] == 3)
+            .unwrap();
+        assert!(row["accepted"].as_u64().unwrap() > 0, "{row}");
+    }
 }
 
 #[test]

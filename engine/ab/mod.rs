@@ -7,11 +7,14 @@
 //! - Each repeat starts from fresh proposer instances: state a proposer
 //!   learns across requests (the suffix tree) never carries the identical
 //!   output of an earlier repeat into a later one.
-//! - Greedy arms are compared token for token with the plain arm; any
-//!   mismatch is a losslessness failure reported with the prompt id.
+//! - Greedy arms, and in a sampled run the arms whose proposer declares
+//!   one-hot q (`run::compared_arms`), are compared token for token with
+//!   the plain arm; any mismatch is a losslessness failure reported with
+//!   the prompt id.
 //!
 //! - A concurrency sweep (`sweep`) runs every (point, arm) on a fresh
-//!   engine and compares every greedy output with plain decoding.
+//!   engine and compares the same arms' outputs, and plain's at every
+//!   point, with plain decoding at the first point.
 //!
 //! Rooms: `datasets` (loaders), `run` (the run loop), `stats` (summaries
 //! and the losslessness check), `report` (JSON, Markdown, HTML), `sweep`
@@ -147,10 +150,12 @@ pub struct AbReport {
     pub overall: Vec<ArmSummary>,
     pub by_category: BTreeMap<String, Vec<ArmSummary>>,
     pub mismatches: Vec<Mismatch>,
-    /// The arms compared with plain decoding token for token: every arm
-    /// when greedy; when sampled (one seed per prompt, the same for every
-    /// arm), those whose drafts are one-hot, which give plain decoding's
-    /// draws (`speculative::accept`'s coupling).
+    /// The arms compared with plain decoding token for token, plain itself
+    /// left out (a sweep's `compared` keeps it: plain at every point is
+    /// compared with plain at the first): every arm when greedy; when
+    /// sampled (one seed per prompt, the same for every arm), those whose
+    /// drafts are one-hot, which give plain decoding's draws
+    /// (`speculative::accept`'s coupling).
     pub compared: Vec<String>,
     pub records: Vec<Record>,
 }

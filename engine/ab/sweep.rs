@@ -7,9 +7,10 @@
 //!   and a fresh verify-cost model; the arm order rotates point by point.
 //! - All prompts run at every point, with exactly `concurrency` requests
 //!   in flight while any are left.
-//! - Under greedy decoding every arm's tokens at every point are compared
-//!   with the plain arm at the first point (speculation and batching are
-//!   both lossless).
+//! - The compared arms' tokens at every point (`run::compared_arms`: every
+//!   arm under greedy decoding; plain and the one-hot arms when sampled)
+//!   are compared with the plain arm at the first point (speculation and
+//!   batching are both lossless).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -360,12 +361,18 @@ pub fn sweep_markdown(r: &SweepReport) -> String {
     if r.mismatches.is_empty() {
         if r.sampling.is_greedy() {
             s += "Every arm at every concurrency matched plain decoding token for token.\n";
-        } else if !r.compared.is_empty() {
+        } else {
             s += &format!(
-                "Sampled with one seed per prompt: {} matched plain decoding at concurrency {} token for token at every concurrency (one-hot drafts give plain decoding's draws for the seed, alone or batched).\n",
+                "Sampled with one seed per prompt: {} matched plain decoding at concurrency {} token for token at every concurrency (batching and one-hot drafts leave plain decoding's draws for the seed as they are).\n",
                 r.compared.join(", "),
                 r.points.first().copied().unwrap_or(1)
             );
+            let mut arms: Vec<&str> = r.rows.iter().map(|x| x.arm.as_str()).collect();
+            arms.sort_unstable();
+            arms.dedup();
+            if arms.len() > r.compared.len() {
+                s += "The other arms' sampled outputs are not compared (their rejections decide tokens).\n";
+            }
         }
     }
     for m in &r.mismatches {

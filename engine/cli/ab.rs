@@ -116,7 +116,8 @@ pub fn run(a: AbArgs) -> Result<()> {
     finish(ab::markdown(&report), files, report.mismatches.len())
 }
 
-/// Print the summary and the files written; fail on any greedy mismatch.
+/// Print the summary and the files written; fail on any mismatch with
+/// plain decoding (`ab::run::compared_arms`).
 fn finish(summary: String, files: Vec<PathBuf>, mismatches: usize) -> Result<()> {
     print!("{summary}");
     for f in files {
@@ -124,7 +125,7 @@ fn finish(summary: String, files: Vec<PathBuf>, mismatches: usize) -> Result<()>
     }
     if mismatches > 0 {
         anyhow::bail!(
-            "{mismatches} losslessness failure(s): output differs from plain decoding's (greedy, or sampled with one-hot drafts)"
+            "{mismatches} losslessness failure(s): output differs from plain decoding's (greedy, sampled with one-hot drafts, or batched)"
         );
     }
     Ok(())
