@@ -404,10 +404,9 @@ pub fn run(
         .collect();
     let mut compared = compared_arms(&arms, greedy, &engine.drafter);
     compared.retain(|a| *a != plain);
-    let kept: Vec<Record> = records
+    let kept: Vec<&Record> = records
         .iter()
         .filter(|r| r.arm == plain || compared.contains(&r.arm))
-        .cloned()
         .collect();
     let mismatches = token_mismatches(&kept, &plain);
     Ok(AbReport {

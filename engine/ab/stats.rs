@@ -169,11 +169,11 @@ pub fn summarize(
 }
 
 /// Token-for-token comparison of every arm in `records` with `plain`.
-pub fn token_mismatches(records: &[Record], plain: &str) -> Vec<Mismatch> {
+pub fn token_mismatches(records: &[&Record], plain: &str) -> Vec<Mismatch> {
     let base: BTreeMap<(String, usize), &Record> = records
         .iter()
         .filter(|r| r.arm == plain)
-        .map(|r| ((r.prompt_id.clone(), r.repeat), r))
+        .map(|&r| ((r.prompt_id.clone(), r.repeat), r))
         .collect();
     let mut out = Vec::new();
     for r in records.iter().filter(|r| r.arm != plain) {
@@ -325,13 +325,13 @@ mod tests {
 
     #[test]
     fn mismatches_name_prompt_arm_and_position() {
-        let rs = vec![
+        let rs = [
             rec("p1", "plain", vec![1, 2, 3], 1.0),
             rec("p1", "ngram", vec![1, 2, 3], 0.5),
             rec("p2", "plain", vec![4, 5, 6], 1.0),
             rec("p2", "ngram", vec![4, 9, 6], 0.5),
         ];
-        let m = token_mismatches(&rs, "plain");
+        let m = token_mismatches(&rs.iter().collect::<Vec<_>>(), "plain");
         assert_eq!(m.len(), 1);
         assert_eq!(
             (m[0].prompt_id.as_str(), m[0].arm.as_str(), m[0].position),

@@ -197,22 +197,20 @@ pub fn sweep(
         )
     });
     let mut mismatches = Vec::new();
+    if let Some((_, _, reference)) = outputs
+        .iter()
+        .find(|(c, a, _)| *c == points[0] && *a == plain)
     {
-        if let Some((_, _, reference)) = outputs
-            .iter()
-            .find(|(c, a, _)| *c == points[0] && *a == plain)
-        {
-            for (c, arm, toks) in outputs.iter().filter(|(_, a, _)| compared.contains(a)) {
-                for (i, (a, b)) in toks.iter().zip(reference).enumerate() {
-                    if a != b {
-                        let position = a.iter().zip(b).take_while(|(x, y)| x == y).count();
-                        mismatches.push(Mismatch {
-                            prompt_id: prompts[i].id.clone(),
-                            arm: format!("{arm} @ concurrency {c}"),
-                            repeat: 0,
-                            position,
-                        });
-                    }
+        for (c, arm, toks) in outputs.iter().filter(|(_, a, _)| compared.contains(a)) {
+            for (i, (a, b)) in toks.iter().zip(reference).enumerate() {
+                if a != b {
+                    let position = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+                    mismatches.push(Mismatch {
+                        prompt_id: prompts[i].id.clone(),
+                        arm: format!("{arm} @ concurrency {c}"),
+                        repeat: 0,
+                        position,
+                    });
                 }
             }
         }

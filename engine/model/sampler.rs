@@ -123,7 +123,8 @@ impl SamplingParams {
 
 /// The seed a proposer draws its draft with for a request seeded `seed`
 /// whose sequence has `committed` tokens: a stream apart from the
-/// engine's own (acceptance, resampling: streams seeded by draws of `seed`'s), so a
+/// engine's own (acceptance and resampling draw from streams seeded by
+/// draws of `Rng::new(seed)`, one a position), so a
 /// plugin that seeds its generator from the request's seed never replays
 /// the numbers that test its draft (rejection sampling needs the two
 /// independent). Plugins seed a sequence's generator when they first see
