@@ -94,6 +94,14 @@ pub(crate) enum KvSlice<'a> {
 }
 
 impl<'a> KvSlice<'a> {
+    /// Start bringing the entries into the CPU's L2 cache (a hint).
+    pub(crate) fn prefetch(self) {
+        match self {
+            KvSlice::F16(s) => super::kernels::prefetch(s),
+            KvSlice::F32(s) => super::kernels::prefetch(s),
+        }
+    }
+
     /// The entries as f32: borrowed when stored as f32, else widened into
     /// `buf`.
     pub(crate) fn widen<'b>(self, buf: &'b mut Vec<f32>) -> &'b [f32]

@@ -458,7 +458,18 @@ impl Model {
                 .collect()
         };
 
+        // Decode and verify forwards ask for each layer's cache blocks
+        // before its first product (a prefill chunk's tasks re-read the
+        // blocks it is writing, in the caches already).
+        let prefetch = metas.iter().all(|m| m.n <= 16);
         for (li, lw) in self.weights.layers.iter().enumerate() {
+            if prefetch {
+                let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
+                let window = c.layer_window(li);
+                if let Some((_, plan)) = plans.iter().find(|(w, _)| *w == window) {
+                    plan.prefetch(&caches, li);
+                }
+            }
             kernels::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
             act.prepare(&h, total, dim, kernels::wants_q8(&lw.wq));
             kernels::matmul_many(

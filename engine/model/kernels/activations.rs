@@ -3,9 +3,22 @@
 //! block sum, plus the exact integer sum that removes the weights' offsets).
 
 use half::f16;
+use rayon::prelude::*;
 
 use super::layout::{PlainActs, QK};
 use super::path::KernelPath;
+
+/// Values from which `Activations::prepare` quantizes on every thread.
+const PARALLEL_MIN_VALUES: usize = 1 << 15;
+
+/// One quantizer call's outputs: scales, scaled sums, sums, half sums, codes.
+pub(crate) type QuantOut<'a> = (
+    &'a mut [f32],
+    &'a mut [f32],
+    &'a mut [i32],
+    &'a mut [i32],
+    &'a mut [i8],
+);
 
 /// Activation rows prepared for one or more matmuls sharing the same input.
 #[derive(Debug, Default)]
@@ -52,20 +65,42 @@ impl Activations {
             self.isum.resize(nb, 0);
             self.hsum.resize(nb, 0);
             self.qs.resize(rows * cols, 0);
+            let path = self.path;
+            let one = |x: &[f32], (d, s, i, h, q): QuantOut<'_>| match path {
+                #[cfg(target_arch = "x86_64")]
+                KernelPath::Avx2 | KernelPath::AvxVnni | KernelPath::Vnni | KernelPath::Amx => {
+                    super::simd::quantize_blocks(x, (d, s, i, h, q))
+                }
+                _ => {
+                    quantize_q8(x, (d, s, i, q));
+                    half_sums(q, h);
+                }
+            };
             let out = (
                 &mut self.qd[..],
                 &mut self.qsum[..],
                 &mut self.isum[..],
+                &mut self.hsum[..],
                 &mut self.qs[..],
             );
-            match self.path {
-                #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2 | KernelPath::AvxVnni | KernelPath::Vnni | KernelPath::Amx => {
-                    super::simd::quantize_blocks(x, out)
-                }
-                _ => quantize_q8(x, out),
+            // A prefill chunk's rows (hundreds of thousands of values, 13%
+            // of a 512-token prefill when one thread quantized them while
+            // the other waited) are split over the threads; blocks are
+            // independent, so the split changes no bit. A verify's few
+            // rows stay on the calling thread (a hand-off costs more).
+            let threads = rayon::current_num_threads();
+            if nb * QK < PARALLEL_MIN_VALUES || threads < 2 {
+                return one(x, out);
             }
-            half_sums(&self.qs, &mut self.hsum);
+            let per = nb.div_ceil(2 * threads).next_multiple_of(16);
+            let (d, s, i, h, q) = out;
+            x.par_chunks(per * QK)
+                .zip(d.par_chunks_mut(per))
+                .zip(s.par_chunks_mut(per))
+                .zip(i.par_chunks_mut(per))
+                .zip(h.par_chunks_mut(per))
+                .zip(q.par_chunks_mut(per * QK))
+                .for_each(|(((((x, d), s), i), h), q)| one(x, (d, s, i, h, q)));
         }
     }
 

@@ -44,4 +44,4 @@ pub use layout::{
     tile_record_bytes, PlainActs, QMatrix, QuantKind, QuantWeights, WeightFormat, QK, TILE,
 };
 pub use matmul::{dot_f32, matmul_glu, matmul_many, matmul_swiglu, wants_q8};
-pub use path::{amx_calibration, evict_from_caches, KernelPath};
+pub use path::{amx_calibration, evict_from_caches, prefetch, KernelPath};

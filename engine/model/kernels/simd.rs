@@ -33,22 +33,114 @@ pub fn available() -> bool {
 }
 
 /// Quantize to Q8 blocks exactly as `kernels::quantize_q8` (round half to
-/// even, f16-rounded scale and sum): (scale, d * sum(q), sum(q)) per block
-/// and the codes, in element order.
-pub fn quantize_blocks(
-    x: &[f32],
-    (qd, qsum, isum, qs): (&mut [f32], &mut [f32], &mut [i32], &mut [i8]),
-) {
+/// even, f16-rounded scale and sum): (scale, d * sum(q), sum(q), sum of the
+/// first 16 codes) per block and the codes, in element order. With
+/// AVX-512 (the VNNI path's switch), 16 blocks at a time: their maxima
+/// first, then one vector division for their scales (two divisions a block
+/// were a third of the scalar loop's time), then the codes; the rest one
+/// block at a time in AVX2. Every value is the same IEEE operation as the
+/// portable loop's, so all give the same bits.
+pub fn quantize_blocks(x: &[f32], (qd, qsum, isum, hsum, qs): super::activations::QuantOut<'_>) {
     assert!(available());
     let nb = x.len() / QK;
-    assert!(qs.len() >= nb * QK && qd.len() >= nb && qsum.len() >= nb && isum.len() >= nb);
-    for (b, xs) in x.chunks_exact(QK).enumerate() {
+    assert!(qs.len() >= nb * QK && qd.len() >= nb && qsum.len() >= nb);
+    assert!(isum.len() >= nb && hsum.len() >= nb);
+    let mut b = 0;
+    if vnni::available() {
+        const G: usize = 16;
+        while b + G <= nb {
+            let at = |i: usize| i * QK;
+            // SAFETY: `vnni::available()` confirmed AVX-512F/BW/VL and F16C.
+            unsafe {
+                quantize16_avx512(
+                    x[at(b)..at(b + G)].try_into().expect("16 blocks"),
+                    (&mut qs[at(b)..at(b + G)]).try_into().expect("16 blocks"),
+                    (&mut qd[b..b + G]).try_into().expect("16 scales"),
+                    (&mut qsum[b..b + G]).try_into().expect("16 sums"),
+                    (&mut isum[b..b + G]).try_into().expect("16 sums"),
+                    (&mut hsum[b..b + G]).try_into().expect("16 sums"),
+                )
+            };
+            b += G;
+        }
+    }
+    for (b, xs) in x.chunks_exact(QK).enumerate().skip(b) {
+        let dst = &mut qs[b * QK..(b + 1) * QK];
         // SAFETY: `available()` confirmed AVX2, FMA and F16C on this CPU.
-        let (d, sm, total) = unsafe { quantize_block_avx2(xs, &mut qs[b * QK..(b + 1) * QK]) };
+        let (d, sm, total) = unsafe { quantize_block_avx2(xs, dst) };
         qd[b] = d;
         qsum[b] = sm;
         isum[b] = total;
+        hsum[b] = dst[..QK / 2].iter().map(|&v| i32::from(v)).sum();
     }
+}
+
+/// Sixteen blocks of 32 floats to Q8 (see `quantize_blocks`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn quantize16_avx512(
+    xs: &[f32; 16 * QK],
+    q: &mut [i8; 16 * QK],
+    d_out: &mut [f32; 16],
+    sm_out: &mut [f32; 16],
+    is_out: &mut [i32; 16],
+    hs_out: &mut [i32; 16],
+) {
+    // Every load and store below stays inside its array: `xs` and `q` hold
+    // 16 blocks of QK = 32 elements (element 32j + 16h + 15 < 512 for
+    // j < 16, h < 2); the per-block arrays hold 16 elements.
+    let half = |j: usize, h: usize| {
+        // SAFETY: 16 floats at 32j + 16h lie inside `xs` (above).
+        unsafe { _mm512_loadu_ps(xs.as_ptr().add(QK * j + 16 * h)) }
+    };
+    // Maxima of |x| per block (max is exact, so the order of the
+    // reduction does not matter).
+    let mut amax = [0f32; 16];
+    for (j, m) in amax.iter_mut().enumerate() {
+        *m = _mm512_reduce_max_ps(_mm512_max_ps(
+            _mm512_abs_ps(half(j, 0)),
+            _mm512_abs_ps(half(j, 1)),
+        ));
+    }
+    // SAFETY: as above.
+    let am = unsafe { _mm512_loadu_ps(amax.as_ptr()) };
+    let d = _mm512_div_ps(am, _mm512_set1_ps(127.0));
+    // id = 1 / d where d != 0 (unordered counts as different, as `!=`
+    // does for NaN), else 0.
+    let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(d, _mm512_setzero_ps());
+    let id = _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0), d);
+    let mut ids = [0f32; 16];
+    // SAFETY: as above.
+    unsafe { _mm512_storeu_ps(ids.as_mut_ptr(), id) };
+    let mut tot = [0i32; 16];
+    let mut first = [0i32; 16];
+    for j in 0..16 {
+        let s = _mm512_set1_ps(ids[j]);
+        let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(half(j, 0), s));
+        let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(half(j, 1), s));
+        // SAFETY: as above (16 bytes each at 32j and 32j + 16).
+        unsafe {
+            let dst = q.as_mut_ptr().add(QK * j);
+            _mm_storeu_si128(dst as *mut __m128i, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128(dst.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(q1));
+        }
+        first[j] = _mm512_reduce_add_epi32(q0);
+        tot[j] = first[j] + _mm512_reduce_add_epi32(q1);
+    }
+    // Round to f16 and back, to nearest even (as `half`'s conversion).
+    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    let d16 = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(d));
+    // SAFETY: as above.
+    let t = unsafe { _mm512_loadu_si512(tot.as_ptr() as *const _) };
+    let sm = _mm512_mul_ps(_mm512_cvtepi32_ps(t), d16);
+    let sm16 = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(sm));
+    // SAFETY: as above.
+    unsafe {
+        _mm512_storeu_ps(d_out.as_mut_ptr(), d16);
+        _mm512_storeu_ps(sm_out.as_mut_ptr(), sm16);
+    }
+    *is_out = tot;
+    *hs_out = first;
 }
 
 /// One block of 32 floats to Q8 codes in `dst`: (f16-rounded scale,

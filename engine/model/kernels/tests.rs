@@ -272,14 +272,30 @@ fn matmul_matches_scalar_reference_every_format_path_and_shape() {
 fn simd_quantizer_matches_the_reference_bit_for_bit() {
     let mut seed = 9u64;
     for path in KernelPath::supported() {
-        for &(n, cols) in &[(1usize, 64usize), (3, 96), (5, 576), (2, 800), (4, 1536)] {
+        // Up to 16 blocks, several groups of 16 with a remainder, and rows
+        // enough to be split over threads.
+        let shapes = [
+            (1usize, 64usize),
+            (3, 96),
+            (5, 576),
+            (2, 800),
+            (4, 1536),
+            (17, 608),
+            (40, 1536),
+        ];
+        for &(n, cols) in &shapes {
             let mut x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed) * 4.0).collect();
             x[7] = 0.0;
             x[n * cols - 32..].fill(0.0); // an all-zero block (scale 0)
+            x[32..64].fill(0.0); // and one among the first 16
             let nb = n * cols / QK;
             let (mut d, mut sm, mut q) = (vec![0.0; nb], vec![0.0; nb], vec![0i8; n * cols]);
             let mut si = vec![0i32; nb];
             quantize_q8(&x, (&mut d, &mut sm, &mut si, &mut q));
+            let hs: Vec<i32> = q
+                .chunks_exact(QK)
+                .map(|b| b[..QK / 2].iter().map(|&v| i32::from(v)).sum())
+                .collect();
             let mut a = Activations::new(path);
             a.prepare(&x, n, cols, true);
             assert_eq!(
@@ -287,6 +303,7 @@ fn simd_quantizer_matches_the_reference_bit_for_bit() {
                 (d, sm, si, q),
                 "{path:?} {n}x{cols}"
             );
+            assert_eq!(a.hsum, hs, "{path:?} {n}x{cols}: half sums");
         }
     }
 }
@@ -391,7 +408,9 @@ fn fused_swiglu_equals_matmul_then_silu() {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
             let mut a = Activations::new(path);
             a.prepare(&x, n, cols, wants_q8(&g));
-            let (mut go, mut uo, mut fused) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut go, mut uo) = (Vec::new(), Vec::new());
+            // A stale output buffer: nothing of it may survive.
+            let mut fused = vec![f32::NAN; n * rows];
             matmul_many(&a, &[&g, &u], &mut [&mut go, &mut uo]);
             silu_mul(&mut go, &uo);
             matmul_swiglu(&a, &g, &u, &mut fused);
@@ -431,11 +450,14 @@ fn matmul_is_batch_invariant() {
                 a.prepare(&x, total, cols, wants_q8(&qm));
                 let mut all = Vec::new();
                 matmul_many(&a, &[&qm], &mut [&mut all]);
+                // One output buffer for every call, stale (NaN at first,
+                // then the last call's), longer, shorter and as long as
+                // each result: nothing of it may survive a call.
+                let mut part = vec![f32::NAN; 9 * rows];
                 for n in [1usize, 2, 5, 7, 12, 13] {
                     for start in [0usize, 3, total - n] {
                         let mut b = Activations::new(path);
                         b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(&qm));
-                        let mut part = Vec::new();
                         matmul_many(&b, &[&qm], &mut [&mut part]);
                         assert_eq!(
                             part[..],
