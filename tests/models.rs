@@ -916,6 +916,19 @@ fn sliding_window_logits_do_not_depend_on_batch_or_chunking() {
     for (p, g) in got.iter().enumerate() {
         assert_eq!(g.as_slice(), all.row(p), "position {p}");
     }
+    // Chunks of 24 (two attention tasks of 12 tokens, one per slot range)
+    // and of 40 (tasks of 14, 14 and 12 tokens walking their ranges).
+    for size in [24, 40] {
+        let mut c4 = m.new_cache();
+        let mut p = 0;
+        for chunk in toks.chunks(size) {
+            let out = m.forward_one(&mut c4, chunk, Logits::All).unwrap();
+            for r in 0..out.rows {
+                assert_eq!(out.row(r), all.row(p), "chunks of {size}, position {p}");
+                p += 1;
+            }
+        }
+    }
     // One at a time from position 250.
     let mut c3 = m.new_cache();
     m.forward_one(&mut c3, &toks[..250], Logits::None).unwrap();

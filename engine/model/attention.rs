@@ -235,9 +235,9 @@ impl AttentionPlan {
                 let chunks = chain.div_ceil(per_task.max(1)).max(1);
                 let per = chain.div_ceil(chunks).max(1);
                 // Ranges become separate tasks only when the tokens give
-                // few (decode, verify); a prefill chunk's tasks walk their
-                // ranges in turn and merge them the same way, so the bits
-                // are the same.
+                // few (decode, verify, chunks of up to 32 tokens); a longer
+                // prefill chunk's tasks walk their ranges in turn and merge
+                // them the same way, so the bits are the same.
                 let range = if chunks <= 2 {
                     ATTN_BLOCKS_PER_RANGE
                 } else {
@@ -519,7 +519,7 @@ const ATTN_TREE_TOKENS_PER_TASK: usize = 8;
 
 /// Forwards of at most this many tokens per sequence (decode, verify) keep
 /// a sequence's tokens in one attention task per (kv head, slot range).
-const ATTN_VERIFY_TOKENS: usize = 16;
+pub(super) const ATTN_VERIFY_TOKENS: usize = 16;
 
 /// Cache blocks per attention slot range. Ranges sit at fixed absolute
 /// positions and their partial softmax sums are merged in order, so a

@@ -461,7 +461,9 @@ impl Model {
         // Decode and verify forwards ask for each layer's cache blocks
         // before its first product (a prefill chunk's tasks re-read the
         // blocks it is writing, in the caches already).
-        let prefetch = metas.iter().all(|m| m.n <= 16);
+        let prefetch = metas
+            .iter()
+            .all(|m| m.n <= super::attention::ATTN_VERIFY_TOKENS);
         for (li, lw) in self.weights.layers.iter().enumerate() {
             if prefetch {
                 let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();

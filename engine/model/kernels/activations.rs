@@ -83,8 +83,8 @@ impl Activations {
                 &mut self.hsum[..],
                 &mut self.qs[..],
             );
-            // A prefill chunk's rows (hundreds of thousands of values, 13%
-            // of a 512-token prefill when one thread quantized them while
+            // A prefill chunk's rows (hundreds of thousands of values, about
+            // 5% of a 512-token prefill when one thread quantized them while
             // the other waited) are split over the threads; blocks are
             // independent, so the split changes no bit. A verify's few
             // rows stay on the calling thread (a hand-off costs more).

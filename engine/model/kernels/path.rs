@@ -88,15 +88,17 @@ pub fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        let p = data.as_ptr() as *const i8;
-        let len = std::mem::size_of_val(data);
-        let mut off = 0;
-        while off < len {
+        let p = data.as_ptr() as usize;
+        let end = p + std::mem::size_of_val(data);
+        // From the line holding the first byte, so the last line is
+        // reached whatever the alignment.
+        let mut a = if end == p { end } else { p & !63 };
+        while a < end {
             // SAFETY: `prefetch` is SSE (part of every x86-64 CPU) and a
-            // hint: it never faults and changes no value; the address lies
-            // inside `data`.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(off)) };
-            off += 64;
+            // hint: it never faults (whatever the address) and changes no
+            // value.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(a as *const i8) };
+            a += 64;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -38,8 +38,11 @@ pub fn available() -> bool {
 /// AVX-512 (the VNNI path's switch), 16 blocks at a time: their maxima
 /// first, then one vector division for their scales (two divisions a block
 /// were a third of the scalar loop's time), then the codes; the rest one
-/// block at a time in AVX2. Every value is the same IEEE operation as the
-/// portable loop's, so all give the same bits.
+/// block at a time in AVX2. For finite inputs every value is the same IEEE
+/// operation as the portable loop's, so all give the same bits; the
+/// codes' sums add the saturated codes in both x86 versions, so where a
+/// code would pass 127 (a scale near the subnormals, inf or NaN inputs)
+/// they still agree with each other whatever the grouping.
 pub fn quantize_blocks(x: &[f32], (qd, qsum, isum, hsum, qs): super::activations::QuantOut<'_>) {
     assert!(available());
     let nb = x.len() / QK;
@@ -50,7 +53,8 @@ pub fn quantize_blocks(x: &[f32], (qd, qsum, isum, hsum, qs): super::activations
         const G: usize = 16;
         while b + G <= nb {
             let at = |i: usize| i * QK;
-            // SAFETY: `vnni::available()` confirmed AVX-512F/BW/VL and F16C.
+            // SAFETY: `vnni::available()` confirmed AVX-512F/BW/VL (and,
+            // through `available()`, AVX2, FMA and F16C).
             unsafe {
                 quantize16_avx512(
                     x[at(b)..at(b + G)].try_into().expect("16 blocks"),
@@ -116,8 +120,12 @@ fn quantize16_avx512(
     let mut first = [0i32; 16];
     for j in 0..16 {
         let s = _mm512_set1_ps(ids[j]);
-        let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(half(j, 0), s));
-        let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(half(j, 1), s));
+        // Clamped as the stored bytes saturate, so the sums below add
+        // exactly the codes stored (as the AVX2 block function's do).
+        let (lo, hi) = (_mm512_set1_epi32(-128), _mm512_set1_epi32(127));
+        let sat = |v: __m512i| _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+        let q0 = sat(_mm512_cvtps_epi32(_mm512_mul_ps(half(j, 0), s)));
+        let q1 = sat(_mm512_cvtps_epi32(_mm512_mul_ps(half(j, 1), s)));
         // SAFETY: as above (16 bytes each at 32j and 32j + 16).
         unsafe {
             let dst = q.as_mut_ptr().add(QK * j);
