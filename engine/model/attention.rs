@@ -736,7 +736,10 @@ fn attend(
     let mut acc4 = [[[0f32; 16]; 4]; MAXQ];
     // The task's blocks come from memory (a forward streams the weights
     // through the caches between layers): ask for all of them at once
-    // rather than wait on each line as the widening reaches it.
+    // rather than wait on each line as the widening reaches it. This
+    // overlaps `AttentionPlan::prefetch` for decode and verify on purpose:
+    // it covers the blocks past that one's budget and prefill chunks, and
+    // a prefetch of a line already in L2 costs about an instruction.
     for b in b0..b1 {
         cache.keys_t(layer, kv_head, b).prefetch();
         cache.values(layer, kv_head, b).prefetch();

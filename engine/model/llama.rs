@@ -465,12 +465,15 @@ impl Model {
             .iter()
             .all(|m| m.n <= super::attention::ATTN_VERIFY_TOKENS);
         for (li, lw) in self.weights.layers.iter().enumerate() {
+            let window = c.layer_window(li);
+            let plan = plans
+                .iter()
+                .find(|(w, _)| *w == window)
+                .map(|(_, p)| p)
+                .expect("a plan per window");
             if prefetch {
                 let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
-                let window = c.layer_window(li);
-                if let Some((_, plan)) = plans.iter().find(|(w, _)| *w == window) {
-                    plan.prefetch(&caches, li);
-                }
+                plan.prefetch(&caches, li);
             }
             kernels::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
             act.prepare(&h, total, dim, kernels::wants_q8(&lw.wq));
@@ -512,12 +515,6 @@ impl Model {
                     group,
                     scale: c.attn_scale,
                 };
-                let window = c.layer_window(li);
-                let plan = plans
-                    .iter()
-                    .find(|(w, _)| *w == window)
-                    .map(|(_, p)| p)
-                    .expect("a plan per window");
                 plan.run(&caches, &metas, li, &q, dims, &mut attn);
             }
             act.prepare(&attn, total, qd, kernels::wants_q8(&lw.wo));

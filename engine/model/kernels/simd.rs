@@ -118,12 +118,12 @@ fn quantize16_avx512(
     unsafe { _mm512_storeu_ps(ids.as_mut_ptr(), id) };
     let mut tot = [0i32; 16];
     let mut first = [0i32; 16];
+    // Codes clamped as the stored bytes saturate, so the sums below add
+    // exactly the codes stored (as the AVX2 block function's do).
+    let (lo, hi) = (_mm512_set1_epi32(-128), _mm512_set1_epi32(127));
+    let sat = |v: __m512i| _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
     for j in 0..16 {
         let s = _mm512_set1_ps(ids[j]);
-        // Clamped as the stored bytes saturate, so the sums below add
-        // exactly the codes stored (as the AVX2 block function's do).
-        let (lo, hi) = (_mm512_set1_epi32(-128), _mm512_set1_epi32(127));
-        let sat = |v: __m512i| _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
         let q0 = sat(_mm512_cvtps_epi32(_mm512_mul_ps(half(j, 0), s)));
         let q1 = sat(_mm512_cvtps_epi32(_mm512_mul_ps(half(j, 1), s)));
         // SAFETY: as above (16 bytes each at 32j and 32j + 16).
