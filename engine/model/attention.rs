@@ -16,8 +16,6 @@
 //! Invariant: neither the token chunking nor the slot split depends on the
 //! batch, so a token's attention output is bit-identical alone or batched.
 
-use rayon::prelude::*;
-
 use super::kernels;
 use super::kv::KvCache;
 use crate::error::{Result, SpecdError};
@@ -375,68 +373,65 @@ impl AttentionPlan {
         // and every (token, head) result is computed the same way whatever
         // else shares the task, so results do not depend on the batch.
         // A task hands back its partials, `per` for each query.
-        let outs: Vec<(Vec<f32>, usize)> = tasks
-            .par_iter()
-            .map(|task| {
-                let m = &metas[task.seq];
-                let tree_rows = task.kind != TaskKind::Chain;
-                let aq = AttnQuery {
-                    q,
-                    dim,
-                    group,
-                    row0: m.start,
-                    base: m.base,
-                    tree: m.allowed.as_deref().filter(|_| tree_rows),
-                    ancestors: m.ancestors.as_deref().filter(|_| tree_rows),
-                    window: self.window,
-                };
-                let cache = caches[task.seq];
-                let ts = task.t0..task.t1;
-                let mut out = Vec::new();
-                if task.kind == TaskKind::Tail {
-                    let anc = aq.ancestors.expect("tree rows have ancestors");
-                    let per = attend_tree_tail(cache, li, task.kv, &aq, anc, ts, scale, &mut out);
-                    return (out, per);
-                }
-                if task.c1 - task.c0 <= ATTN_BLOCKS_PER_RANGE {
-                    attend(
-                        cache,
-                        li,
-                        task.kv,
-                        &aq,
-                        ts,
-                        task.c0..task.c1,
-                        scale,
-                        &mut out,
-                    );
-                    return (out, 1);
-                }
-                // Several ranges in one task: merge them here, in order,
-                // and hand back (0, 1, result), which the merge below
-                // passes through unchanged.
-                let parts: Vec<Vec<f32>> = (task.c0..task.c1)
-                    .step_by(ATTN_BLOCKS_PER_RANGE)
-                    .map(|r| {
-                        let mut p = Vec::new();
-                        let r1 = (r + ATTN_BLOCKS_PER_RANGE).min(task.c1);
-                        attend(cache, li, task.kv, &aq, ts.clone(), r..r1, scale, &mut p);
-                        p
-                    })
-                    .collect();
-                let nq = ts.len() * group;
-                out.resize(nq * stride, 0.0);
-                for qi in 0..nq {
-                    let part = &mut out[qi * stride..(qi + 1) * stride];
-                    part[0] = 0.0;
-                    part[1] = 1.0;
-                    merge_partials(
-                        parts.iter().map(|p| &p[qi * stride..(qi + 1) * stride]),
-                        &mut part[2..],
-                    );
-                }
-                (out, 1)
-            })
-            .collect();
+        let outs: Vec<(Vec<f32>, usize)> = crate::kernels::team::map(tasks, |task| {
+            let m = &metas[task.seq];
+            let tree_rows = task.kind != TaskKind::Chain;
+            let aq = AttnQuery {
+                q,
+                dim,
+                group,
+                row0: m.start,
+                base: m.base,
+                tree: m.allowed.as_deref().filter(|_| tree_rows),
+                ancestors: m.ancestors.as_deref().filter(|_| tree_rows),
+                window: self.window,
+            };
+            let cache = caches[task.seq];
+            let ts = task.t0..task.t1;
+            let mut out = Vec::new();
+            if task.kind == TaskKind::Tail {
+                let anc = aq.ancestors.expect("tree rows have ancestors");
+                let per = attend_tree_tail(cache, li, task.kv, &aq, anc, ts, scale, &mut out);
+                return (out, per);
+            }
+            if task.c1 - task.c0 <= ATTN_BLOCKS_PER_RANGE {
+                attend(
+                    cache,
+                    li,
+                    task.kv,
+                    &aq,
+                    ts,
+                    task.c0..task.c1,
+                    scale,
+                    &mut out,
+                );
+                return (out, 1);
+            }
+            // Several ranges in one task: merge them here, in order,
+            // and hand back (0, 1, result), which the merge below
+            // passes through unchanged.
+            let parts: Vec<Vec<f32>> = (task.c0..task.c1)
+                .step_by(ATTN_BLOCKS_PER_RANGE)
+                .map(|r| {
+                    let mut p = Vec::new();
+                    let r1 = (r + ATTN_BLOCKS_PER_RANGE).min(task.c1);
+                    attend(cache, li, task.kv, &aq, ts.clone(), r..r1, scale, &mut p);
+                    p
+                })
+                .collect();
+            let nq = ts.len() * group;
+            out.resize(nq * stride, 0.0);
+            for qi in 0..nq {
+                let part = &mut out[qi * stride..(qi + 1) * stride];
+                part[0] = 0.0;
+                part[1] = 1.0;
+                merge_partials(
+                    parts.iter().map(|p| &p[qi * stride..(qi + 1) * stride]),
+                    &mut part[2..],
+                );
+            }
+            (out, 1)
+        });
         // Merge each (token, head)'s slot ranges in order: a chain row's
         // from the tasks of its tokens (consecutive, one per range); a
         // tree row's from its sequence and kv head's `Context` tasks, then

@@ -10,7 +10,6 @@
 //! or every input position, plus hidden states of requested layers.
 
 pub use super::attention::TreeMask;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::attention::{AttentionPlan, Dims, SeqRows};
 use super::kernels::{self, Activations, QMatrix};
@@ -475,7 +474,7 @@ impl Model {
                 let caches: Vec<&KvCache> = seqs.iter().map(|s| &*s.cache).collect();
                 plan.prefetch(&caches, li);
             }
-            kernels::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
+            norm_rows(&x, &lw.attn_norm, c.rms_eps, &mut h);
             act.prepare(&h, total, dim, kernels::wants_q8(&lw.wq));
             kernels::matmul_many(
                 &act,
@@ -492,9 +491,25 @@ impl Model {
                 norm_in_place(&mut k, w, c.rms_eps, &mut normed);
             }
             let rope = &self.ropes[self.layer_rope[li]];
-            for (t, &p) in positions.iter().enumerate() {
-                rope.apply(&mut q[t * qd..(t + 1) * qd], p, hd, c.rope_style);
-                rope.apply(&mut k[t * kv_dim..(t + 1) * kv_dim], p, hd, c.rope_style);
+            let rotate = |q: &mut [f32], k: &mut [f32], ps: &[usize]| {
+                for ((q, k), &p) in q
+                    .chunks_exact_mut(qd)
+                    .zip(k.chunks_exact_mut(kv_dim))
+                    .zip(ps)
+                {
+                    rope.apply(q, p, hd, c.rope_style);
+                    rope.apply(k, p, hd, c.rope_style);
+                }
+            };
+            if total < PAR_ROWS {
+                rotate(&mut q, &mut k, &positions);
+            } else {
+                let jobs: Vec<_> = q
+                    .chunks_mut(ROWS_A_TASK * qd)
+                    .zip(k.chunks_mut(ROWS_A_TASK * kv_dim))
+                    .zip(positions.chunks(ROWS_A_TASK))
+                    .collect();
+                kernels::team::for_each(jobs, |((q, k), ps)| rotate(q, k, ps));
             }
             for (s, m) in seqs.iter_mut().zip(&metas) {
                 for t in 0..m.n {
@@ -522,10 +537,8 @@ impl Model {
             if let Some(w) = &lw.post_attn_norm {
                 norm_in_place(&mut o, w, c.rms_eps, &mut normed);
             }
-            for (xv, ov) in x.iter_mut().zip(&o) {
-                *xv += ov;
-            }
-            kernels::rms_norm(&x, &lw.ffn_norm, c.rms_eps, &mut h);
+            add_rows(&mut x, &o, dim);
+            norm_rows(&x, &lw.ffn_norm, c.rms_eps, &mut h);
             act.prepare(&h, total, dim, kernels::wants_q8(&lw.w_gate));
             kernels::matmul_glu(&act, &lw.w_gate, &lw.w_up, c.activation, &mut g);
             act.prepare(&g, total, c.intermediate, kernels::wants_q8(&lw.w_down));
@@ -533,9 +546,7 @@ impl Model {
             if let Some(w) = &lw.post_ffn_norm {
                 norm_in_place(&mut d, w, c.rms_eps, &mut normed);
             }
-            for (xv, dv) in x.iter_mut().zip(&d) {
-                *xv += dv;
-            }
+            add_rows(&mut x, &d, dim);
             if hidden_layers.contains(&li) {
                 hidden.push((li, x.clone()));
             }
@@ -779,6 +790,45 @@ fn softcap(logits: &mut [f32], cap: Option<f32>) {
     }
 }
 
+/// Forwards of at least this many rows split their row-wise steps (norms,
+/// residual adds, rotary embedding) over the threads, `ROWS_A_TASK` rows a
+/// task; fewer rows (decode, verify) run them on the forward's thread, as
+/// a hand-off costs more than they do. Each row is computed by the same
+/// code either way, so the split changes no bit.
+const PAR_ROWS: usize = 64;
+const ROWS_A_TASK: usize = 32;
+
+/// `out = rms_norm(x)` row by row (`kernels::rms_norm`), split over the
+/// threads for prefill-sized inputs.
+fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = w.len();
+    if x.len() < PAR_ROWS * dim {
+        return kernels::rms_norm(x, w, eps, out);
+    }
+    let jobs: Vec<_> = x
+        .chunks(ROWS_A_TASK * dim)
+        .zip(out.chunks_mut(ROWS_A_TASK * dim))
+        .collect();
+    kernels::team::for_each(jobs, |(x, out)| kernels::rms_norm(x, w, eps, out));
+}
+
+/// `x += a` (the residual stream), split over the threads as `norm_rows`.
+fn add_rows(x: &mut [f32], a: &[f32], dim: usize) {
+    let add = |x: &mut [f32], a: &[f32]| {
+        for (xv, av) in x.iter_mut().zip(a) {
+            *xv += av;
+        }
+    };
+    if x.len() < PAR_ROWS * dim {
+        return add(x, a);
+    }
+    let jobs: Vec<_> = x
+        .chunks_mut(ROWS_A_TASK * dim)
+        .zip(a.chunks(ROWS_A_TASK * dim))
+        .collect();
+    kernels::team::for_each(jobs, |(x, a)| add(x, a));
+}
+
 fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
     if let Some(b) = b {
         for row in x.chunks_exact_mut(b.len()) {
@@ -874,68 +924,25 @@ pub fn join_caller_pool(threads: usize) -> bool {
     })
 }
 
-/// `with_helpers` on a pool thread.
+/// `with_helpers` on a pool thread: `f` leads a team (`kernels::team`)
+/// of this thread and the pool's other threads, which take its parallel
+/// sections' tasks as soon as they are published instead of sleeping
+/// between them.
+///
+/// *Invariant:* a helper never waits on anything but this forward. It
+/// returns at once on a thread that is itself running a forward (which
+/// may have picked the helper up while waiting inside its own, or another
+/// concurrent, forward), runs nothing but this forward's tasks, and
+/// returns when `f` does.
 fn helped<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let helpers = rayon::current_num_threads().saturating_sub(1);
     if helpers == 0 || IN_FORWARD.with(|x| x.get()) {
         return f();
     }
-    let done = AtomicBool::new(false);
-    let mut out = None;
-    rayon::scope(|s| {
-        for _ in 0..helpers {
-            s.spawn(|_| keep_helping(&done));
-        }
+    kernels::team::lead_with_helpers(helpers, &|| !IN_FORWARD.with(|x| x.get()), || {
         let _running = InForward::enter();
-        out = Some(f());
-        done.store(true, Ordering::Release);
-    });
-    out.expect("the scope ran f")
-}
-
-/// How long a helper waits without finding a task before it leaves the
-/// forward to rayon's usual sleep (a long serial stretch, or a forward
-/// whose tasks another helper takes).
-const HELP_IDLE: std::time::Duration = std::time::Duration::from_micros(500);
-
-/// A compute thread's part of a forward that another thread runs: take
-/// the forward's parallel tasks as soon as they exist, spinning between
-/// them, until the forward is `done` or no task came for `HELP_IDLE`.
-/// Rayon puts an idle thread to sleep after a few microseconds and wakes
-/// it for the next parallel region; that wake-up, about 150 times a
-/// forward, left one thread working alone at the start of each region.
-///
-/// *Invariant:* a helper never waits unboundedly. It returns at once on
-/// a thread that is itself running a forward (which may have picked the
-/// helper up while waiting inside its own, or another concurrent,
-/// forward), and after `HELP_IDLE` without work otherwise, so a helper
-/// stacked above a task another forward needs holds it up by at most that.
-fn keep_helping(done: &AtomicBool) {
-    if IN_FORWARD.with(|f| f.get()) {
-        return;
-    }
-    let mut idle_since: Option<std::time::Instant> = None;
-    let mut spins = 0u32;
-    while !done.load(Ordering::Acquire) {
-        match rayon::yield_now() {
-            Some(rayon::Yield::Executed) => idle_since = None,
-            Some(rayon::Yield::Idle) => {
-                std::hint::spin_loop();
-                spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(64) {
-                    let since = *idle_since.get_or_insert_with(std::time::Instant::now);
-                    if since.elapsed() > HELP_IDLE {
-                        return;
-                    }
-                    // Let another runnable thread on this core (more
-                    // threads than cores, or the engine's own) go first.
-                    // Yielding at every idle turn cost 2-4% of decode.
-                    std::thread::yield_now();
-                }
-            }
-            None => return,
-        }
-    }
+        f()
+    })
 }
 
 #[cfg(test)]

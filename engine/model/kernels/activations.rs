@@ -3,7 +3,6 @@
 //! block sum, plus the exact integer sum that removes the weights' offsets).
 
 use half::f16;
-use rayon::prelude::*;
 
 use super::layout::{PlainActs, QK};
 use super::path::KernelPath;
@@ -94,13 +93,15 @@ impl Activations {
             }
             let per = nb.div_ceil(2 * threads).next_multiple_of(16);
             let (d, s, i, h, q) = out;
-            x.par_chunks(per * QK)
-                .zip(d.par_chunks_mut(per))
-                .zip(s.par_chunks_mut(per))
-                .zip(i.par_chunks_mut(per))
-                .zip(h.par_chunks_mut(per))
-                .zip(q.par_chunks_mut(per * QK))
-                .for_each(|(((((x, d), s), i), h), q)| one(x, (d, s, i, h, q)));
+            let parts: Vec<_> = x
+                .chunks(per * QK)
+                .zip(d.chunks_mut(per))
+                .zip(s.chunks_mut(per))
+                .zip(i.chunks_mut(per))
+                .zip(h.chunks_mut(per))
+                .zip(q.chunks_mut(per * QK))
+                .collect();
+            super::team::for_each(parts, |(((((x, d), s), i), h), q)| one(x, (d, s, i, h, q)));
         }
     }
 

@@ -9,7 +9,6 @@
 //! for bit.
 
 use half::f16;
-use rayon::prelude::*;
 
 use super::activations::Activations;
 use super::elementwise::{gelu_tanh_mul, silu_mul};
@@ -251,7 +250,7 @@ pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>])
             jobs.push((wi, r0, r1, s));
         }
     }
-    jobs.into_par_iter().for_each(|(wi, r0, r1, mut segs)| {
+    super::team::for_each(jobs, |(wi, r0, r1, mut segs)| {
         let nr = r1 - r0;
         with_scratch(nr * n, |buf, _| {
             matmul_rows(a, ws[wi], r0, r1, buf);
@@ -293,23 +292,21 @@ pub fn matmul_glu(
         return;
     }
     let (bounds, segs) = task_segments(out, m, n);
-    bounds
-        .into_par_iter()
-        .zip(segs)
-        .for_each(|((r0, r1), mut segs)| {
-            let nr = r1 - r0;
-            with_scratch(nr * n, |g, u| {
-                matmul_rows(a, gate, r0, r1, g);
-                matmul_rows(a, up, r0, r1, u);
-                match activation {
-                    crate::Activation::Silu => silu_mul(g, u),
-                    crate::Activation::GeluTanh => gelu_tanh_mul(g, u),
-                }
-                for (i, seg) in segs.iter_mut().enumerate() {
-                    seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);
-                }
-            });
+    let jobs: Vec<_> = bounds.into_iter().zip(segs).collect();
+    super::team::for_each(jobs, |((r0, r1), mut segs)| {
+        let nr = r1 - r0;
+        with_scratch(nr * n, |g, u| {
+            matmul_rows(a, gate, r0, r1, g);
+            matmul_rows(a, up, r0, r1, u);
+            match activation {
+                crate::Activation::Silu => silu_mul(g, u),
+                crate::Activation::GeluTanh => gelu_tanh_mul(g, u),
+            }
+            for (i, seg) in segs.iter_mut().enumerate() {
+                seg.copy_from_slice(&g[i * nr..(i + 1) * nr]);
+            }
         });
+    });
 }
 
 /// Whether matmuls against `w` want quantized activations.

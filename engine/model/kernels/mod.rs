@@ -15,7 +15,8 @@
 //! Rooms: `layout` (the row-tile weight layout, the activation view, the
 //! shared tile loop), `kquant` (the K-quant super-block records and their
 //! portable kernel), `activations` (activation quantization), `matmul`
-//! (the portable kernel and the rayon split), `path` (which path runs), `elementwise` (norms, exp, SiLU),
+//! (the portable kernel and the parallel split), `team` (a forward's
+//! fork-join executor), `path` (which path runs), `elementwise` (norms, exp, SiLU),
 //! `simd` and `simd_k` (the x86-64 paths, which depend on `layout` and
 //! `kquant`'s record offsets only), `amx` (Intel AMX tile products for
 //! many activation rows, on the same layout and epilogue), `bf16` (AMX
@@ -34,6 +35,7 @@ mod path;
 pub(crate) mod simd;
 #[cfg(target_arch = "x86_64")]
 mod simd_k;
+pub(crate) mod team;
 #[cfg(test)]
 mod tests;
 
