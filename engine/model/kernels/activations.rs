@@ -107,14 +107,22 @@ impl Activations {
 
     /// The quantized rows as plain Q8 blocks.
     pub fn plain(&self) -> PlainActs<'_> {
+        self.plain_rows(0..self.rows)
+    }
+
+    /// Quantized rows `rows` as plain Q8 blocks (a task of a prefill's
+    /// products takes a range of activation rows against every weight row).
+    pub(crate) fn plain_rows(&self, rows: std::ops::Range<usize>) -> PlainActs<'_> {
+        let nb = self.cols / QK;
+        let b = rows.start * nb..rows.end * nb;
         PlainActs {
-            n: self.rows,
-            nb: self.cols / QK,
-            qs: &self.qs,
-            qd: &self.qd,
-            qsum: &self.qsum,
-            isum: &self.isum,
-            hsum: &self.hsum,
+            n: rows.len(),
+            nb,
+            qs: &self.qs[b.start * QK..b.end * QK],
+            qd: &self.qd[b.clone()],
+            qsum: &self.qsum[b.clone()],
+            isum: &self.isum[b.clone()],
+            hsum: &self.hsum[b],
         }
     }
 }

@@ -71,6 +71,10 @@ pub struct Team {
     job: AtomicPtr<()>,
     /// Tasks of the current section finished (by any thread).
     done: AtomicUsize,
+    /// Whether the current section's tasks are claimed one at a time
+    /// (tasks of very different costs) rather than a quarter of what is
+    /// left.
+    single: AtomicBool,
     /// The first panic of the current section's tasks.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     /// Set when the forward is over: helpers return.
@@ -97,6 +101,7 @@ impl Team {
             state: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             done: AtomicUsize::new(0),
+            single: AtomicBool::new(false),
             panic: Mutex::new(None),
             quit: AtomicBool::new(false),
             parked: Mutex::new(Vec::new()),
@@ -140,7 +145,7 @@ impl Team {
     /// claim. The leader and a helper thus each walk a contiguous run of
     /// tasks (a product's weight rows in memory order) and meet where the
     /// work splits evenly. A claim takes a quarter of what is left (at
-    /// least one task), so a section of many tiny tasks (the LM head's
+    /// least one task; one in a `map`), so a section of many tiny tasks (the LM head's
     /// 768 for one row) costs a few claims, not one contended
     /// compare-and-swap a task, while its last tasks still balance.
     fn run_some(&self, front: bool) -> bool {
@@ -150,7 +155,12 @@ impl Team {
             if lo >= hi {
                 return false;
             }
-            let take = ((hi - lo) / 4).max(1);
+            // (A stale read of `single` only sizes the claim.)
+            let take = if self.single.load(Ordering::Relaxed) {
+                1
+            } else {
+                ((hi - lo) / 4).max(1)
+            };
             let (claimed, next) = if front {
                 (lo..lo + take, s + ((take as u64) << TASK_BITS))
             } else {
@@ -188,9 +198,10 @@ impl Team {
 
     /// Run tasks `0..n` of `f`, this thread (the leader) and the helpers
     /// claiming them; returns when all have finished.
-    fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+    fn run(&self, n: usize, single: bool, f: &(dyn Fn(usize) + Sync)) {
         let task: Task<'_> = f;
         self.done.store(0, Ordering::Relaxed);
+        self.single.store(single, Ordering::Relaxed);
         self.job
             .store(&task as *const Task<'_> as *mut (), Ordering::Relaxed);
         let (epoch, _, _) = unpack(self.state.load(Ordering::Relaxed));
@@ -305,7 +316,7 @@ pub fn for_each<T: Send>(items: Vec<T>, f: impl Fn(T) + Sync + Send) {
         Some(team) if items.len() > 1 && items.len() <= MAX_TASKS => {
             let slots: Vec<Mutex<Option<T>>> =
                 items.into_iter().map(|t| Mutex::new(Some(t))).collect();
-            team.run(slots.len(), &|i| {
+            team.run(slots.len(), false, &|i| {
                 let item = slots[i].lock().unwrap_or_else(|e| e.into_inner()).take();
                 if let Some(item) = item {
                     f(item);
@@ -316,12 +327,15 @@ pub fn for_each<T: Send>(items: Vec<T>, f: impl Fn(T) + Sync + Send) {
     })
 }
 
-/// `f` of every item, in order, computed in parallel as `for_each` runs.
+/// `f` of every item, in order, computed in parallel as `for_each` runs
+/// but claimed one task at a time: its user, attention, has tasks of very
+/// different costs (a prefill chunk's later tokens see more of the
+/// context), which a claim of many could leave to one thread.
 pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
     leading(|team| match team {
         Some(team) if items.len() > 1 && items.len() <= MAX_TASKS => {
             let slots: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
-            team.run(items.len(), &|i| {
+            team.run(items.len(), true, &|i| {
                 let r = f(&items[i]);
                 *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
             });

@@ -398,8 +398,12 @@ fn exp_shifted_gives_the_portable_bits_on_every_length_and_mask() {
 #[test]
 fn fused_swiglu_equals_matmul_then_silu() {
     let mut seed = 21u64;
-    let (rows, cols, n) = (150usize, 96usize, 5usize);
-    for path in KernelPath::supported() {
+    let (rows, cols) = (150usize, 96usize);
+    // 5 rows split by weight rows, 70 by activation rows (a prefill's).
+    for (path, n) in KernelPath::supported()
+        .into_iter()
+        .flat_map(|p| [(p, 5), (p, 70)])
+    {
         for format in FORMATS {
             let wg: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
             let wu: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
@@ -444,29 +448,51 @@ fn matmul_is_batch_invariant() {
             for format in FORMATS {
                 let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
                 let (qm, _) = pack(format, &w, rows, cols);
-                let total = 20;
-                let x: Vec<f32> = (0..total * cols).map(|_| lcg(&mut seed)).collect();
-                let mut a = Activations::new(path);
-                a.prepare(&x, total, cols, wants_q8(&qm));
-                let mut all = Vec::new();
-                matmul_many(&a, &[&qm], &mut [&mut all]);
-                // One output buffer for every call, stale (NaN at first,
-                // then the last call's), longer, shorter and as long as
-                // each result: nothing of it may survive a call.
-                let mut part = vec![f32::NAN; 9 * rows];
-                for n in [1usize, 2, 5, 7, 12, 13] {
-                    for start in [0usize, 3, total - n] {
-                        let mut b = Activations::new(path);
-                        b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(&qm));
-                        matmul_many(&b, &[&qm], &mut [&mut part]);
-                        assert_eq!(
-                            part[..],
-                            all[start * rows..(start + n) * rows],
-                            "{path:?} {format:?} {rows}x{cols} n={n} start={start}"
-                        );
-                    }
-                }
+                batch_invariant(&qm, path, &mut seed, &format!("{format:?}"));
             }
+        }
+    }
+}
+
+/// `qm`'s products of 100 activation rows at once (a prefill's split by
+/// activation rows, 32 a task and a remainder of 4) give each row the bits
+/// of products of 1 to 13 rows (decode and verify's split by weight rows),
+/// and of 70 rows starting anywhere.
+fn batch_invariant(qm: &QMatrix, path: KernelPath, seed: &mut u64, what: &str) {
+    let (rows, cols) = (qm.rows, qm.cols);
+    let total = 100;
+    let x: Vec<f32> = (0..total * cols).map(|_| lcg(seed)).collect();
+    let mut a = Activations::new(path);
+    a.prepare(&x, total, cols, wants_q8(qm));
+    let mut all = Vec::new();
+    matmul_many(&a, &[qm], &mut [&mut all]);
+    // One output buffer for every call, stale (NaN at first, then the
+    // last call's), longer, shorter and as long as each result: nothing
+    // of it may survive a call.
+    let mut part = vec![f32::NAN; 9 * rows];
+    for n in [1usize, 2, 5, 7, 12, 13, 70] {
+        for start in [0usize, 3, total - n] {
+            let mut b = Activations::new(path);
+            b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(qm));
+            matmul_many(&b, &[qm], &mut [&mut part]);
+            assert_eq!(
+                part[..],
+                all[start * rows..(start + n) * rows],
+                "{path:?} {what} {rows}x{cols} n={n} start={start}"
+            );
+        }
+    }
+}
+
+#[test]
+fn k_quant_matmul_is_batch_invariant() {
+    let mut seed = 19u64;
+    for format in K_FORMATS {
+        let (rows, cols) = (40, 512);
+        let raw = random_k_blocks(format, rows, cols, &mut seed);
+        let qm = QMatrix::from_ggml_blocks(format, rows, cols, &raw).unwrap();
+        for path in KernelPath::supported() {
+            batch_invariant(&qm, path, &mut seed, &format!("{format:?}"));
         }
     }
 }
