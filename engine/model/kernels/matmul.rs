@@ -198,14 +198,26 @@ pub(crate) fn matmul_block(
 /// Rows of weights per parallel task.
 const ROWS_PER_TASK: usize = 64;
 
-/// Products of at least this many activation rows (prefill chunks) split
-/// by activation rows instead, `ACT_ROWS_PER_TASK` a task against every
-/// weight row: each task's outputs are whole rows of the result, written
-/// in place, where a split by weight rows staged each task's columns and
-/// copied them out (memory copies were 3-4% of a 512-token prefill). The
-/// split changes no bit (batch invariance).
-const ROW_SPLIT_MIN: usize = 64;
+/// Products of at least this many activation rows (prefill chunks) over
+/// weights of at most `ROW_SPLIT_MAX_BYTES` together split by activation
+/// rows instead, `ACT_ROWS_PER_TASK` a task against every weight row: each
+/// task's outputs are whole rows of the result, written in place, where a
+/// split by weight rows staged each task's columns and copied them out
+/// (memory copies were 3-4% of a 512-token prefill). Each task reads all
+/// the weights, so only weights the caches hold (a layer's matrices, not
+/// an LM head, nor a large model's layers) are split this way, and only
+/// when the rows give every thread several tasks (not a batch of 64
+/// decoding sequences on many threads). The split changes no bit (batch
+/// invariance).
+const ROW_SPLIT_MIN: usize = 128;
+const ROW_SPLIT_MAX_BYTES: usize = 8 << 20;
 const ACT_ROWS_PER_TASK: usize = 32;
+
+fn split_by_activation_rows(n: usize, ws: &[&QMatrix]) -> bool {
+    n >= ROW_SPLIT_MIN
+        && n / ACT_ROWS_PER_TASK >= 2 * rayon::current_num_threads()
+        && ws.iter().map(|w| w.size_bytes()).sum::<usize>() <= ROW_SPLIT_MAX_BYTES
+}
 
 /// Row ranges of `ROWS_PER_TASK` weight rows over `m` rows, and for each
 /// range its segment of every one of the `n` output rows of `out` (row-major
@@ -264,7 +276,7 @@ type Job<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
 pub fn matmul_many(a: &Activations, ws: &[&QMatrix], outs: &mut [&mut Vec<f32>]) {
     assert_eq!(ws.len(), outs.len());
     let n = a.rows;
-    if n >= ROW_SPLIT_MIN {
+    if split_by_activation_rows(n, ws) {
         // A prefill chunk: each task takes a block of activation rows
         // against all of a weight's rows, writing its rows of the output
         // in place (no staging, no copy).
@@ -346,7 +358,7 @@ pub fn matmul_glu(
         crate::Activation::Silu => silu_mul(g, u),
         crate::Activation::GeluTanh => gelu_tanh_mul(g, u),
     };
-    if n >= ROW_SPLIT_MIN {
+    if split_by_activation_rows(n, &[gate, up]) {
         // A prefill chunk, split by activation rows as in `matmul_many`:
         // the gate lands in place, the up projection in scratch.
         let jobs: Vec<_> = out.chunks_mut(ACT_ROWS_PER_TASK * m).enumerate().collect();

@@ -79,25 +79,43 @@ pub struct Team {
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     /// Set when the forward is over: helpers return.
     quit: AtomicBool,
+    /// The leader and its helpers: a claim takes `1 / (2 * threads)` of
+    /// what is left.
+    threads: usize,
     /// Parked helpers, woken by the next section or by `finish`.
     parked: Mutex<Vec<std::thread::Thread>>,
     parked_count: AtomicUsize,
 }
 
-impl Default for Team {
-    fn default() -> Self {
-        Self::new()
+thread_local! {
+    /// The team this thread leads, while it runs a forward (null inside a
+    /// section's tasks).
+    static LEADING: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+    /// Whether this thread is running `Team::help`.
+    static HELPING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Sets `LEADING` until dropped, then restores what it held (also when
+/// unwinding).
+struct Leading(*const Team);
+
+impl Leading {
+    fn set(team: *const Team) -> Self {
+        Self(LEADING.with(|l| l.replace(team)))
     }
 }
 
-thread_local! {
-    /// The team this thread leads, while it runs a forward.
-    static LEADING: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+impl Drop for Leading {
+    fn drop(&mut self) {
+        LEADING.with(|l| l.set(self.0));
+    }
 }
 
 impl Team {
-    pub fn new() -> Self {
+    /// A team of `threads` threads (the leader and its helpers).
+    pub fn new(threads: usize) -> Self {
         Self {
+            threads: threads.max(1),
             state: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             done: AtomicUsize::new(0),
@@ -112,13 +130,7 @@ impl Team {
     /// Run `f` with this thread leading the team: its parallel sections
     /// (`for_each`, `map`) are shared with the threads running `help`.
     pub fn lead<R>(&self, f: impl FnOnce() -> R) -> R {
-        struct Restore(*const Team);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                LEADING.with(|l| l.set(self.0));
-            }
-        }
-        let _restore = Restore(LEADING.with(|l| l.replace(self)));
+        let _leading = Leading::set(self);
         f()
     }
 
@@ -144,8 +156,9 @@ impl Team {
     /// (the leader) or its back (helpers); false when none is left to
     /// claim. The leader and a helper thus each walk a contiguous run of
     /// tasks (a product's weight rows in memory order) and meet where the
-    /// work splits evenly. A claim takes a quarter of what is left (at
-    /// least one task; one in a `map`), so a section of many tiny tasks (the LM head's
+    /// work splits evenly. A claim takes `1 / (2 * threads)` of what is
+    /// left (a quarter on two threads; at least one task; one in a `map`),
+    /// so a section of many tiny tasks (the LM head's
     /// 768 for one row) costs a few claims, not one contended
     /// compare-and-swap a task, while its last tasks still balance.
     fn run_some(&self, front: bool) -> bool {
@@ -159,7 +172,7 @@ impl Team {
             let take = if self.single.load(Ordering::Relaxed) {
                 1
             } else {
-                ((hi - lo) / 4).max(1)
+                ((hi - lo) / (2 * self.threads)).max(1)
             };
             let (claimed, next) = if front {
                 (lo..lo + take, s + ((take as u64) << TASK_BITS))
@@ -200,6 +213,10 @@ impl Team {
     /// claiming them; returns when all have finished.
     fn run(&self, n: usize, single: bool, f: &(dyn Fn(usize) + Sync)) {
         let task: Task<'_> = f;
+        // A section inside one of this section's tasks on the leader would
+        // overwrite this one's state: tasks see no team, so any parallel
+        // work they start runs through rayon.
+        let _no_team = Leading::set(std::ptr::null());
         self.done.store(0, Ordering::Relaxed);
         self.single.store(single, Ordering::Relaxed);
         self.job
@@ -222,6 +239,20 @@ impl Team {
     /// come, spinning between them, parking after `SPIN_IDLE` without one,
     /// until `finish`.
     pub fn help(&self) {
+        // A thread already helping (a task of this team that waits inside
+        // rayon, which could hand it another queued helper job) returns at
+        // once: that nested helper would spin until the forward ends while
+        // the task below it never finishes.
+        if HELPING.with(|h| h.replace(true)) {
+            return;
+        }
+        struct Helping;
+        impl Drop for Helping {
+            fn drop(&mut self) {
+                HELPING.with(|h| h.set(false));
+            }
+        }
+        let _helping = Helping;
         let mut idle_since: Option<Instant> = None;
         let mut spins = 0u32;
         while !self.quit.load(Ordering::Acquire) {
@@ -284,7 +315,7 @@ pub fn lead_with_helpers<R: Send>(
             self.0.finish();
         }
     }
-    let team = Team::new();
+    let team = Team::new(helpers + 1);
     let mut out = None;
     rayon::scope(|s| {
         for _ in 0..helpers {
@@ -434,6 +465,21 @@ mod tests {
             seen.into_inner().unwrap().len()
         });
         assert_eq!(threads, 2, "the parked helper was woken for later sections");
+    }
+
+    #[test]
+    fn a_section_inside_a_task_runs_apart_from_the_outer_one() {
+        let sums = with_team(3, || {
+            let outer: Vec<usize> = (0..40).collect();
+            map(&outer, |&i| {
+                let inner: Vec<usize> = (0..i % 9 + 1).collect();
+                map(&inner, |&j| i * 100 + j).iter().sum::<usize>()
+            })
+        });
+        for (i, s) in sums.iter().enumerate() {
+            let n = i % 9 + 1;
+            assert_eq!(*s, i * 100 * n + n * (n - 1) / 2, "outer task {i}");
+        }
     }
 
     #[test]

@@ -399,10 +399,11 @@ fn exp_shifted_gives_the_portable_bits_on_every_length_and_mask() {
 fn fused_swiglu_equals_matmul_then_silu() {
     let mut seed = 21u64;
     let (rows, cols) = (150usize, 96usize);
-    // 5 rows split by weight rows, 70 by activation rows (a prefill's).
+    // 5 rows split by weight rows, 130 by activation rows (a prefill's,
+    // on two threads).
     for (path, n) in KernelPath::supported()
         .into_iter()
-        .flat_map(|p| [(p, 5), (p, 70)])
+        .flat_map(|p| [(p, 5), (p, 130)])
     {
         for format in FORMATS {
             let wg: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
@@ -415,10 +416,12 @@ fn fused_swiglu_equals_matmul_then_silu() {
             let (mut go, mut uo) = (Vec::new(), Vec::new());
             // A stale output buffer: nothing of it may survive.
             let mut fused = vec![f32::NAN; n * rows];
-            matmul_many(&a, &[&g, &u], &mut [&mut go, &mut uo]);
-            silu_mul(&mut go, &uo);
-            matmul_swiglu(&a, &g, &u, &mut fused);
-            assert_eq!(fused, go, "{path:?} {format:?}");
+            two_threads().install(|| {
+                matmul_many(&a, &[&g, &u], &mut [&mut go, &mut uo]);
+                silu_mul(&mut go, &uo);
+                matmul_swiglu(&a, &g, &u, &mut fused);
+            });
+            assert_eq!(fused, go, "{path:?} {format:?} n={n}");
         }
     }
 }
@@ -454,13 +457,27 @@ fn matmul_is_batch_invariant() {
     }
 }
 
-/// `qm`'s products of 100 activation rows at once (a prefill's split by
-/// activation rows, 32 a task and a remainder of 4) give each row the bits
-/// of products of 1 to 13 rows (decode and verify's split by weight rows),
-/// and of 70 rows starting anywhere.
+/// `qm`'s products of 164 activation rows at once (a prefill's split by
+/// activation rows, 32 a task and a remainder of 4, on two threads) give
+/// each row the bits of products of 1 to 13 and 70 rows (decode and
+/// verify's split by weight rows), and of 130 rows starting anywhere
+/// (split by activation rows).
 fn batch_invariant(qm: &QMatrix, path: KernelPath, seed: &mut u64, what: &str) {
+    two_threads().install(|| batch_invariant_here(qm, path, seed, what))
+}
+
+/// A pool of two threads: whether a product splits by activation rows
+/// depends on the threads (two tasks a thread at least).
+fn two_threads() -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("a pool of two threads")
+}
+
+fn batch_invariant_here(qm: &QMatrix, path: KernelPath, seed: &mut u64, what: &str) {
     let (rows, cols) = (qm.rows, qm.cols);
-    let total = 100;
+    let total = 164;
     let x: Vec<f32> = (0..total * cols).map(|_| lcg(seed)).collect();
     let mut a = Activations::new(path);
     a.prepare(&x, total, cols, wants_q8(qm));
@@ -470,7 +487,7 @@ fn batch_invariant(qm: &QMatrix, path: KernelPath, seed: &mut u64, what: &str) {
     // last call's), longer, shorter and as long as each result: nothing
     // of it may survive a call.
     let mut part = vec![f32::NAN; 9 * rows];
-    for n in [1usize, 2, 5, 7, 12, 13, 70] {
+    for n in [1usize, 2, 5, 7, 12, 13, 70, 130] {
         for start in [0usize, 3, total - n] {
             let mut b = Activations::new(path);
             b.prepare(&x[start * cols..(start + n) * cols], n, cols, wants_q8(qm));
