@@ -932,8 +932,8 @@ pub fn join_caller_pool(threads: usize) -> bool {
 /// *Invariant:* a helper never waits on anything but this forward. It
 /// returns at once on a thread that is itself running a forward (which
 /// may have picked the helper up while waiting inside its own, or another
-/// concurrent, forward), runs nothing but this forward's tasks, and
-/// returns when `f` does.
+/// concurrent, forward), claims no task while it runs other rayon work,
+/// and returns when `f` does.
 fn helped<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let helpers = rayon::current_num_threads().saturating_sub(1);
     if helpers == 0 || IN_FORWARD.with(|x| x.get()) {

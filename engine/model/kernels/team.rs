@@ -7,8 +7,8 @@
 //! µs each. Through rayon each section is split by `join` and stolen piece
 //! by piece, which cost 1-3 µs more a section than a task counter both
 //! threads claim from (measured with the same spinning helper); here a
-//! section is published by storing one word, and every thread claims tasks
-//! with one compare-and-swap each until none are left.
+//! section is published by storing one word, and every thread claims runs
+//! of tasks with one compare-and-swap each until none are left.
 //!
 //! *Invariants:*
 //! - A section's closure lives on the leader's stack; `run` returns only
@@ -72,8 +72,8 @@ pub struct Team {
     /// Tasks of the current section finished (by any thread).
     done: AtomicUsize,
     /// Whether the current section's tasks are claimed one at a time
-    /// (tasks of very different costs) rather than a quarter of what is
-    /// left.
+    /// (tasks of very different costs) rather than `1 / (2 * threads)` of
+    /// what is left.
     single: AtomicBool,
     /// The first panic of the current section's tasks.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
@@ -265,8 +265,10 @@ impl Team {
             if !spins.is_multiple_of(64) {
                 continue;
             }
-            // Rayon work the forward spawned itself (a plugin's own
-            // `par_iter` inside its forward) is helped too, less eagerly.
+            // Rayon work is helped too, less eagerly: the forward's own (a
+            // plugin's `par_iter` inside its forward), or whatever else the
+            // pool queued, which delays this forward's sections by no more
+            // than the leader doing them alone.
             if let Some(rayon::Yield::Executed) = rayon::yield_now() {
                 idle_since = None;
                 continue;
